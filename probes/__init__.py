@@ -1,0 +1,1 @@
+"""Probe modules and their checkpoint format. Depends on torch and schemas only."""

@@ -1,0 +1,54 @@
+"""Wire contracts of probeguard: every Kafka message, probe specs, checkpoint manifests.
+
+Pure pydantic v2 models, no I/O. Decode with ``Model.decode(raw_bytes, limits)``
+(a thin wrapper over ``model_validate_json``); every failure is a
+``pydantic.ValidationError`` that names the offending field.
+"""
+
+from schemas.base import WireModel, describe_error
+from schemas.limits import DEFAULT_LIMITS, Limits
+from schemas.messages import (
+    ChatMessage,
+    DeadLetter,
+    DeadLetterKind,
+    HumanLabel,
+    ProbeResult,
+    ReviewRequest,
+    ShadowResult,
+    Verdict,
+    utcnow,
+)
+from schemas.probe import (
+    CheckpointManifest,
+    LayerMix,
+    LLMFingerprint,
+    ProbeSpec,
+    Stage,
+    Task,
+    TokenPool,
+    TrainingCounters,
+)
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "ChatMessage",
+    "CheckpointManifest",
+    "DeadLetter",
+    "DeadLetterKind",
+    "HumanLabel",
+    "LLMFingerprint",
+    "LayerMix",
+    "Limits",
+    "ProbeResult",
+    "ProbeSpec",
+    "ReviewRequest",
+    "ShadowResult",
+    "Stage",
+    "Task",
+    "TokenPool",
+    "TrainingCounters",
+    "Verdict",
+    "WireModel",
+    "describe_error",
+    "utcnow",
+]

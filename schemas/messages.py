@@ -1,0 +1,203 @@
+"""Messages on every Kafka topic.
+
+| topic (default name)      | model           | key        |
+|---------------------------|-----------------|------------|
+| ``chat.messages``         | ChatMessage     | message id |
+| ``moderation.labels``     | HumanLabel      | message id |
+| ``moderation.verdicts``   | Verdict         | message id |
+| ``moderation.review``     | ReviewRequest   | message id |
+| ``moderation.dead-letter``| DeadLetter      | source key |
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from datetime import UTC, datetime
+from typing import Annotated, Literal
+
+from pydantic import AwareDatetime, Field, ValidationInfo, field_validator, model_validator
+
+from schemas.base import WireModel
+from schemas.limits import Id, LabelName, Metadata, Text, check_label_count
+
+__all__ = [
+    "ChatMessage",
+    "DeadLetter",
+    "DeadLetterKind",
+    "HumanLabel",
+    "ProbeResult",
+    "ReviewRequest",
+    "ShadowResult",
+    "Verdict",
+    "utcnow",
+]
+
+Probability = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+Scores = dict[LabelName, Probability]
+ProbeName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_\-]{0,63}$")]
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _check_scores(scores: dict[str, float], info: ValidationInfo) -> dict[str, float]:
+    check_label_count(list(scores), info)
+    if not scores:
+        raise ValueError("scores must name at least one label")
+    return scores
+
+
+class ChatMessage(WireModel):
+    """One chat message to be moderated."""
+
+    schema_version: Literal[1] = 1
+    message_id: Id
+    conversation_id: Id
+    user_id: Id | None = None
+    text: Text
+    created_at: AwareDatetime
+    metadata: Metadata = Field(default_factory=dict)
+
+
+class HumanLabel(WireModel):
+    """A human's judgement of one message.
+
+    Exactly one of ``label`` (multi-class: the one true class) and ``labels``
+    (multi-label: every positive category; empty means none) is given. ``text``
+    lets a label stand alone when the scorers' text cache no longer holds it.
+    """
+
+    schema_version: Literal[1] = 1
+    message_id: Id
+    label: LabelName | None = None
+    labels: list[LabelName] | None = None
+    labeler_id: Id
+    created_at: AwareDatetime
+    text: Text | None = None
+
+    @field_validator("labels")
+    @classmethod
+    def _labels_bounded(cls, v: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        if v is not None:
+            check_label_count(v, info)
+            if len(set(v)) != len(v):
+                raise ValueError("labels must not repeat")
+        return v
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> HumanLabel:
+        if (self.label is None) == (self.labels is None):
+            raise ValueError("give exactly one of 'label' (multi-class) or 'labels' (multi-label)")
+        return self
+
+    @property
+    def all_labels(self) -> tuple[str, ...]:
+        """The positive labels, whichever field carried them."""
+        return (self.label,) if self.label is not None else tuple(self.labels or ())
+
+
+class ShadowResult(WireModel):
+    """What the canary said about a message it did not decide (shadow mode)."""
+
+    version: Annotated[int, Field(ge=1)]
+    scores: Scores
+    predicted: list[LabelName]
+
+
+class ProbeResult(WireModel):
+    """One probe's scores for one message."""
+
+    probe: ProbeName
+    version: Annotated[int, Field(ge=0)]  # 0 = a bootstrap checkpoint file, not from the registry
+    scores: Scores
+    predicted: list[LabelName]
+    flagged: bool
+    canary: bool = False  # True when the canary version decided this message
+    shadow: ShadowResult | None = None
+
+    _scores = field_validator("scores")(_check_scores)
+
+
+class Verdict(WireModel):
+    """The moderation outcome for one message, from every configured probe.
+
+    ``verdict_id`` is derived from the message id and the probe versions, so
+    a replay after a crash produces the same id (consumers deduplicate on it).
+    """
+
+    schema_version: Literal[1] = 1
+    verdict_id: Annotated[str, Field(min_length=1, max_length=512)]
+    message_id: Id
+    conversation_id: Id | None = None
+    decision: Literal["allow", "flag"]
+    results: Annotated[list[ProbeResult], Field(min_length=1, max_length=32)]
+    latency_ms: Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+    worker_id: Id
+    scored_at: AwareDatetime
+
+    @staticmethod
+    def make_id(message_id: str, results: list[ProbeResult]) -> str:
+        versions = ",".join(f"{r.probe}@{r.version}" for r in sorted(results, key=lambda r: r.probe))
+        return f"{message_id}|{versions}"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Verdict:
+        if self.verdict_id != self.make_id(self.message_id, self.results):
+            raise ValueError("verdict_id does not match message_id and probe versions")
+        expected = "flag" if any(r.flagged for r in self.results) else "allow"
+        if self.decision != expected:
+            raise ValueError(f"decision {self.decision!r} contradicts the probe results")
+        return self
+
+
+class ReviewRequest(WireModel):
+    """An item for the human labeling queue."""
+
+    schema_version: Literal[1] = 1
+    message_id: Id
+    conversation_id: Id | None = None
+    text: Text
+    probe: ProbeName
+    version: Annotated[int, Field(ge=0)]
+    scores: Scores
+    reason: Literal["uncertain", "audit"]
+    created_at: AwareDatetime
+
+    _scores = field_validator("scores")(_check_scores)
+
+
+DeadLetterKind = Literal[
+    "invalid_json",  # not JSON, or not UTF-8
+    "schema",  # JSON that violates the topic's schema
+    "unjoinable",  # a label whose text cannot be found
+    "unknown_label",  # a label the probe does not know
+    "processing",  # valid input the worker failed on (after retries)
+]
+
+
+class DeadLetter(WireModel):
+    """A payload that could not be processed, with where it came from and why."""
+
+    schema_version: Literal[1] = 1
+    source_topic: Annotated[str, Field(min_length=1, max_length=249)]
+    source_partition: Annotated[int, Field(ge=0)]
+    source_offset: Annotated[int, Field(ge=0)]
+    key_b64: str | None = None
+    payload_b64: str  # the raw bytes, base64: they may not even be UTF-8
+    error_kind: DeadLetterKind
+    error_message: Annotated[str, Field(max_length=4000)]
+    worker_id: Id
+    created_at: AwareDatetime
+
+    @field_validator("payload_b64", "key_b64")
+    @classmethod
+    def _is_base64(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                base64.b64decode(v, validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise ValueError("not valid base64") from exc
+        return v
+

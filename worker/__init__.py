@@ -1,0 +1,1 @@
+"""Running parts of probeguard: extraction, Kafka loops, Redis registry, CLI, embedded stack."""

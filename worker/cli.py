@@ -1,0 +1,86 @@
+"""The ``probeguard`` command line: one program, one subcommand per process role.
+
+Each subcommand lives in ``worker/commands/<name>.py`` and exposes
+``register(subparsers)``; it sets ``func`` to a callable taking the parsed
+arguments and returning an exit code. Modules are imported lazily per command
+so ``probeguard --help`` stays fast (no torch import).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from worker.errors import ProbeguardError
+
+__all__ = ["build_parser", "main"]
+
+# (module under worker.commands, one-line help). Order is the order in --help.
+COMMANDS: list[tuple[str, str]] = [
+    ("up", "run the embedded Kafka-protocol broker and Redis in the foreground"),
+]
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("probeguard")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="probeguard",
+        description=(
+            "Streaming, online-learning content moderation: a frozen LLM's hidden states "
+            "scored by small trained probes; messages and labels on Kafka, versioned "
+            "checkpoints through Redis. Settings come from PROBEGUARD_* environment variables."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging verbosity (default: %(default)s)",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # Only import the module of the command being run (and none for bare --help).
+    args = list(sys.argv[1:] if argv is None else argv)
+    names = {name for name, _ in COMMANDS}
+    wanted = next((a for a in args if a in names), None)
+    for name, help_text in COMMANDS:
+        if name == wanted:
+            module = importlib.import_module(f"worker.commands.{name}")
+            module.register(sub)
+        else:
+            sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except ProbeguardError as exc:
+        print(f"probeguard {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

