@@ -70,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if args.log_level != "DEBUG":  # kafka-python logs every connection at INFO
+        logging.getLogger("kafka").setLevel(logging.WARNING)
     if args.command is None:
         parser.print_help()
         return 2

