@@ -19,7 +19,9 @@ from schemas.messages import (
     utcnow,
 )
 from schemas.probe import (
+    CheckpointEvent,
     CheckpointManifest,
+    EventKind,
     LayerMix,
     LLMFingerprint,
     ProbeSpec,
@@ -32,9 +34,11 @@ from schemas.probe import (
 __all__ = [
     "DEFAULT_LIMITS",
     "ChatMessage",
+    "CheckpointEvent",
     "CheckpointManifest",
     "DeadLetter",
     "DeadLetterKind",
+    "EventKind",
     "HumanLabel",
     "LLMFingerprint",
     "LayerMix",

@@ -12,7 +12,9 @@ from schemas.limits import LabelName
 from schemas.messages import ProbeName
 
 __all__ = [
+    "CheckpointEvent",
     "CheckpointManifest",
+    "EventKind",
     "LLMFingerprint",
     "LayerMix",
     "ProbeSpec",
@@ -130,3 +132,22 @@ class CheckpointManifest(WireModel):
         if self.spec.deepest_layer > self.llm.num_layers:
             raise ValueError("spec.layers reads beyond the LLM's last layer")
         return self
+
+
+EventKind = Literal["published", "promoted", "canary", "canary_cleared", "rolled_back", "pinned"]
+
+
+class CheckpointEvent(WireModel):
+    """One entry of a probe's checkpoint event stream (Redis stream, never pub/sub)."""
+
+    schema_version: Literal[1] = 1
+    kind: EventKind
+    probe: ProbeName
+    version: Annotated[int, Field(ge=1)] | None = None
+    previous: Annotated[int, Field(ge=1)] | None = None  # e.g. the live version before a change
+    reason: Annotated[str, Field(max_length=2000)] = ""
+    details: dict[Annotated[str, Field(max_length=128)], float | int | str | bool | None] = Field(
+        default_factory=dict
+    )
+    actor: Annotated[str, Field(max_length=256)] = ""
+    at: AwareDatetime

@@ -1,0 +1,178 @@
+"""The Redis checkpoint registry and the updater lease, against a real Redis server."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+
+import pytest
+
+from schemas import CheckpointManifest, LLMFingerprint, ProbeSpec, utcnow
+from tests.conftest import RedisNamespace
+from worker.lease import Lease
+from worker.registry import Fenced, Registry, RegistryError, UnknownVersion
+
+pytestmark = pytest.mark.integration
+
+FP = LLMFingerprint(
+    model_id="tiny", source_sha256="0" * 64, num_layers=4, hidden_size=8, tokenizer_sha256="1" * 64
+)
+SPEC = ProbeSpec(
+    name="tox",
+    token_pool="mean",
+    layer_mix="scalar_mix",
+    layers=[1, 2],
+    hidden_size=8,
+    task="multiclass",
+    labels=["ok", "toxic"],
+    flag_labels=["toxic"],
+)
+
+
+def checkpoint(version: int, payload: bytes = b"tensors", parent: int | None = None):
+    blob = payload + str(version).encode()
+    manifest = CheckpointManifest(
+        probe="tox",
+        version=version,
+        parent=parent,
+        created_at=utcnow(),
+        spec=SPEC,
+        llm=FP,
+        tensors_sha256=hashlib.sha256(blob).hexdigest(),
+    )
+    return blob, manifest.encode()
+
+
+@pytest.fixture
+def registry(redis_ns: RedisNamespace) -> Registry:
+    return Registry(redis_ns.client, redis_ns.keys, "tox")
+
+
+def test_publish_get_and_visibility(registry: Registry) -> None:
+    assert registry.versions() == [] and registry.latest() is None
+    v1 = registry.allocate_version()
+    v2 = registry.allocate_version()
+    assert v2 > v1
+    with pytest.raises(UnknownVersion):
+        registry.get(v1)  # allocated, not published: invisible
+    blob, manifest = checkpoint(v2)
+    registry.publish(blob, manifest, set_live=True, reason="first")
+    assert registry.versions() == [v2] and registry.latest() == v2
+    got = registry.get(v2)
+    assert got.blob == blob and got.manifest.version == v2
+    assert registry.stages().live == v2
+    with pytest.raises(RegistryError, match="already published"):
+        registry.publish(blob, manifest)
+    ((_, event),) = registry.events()
+    assert event.kind == "published" and event.version == v2 and event.reason == "first"
+
+
+def test_corruption_is_detected(registry: Registry, redis_ns: RedisNamespace) -> None:
+    v = registry.allocate_version()
+    blob, manifest = checkpoint(v)
+    with pytest.raises(RegistryError, match="sha256"):
+        registry.publish(blob + b"x", manifest)
+    registry.publish(blob, manifest)
+    redis_ns.client.set(registry.key("ckpt", v), b"flipped" + blob)
+    with pytest.raises(RegistryError, match="sha256"):
+        registry.get(v)
+    redis_ns.client.set(registry.key("ckpt", v), blob)
+    redis_ns.client.set(registry.key("manifest", v), b'{"probe": "tox"}')
+    with pytest.raises(RegistryError, match="bad manifest"):
+        registry.get(v)
+
+
+def test_fencing_rejects_a_stale_holder(registry: Registry, redis_ns: RedisNamespace) -> None:
+    a = Lease(redis_ns.client, registry.lease_key, holder="updater-a", ttl_ms=300)
+    b = Lease(redis_ns.client, registry.lease_key, holder="updater-b", ttl_ms=5000)
+    token_a = a.acquire()
+    assert token_a is not None and b.acquire() is None
+    v = registry.allocate_version()
+    registry.publish(*checkpoint(v), token=token_a)
+    time.sleep(0.5)  # a stalls past its TTL; b takes over with a newer token
+    token_b = b.acquire()
+    assert token_b is not None and int(token_b) > int(token_a)
+    v2 = registry.allocate_version()
+    with pytest.raises(Fenced):
+        registry.publish(*checkpoint(v2), token=token_a)
+    assert a.acquire() is None  # a cannot renew someone else's lease
+    registry.publish(*checkpoint(v2), token=token_b)
+    assert registry.versions() == [v, v2]
+    assert b.current() == (token_b, "updater-b")
+    b.release()
+    assert b.current() is None
+
+
+def test_stage_changes_are_events(registry: Registry) -> None:
+    versions = []
+    for _ in range(3):
+        v = registry.allocate_version()
+        registry.publish(*checkpoint(v))
+        versions.append(v)
+    cursor = registry.last_event_id()
+    with pytest.raises(UnknownVersion):
+        registry.promote(999)
+    registry.set_stages(
+        "canary", set_fields={"canary": versions[1], "canary_share": 0.25}, version=versions[1]
+    )
+    registry.promote(versions[0], reason="operator", actor="alice")
+    st = registry.stages()
+    assert (st.live, st.canary, st.canary_share) == (versions[0], versions[1], 0.25)
+    registry.promote(versions[1], reason="canary won")
+    st = registry.stages()
+    assert (st.live, st.canary, st.canary_share) == (versions[1], None, 0.0)
+    kinds = [(e.kind, e.version, e.previous) for _, e in registry.events(cursor)]
+    assert kinds == [
+        ("canary", versions[1], None),
+        ("promoted", versions[0], None),
+        ("promoted", versions[1], versions[0]),
+    ]
+    assert [e.kind for _, e in registry.history(2)] == ["promoted", "promoted"]
+
+
+def test_blocking_event_read_wakes_on_publish(registry: Registry) -> None:
+    cursor = registry.last_event_id()
+    got: list[int | None] = []
+
+    def reader() -> None:
+        got.extend(e.version for _, e in registry.events(cursor, block_ms=5000))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    time.sleep(0.2)
+    v = registry.allocate_version()
+    registry.publish(*checkpoint(v))
+    t.join(6)
+    assert got == [v]
+
+
+def test_prune_keeps_live_and_canary(registry: Registry, redis_ns: RedisNamespace) -> None:
+    vs = []
+    for _ in range(6):
+        v = registry.allocate_version()
+        registry.publish(*checkpoint(v))
+        vs.append(v)
+    registry.promote(vs[0])
+    registry.set_stages("canary", set_fields={"canary": vs[1]}, version=vs[1])
+    assert registry.prune(keep=2) == vs[2:4]
+    assert registry.versions() == [vs[0], vs[1], vs[4], vs[5]]
+    assert redis_ns.client.exists(registry.key("ckpt", vs[2])) == 0
+
+
+def test_versions_strictly_increase_under_concurrency(registry: Registry) -> None:
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def take() -> None:
+        for _ in range(50):
+            v = registry.allocate_version()
+            with lock:
+                seen.append(v)
+
+    threads = [threading.Thread(target=take) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(seen)) == 200
