@@ -1,0 +1,48 @@
+"""Small helpers for integration tests: produce raw records, drain a topic."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from kafka import KafkaConsumer
+
+from worker.kafka import client_config, make_producer
+from worker.settings import Settings
+
+
+def produce_raw(
+    settings: Settings, topic: str, records: Iterable[tuple[bytes | None, bytes]]
+) -> int:
+    """Produce ``(key, value)`` pairs and wait for every acknowledgement."""
+    producer = make_producer(settings)
+    try:
+        futures = [producer.send(topic, key=k, value=v) for k, v in records]
+        producer.flush(30)
+        for f in futures:
+            f.get(timeout=30)
+        return len(futures)
+    finally:
+        producer.close()
+
+
+def drain(
+    settings: Settings,
+    topic: str,
+    until: Callable[[list[Any]], bool],
+    timeout_s: float = 60.0,
+) -> list[Any]:
+    """Read ``topic`` from the beginning (no group) until ``until(records)`` or the timeout."""
+    consumer = KafkaConsumer(
+        topic, **client_config(settings), auto_offset_reset="earliest", enable_auto_commit=False
+    )
+    records: list[Any] = []
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not until(records):
+            for rs in consumer.poll(timeout_ms=200).values():
+                records.extend(rs)
+        return records
+    finally:
+        consumer.close()
