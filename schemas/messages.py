@@ -175,6 +175,7 @@ DeadLetterKind = Literal[
     "schema",  # JSON that violates the topic's schema
     "unjoinable",  # a label whose text cannot be found
     "unknown_label",  # a label the probe does not know
+    "unscorable",  # valid JSON, but the model cannot read the text (e.g. control characters only)
     "processing",  # valid input the worker failed on (after retries)
 ]
 

@@ -21,6 +21,7 @@ __all__ = ["build_parser", "main"]
 # (module under worker.commands, one-line help). Order is the order in --help.
 COMMANDS: list[tuple[str, str]] = [
     ("up", "run the embedded Kafka-protocol broker and Redis in the foreground"),
+    ("score", "consume chat messages, publish verdicts (the scoring worker)"),
 ]
 
 

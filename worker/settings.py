@@ -94,6 +94,23 @@ class Settings(BaseSettings):
     max_labels: Annotated[int, Field(ge=1, le=1024)] = 64
     max_metadata_bytes: Annotated[int, Field(ge=2)] = 4096
 
+    # --- Scorer -----------------------------------------------------------
+    probes: str = Field("toxicity", description="Comma-separated probe names every scorer serves.")
+    poll_wait_ms: Annotated[int, Field(ge=1, le=60_000)] = 200
+    review_low: Annotated[float, Field(ge=0.0, le=1.0)] = 0.35
+    review_high: Annotated[float, Field(ge=0.0, le=1.0)] = 0.65
+    review_audit_share: Annotated[float, Field(ge=0.0, le=1.0)] = 0.01
+    review_max_per_window: Annotated[int, Field(ge=0)] = 120
+    review_window_s: Annotated[int, Field(ge=1, le=86_400)] = 60
+    text_cache_ttl_s: PositiveInt = 7 * 24 * 3600
+    bootstrap_checkpoint: Path | None = Field(
+        None, description="Checkpoint directory to serve until the registry has a live version."
+    )
+    shadow: bool = False
+    stage_check_interval_s: Annotated[float, Field(gt=0)] = 5.0
+    metrics_port: Annotated[int, Field(ge=0, le=65535)] = 9300
+    log_json: bool = False
+
     # --- Process identity -----------------------------------------------
     worker_id: str | None = Field(None, description="Defaults to hostname-pid.")
 
@@ -105,9 +122,17 @@ class Settings(BaseSettings):
                 f"kafka_security_protocol={self.kafka_security_protocol} needs "
                 "kafka_sasl_mechanism and kafka_sasl_username (and a password)"
             )
+        if self.review_low > self.review_high:
+            raise ValueError("review_low must not exceed review_high")
+        if not self.probe_names:
+            raise ValueError("probes must name at least one probe")
         if self.kafka_heartbeat_interval_ms * 3 > self.kafka_session_timeout_ms:
             raise ValueError("kafka_heartbeat_interval_ms should be at most a third of the session")
         return self
+
+    @property
+    def probe_names(self) -> list[str]:
+        return [p.strip() for p in self.probes.split(",") if p.strip()]
 
     @property
     def limits(self) -> Limits:

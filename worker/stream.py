@@ -93,6 +93,7 @@ class BatchLoop(Generic[T]):
         backoff_s: float = 1.0,
         produce_timeout_s: float = 60.0,
         between_batches: Callable[[], None] | None = None,
+        on_dead_letter: Callable[[str], None] | None = None,
     ) -> None:
         self.consumer = consumer
         self.producer = producer
@@ -107,6 +108,7 @@ class BatchLoop(Generic[T]):
         self.backoff_s = backoff_s
         self.produce_timeout_s = produce_timeout_s
         self.between_batches = between_batches
+        self.on_dead_letter = on_dead_letter
         self.stats = LoopStats()
         self.stop_event = threading.Event()
 
@@ -202,6 +204,8 @@ class BatchLoop(Generic[T]):
         """A DeadLetter record for the dead-letter topic (handlers use it for their own rejects)."""
         self.stats.dead_letters += 1
         self.stats.dead_letter_kinds[kind] = self.stats.dead_letter_kinds.get(kind, 0) + 1
+        if self.on_dead_letter is not None:
+            self.on_dead_letter(kind)
         letter = DeadLetter(
             source_topic=topic,
             source_partition=partition,

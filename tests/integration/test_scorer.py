@@ -1,0 +1,286 @@
+"""The scoring worker against the real broker and Redis, on a tiny random LLM."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from schemas import DeadLetter, ReviewRequest, Verdict
+from tests.conftest import RedisNamespace
+from tests.kafka_helpers import drain, produce_raw
+from tests.probe_helpers import publish_probe
+from tests.tiny_llm import make_tiny_llm
+from worker.embedded import free_port
+from worker.extract import HiddenStateExtractor
+from worker.kafka import ensure_topics
+from worker.registry import Registry
+from worker.scorer import Scorer
+from worker.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+
+def chat(i: int, text: str | None = None, conv: str | None = None) -> bytes:
+    return json.dumps(
+        {
+            "message_id": f"m-{i}",
+            "conversation_id": conv or f"c-{i % 5}",
+            "text": text if text is not None else f"hello number {i}, how are you?",
+            "created_at": "2026-11-30T12:00:00Z",
+        }
+    ).encode()
+
+
+def extractor(settings: Settings) -> HiddenStateExtractor:
+    return HiddenStateExtractor(make_tiny_llm(), max_tokens=64, batch_size=8)
+
+
+class Running:
+    """A scorer on a thread; stopped (gracefully) at exit."""
+
+    def __init__(self, scorer: Scorer) -> None:
+        self.scorer = scorer
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.scorer.run()
+        except BaseException as exc:
+            self.error = exc
+
+    def stop(self) -> None:
+        self.scorer.stop()
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "scorer did not stop"
+        assert self.error is None, self.error
+
+
+@pytest.fixture
+def scorers(settings: Settings, redis_ns: RedisNamespace) -> Iterator[list[Running]]:
+    running: list[Running] = []
+    yield running
+    for r in running:
+        r.stop()
+
+
+def start(settings: Settings, redis_ns: RedisNamespace, running: list[Running], **kw) -> Scorer:
+    scorer = Scorer(settings, extractor(settings), redis_ns.client, metrics_port=0, **kw)
+    running.append(Running(scorer))
+    return scorer
+
+
+def verdicts(settings: Settings, n: int, timeout_s: float = 90) -> list[Verdict]:
+    records = drain(settings, settings.topic_verdicts, lambda rs: len({r.key for r in rs}) >= n,
+                    timeout_s)
+    return [Verdict.decode(r.value) for r in records]
+
+
+def test_two_scorers_one_verdict_per_message(
+    settings: Settings, redis_ns: RedisNamespace, scorers: list[Running]
+) -> None:
+    ensure_topics(settings)
+    fp = extractor(settings).fingerprint
+    version = publish_probe(Registry(redis_ns.client, redis_ns.keys, "toxicity"), fp)
+    for _ in range(2):
+        start(settings, redis_ns, scorers, worker_id=None)
+    n = 120
+    produce_raw(settings, settings.topic_chat, [(f"m-{i}".encode(), chat(i)) for i in range(n)])
+    got = verdicts(settings, n)
+    by_id = {v.message_id: v for v in got}
+    assert sorted(by_id) == sorted(f"m-{i}" for i in range(n))
+    assert len(got) == n  # no duplicates in a clean run
+    assert all(v.results[0].version == version and not v.results[0].canary for v in got)
+    assert {v.worker_id for v in got} == {s.scorer.worker_id for s in scorers}
+    # Text cache for label joins, namespaced and with a TTL.
+    key = redis_ns.keys.text("m-7")
+    assert redis_ns.client.get(key) == b"hello number 7, how are you?"
+    assert 0 < redis_ns.client.ttl(key) <= settings.text_cache_ttl_s
+
+
+def test_poison_messages_are_dead_lettered_and_the_rest_scored(
+    settings: Settings, redis_ns: RedisNamespace, scorers: list[Running]
+) -> None:
+    ensure_topics(settings)
+    publish_probe(Registry(redis_ns.client, redis_ns.keys, "toxicity"), extractor(settings).fingerprint)
+    poison = [
+        b"not json",
+        b"\xff\xfe\xfa",
+        b"",
+        b"[]",
+        b'{"message_id": "x"}',
+        chat(9001, "   "),
+        chat(9002, "x" * 40_000),
+        chat(9003).replace(b'"m-9003"', b'"bad id"'),
+        chat(9004).replace(b"{", b'{"surprise": true, ', 1),
+        chat(9005, "\x00\x01\x02\x03"),  # valid JSON, nothing the model can read
+    ]
+    records: list[tuple[bytes | None, bytes]] = []
+    for i in range(30):
+        records.append((f"m-{i}".encode(), chat(i)))
+        if i < len(poison):
+            records.append((b"poison", poison[i]))
+    start(settings, redis_ns, scorers)
+    produce_raw(settings, settings.topic_chat, records)
+    got = verdicts(settings, 30)
+    assert sorted({v.message_id for v in got}) == sorted(f"m-{i}" for i in range(30))
+    dead = drain(settings, settings.topic_dead_letter, lambda rs: len(rs) >= len(poison))
+    letters = [DeadLetter.decode(r.value) for r in dead]
+    assert len(letters) == len(poison)
+    kinds = sorted(d.error_kind for d in letters)
+    assert kinds.count("invalid_json") >= 2 and "unscorable" in kinds and "schema" in kinds
+    assert all(d.error_message for d in letters)
+
+
+def test_hot_swap_and_refusal_of_bad_checkpoints(
+    settings: Settings, redis_ns: RedisNamespace, scorers: list[Running]
+) -> None:
+    settings = settings.model_copy(update={"stage_check_interval_s": 0.5})
+    ensure_topics(settings)
+    registry = Registry(redis_ns.client, redis_ns.keys, "toxicity")
+    fp = extractor(settings).fingerprint
+    v1 = publish_probe(registry, fp, seed=1)
+    scorer = start(settings, redis_ns, scorers)
+    produce_raw(settings, settings.topic_chat, [(None, chat(i)) for i in range(10)])
+    assert {v.results[0].version for v in verdicts(settings, 10)} == {v1}
+
+    # A checkpoint for another LLM (fingerprint differs) is refused; v1 keeps serving.
+    other = fp.model_copy(update={"tokenizer_sha256": hashlib.sha256(b"other").hexdigest()})
+    v_bad = publish_probe(registry, other, seed=2)
+    # A corrupted blob: published fine, then flipped in Redis before any scorer loads it.
+    v_corrupt = publish_probe(registry, fp, seed=3, set_live=False)
+    redis_ns.client.set(registry.key("ckpt", v_corrupt), b"garbage")
+    registry.promote(v_corrupt)
+    produce_raw(settings, settings.topic_chat, [(None, chat(i)) for i in range(10, 20)])
+    got = verdicts(settings, 20)
+    assert {v.results[0].version for v in got if v.message_id in {f"m-{i}" for i in range(10, 20)}} == {v1}
+    assert scorer.watcher.refused["toxicity"] >= {v_bad, v_corrupt}
+
+    # A good version published mid-stream is picked up without a restart.
+    v2 = publish_probe(registry, fp, seed=4)
+    deadline = time.monotonic() + 20
+    while scorer.watcher.versions()["toxicity"]["live"] != v2 and time.monotonic() < deadline:
+        produce_raw(settings, settings.topic_chat, [(None, chat(99))])
+        time.sleep(0.3)
+    produce_raw(settings, settings.topic_chat, [(None, chat(i)) for i in range(20, 30)])
+    got = verdicts(settings, 30)
+    late = [v for v in got if v.message_id in {f"m-{i}" for i in range(20, 30)}]
+    assert late and {v.results[0].version for v in late} == {v2}
+
+
+def test_metrics_and_health_endpoints(
+    settings: Settings, redis_ns: RedisNamespace, scorers: list[Running]
+) -> None:
+    ensure_topics(settings)
+    port = free_port()
+    settings = settings.model_copy(update={"metrics_port": port})
+    scorer = Scorer(settings, extractor(settings), redis_ns.client)
+    url = f"http://127.0.0.1:{port}"
+    scorers.append(Running(scorer))
+    time.sleep(0.5)
+    with pytest.raises(urllib.error.HTTPError) as info:  # no probe published yet
+        urllib.request.urlopen(f"{url}/readyz", timeout=5)
+    assert info.value.code == 503
+    assert urllib.request.urlopen(f"{url}/healthz", timeout=5).status == 200
+    publish_probe(Registry(redis_ns.client, redis_ns.keys, "toxicity"), extractor(settings).fingerprint)
+    produce_raw(settings, settings.topic_chat, [(None, chat(i)) for i in range(5)])
+    verdicts(settings, 5)
+    body = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
+    assert "probeguard_scorer_messages_total 5.0" in body
+    assert 'probeguard_scorer_probe_version{probe="toxicity",stage="live"}' in body
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            if urllib.request.urlopen(f"{url}/readyz", timeout=5).status == 200:
+                break
+        except urllib.error.HTTPError:
+            time.sleep(0.2)
+    else:
+        pytest.fail("scorer never became ready")
+
+
+def _scorer_process(settings: Settings, model_dir: Path, log: Path) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "PROBEGUARD_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+        "PROBEGUARD_REDIS_URL": settings.redis_url.get_secret_value() if settings.redis_url else "",
+        "PROBEGUARD_REDIS_PREFIX": settings.redis_prefix,
+        "PROBEGUARD_TOPIC_CHAT": settings.topic_chat,
+        "PROBEGUARD_TOPIC_VERDICTS": settings.topic_verdicts,
+        "PROBEGUARD_TOPIC_REVIEW": settings.topic_review,
+        "PROBEGUARD_TOPIC_DEAD_LETTER": settings.topic_dead_letter,
+        "PROBEGUARD_TOPIC_LABELS": settings.topic_labels,
+        "PROBEGUARD_GROUP_SCORER": settings.group_scorer,
+        "PROBEGUARD_MODEL": str(model_dir),
+        "PROBEGUARD_CACHE_DIR": str(model_dir.parent / "cache"),
+        "PROBEGUARD_METRICS_PORT": "0",
+        "PROBEGUARD_BATCH_SIZE": "8",
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", "score"],
+        env=env,
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+    )
+
+
+def test_sigkill_mid_stream_loses_nothing_and_sigterm_exits_zero(
+    settings: Settings, redis_ns: RedisNamespace, tmp_path: Path
+) -> None:
+    ensure_topics(settings)
+    llm = make_tiny_llm(tmp_path)  # saved to disk so a subprocess can load it
+    model_dir = next(p for p in tmp_path.iterdir() if p.name.startswith("tiny-"))
+    publish_probe(Registry(redis_ns.client, redis_ns.keys, "toxicity"), llm.fingerprint)
+    n = 400
+    produce_raw(settings, settings.topic_chat, [(f"m-{i}".encode(), chat(i)) for i in range(n)])
+    log = tmp_path / "scorer.log"
+    proc = _scorer_process(settings, model_dir, log)
+    try:
+        # Kill it once it has produced some verdicts but not all.
+        drain(settings, settings.topic_verdicts, lambda rs: len(rs) >= 40, 90)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        proc = _scorer_process(settings, model_dir, log)
+        got = verdicts(settings, n, timeout_s=180)
+        assert {v.message_id for v in got} == {f"m-{i}" for i in range(n)}, log.read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_review_queue_is_rate_limited(
+    settings: Settings, redis_ns: RedisNamespace, scorers: list[Running]
+) -> None:
+    # Every message is "uncertain" with a band of [0, 1]; only 7 may go to reviewers.
+    settings = settings.model_copy(
+        update={
+            "review_low": 0.0,
+            "review_high": 1.0,
+            "review_max_per_window": 7,
+            "review_window_s": 3600,
+        }
+    )
+    ensure_topics(settings)
+    publish_probe(Registry(redis_ns.client, redis_ns.keys, "toxicity"), extractor(settings).fingerprint)
+    start(settings, redis_ns, scorers)
+    produce_raw(settings, settings.topic_chat, [(None, chat(i)) for i in range(30)])
+    verdicts(settings, 30)
+    reviews = drain(settings, settings.topic_review, lambda rs: len(rs) >= 8, 5)
+    assert len(reviews) == 7
+    req = ReviewRequest.decode(reviews[0].value)
+    assert req.reason == "uncertain" and req.text.startswith("hello number")

@@ -1,0 +1,37 @@
+"""Build and publish small probes for tests."""
+
+from __future__ import annotations
+
+from probes.checkpoint import checkpoint_to_bytes
+from probes.probe import Probe, build_probe
+from schemas import LLMFingerprint, ProbeSpec
+from worker.registry import Registry
+
+
+def toxicity_spec(hidden_size: int, layers: list[int] | None = None, name: str = "toxicity") -> ProbeSpec:
+    return ProbeSpec(
+        name=name,
+        token_pool="mean",
+        layer_mix="scalar_mix",
+        layers=layers or [1, 2],
+        hidden_size=hidden_size,
+        task="multiclass",
+        labels=["ok", "toxic"],
+        flag_labels=["toxic"],
+    )
+
+
+def publish_probe(
+    registry: Registry,
+    fingerprint: LLMFingerprint,
+    *,
+    seed: int = 0,
+    set_live: bool = True,
+    probe: Probe | None = None,
+) -> int:
+    """Publish a (random unless given) probe as the next version; returns the version."""
+    probe = probe or build_probe(toxicity_spec(fingerprint.hidden_size, name=registry.probe), seed=seed)
+    version = registry.allocate_version()
+    blob, manifest = checkpoint_to_bytes(probe, llm=fingerprint, version=version)
+    registry.publish(blob, manifest, set_live=set_live)
+    return version

@@ -1,0 +1,69 @@
+"""``probeguard score``: the scoring worker."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+from typing import Any
+
+__all__ = ["register", "run"]
+
+log = logging.getLogger(__name__)
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "score",
+        help="consume chat messages, publish verdicts (the scoring worker)",
+        description=(
+            "Join the scorer consumer group on PROBEGUARD_TOPIC_CHAT, score every message "
+            "with the live probe(s) from the Redis registry (PROBEGUARD_PROBES) on the frozen "
+            "LLM, and produce verdicts, review requests and dead letters. Offsets are "
+            "committed only after the broker acknowledged the outputs. SIGTERM/Ctrl-C: "
+            "finish the batch, commit, leave the group, exit 0. All settings are "
+            "PROBEGUARD_* environment variables; the options below override them."
+        ),
+    )
+    p.add_argument("--probes", help="comma-separated probe names (PROBEGUARD_PROBES)")
+    p.add_argument("--batch-size", type=int, help="messages per batch (PROBEGUARD_BATCH_SIZE)")
+    p.add_argument("--metrics-port", type=int, help="/metrics, /healthz, /readyz port; 0 = off")
+    p.add_argument("--bootstrap-checkpoint", help="checkpoint dir to serve until one is live")
+    p.add_argument(
+        "--shadow",
+        action="store_true",
+        default=None,
+        help="score with live and canary, act on live",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from worker.extract import HiddenStateExtractor
+    from worker.redis_store import make_redis
+    from worker.scorer import Scorer
+    from worker.settings import load_settings
+
+    overrides = {
+        k: v
+        for k, v in {
+            "probes": args.probes,
+            "batch_size": args.batch_size,
+            "metrics_port": args.metrics_port,
+            "bootstrap_checkpoint": args.bootstrap_checkpoint,
+            "shadow": args.shadow,
+        }.items()
+        if v is not None
+    }
+    settings = load_settings(**overrides)
+    extractor = HiddenStateExtractor.from_settings(settings)
+    scorer = Scorer(settings, extractor, make_redis(settings))
+
+    def _stop(signum: int, _frame: object) -> None:
+        log.info("%s: finishing the batch in hand, then leaving", signal.Signals(signum).name)
+        scorer.stop()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    scorer.run()
+    return 0

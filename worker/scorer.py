@@ -1,0 +1,355 @@
+"""The scoring worker (``probeguard score``): chat messages in, verdicts out.
+
+One consumer-group member on the chat topic. Per batch: decode (bad payloads
+become dead letters), one LLM pass for the union of the layers every served
+probe reads, every probe scores, one :class:`Verdict` per message keyed by
+message id; uncertain and audit-sampled messages go to the review topic
+(rate-limited across all scorers); message texts go to Redis with a TTL so
+labels can be joined later. Offsets are committed only after the broker has
+acknowledged everything the batch produced (see :mod:`worker.stream`).
+Probes hot-swap between batches (see :mod:`worker.probe_watch`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import redis
+from probes.checkpoint import load_checkpoint
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from schemas import ChatMessage, ReviewRequest, Verdict, utcnow
+from worker.errors import ConfigError
+from worker.extract import HiddenStateExtractor
+from worker.kafka import consumer_lag, ensure_topics, make_consumer, make_producer
+from worker.metrics import Health, HealthServer
+from worker.probe_watch import ProbeWatcher
+from worker.redis_store import Keys
+from worker.registry import Registry
+from worker.scoring import BatchScores, Scoring, ServedProbe, sticky_fraction
+from worker.settings import Settings
+from worker.stream import BatchLoop, Item, Outgoing
+
+__all__ = ["Scorer", "ScorerMetrics"]
+
+log = logging.getLogger(__name__)
+
+
+class ScorerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.messages = Counter("probeguard_scorer_messages", "Messages scored", registry=r)
+        self.dead_letters = Counter(
+            "probeguard_scorer_dead_letters", "Payloads dead-lettered", ["kind"], registry=r
+        )
+        self.batch_size = Histogram(
+            "probeguard_scorer_batch_size",
+            "Messages per batch",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=r,
+        )
+        self.batch_seconds = Histogram(
+            "probeguard_scorer_batch_seconds", "Wall time per batch", registry=r
+        )
+        self.message_seconds = Histogram(
+            "probeguard_scorer_message_seconds",
+            "Batch wall time per message",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=r,
+        )
+        self.probe_seconds = Histogram(
+            "probeguard_scorer_probe_seconds",
+            "Probe (not LLM) time per batch",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1),
+            registry=r,
+        )
+        self.reviews = Counter(
+            "probeguard_scorer_reviews", "Review requests routed", ["reason"], registry=r
+        )
+        self.reviews_dropped = Counter(
+            "probeguard_scorer_reviews_dropped",
+            "Review candidates over the rate limit",
+            registry=r,
+        )
+        self.flags = Counter("probeguard_scorer_flags", "Messages flagged", ["probe"], registry=r)
+        self.version = Gauge(
+            "probeguard_scorer_probe_version",
+            "Probe version served",
+            ["probe", "stage"],
+            registry=r,
+        )
+        self.refused = Counter(
+            "probeguard_scorer_checkpoints_refused", "Checkpoints refused", ["probe"], registry=r
+        )
+        self.lag = Gauge(
+            "probeguard_scorer_consumer_lag", "Records behind the high watermark", registry=r
+        )
+        self.redis_errors = Counter(
+            "probeguard_scorer_redis_errors",
+            "Failed Redis writes (text cache, review budget)",
+            registry=r,
+        )
+
+
+class Scorer:
+    """Wires extractor, probes, registry, Kafka and Redis into the scoring loop."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        extractor: HiddenStateExtractor,
+        redis_client: redis.Redis,
+        *,
+        worker_id: str | None = None,
+        metrics_port: int | None = None,
+    ) -> None:
+        self.settings = settings
+        self.extractor = extractor
+        self.redis: Any = redis_client
+        self.keys = Keys(settings.redis_prefix)
+        self.worker_id = worker_id or settings.resolved_worker_id()
+        self.metrics = ScorerMetrics()
+        self.health = Health(stale_after_s=max(60.0, settings.kafka_max_poll_interval_ms / 1000))
+        self.health.ready_check = self._ready
+        registries = {n: Registry(redis_client, self.keys, n) for n in settings.probe_names}
+        self.watcher = ProbeWatcher(
+            registries,
+            extractor.fingerprint,
+            device=extractor.device,
+            check_interval_s=settings.stage_check_interval_s,
+            on_swap=lambda name, stage, v: self.metrics.version.labels(name, stage).set(v),
+            on_refused=lambda name, v, why: self.metrics.refused.labels(name).inc(),
+        )
+        self.scoring = Scoring(extractor, self.watcher.slots, shadow=settings.shadow)
+        self.loop: BatchLoop[ChatMessage] | None = None
+        self._stop = threading.Event()
+        self._server: HealthServer | None = None
+        port = settings.metrics_port if metrics_port is None else metrics_port
+        if port:  # 0 disables the endpoint
+            self._server = HealthServer(self.metrics.registry, self.health, port)
+
+    # --- lifecycle -----------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve until :meth:`stop`: wait for a probe, then the batch loop; leave cleanly."""
+        if self._server is not None:
+            self._server.start()
+        try:
+            if not self._wait_for_probes():
+                return
+            ensure_topics(self.settings)
+            consumer = make_consumer(
+                self.settings, self.settings.group_scorer, [self.settings.topic_chat]
+            )
+            producer = make_producer(self.settings)
+            self.loop = BatchLoop(
+                consumer=consumer,
+                producer=producer,
+                model=ChatMessage,
+                decode=lambda raw: ChatMessage.decode(raw, self.settings.limits),
+                handler=self.handle,
+                dead_letter_topic=self.settings.topic_dead_letter,
+                worker_id=self.worker_id,
+                max_batch=self.settings.batch_size,
+                max_wait_ms=self.settings.poll_wait_ms,
+                between_batches=self._between_batches,
+                on_dead_letter=lambda kind: self.metrics.dead_letters.labels(kind).inc(),
+            )
+            if self._stop.is_set():
+                self.loop.stop()
+            log.info("scoring %s as %s", self.settings.topic_chat, self.worker_id)
+            try:
+                self.loop.run()
+            finally:
+                consumer.close()  # commits nothing more; leaves the group at once
+                producer.flush(30)
+                producer.close(30)
+                log.info("scorer stopped after %d messages", self.loop.stats.handled)
+        finally:
+            if self._server is not None:
+                self._server.stop()
+
+    def stop(self) -> None:
+        """Finish the batch in hand, commit it, leave the group (safe from a signal handler)."""
+        self._stop.set()
+        if self.loop is not None:
+            self.loop.stop()
+
+    @property
+    def port(self) -> int | None:
+        return self._server.port if self._server else None
+
+    # --- the batch -----------------------------------------------------------
+
+    def handle(self, items: list[Item[ChatMessage]]) -> Sequence[Outgoing]:
+        start = time.perf_counter()
+        messages = [i.value for i in items]
+        scores = self.scoring.score(messages)
+        elapsed = time.perf_counter() - start
+        latency_ms = elapsed * 1000.0
+        out: list[Outgoing] = []
+        for pos, reason in scores.errors.items():
+            it = items[pos]
+            out.append(
+                self._loop().dead_letter(
+                    it.topic,
+                    it.partition,
+                    it.offset,
+                    it.key,
+                    it.value.encode(),
+                    "unscorable",
+                    reason,
+                )
+            )
+        now = utcnow()
+        for pos, results in scores.results.items():
+            msg = messages[pos]
+            verdict = Verdict(
+                verdict_id=Verdict.make_id(msg.message_id, results),
+                message_id=msg.message_id,
+                conversation_id=msg.conversation_id,
+                decision="flag" if any(r.flagged for r in results) else "allow",
+                results=results,
+                latency_ms=latency_ms,
+                worker_id=self.worker_id,
+                scored_at=now,
+            )
+            out.append(
+                Outgoing(self.settings.topic_verdicts, msg.message_id.encode(), verdict.encode())
+            )
+            for r in results:
+                if r.flagged:
+                    self.metrics.flags.labels(r.probe).inc()
+        out.extend(self._reviews(messages, scores))
+        self._cache_texts(messages, scores)
+        n = len(scores.results)
+        self.metrics.messages.inc(n)
+        self.metrics.batch_size.observe(len(items))
+        self.metrics.batch_seconds.observe(elapsed)
+        self.metrics.probe_seconds.observe(scores.probe_s)
+        if n:
+            self.metrics.message_seconds.observe(elapsed / n)
+        return out
+
+    def _reviews(self, messages: list[ChatMessage], scores: BatchScores) -> list[Outgoing]:
+        s = self.settings
+        candidates: list[ReviewRequest] = []
+        for pos, results in scores.results.items():
+            msg = messages[pos]
+            for r in results:
+                flag_score = scores.flag_scores.get((pos, r.probe))
+                if flag_score is not None and s.review_low <= flag_score <= s.review_high:
+                    reason = "uncertain"
+                elif sticky_fraction(msg.message_id, "audit") < s.review_audit_share:
+                    reason = "audit"
+                else:
+                    continue
+                candidates.append(
+                    ReviewRequest(
+                        message_id=msg.message_id,
+                        conversation_id=msg.conversation_id,
+                        text=msg.text,
+                        probe=r.probe,
+                        version=r.version,
+                        scores=r.scores,
+                        reason=reason,
+                        created_at=utcnow(),
+                    )
+                )
+        admitted = candidates[: self._review_budget(len(candidates))]
+        self.metrics.reviews_dropped.inc(len(candidates) - len(admitted))
+        for req in admitted:
+            self.metrics.reviews.labels(req.reason).inc()
+        return [Outgoing(s.topic_review, r.message_id.encode(), r.encode()) for r in admitted]
+
+    def _review_budget(self, wanted: int) -> int:
+        """How many review requests the budget shared by all scorers still admits.
+
+        A fixed window of ``review_window_s`` seconds, counted in Redis, so a flood
+        cannot swamp the reviewers however many scorers run.
+        """
+        if wanted == 0:
+            return 0
+        limit = self.settings.review_max_per_window
+        window = self.settings.review_window_s
+        key = self.keys("review_budget", int(time.time() // window))
+        try:
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.incrby(key, wanted)
+            pipe.expire(key, 2 * window)
+            used = int(pipe.execute()[0])
+        except (redis.RedisError, OSError) as exc:
+            self.metrics.redis_errors.inc()
+            log.warning("review budget unavailable (%s); holding reviews back", exc)
+            return 0  # without the shared budget, err on the side of not flooding reviewers
+        return max(0, min(wanted, limit - (used - wanted)))
+
+    def _cache_texts(self, messages: list[ChatMessage], scores: BatchScores) -> None:
+        """Text (for label joins) and the versions that decided (for canary evidence)."""
+        ttl = self.settings.text_cache_ttl_s
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for pos, results in scores.results.items():
+                msg = messages[pos]
+                pipe.set(self.keys.text(msg.message_id), msg.text.encode(), ex=ttl)
+                decided = ",".join(f"{r.probe}@{r.version}" for r in results)
+                pipe.set(self.keys("decided", msg.message_id), decided, ex=ttl)
+            pipe.execute()
+        except (redis.RedisError, OSError) as exc:
+            self.metrics.redis_errors.inc()
+            log.warning("text cache write failed (%s); labels may need to carry text", exc)
+
+    # --- helpers -------------------------------------------------------------
+
+    def _loop(self) -> BatchLoop[ChatMessage]:
+        if self.loop is None:
+            raise RuntimeError("the batch loop is not running")
+        return self.loop
+
+    def _between_batches(self) -> None:
+        self.watcher.refresh()
+        self.health.beat()
+        if self.loop is not None:
+            self.metrics.lag.set(sum(consumer_lag(self.loop.consumer).values()))
+
+    def _wait_for_probes(self) -> bool:
+        bootstrap = self.settings.bootstrap_checkpoint
+        last_note = 0.0
+        while not self._stop.is_set():
+            self.watcher.refresh(force=True)
+            if bootstrap is not None:
+                self._serve_bootstrap(bootstrap)
+            if self.scoring.ready():
+                log.info("serving %s", self.watcher.versions())
+                return True
+            if time.monotonic() - last_note > 10:
+                missing = [n for n, sl in self.watcher.slots.items() if sl.live is None]
+                log.warning(
+                    "no live version of %s in the registry yet; waiting (publish one with "
+                    "`probeguard train`, or set PROBEGUARD_BOOTSTRAP_CHECKPOINT)",
+                    missing,
+                )
+                last_note = time.monotonic()
+            self._stop.wait(1.0)
+        return False
+
+    def _serve_bootstrap(self, path: Path) -> None:
+        probe, manifest = load_checkpoint(path, self.extractor.fingerprint)
+        if manifest.probe not in self.watcher.slots:
+            raise ConfigError(
+                f"bootstrap checkpoint {str(path)!r} is for probe {manifest.probe!r}, "
+                f"not one of {self.settings.probe_names}"
+            )
+        self.watcher.serve_bootstrap(manifest.probe, ServedProbe(probe, manifest))
+
+    def _ready(self) -> tuple[bool, str]:
+        if not self.scoring.ready():
+            return False, "no live probe loaded yet"
+        if self.loop is None or not self.loop.consumer.assignment():
+            return False, "no partitions assigned yet"
+        return True, f"serving {self.watcher.versions()}"

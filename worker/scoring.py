@@ -1,0 +1,169 @@
+"""Scoring a batch of chat messages with every configured probe in one LLM pass.
+
+    texts -> extractor (union of the layers every served probe reads, early exit)
+          -> per probe: live (and canary) probabilities -> decide() -> ProbeResult
+
+Which version decides a message is sticky: a hash of the conversation id (else
+the message id) below the canary share sends it to the canary. In shadow mode
+the live version always decides and the canary's scores ride along in
+``ProbeResult.shadow``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from probes.decision import decide
+from probes.probe import Probe
+
+from schemas import ChatMessage, CheckpointManifest, ProbeResult, ShadowResult
+
+if TYPE_CHECKING:
+    from worker.extract import Extraction, HiddenStateExtractor
+
+__all__ = ["BatchScores", "ProbeSlot", "Scoring", "ServedProbe", "sticky_fraction"]
+
+
+def sticky_fraction(key: str, salt: str = "") -> float:
+    """A stable number in [0, 1) for ``key``: the same key always lands on the same side."""
+    digest = hashlib.sha256(f"{salt}\x00{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+@dataclass(frozen=True)
+class ServedProbe:
+    """A verified probe and the manifest it came with."""
+
+    probe: Probe
+    manifest: CheckpointManifest
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+
+@dataclass
+class ProbeSlot:
+    """What one probe name serves right now."""
+
+    name: str
+    live: ServedProbe | None = None
+    canary: ServedProbe | None = None
+    canary_share: float = 0.0
+
+    def layers(self) -> set[int]:
+        return {layer for p in (self.live, self.canary) if p for layer in p.probe.layers}
+
+
+@dataclass
+class BatchScores:
+    results: dict[int, list[ProbeResult]]  # input position -> one result per probe
+    errors: dict[int, str]  # input position -> why it could not be scored
+    extract_s: float = 0.0
+    probe_s: float = 0.0
+    flag_scores: dict[tuple[int, str], float] = field(default_factory=dict)
+
+
+class Scoring:
+    """Scores messages with every slot that has a live probe."""
+
+    def __init__(
+        self,
+        extractor: HiddenStateExtractor,
+        slots: dict[str, ProbeSlot],
+        *,
+        shadow: bool = False,
+    ) -> None:
+        self.extractor = extractor
+        self.slots = slots
+        self.shadow = shadow
+
+    def ready(self) -> bool:
+        return bool(self.slots) and all(s.live is not None for s in self.slots.values())
+
+    def layers(self) -> tuple[int, ...]:
+        return tuple(sorted(set().union(*(s.layers() for s in self.slots.values()))))
+
+    def score(self, messages: Sequence[ChatMessage]) -> BatchScores:
+        layers = self.layers()
+        t0 = time.perf_counter()
+        ex = self.extractor.extract([m.text for m in messages], layers)
+        t1 = time.perf_counter()
+        out = BatchScores(results={pos: [] for pos in ex.index}, errors=dict(ex.errors))
+        if ex.index:
+            for slot in self.slots.values():
+                self._score_slot(slot, ex, layers, messages, out)
+        out.extract_s, out.probe_s = t1 - t0, time.perf_counter() - t1
+        return out
+
+    def _score_slot(
+        self,
+        slot: ProbeSlot,
+        ex: Extraction,
+        layers: tuple[int, ...],
+        messages: Sequence[ChatMessage],
+        out: BatchScores,
+    ) -> None:
+        if slot.live is None:
+            return
+        live = _run(slot.live, ex, layers)
+        canary = _run(slot.canary, ex, layers) if slot.canary is not None else None
+        for row, pos in enumerate(ex.index):
+            msg = messages[pos]
+            use_canary = (
+                canary is not None
+                and not self.shadow
+                and sticky_fraction(msg.conversation_id or msg.message_id, slot.name)
+                < slot.canary_share
+            )
+            decided = canary if use_canary and canary is not None else live
+            shadow = None
+            if self.shadow and canary is not None:
+                shadow = ShadowResult(
+                    version=canary.served.version,
+                    scores=canary.scores[row],
+                    predicted=canary.predicted[row],
+                )
+            result = ProbeResult(
+                probe=slot.name,
+                version=decided.served.version,
+                scores=decided.scores[row],
+                predicted=decided.predicted[row],
+                flagged=decided.flagged[row],
+                canary=use_canary,
+                shadow=shadow,
+            )
+            out.results[pos].append(result)
+            if decided.flag_score is not None:
+                out.flag_scores[(pos, slot.name)] = decided.flag_score[row]
+
+
+@dataclass
+class _Run:
+    served: ServedProbe
+    scores: list[dict[str, float]]
+    predicted: list[list[str]]
+    flagged: list[bool]
+    flag_score: list[float] | None  # highest probability among the flag labels, per row
+
+
+def _run(served: ServedProbe, ex: Extraction, layers: tuple[int, ...]) -> _Run:
+    probe = served.probe
+    spec = probe.spec
+    rows = [layers.index(layer) for layer in probe.layers]
+    hidden = ex.hidden[rows]  # [L_probe, B, T, D]
+    probs = probe.predict_proba_many(hidden, ex.mask).float().cpu()  # [B, C]
+    decision = decide(spec, probs)
+    flag_idx = [spec.labels.index(label) for label in spec.flag_labels]
+    values = probs.tolist()
+    return _Run(
+        served=served,
+        scores=[dict(zip(spec.labels, row, strict=True)) for row in values],
+        predicted=decision.label_names(spec),
+        flagged=[bool(f) for f in decision.flagged.tolist()],
+        flag_score=probs[:, flag_idx].max(dim=1).values.tolist() if flag_idx else None,
+    )
