@@ -11,6 +11,7 @@ store once, and any affine per-dimension normalization commutes with them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -19,7 +20,18 @@ from torch import Tensor, nn
 from probes.registry import register_token_pool
 from schemas import ProbeSpec
 
-__all__ = ["FirstPool", "LastPool", "MaxPool", "MeanPool", "masked_mean", "real_token_index"]
+__all__ = [
+    "SUMMARIES",
+    "FirstPool",
+    "LastPool",
+    "MaxPool",
+    "MeanPool",
+    "first_token",
+    "last_token",
+    "masked_max",
+    "masked_mean",
+    "real_token_index",
+]
 
 
 def masked_mean(hidden: Tensor, mask: Tensor) -> Tensor:
@@ -45,6 +57,30 @@ def _take(hidden: Tensor, index: Tensor) -> Tensor:
     return hidden.gather(2, idx).squeeze(2)
 
 
+def masked_max(hidden: Tensor, mask: Tensor) -> Tensor:
+    """Per-dimension maximum over real tokens: ``[L, B, T, D]``, ``[B, T]`` -> ``[L, B, D]``."""
+    return hidden.masked_fill(~mask[None, :, :, None], float("-inf")).amax(dim=2)
+
+
+def first_token(hidden: Tensor, mask: Tensor) -> Tensor:
+    """The first real token of each row: ``[L, B, T, D]``, ``[B, T]`` -> ``[L, B, D]``."""
+    return _take(hidden, real_token_index(mask, "first"))
+
+
+def last_token(hidden: Tensor, mask: Tensor) -> Tensor:
+    """The last real token of each row: ``[L, B, T, D]``, ``[B, T]`` -> ``[L, B, D]``."""
+    return _take(hidden, real_token_index(mask, "last"))
+
+
+# The separable poolings by name: what a cache can store as per-layer summaries.
+SUMMARIES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "mean": masked_mean,
+    "max": masked_max,
+    "first": first_token,
+    "last": last_token,
+}
+
+
 class _Pool(nn.Module):
     separable: ClassVar[bool] = True
 
@@ -65,8 +101,7 @@ class MaxPool(_Pool):
     """Per-dimension maximum over the real tokens of each layer."""
 
     def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:  # [L, B, T, D], [B, T]
-        filled = hidden.masked_fill(~mask[None, :, :, None], float("-inf"))
-        return filled.amax(dim=2)  # [L, B, D]
+        return masked_max(hidden, mask)  # [L, B, D]
 
 
 @register_token_pool("first")
@@ -74,7 +109,7 @@ class FirstPool(_Pool):
     """The first real token (a BOS or chat-template token, when the tokenizer adds one)."""
 
     def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:  # [L, B, T, D], [B, T]
-        return _take(hidden, real_token_index(mask, "first"))  # [L, B, D]
+        return first_token(hidden, mask)  # [L, B, D]
 
 
 @register_token_pool("last")
@@ -82,4 +117,4 @@ class LastPool(_Pool):
     """The last real token: in a causal LM the only one that has seen the whole text."""
 
     def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:  # [L, B, T, D], [B, T]
-        return _take(hidden, real_token_index(mask, "last"))  # [L, B, D]
+        return last_token(hidden, mask)  # [L, B, D]

@@ -6,6 +6,7 @@ Pure pydantic v2 models, no I/O. Decode with ``Model.decode(raw_bytes, limits)``
 """
 
 from schemas.base import WireModel, describe_error
+from schemas.cache import CacheManifest, CacheSource, LabeledText, SummaryKind
 from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.messages import (
     ChatMessage,
@@ -31,12 +32,15 @@ from schemas.probe import (
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "CacheManifest",
+    "CacheSource",
     "ChatMessage",
     "CheckpointManifest",
     "DeadLetter",
     "DeadLetterKind",
     "HumanLabel",
     "LLMFingerprint",
+    "LabeledText",
     "LayerMix",
     "Limits",
     "ProbeResult",
@@ -44,6 +48,7 @@ __all__ = [
     "ReviewRequest",
     "ShadowResult",
     "Stage",
+    "SummaryKind",
     "Task",
     "TokenPool",
     "TrainingCounters",

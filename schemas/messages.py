@@ -139,7 +139,9 @@ class Verdict(WireModel):
 
     @staticmethod
     def make_id(message_id: str, results: list[ProbeResult]) -> str:
-        versions = ",".join(f"{r.probe}@{r.version}" for r in sorted(results, key=lambda r: r.probe))
+        versions = ",".join(
+            f"{r.probe}@{r.version}" for r in sorted(results, key=lambda r: r.probe)
+        )
         return f"{message_id}|{versions}"
 
     @model_validator(mode="after")
@@ -200,4 +202,3 @@ class DeadLetter(WireModel):
             except (binascii.Error, ValueError) as exc:
                 raise ValueError("not valid base64") from exc
         return v
-

@@ -57,7 +57,8 @@ def toy_task(
     hidden = torch.randn(layers, n, tokens, D, generator=g)
     lengths = torch.randint(2, tokens + 1, (n,), generator=g)
     mask = torch.arange(tokens)[None, :] < lengths[:, None]
-    directions = 1.5 * torch.randn(3, D, generator=g)
+    # The same class directions for every seed, so two seeds are two splits of one task.
+    directions = 1.5 * torch.randn(3, D, generator=torch.Generator().manual_seed(99))
     if task == "multiclass":
         y = torch.randint(0, 3, (n,), generator=g)
         hidden += directions[y][None, :, None, :]
