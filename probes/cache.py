@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Literal
 
@@ -35,6 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save as st_save
 from torch import Tensor
 
+from probes._io import atomic_write
 from probes.dataset import ProbeDataset
 from probes.errors import CacheError
 from probes.pooling import SUMMARIES
@@ -60,22 +60,9 @@ def shard_path(directory: Path, k: int) -> Path:
     return directory / f"shard-{k:05d}.safetensors"
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_manifest(directory: Path, manifest: CacheManifest) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    _atomic_write(directory / MANIFEST, manifest.encode())
+    atomic_write(directory / MANIFEST, manifest.encode())
 
 
 def _fp16(name: str, t: Tensor, layers: list[int], layer_dim: int) -> Tensor:
@@ -138,7 +125,7 @@ def write_shard(
         "errors": json.dumps({str(r): e for r, e in errors.items()}),
     }
     blob = st_save({key: t.contiguous() for key, t in tensors.items()}, metadata=metadata)
-    _atomic_write(shard_path(directory, k), blob)
+    atomic_write(shard_path(directory, k), blob)
 
 
 Features = Literal["tokens", "mean", "max", "first", "last"]

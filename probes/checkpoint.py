@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import tempfile
 from datetime import datetime
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from probes._io import atomic_write
 from probes.errors import CheckpointError, IncompatibleCheckpoint
 from probes.probe import Probe, build_probe
 from schemas import CheckpointManifest, LLMFingerprint, Stage, TrainingCounters, describe_error
@@ -170,19 +170,6 @@ def probe_from_bytes(
     return probe, manifest
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save_checkpoint(
     probe: Probe, directory: str | os.PathLike[str], **kwargs: object
 ) -> CheckpointManifest:
@@ -193,8 +180,8 @@ def save_checkpoint(
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     blob, manifest = checkpoint_to_bytes(probe, **kwargs)  # type: ignore[arg-type]
-    _atomic_write(out / TENSORS_FILE, blob)
-    _atomic_write(out / MANIFEST_FILE, manifest)
+    atomic_write(out / TENSORS_FILE, blob)
+    atomic_write(out / MANIFEST_FILE, manifest)
     return CheckpointManifest.decode(manifest)
 
 

@@ -21,6 +21,9 @@ __all__ = ["build_parser", "main"]
 # (module under worker.commands, one-line help). Order is the order in --help.
 COMMANDS: list[tuple[str, str]] = [
     ("up", "run the embedded Kafka-protocol broker and Redis in the foreground"),
+    ("cache", "build or inspect a hidden-state cache for offline training"),
+    ("fit", "train a probe offline on a hidden-state cache; write a checkpoint"),
+    ("eval", "evaluate a checkpoint on a labeled file or a cache"),
 ]
 
 

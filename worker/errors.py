@@ -7,8 +7,10 @@
     ├── StackError           the embedded broker / Redis failed to start or died
     ├── KafkaSetupError      topics could not be created or the broker is unreachable
     ├── ModelLoadError       the frozen LLM or its tokenizer could not be located or loaded
-    └── ExtractionError      a hidden-state extraction request cannot be served (bad layers)
-        └── ExtractionInputError   one input item cannot be extracted (empty, not UTF-8, ...)
+    ├── ExtractionError      a hidden-state extraction request cannot be served (bad layers)
+    │   └── ExtractionInputError   one input item cannot be extracted (empty, not UTF-8, ...)
+    └── OfflineError         offline work (cache, fit, eval) failed: a bad data file, an
+                             incomplete cache, a refused checkpoint (wraps probes.ProbeError)
 
 Dependency errors are translated into these with ``raise ... from exc``.
 """
@@ -21,6 +23,7 @@ __all__ = [
     "ExtractionInputError",
     "KafkaSetupError",
     "ModelLoadError",
+    "OfflineError",
     "ProbeguardError",
     "StackError",
 ]
@@ -60,3 +63,7 @@ class ExtractionInputError(ExtractionError):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(f"{kind}: {message}")
         self.kind = kind
+
+
+class OfflineError(ProbeguardError):
+    """Offline data, cache, training or evaluation failed; the message names the value."""
