@@ -38,7 +38,7 @@ from probes._io import atomic_write
 from probes.dataset import ProbeDataset
 from probes.errors import CacheError
 from probes.pooling import SUMMARIES
-from schemas import CacheManifest, ProbeSpec, describe_error
+from schemas import CacheManifest, describe_error
 
 __all__ = [
     "FP16_MAX",
@@ -131,10 +131,10 @@ def write_shard(
 Features = Literal["tokens", "mean", "max", "first", "last"]
 
 
-def features_for(spec: ProbeSpec, available: CacheManifest) -> Features:
-    """What a probe of ``spec`` trains on: its own summary when the cache holds it, else tokens."""
-    pool = spec.token_pool
-    if pool in available.summaries and set(spec.layers) <= set(available.summary_layers):
+def features_for(pool: str, layers: list[int], available: CacheManifest) -> Features:
+    """What a probe with token pool ``pool`` reading ``layers`` trains on: its own summary
+    when the cache holds it for those layers, else token-level states."""
+    if pool in available.summaries and set(layers) <= set(available.summary_layers):
         return pool  # type: ignore[return-value]
     return "tokens"
 

@@ -66,6 +66,8 @@ class FitResult:
     examples: int
     seconds: float
     val_report: dict[str, Any]
+    train_rows: int = 0
+    train_counts: dict[str, int] = field(default_factory=dict)  # rows (or positives) per label
     history: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -194,5 +196,7 @@ def fit(
         examples=learner.examples,
         seconds=time.perf_counter() - started,
         val_report=evaluate(probe.spec, probs, val.targets),
+        train_rows=len(train),
+        train_counts=dict(zip(train.labels, train.class_counts().tolist(), strict=True)),
         history=history,
     )

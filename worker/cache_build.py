@@ -13,7 +13,7 @@ What is stored, and why (see ``probes.cache`` for the byte layout):
 
 Resumable: shard ``k`` covers source rows ``[k·S, (k+1)·S)`` and is written
 atomically, in an order that depends only on those rows, so an interrupted
-build that is started again skips finished shards and produces the same bytes.
+build that is started again skips finished shards and ends with the same tensors.
 """
 
 from __future__ import annotations

@@ -57,6 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     build.set_defaults(func=_build)
     info = actions.add_parser("info", help="print a cache's manifest, completeness and size")
     info.add_argument("cache", type=Path)
+    info.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     info.set_defaults(func=_info)
 
 
@@ -93,7 +94,7 @@ def _info(args: argparse.Namespace) -> int:
     from probes.cache import HiddenStateCache
 
     cache = HiddenStateCache(args.cache)
-    return _report(args.cache, cache.manifest, as_json=True, missing=cache.missing_shards())
+    return _report(args.cache, cache.manifest, as_json=args.json, missing=cache.missing_shards())
 
 
 def _report(out: Path, manifest, *, as_json: bool, missing: list[int] | None = None) -> int:  # type: ignore[no-untyped-def]
