@@ -6,6 +6,7 @@ Pure pydantic v2 models, no I/O. Decode with ``Model.decode(raw_bytes, limits)``
 """
 
 from schemas.base import WireModel, describe_error
+from schemas.cache import CacheManifest, CacheSource, LabeledText, SummaryKind
 from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.messages import (
     ChatMessage,
@@ -33,6 +34,8 @@ from schemas.probe import (
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "CacheManifest",
+    "CacheSource",
     "ChatMessage",
     "CheckpointEvent",
     "CheckpointManifest",
@@ -41,6 +44,7 @@ __all__ = [
     "EventKind",
     "HumanLabel",
     "LLMFingerprint",
+    "LabeledText",
     "LayerMix",
     "Limits",
     "ProbeResult",
@@ -48,6 +52,7 @@ __all__ = [
     "ReviewRequest",
     "ShadowResult",
     "Stage",
+    "SummaryKind",
     "Task",
     "TokenPool",
     "TrainingCounters",

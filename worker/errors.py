@@ -5,14 +5,28 @@
     ProbeguardError
     ├── ConfigError          settings that cannot work together
     ├── StackError           the embedded broker / Redis failed to start or died
-    └── KafkaSetupError      topics could not be created or the broker is unreachable
+    ├── KafkaSetupError      topics could not be created or the broker is unreachable
+    ├── ModelLoadError       the frozen LLM or its tokenizer could not be located or loaded
+    ├── ExtractionError      a hidden-state extraction request cannot be served (bad layers)
+    │   └── ExtractionInputError   one input item cannot be extracted (empty, not UTF-8, ...)
+    └── OfflineError         offline work (cache, fit, eval) failed: a bad data file, an
+                             incomplete cache, a refused checkpoint (wraps probes.ProbeError)
 
 Dependency errors are translated into these with ``raise ... from exc``.
 """
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "KafkaSetupError", "ProbeguardError", "StackError"]
+__all__ = [
+    "ConfigError",
+    "ExtractionError",
+    "ExtractionInputError",
+    "KafkaSetupError",
+    "ModelLoadError",
+    "OfflineError",
+    "ProbeguardError",
+    "StackError",
+]
 
 
 class ProbeguardError(Exception):
@@ -29,3 +43,27 @@ class StackError(ProbeguardError):
 
 class KafkaSetupError(ProbeguardError):
     """Kafka topics or connections could not be set up."""
+
+
+class ModelLoadError(ProbeguardError):
+    """The configured LLM (or its tokenizer, or its weights cache) could not be loaded."""
+
+
+class ExtractionError(ProbeguardError):
+    """A hidden-state request that no input could satisfy, e.g. a layer the model lacks."""
+
+
+class ExtractionInputError(ExtractionError):
+    """One input item cannot be extracted; the others in its batch are unaffected.
+
+    ``kind`` is a short stable code for dead letters and metrics: ``not_text``,
+    ``invalid_utf8``, ``invalid_unicode``, ``empty`` or ``failed``.
+    """
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+class OfflineError(ProbeguardError):
+    """Offline data, cache, training or evaluation failed; the message names the value."""

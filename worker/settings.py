@@ -88,6 +88,10 @@ class Settings(BaseSettings):
     batch_size: PositiveInt = 16
     max_tokens: Annotated[int, Field(ge=8, le=131_072)] = 256
     truncation: Literal["head", "head_tail"] = "head"
+    # Texts longer than max_tokens: 1 = truncate (see `truncation`); N > 1 = encode up
+    # to N chunks of max_tokens separately and concatenate their token states (the
+    # probe's token pooling combines them); beyond N chunks `truncation` applies.
+    max_chunks: Annotated[int, Field(ge=1, le=64)] = 1
 
     # --- Wire limits ----------------------------------------------------
     max_text_chars: Annotated[int, Field(ge=1, le=1_000_000)] = 32_000

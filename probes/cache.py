@@ -1,0 +1,224 @@
+"""Hidden-state cache on disk: a manifest plus fp16 safetensors shards.
+
+Layout of a cache directory::
+
+    manifest.json              schemas.CacheManifest (written before the first shard)
+    shard-00000.safetensors    rows [0, shard_rows) of the source file
+    shard-00001.safetensors    ...
+
+Tensors of one shard (``B`` rows extracted, ``n`` their real tokens in total):
+
+    row            int64 [B]         row positions in the source file
+    length         int64 [B]         real tokens per row (the mask, run-length coded)
+    label          int64 [B]         index into manifest.label_vocab, -1 when absent
+    labels         uint8 [B, C]      multi-hot over manifest.labels_vocab (if the file has labels)
+    tokens         fp16 [n, Lt, D]   real tokens of token_layers, row after row (no padding)
+    summary.<kind> fp16 [Ls, B, D]   per-layer mean/max/first/last over real tokens
+
+Shard metadata: ``ids`` (JSON list) and ``errors`` (JSON object: source row ->
+reason) for rows the extractor could not process. A shard file appears
+atomically (write to a temporary name, then rename), so a shard that exists
+is complete: an interrupted build resumes at the first missing shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import ValidationError
+from safetensors import safe_open
+from safetensors.torch import save as st_save
+from torch import Tensor
+
+from probes._io import atomic_write
+from probes.dataset import ProbeDataset
+from probes.errors import CacheError
+from probes.pooling import SUMMARIES
+from schemas import CacheManifest, describe_error
+
+__all__ = [
+    "FP16_MAX",
+    "MANIFEST",
+    "HiddenStateCache",
+    "concat_batches",
+    "features_for",
+    "shard_path",
+    "shard_tensors",
+    "write_manifest",
+    "write_shard",
+]
+
+MANIFEST = "manifest.json"
+FP16_MAX = 65504.0
+
+
+def shard_path(directory: Path, k: int) -> Path:
+    return directory / f"shard-{k:05d}.safetensors"
+
+
+def write_manifest(directory: Path, manifest: CacheManifest) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    atomic_write(directory / MANIFEST, manifest.encode())
+
+
+def _fp16(name: str, t: Tensor, layers: list[int], layer_dim: int) -> Tensor:
+    """Cast to fp16, refusing values fp16 cannot hold (they would become inf)."""
+    big = t.abs().amax(dim=[d for d in range(t.dim()) if d != layer_dim])  # [L]
+    if (big > FP16_MAX).any() or not torch.isfinite(big).all():
+        bad = int(big.argmax())
+        raise CacheError(
+            f"{name}: layer {layers[bad]} holds |value| {float(big[bad]):.4g}, "
+            f"beyond fp16's {FP16_MAX}"
+        )
+    return t.to(torch.float16)
+
+
+def shard_tensors(
+    hidden: Tensor,
+    mask: Tensor,
+    layers: list[int],
+    manifest: CacheManifest,
+) -> dict[str, Tensor]:
+    """Cacheable tensors of one extracted batch: ``hidden [L, B, T, D]`` for ``layers``."""
+    pos = {layer: i for i, layer in enumerate(layers)}
+    out: dict[str, Tensor] = {"length": mask.sum(dim=1).long()}
+    if manifest.token_layers:
+        sel = hidden[[pos[i] for i in manifest.token_layers]]  # [Lt, B, T, D]
+        tokens = sel.permute(1, 2, 0, 3)[mask]  # [n, Lt, D], row-major over the mask
+        out["tokens"] = _fp16("tokens", tokens, manifest.token_layers, layer_dim=1)
+    if manifest.summary_layers:
+        sel = hidden[[pos[i] for i in manifest.summary_layers]]  # [Ls, B, T, D]
+        for kind in manifest.summaries:
+            summary = SUMMARIES[kind](sel, mask)  # [Ls, B, D]
+            out[f"summary.{kind}"] = _fp16(kind, summary, manifest.summary_layers, layer_dim=0)
+    return out
+
+
+def concat_batches(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Join per-batch tensors of :func:`shard_tensors` along the row axis."""
+    if not parts:
+        return {}
+    out: dict[str, Tensor] = {}
+    for key in parts[0]:
+        dim = 1 if key.startswith("summary.") else 0
+        out[key] = torch.cat([p[key] for p in parts], dim=dim)
+    return out
+
+
+def write_shard(
+    directory: Path,
+    k: int,
+    tensors: dict[str, Tensor],
+    ids: list[str],
+    errors: dict[int, str],
+) -> None:
+    """Write shard ``k`` atomically. ``tensors`` must hold ``row``, ``length`` and ``label``."""
+    for key in ("row", "length", "label"):
+        if key not in tensors:
+            raise CacheError(f"shard {k} lacks the {key!r} tensor")
+    metadata = {
+        "ids": json.dumps(ids),
+        "errors": json.dumps({str(r): e for r, e in errors.items()}),
+    }
+    blob = st_save({key: t.contiguous() for key, t in tensors.items()}, metadata=metadata)
+    atomic_write(shard_path(directory, k), blob)
+
+
+Features = Literal["tokens", "mean", "max", "first", "last"]
+
+
+def features_for(pool: str, layers: list[int], available: CacheManifest) -> Features:
+    """What a probe with token pool ``pool`` reading ``layers`` trains on: its own summary
+    when the cache holds it for those layers, else token-level states."""
+    if pool in available.summaries and set(layers) <= set(available.summary_layers):
+        return pool  # type: ignore[return-value]
+    return "tokens"
+
+
+class HiddenStateCache:
+    """Read side of a cache directory (see the module docstring)."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        try:
+            raw = (self.directory / MANIFEST).read_bytes()
+        except OSError as exc:
+            raise CacheError(f"{str(self.directory)!r} is not a cache: {exc}") from exc
+        try:
+            self.manifest = CacheManifest.decode(raw)
+        except ValidationError as exc:
+            raise CacheError(
+                f"invalid cache manifest in {self.directory}: {describe_error(exc)[1]}"
+            ) from exc
+
+    def missing_shards(self) -> list[int]:
+        return [
+            k for k in range(self.manifest.num_shards) if not shard_path(self.directory, k).exists()
+        ]
+
+    def _check_complete(self) -> None:
+        missing = self.missing_shards()
+        if missing:
+            raise CacheError(
+                f"cache {str(self.directory)!r} is incomplete: {len(missing)} of "
+                f"{self.manifest.num_shards} shards missing (first {missing[:5]}); "
+                "run `probeguard cache build` again to resume"
+            )
+
+    def errors(self) -> dict[int, str]:
+        """Source rows the extractor skipped, with the reason."""
+        out: dict[int, str] = {}
+        for k in range(self.manifest.num_shards):
+            with safe_open(shard_path(self.directory, k), framework="pt") as f:
+                out.update({int(r): e for r, e in json.loads(f.metadata()["errors"]).items()})
+        return out
+
+    def dataset(
+        self,
+        features: Features,
+        layers: list[int],
+        target: Literal["label", "labels"] = "label",
+    ) -> ProbeDataset:
+        """Load ``features`` of ``layers`` for every cached row, with ``target`` as targets."""
+        m = self.manifest
+        self._check_complete()
+        stored = m.token_layers if features == "tokens" else m.summary_layers
+        if features != "tokens" and features not in m.summaries:
+            raise CacheError(f"cache has summaries {m.summaries}, not {features!r}; use tokens")
+        missing = sorted(set(layers) - set(stored))
+        if missing:
+            raise CacheError(
+                f"cache stores {features} for layers {stored}; layers {missing} are missing"
+            )
+        if target == "labels" and not m.has_labels_field:
+            raise CacheError(
+                "the cached file has no 'labels' field: multilabel targets unavailable"
+            )
+        pick = torch.tensor([stored.index(i) for i in layers])
+        key = "tokens" if features == "tokens" else f"summary.{features}"
+        parts, lengths, targets, ids = [], [], [], []
+        for k in range(m.num_shards):
+            with safe_open(shard_path(self.directory, k), framework="pt") as f:
+                ids += json.loads(f.metadata()["ids"])
+                lengths.append(f.get_tensor("length"))
+                targets.append(f.get_tensor(target))
+                data = f.get_tensor(key)
+                parts.append(data[:, pick] if features == "tokens" else data[pick])
+        length = torch.cat(lengths)
+        if target == "label":
+            y = torch.cat(targets)
+            if (y < 0).any():
+                raise CacheError("some cached rows have no 'label': multiclass targets unavailable")
+            names, task = list(m.label_vocab), "multiclass"
+        else:
+            y, names, task = torch.cat(targets).float(), list(m.labels_vocab), "multilabel"
+        if features == "tokens":
+            offsets = torch.cat([torch.zeros(1, dtype=torch.int64), length.cumsum(0)])
+            return ProbeDataset(
+                layers, names, task, y, ids, tokens=torch.cat(parts), offsets=offsets
+            )  # type: ignore[arg-type]
+        return ProbeDataset(layers, names, task, y, ids, summaries=torch.cat(parts, dim=1))  # type: ignore[arg-type]

@@ -1,0 +1,201 @@
+"""Checkpoints: safetensors tensors + a JSON :class:`CheckpointManifest`. Never pickle.
+
+The byte-level pair is what the Redis registry stores as two values; the file
+functions put the same two blobs in a directory (``tensors.safetensors`` and
+``manifest.json``). Loading checks, in order: the manifest parses, the sha256
+of the tensor bytes matches the manifest, the HMAC signature (when a key is
+given), the LLM fingerprint, then the tensor names, shapes and values against
+a probe freshly built from the manifest's spec. Any failure raises
+:class:`CheckpointError` (or :class:`IncompatibleCheckpoint`) naming the value.
+
+>>> blob, manifest = checkpoint_to_bytes(probe, llm=fingerprint)      # doctest: +SKIP
+>>> probe2, m = probe_from_bytes(blob, manifest, expected_fingerprint=fingerprint)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from datetime import datetime
+from pathlib import Path
+
+import torch
+from pydantic import ValidationError
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from probes._io import atomic_write
+from probes.errors import CheckpointError, IncompatibleCheckpoint
+from probes.probe import Probe, build_probe
+from schemas import CheckpointManifest, LLMFingerprint, Stage, TrainingCounters, describe_error
+from schemas.messages import utcnow
+
+__all__ = [
+    "MANIFEST_FILE",
+    "TENSORS_FILE",
+    "checkpoint_to_bytes",
+    "load_checkpoint",
+    "probe_from_bytes",
+    "save_checkpoint",
+    "sign",
+]
+
+FORMAT = "probeguard-probe/1"
+TENSORS_FILE = "tensors.safetensors"
+MANIFEST_FILE = "manifest.json"
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sign(manifest: CheckpointManifest, tensor_bytes: bytes, key: bytes) -> str:
+    """HMAC-SHA256 over the manifest (without its signature) and the tensor bytes."""
+    unsigned = manifest.model_copy(update={"signature": None}).encode()
+    return hmac.new(key, unsigned + b"\0" + tensor_bytes, hashlib.sha256).hexdigest()
+
+
+def checkpoint_to_bytes(
+    probe: Probe,
+    *,
+    llm: LLMFingerprint,
+    version: int = 0,
+    parent: int | None = None,
+    counters: TrainingCounters | None = None,
+    metrics: dict[str, float] | None = None,
+    stage: Stage = "candidate",
+    created_at: datetime | None = None,
+    signing_key: bytes | None = None,
+) -> tuple[bytes, bytes]:
+    """Serialize ``probe`` to ``(safetensors bytes, manifest JSON bytes)``."""
+    tensors = {
+        k: v.detach().to("cpu", torch.float32).contiguous() for k, v in probe.state_dict().items()
+    }
+    blob = st_save(tensors, metadata={"format": FORMAT, "probe": probe.spec.name})
+    try:
+        manifest = CheckpointManifest(
+            probe=probe.spec.name,
+            version=version,
+            parent=parent,
+            created_at=created_at or utcnow(),
+            spec=probe.spec,
+            llm=llm,
+            tensors_sha256=_sha256(blob),
+            counters=counters or TrainingCounters(),
+            metrics={k: float(v) for k, v in (metrics or {}).items()},
+            stage=stage,
+        )
+    except ValidationError as exc:
+        raise CheckpointError(
+            f"cannot describe probe {probe.spec.name!r}: {describe_error(exc)[1]}"
+        ) from exc
+    if signing_key is not None:
+        manifest = manifest.model_copy(update={"signature": sign(manifest, blob, signing_key)})
+    return blob, manifest.encode()
+
+
+def _fingerprint_diff(got: LLMFingerprint, want: LLMFingerprint) -> str:
+    diffs = []
+    for field in type(want).model_fields:
+        a, b = getattr(got, field), getattr(want, field)
+        if a != b:
+            diffs.append(f"{field}: checkpoint {a!r} vs this LLM {b!r}")
+    return "; ".join(diffs)
+
+
+def _check_tensors(probe: Probe, tensors: dict[str, torch.Tensor], name: str) -> None:
+    expected = {k: tuple(v.shape) for k, v in probe.state_dict().items()}
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise IncompatibleCheckpoint(
+            f"checkpoint {name!r} tensors do not fit its spec: "
+            f"missing {missing}, unexpected {unexpected}"
+        )
+    for key, shape in expected.items():
+        got = tuple(tensors[key].shape)
+        if got != shape:
+            raise IncompatibleCheckpoint(
+                f"checkpoint {name!r} tensor {key!r} has shape {got}, spec needs {shape}"
+            )
+        if not torch.isfinite(tensors[key]).all():
+            raise CheckpointError(f"checkpoint {name!r} tensor {key!r} holds NaN or inf")
+
+
+def probe_from_bytes(
+    tensor_bytes: bytes,
+    manifest_json: bytes | str,
+    expected_fingerprint: LLMFingerprint | None,
+    *,
+    signing_key: bytes | None = None,
+) -> tuple[Probe, CheckpointManifest]:
+    """Rebuild a probe from the two blobs, verifying everything (see the module docstring).
+
+    ``expected_fingerprint`` is the LLM this process runs; ``None`` skips that check
+    and is meant for offline inspection only.
+    """
+    try:
+        manifest = CheckpointManifest.decode(manifest_json)
+    except ValidationError as exc:
+        raise CheckpointError(f"invalid checkpoint manifest: {describe_error(exc)[1]}") from exc
+    name = f"{manifest.probe}@{manifest.version}"
+    digest = _sha256(tensor_bytes)
+    if digest != manifest.tensors_sha256:
+        raise CheckpointError(
+            f"checkpoint {name!r}: tensor sha256 {digest[:16]}… does not match the manifest's "
+            f"{manifest.tensors_sha256[:16]}… (corrupt or tampered)"
+        )
+    if signing_key is not None:
+        if manifest.signature is None:
+            raise CheckpointError(
+                f"checkpoint {name!r} is unsigned but a signing key is configured"
+            )
+        if not hmac.compare_digest(manifest.signature, sign(manifest, tensor_bytes, signing_key)):
+            raise CheckpointError(f"checkpoint {name!r}: signature does not verify")
+    if expected_fingerprint is not None and manifest.llm != expected_fingerprint:
+        raise IncompatibleCheckpoint(
+            f"checkpoint {name!r} was trained on another LLM: "
+            f"{_fingerprint_diff(manifest.llm, expected_fingerprint)}"
+        )
+    try:
+        tensors = st_load(tensor_bytes)
+    except (SafetensorError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {name!r}: unreadable safetensors data: {exc}") from exc
+    probe = build_probe(manifest.spec)
+    _check_tensors(probe, tensors, name)
+    probe.load_state_dict(tensors, strict=True)
+    probe.eval()
+    return probe, manifest
+
+
+def save_checkpoint(
+    probe: Probe, directory: str | os.PathLike[str], **kwargs: object
+) -> CheckpointManifest:
+    """Write ``tensors.safetensors`` then ``manifest.json`` into ``directory`` (atomically each).
+
+    Keyword arguments are those of :func:`checkpoint_to_bytes`.
+    """
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    blob, manifest = checkpoint_to_bytes(probe, **kwargs)  # type: ignore[arg-type]
+    atomic_write(out / TENSORS_FILE, blob)
+    atomic_write(out / MANIFEST_FILE, manifest)
+    return CheckpointManifest.decode(manifest)
+
+
+def load_checkpoint(
+    directory: str | os.PathLike[str],
+    expected_fingerprint: LLMFingerprint | None,
+    *,
+    signing_key: bytes | None = None,
+) -> tuple[Probe, CheckpointManifest]:
+    """Load and verify a checkpoint directory written by :func:`save_checkpoint`."""
+    path = Path(directory)
+    try:
+        blob = (path / TENSORS_FILE).read_bytes()
+        manifest = (path / MANIFEST_FILE).read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {str(path)!r}: {exc}") from exc
+    return probe_from_bytes(blob, manifest, expected_fingerprint, signing_key=signing_key)

@@ -1,0 +1,55 @@
+"""From probabilities to decisions: predicted labels and the flag, using the spec's thresholds.
+
+- multilabel: label ``l`` is predicted when ``p_l >= thresholds.get(l, 0.5)``.
+- multiclass: a flag label with a threshold is predicted when ``p_l`` reaches it
+  (the most probable such label wins); otherwise the arg-max over the labels
+  that have no threshold. With no thresholds this is the plain arg-max.
+- flagged: any flag label is predicted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from schemas import ProbeSpec
+
+__all__ = ["Decision", "decide"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Decisions for a batch: ``predicted`` is ``[B]`` class indices (multiclass) or a
+    ``[B, C]`` bool matrix (multilabel); ``flagged`` is ``[B]`` bool."""
+
+    predicted: Tensor
+    flagged: Tensor
+
+    def label_names(self, spec: ProbeSpec) -> list[list[str]]:
+        """Predicted label names per row."""
+        if self.predicted.dim() == 1:
+            return [[spec.labels[i]] for i in self.predicted.tolist()]
+        return [
+            [spec.labels[j] for j in row.nonzero().flatten().tolist()] for row in self.predicted
+        ]
+
+
+def _thresholds(spec: ProbeSpec, default: float) -> Tensor:
+    return torch.tensor([spec.thresholds.get(label, default) for label in spec.labels])  # [C]
+
+
+def decide(spec: ProbeSpec, probs: Tensor) -> Decision:
+    """Apply ``spec``'s thresholds to probabilities ``[B, C]``."""
+    flag = torch.tensor([label in spec.flag_labels for label in spec.labels])  # [C]
+    if spec.task == "multilabel":
+        predicted = probs >= _thresholds(spec, 0.5)[None]  # [B, C]
+        return Decision(predicted, (predicted & flag[None]).any(dim=1))
+    has_t = torch.tensor([label in spec.thresholds for label in spec.labels])  # [C]
+    passing = has_t[None] & (probs >= _thresholds(spec, 2.0)[None])  # [B, C]
+    free = probs.masked_fill(has_t[None], float("-inf")) if not has_t.all() else probs
+    best_free = free.argmax(dim=1)  # [B]
+    best_passing = probs.masked_fill(~passing, float("-inf")).argmax(dim=1)  # [B]
+    predicted = torch.where(passing.any(dim=1), best_passing, best_free)  # [B]
+    return Decision(predicted, flag[predicted])

@@ -1,0 +1,46 @@
+"""Scoring gate: a learned softmax over tokens, one gate per layer.
+
+For layer ``l`` and token ``t``: ``a_t = softmax_t(tanh(w_l · h_t + b_l))`` with
+padding at ``-inf``, and the summary is ``Σ_t a_t h_t``. ``tanh`` bounds each
+score to [-1, 1], so the gate re-weights tokens (up to e² ≈ 7.4× between two
+tokens) rather than picking a single one — robust with few labels. ``D + 1``
+parameters per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from probes.registry import register_token_pool
+from schemas import ProbeSpec
+
+__all__ = ["ScoringGate"]
+
+
+@register_token_pool("gate")
+class ScoringGate(nn.Module):
+    """Per-layer attention pooling with a bounded (tanh) score."""
+
+    separable: ClassVar[bool] = False
+
+    def __init__(self, spec: ProbeSpec) -> None:
+        super().__init__()
+        L, D = len(spec.layers), spec.hidden_size
+        # Scores start near 0 (close to mean pooling) but not at 0, so w gets a gradient.
+        self.weight = nn.Parameter(torch.randn(L, D) / math.sqrt(D))  # [L, D]
+        self.bias = nn.Parameter(torch.zeros(L))  # [L]
+
+    def scores(self, hidden: Tensor, mask: Tensor) -> Tensor:
+        """Token weights ``[L, B, T]`` (each row sums to 1 over real tokens)."""
+        raw = torch.einsum("lbtd,ld->lbt", hidden, self.weight) + self.bias[:, None, None]
+        raw = torch.tanh(raw).masked_fill(~mask[None], float("-inf"))  # [L, B, T]
+        return torch.softmax(raw, dim=-1)
+
+    def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:  # [L, B, T, D], [B, T]
+        hidden = hidden.masked_fill(~mask[None, :, :, None], 0.0)  # padding may hold NaN
+        a = self.scores(hidden, mask)  # [L, B, T]
+        return torch.einsum("lbt,lbtd->lbd", a, hidden)  # [L, B, D]

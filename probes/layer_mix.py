@@ -1,0 +1,71 @@
+"""Layer aggregation: ``[L, B, D]`` per-layer summaries -> ``[B, D]``.
+
+- ``single``: the one layer the spec names (the classic probe baseline).
+- ``scalar_mix``: ELMo's ``γ · Σ_l softmax(s)_l · z_l``; one weight per layer,
+  the same for every input.
+- ``gate``: a learned gate over layers, ``softmax_l(u · z_l + c_l)``, computed per
+  input, so the probe can lean on different layers for different messages.
+
+Every mix reports the layer weights it used (``[L, B]``) for monitoring.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from probes.registry import register_layer_mix
+from schemas import ProbeSpec
+
+__all__ = ["LayerGate", "ScalarMix", "SingleLayer"]
+
+
+@register_layer_mix("single")
+class SingleLayer(nn.Module):
+    """Reads exactly one layer; its weight is always 1."""
+
+    def __init__(self, spec: ProbeSpec) -> None:
+        super().__init__()
+
+    def weights(self, pooled: Tensor) -> Tensor:  # [1, B, D] -> [1, B]
+        return pooled.new_ones(pooled.shape[:2])
+
+    def forward(self, pooled: Tensor) -> Tensor:  # [1, B, D]
+        return pooled[0]  # [B, D]
+
+
+@register_layer_mix("scalar_mix")
+class ScalarMix(nn.Module):
+    """ELMo scalar mix: softmax-normalized layer weights times a learned scale γ."""
+
+    def __init__(self, spec: ProbeSpec) -> None:
+        super().__init__()
+        self.logits = nn.Parameter(torch.zeros(len(spec.layers)))  # [L], uniform at start
+        self.gamma = nn.Parameter(torch.ones(()))
+
+    def weights(self, pooled: Tensor) -> Tensor:  # [L, B, D] -> [L, B]
+        return torch.softmax(self.logits, dim=0)[:, None].expand(pooled.shape[:2])
+
+    def forward(self, pooled: Tensor) -> Tensor:  # [L, B, D]
+        w = torch.softmax(self.logits, dim=0)  # [L]
+        return self.gamma * torch.einsum("l,lbd->bd", w, pooled)  # [B, D]
+
+
+@register_layer_mix("gate")
+class LayerGate(nn.Module):
+    """A per-input softmax gate over layers: ``softmax_l(u · z_l + c_l)``."""
+
+    def __init__(self, spec: ProbeSpec) -> None:
+        super().__init__()
+        D = spec.hidden_size
+        self.query = nn.Parameter(torch.randn(D) / (10 * math.sqrt(D)))  # [D], near-uniform
+        self.prior = nn.Parameter(torch.zeros(len(spec.layers)))  # [L]
+
+    def weights(self, pooled: Tensor) -> Tensor:  # [L, B, D] -> [L, B]
+        scores = torch.einsum("lbd,d->lb", pooled, self.query) + self.prior[:, None]
+        return torch.softmax(scores, dim=0)
+
+    def forward(self, pooled: Tensor) -> Tensor:  # [L, B, D]
+        return torch.einsum("lb,lbd->bd", self.weights(pooled), pooled)  # [B, D]

@@ -1,0 +1,182 @@
+"""Evaluation metrics (numpy; no scikit-learn dependency) and threshold selection.
+
+- :func:`average_precision` is AUPRC as scikit-learn's ``average_precision_score``
+  computes it (step-wise, no interpolation).
+- :func:`best_f1_threshold` picks the threshold that maximizes F1 on a split.
+- :func:`evaluate` is the full report ``eval`` prints: F1 at the chosen
+  thresholds, AUPRC, accuracy, per-class precision/recall, confusion matrix.
+
+Headline ``f1``/``auprc``: when the spec has flag labels, the binary "flagged"
+decision (the moderation outcome); otherwise the macro average over classes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from probes.decision import decide
+from schemas import ProbeSpec
+
+__all__ = ["average_precision", "best_f1_threshold", "choose_thresholds", "evaluate"]
+
+
+def _ranked(y: np.ndarray, score: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Distinct thresholds (descending) with true and false positives at each."""
+    order = np.argsort(-score, kind="mergesort")
+    s, yt = score[order], y[order].astype(np.int64)
+    last = np.r_[np.nonzero(np.diff(s))[0], len(s) - 1]  # last index of each distinct score
+    tps = np.cumsum(yt)[last]
+    fps = (last + 1) - tps
+    return s[last], tps, fps
+
+
+def average_precision(y: np.ndarray, score: np.ndarray) -> float:
+    """AUPRC of scores for binary targets; NaN when there is no positive."""
+    y = np.asarray(y).astype(bool)
+    if y.sum() == 0:
+        return float("nan")
+    _, tps, fps = _ranked(y, np.asarray(score, dtype=np.float64))
+    precision = tps / (tps + fps)
+    recall = tps / tps[-1]
+    return float(np.sum(np.diff(np.r_[0.0, recall]) * precision))
+
+
+def best_f1_threshold(y: np.ndarray, score: np.ndarray) -> tuple[float, float]:
+    """``(threshold, F1)`` maximizing F1 of ``score >= threshold``.
+
+    The threshold sits halfway between the chosen score and the next lower
+    one, so a slightly shifted score distribution keeps the same decisions.
+    With no positive, returns ``(0.5, 0.0)``.
+    """
+    y = np.asarray(y).astype(bool)
+    if y.sum() == 0 or len(y) == 0:
+        return 0.5, 0.0
+    s, tps, fps = _ranked(y, np.asarray(score, dtype=np.float64))
+    f1 = 2 * tps / (2 * tps + fps + (tps[-1] - tps))
+    i = int(np.argmax(f1))
+    lower = s[i + 1] if i + 1 < len(s) else min(0.0, s[i])
+    return float((s[i] + lower) / 2), float(f1[i])
+
+
+def _prf(tp: float, fp: float, fn: float) -> tuple[float, float, float]:
+    p = tp / (tp + fp) if tp + fp else 0.0
+    r = tp / (tp + fn) if tp + fn else 0.0
+    f = 2 * p * r / (p + r) if p + r else 0.0
+    return p, r, f
+
+
+def _truth(spec: ProbeSpec, targets: Tensor) -> np.ndarray:
+    """Targets as a ``[N, C]`` bool matrix (one-hot for multiclass)."""
+    C = len(spec.labels)
+    if spec.task == "multiclass":
+        return np.eye(C, dtype=bool)[targets.numpy()]
+    return targets.numpy() > 0.5
+
+
+def choose_thresholds(spec: ProbeSpec, probs: Tensor, targets: Tensor) -> dict[str, float]:
+    """Per-label thresholds that maximize F1 on this split.
+
+    Multiclass: one for each flag label (none without flag labels: arg-max).
+    Multilabel: one for every label that has a positive on this split.
+    """
+    truth, p = _truth(spec, targets), probs.double().numpy()
+    wanted = spec.flag_labels if spec.task == "multiclass" else spec.labels
+    out: dict[str, float] = {}
+    for label in wanted:
+        j = spec.labels.index(label)
+        if truth[:, j].any():
+            out[label] = min(1.0, max(0.0, best_f1_threshold(truth[:, j], p[:, j])[0]))
+    return out
+
+
+def _flag_score(spec: ProbeSpec, p: np.ndarray) -> np.ndarray:
+    idx = [spec.labels.index(label) for label in spec.flag_labels]
+    if spec.task == "multiclass":
+        return p[:, idx].sum(axis=1)  # P(any flag class)
+    return p[:, idx].max(axis=1)
+
+
+def evaluate(spec: ProbeSpec, probs: Tensor, targets: Tensor) -> dict[str, Any]:
+    """The full report for probabilities ``[N, C]`` against targets, at ``spec.thresholds``."""
+    truth, p = _truth(spec, targets), probs.double().numpy()
+    decision = decide(spec, probs)
+    C = len(spec.labels)
+    if spec.task == "multiclass":
+        pred = np.eye(C, dtype=bool)[decision.predicted.numpy()]
+        accuracy = float((pred == truth).all(axis=1).mean())
+    else:
+        pred = decision.predicted.numpy()
+        accuracy = float((pred == truth).all(axis=1).mean())  # exact match of the label set
+    per_class: dict[str, dict[str, float]] = {}
+    for j, label in enumerate(spec.labels):
+        tp = float((pred[:, j] & truth[:, j]).sum())
+        fp = float((pred[:, j] & ~truth[:, j]).sum())
+        fn = float((~pred[:, j] & truth[:, j]).sum())
+        prec, rec, f1 = _prf(tp, fp, fn)
+        per_class[label] = {
+            "precision": prec,
+            "recall": rec,
+            "f1": f1,
+            "auprc": average_precision(truth[:, j], p[:, j]),
+            "support": int(truth[:, j].sum()),
+            "threshold": spec.thresholds.get(label, float("nan")),
+        }
+    present = [v for v in per_class.values() if v["support"] > 0]
+    report: dict[str, Any] = {
+        "n": len(truth),
+        "task": spec.task,
+        "accuracy": accuracy,
+        "macro_f1": float(np.mean([v["f1"] for v in present])) if present else float("nan"),
+        "macro_auprc": float(np.mean([v["auprc"] for v in present])) if present else float("nan"),
+        "per_class": per_class,
+        "confusion": _confusion(spec, truth, pred, decision.predicted),
+    }
+    if spec.task == "multilabel":
+        tp, fp = float((pred & truth).sum()), float((pred & ~truth).sum())
+        report["micro_f1"] = _prf(tp, fp, float((~pred & truth).sum()))[2]
+    if spec.flag_labels:
+        flag_idx = [spec.labels.index(label) for label in spec.flag_labels]
+        y_flag = truth[:, flag_idx].any(axis=1)
+        fl = decision.flagged.numpy()
+        prec, rec, f1 = _prf(
+            float((fl & y_flag).sum()), float((fl & ~y_flag).sum()), float((~fl & y_flag).sum())
+        )
+        report["flagged"] = {
+            "precision": prec,
+            "recall": rec,
+            "f1": f1,
+            "auprc": average_precision(y_flag, _flag_score(spec, p)),
+            "support": int(y_flag.sum()),
+        }
+        report["f1"], report["auprc"] = f1, report["flagged"]["auprc"]
+        report["headline"] = f"flagged ({', '.join(spec.flag_labels)})"
+    else:
+        report["f1"], report["auprc"] = report["macro_f1"], report["macro_auprc"]
+        report["headline"] = "macro over labels"
+    return report
+
+
+def _confusion(spec: ProbeSpec, truth: np.ndarray, pred: np.ndarray, predicted: Tensor) -> dict:
+    """Multiclass: ``C x C`` counts (rows true, columns predicted). Multilabel: per label
+    ``[[tn, fp], [fn, tp]]``."""
+    if spec.task == "multiclass":
+        C = len(spec.labels)
+        m = torch.zeros(C, C, dtype=torch.int64)
+        m.index_put_(
+            (torch.from_numpy(truth.argmax(axis=1)), predicted),
+            torch.ones(len(truth), dtype=torch.int64),
+            accumulate=True,
+        )
+        return {"labels": list(spec.labels), "matrix": m.tolist()}
+    per_label = {}
+    for j, label in enumerate(spec.labels):
+        t, q = truth[:, j], pred[:, j]
+        per_label[label] = [
+            [int((~t & ~q).sum()), int((~t & q).sum())],
+            [int((t & ~q).sum()), int((t & q).sum())],
+        ]
+    return {"labels": list(spec.labels), "per_label": per_label}

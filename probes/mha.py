@@ -1,0 +1,84 @@
+"""Downcast multi-head attention pooling, one attention block per layer.
+
+Per layer: (optional) LayerNorm, project tokens ``D -> d_inner`` for Q, K and V,
+split into ``num_heads`` heads, scaled-dot-product self-attention over the real
+tokens, masked mean over tokens, project back ``d_inner -> D``. The projected
+summary is added to the plain masked mean (a residual), so an untrained block
+starts close to mean pooling and learns which token interactions matter.
+
+Parameters per layer: ``4·D·d_inner + 3·d_inner + D`` (+ ``2·D`` with LayerNorm).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from probes.pooling import masked_mean
+from probes.registry import register_token_pool
+from schemas import ProbeSpec
+
+__all__ = ["DowncastMHA"]
+
+
+@register_token_pool("mha")
+class DowncastMHA(nn.Module):
+    """Attention over tokens in a small inner dimension, pooled and projected back."""
+
+    separable: ClassVar[bool] = False
+
+    def __init__(self, spec: ProbeSpec) -> None:
+        super().__init__()
+        L, D, d = len(spec.layers), spec.hidden_size, spec.d_inner
+        self.num_heads = spec.num_heads
+        self.dropout = spec.dropout
+        # Recompute attention in the backward pass instead of storing it (set by the trainer).
+        self.gradient_checkpointing = False
+        self.layer_norm = spec.layer_norm
+        if spec.layer_norm:
+            self.norm_weight = nn.Parameter(torch.ones(L, D))  # [L, D]
+            self.norm_bias = nn.Parameter(torch.zeros(L, D))  # [L, D]
+        self.qkv = nn.Parameter(torch.randn(L, D, 3 * d) / math.sqrt(D))  # [L, D, 3d]
+        self.qkv_bias = nn.Parameter(torch.zeros(L, 3 * d))  # [L, 3d]
+        # Small output projection: the block starts as a gentle correction to the mean.
+        self.out = nn.Parameter(0.1 * torch.randn(L, d, D) / math.sqrt(d))  # [L, d, D]
+        self.out_bias = nn.Parameter(torch.zeros(L, D))  # [L, D]
+
+    def _attend(self, x: Tensor, mask: Tensor) -> Tensor:
+        L, B, T, D = x.shape
+        if self.layer_norm:
+            x = F.layer_norm(x, (D,))
+            x = x * self.norm_weight[:, None, None] + self.norm_bias[:, None, None]
+        qkv = torch.einsum("lbtd,lde->lbte", x, self.qkv) + self.qkv_bias[:, None, None]
+        q, k, v = qkv.chunk(3, dim=-1)  # 3 x [L, B, T, d]
+        d = q.shape[-1]
+        H = self.num_heads
+
+        def heads(t: Tensor) -> Tensor:  # [L, B, T, d] -> [L*B, H, T, d/H]
+            return t.reshape(L * B, T, H, d // H).transpose(1, 2)
+
+        keys = mask.repeat(L, 1)[:, None, None, :]  # [L*B, 1, 1, T], True = attend
+        o = F.scaled_dot_product_attention(
+            heads(q),
+            heads(k),
+            heads(v),
+            attn_mask=keys,
+            dropout_p=self.dropout if self.training else 0.0,
+        )  # [L*B, H, T, d/H]
+        o = o.transpose(1, 2).reshape(L, B, T, d)  # [L, B, T, d]
+        pooled = masked_mean(o, mask)  # [L, B, d]
+        return torch.einsum("lbe,led->lbd", pooled, self.out) + self.out_bias[:, None]
+
+    def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:  # [L, B, T, D], [B, T]
+        hidden = hidden.masked_fill(~mask[None, :, :, None], 0.0)  # padding may hold NaN
+        residual = masked_mean(hidden, mask)  # [L, B, D]
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            delta = checkpoint(self._attend, hidden, mask, use_reentrant=False)
+        else:
+            delta = self._attend(hidden, mask)
+        return residual + delta  # [L, B, D]

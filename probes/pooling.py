@@ -1,0 +1,120 @@
+"""Parameter-free token poolings: masked mean, masked max, first and last real token.
+
+Every pooling maps hidden states ``[L, B, T, D]`` and a mask ``[B, T]`` (True on
+real tokens) to one vector per layer and example, ``[L, B, D]``. Padded positions
+may hold anything (even NaN): they never reach the result. "First" and "last"
+are read from the mask, so left and right padding give the same answer.
+
+These four are *separable*: their output is a per-layer summary a cache can
+store once, and any affine per-dimension normalization commutes with them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from probes.registry import register_token_pool
+from schemas import ProbeSpec
+
+__all__ = [
+    "SUMMARIES",
+    "FirstPool",
+    "LastPool",
+    "MaxPool",
+    "MeanPool",
+    "first_token",
+    "last_token",
+    "masked_max",
+    "masked_mean",
+    "real_token_index",
+]
+
+
+def masked_mean(hidden: Tensor, mask: Tensor) -> Tensor:
+    """Mean over real tokens: ``[L, B, T, D]``, ``[B, T]`` -> ``[L, B, D]``."""
+    keep = mask[None, :, :, None]  # [1, B, T, 1]
+    total = hidden.masked_fill(~keep, 0.0).sum(dim=2)  # [L, B, D]
+    count = mask.sum(dim=1).clamp(min=1).to(hidden.dtype)  # [B]
+    return total / count[None, :, None]
+
+
+def real_token_index(mask: Tensor, which: str) -> Tensor:
+    """Position of the first or last real token of each row: ``[B, T]`` -> ``[B]``."""
+    T = mask.shape[1]
+    if which == "first":
+        return mask.to(torch.int8).argmax(dim=1)  # argmax returns the first maximum
+    return (T - 1) - mask.flip(1).to(torch.int8).argmax(dim=1)
+
+
+def _take(hidden: Tensor, index: Tensor) -> Tensor:
+    """``hidden[:, b, index[b], :]`` for every b: ``[L, B, T, D]``, ``[B]`` -> ``[L, B, D]``."""
+    L, B, _, D = hidden.shape
+    idx = index.view(1, B, 1, 1).expand(L, B, 1, D)
+    return hidden.gather(2, idx).squeeze(2)
+
+
+def masked_max(hidden: Tensor, mask: Tensor) -> Tensor:
+    """Per-dimension maximum over real tokens: ``[L, B, T, D]``, ``[B, T]`` -> ``[L, B, D]``."""
+    return hidden.masked_fill(~mask[None, :, :, None], float("-inf")).amax(dim=2)
+
+
+def first_token(hidden: Tensor, mask: Tensor) -> Tensor:
+    """The first real token of each row: ``[L, B, T, D]``, ``[B, T]`` -> ``[L, B, D]``."""
+    return _take(hidden, real_token_index(mask, "first"))
+
+
+def last_token(hidden: Tensor, mask: Tensor) -> Tensor:
+    """The last real token of each row: ``[L, B, T, D]``, ``[B, T]`` -> ``[L, B, D]``."""
+    return _take(hidden, real_token_index(mask, "last"))
+
+
+# The separable poolings by name: what a cache can store as per-layer summaries.
+SUMMARIES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "mean": masked_mean,
+    "max": masked_max,
+    "first": first_token,
+    "last": last_token,
+}
+
+
+class _Pool(nn.Module):
+    separable: ClassVar[bool] = True
+
+    def __init__(self, spec: ProbeSpec) -> None:
+        super().__init__()
+
+
+@register_token_pool("mean")
+class MeanPool(_Pool):
+    """Average of the real tokens of each layer."""
+
+    def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:  # [L, B, T, D], [B, T]
+        return masked_mean(hidden, mask)  # [L, B, D]
+
+
+@register_token_pool("max")
+class MaxPool(_Pool):
+    """Per-dimension maximum over the real tokens of each layer."""
+
+    def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:  # [L, B, T, D], [B, T]
+        return masked_max(hidden, mask)  # [L, B, D]
+
+
+@register_token_pool("first")
+class FirstPool(_Pool):
+    """The first real token (a BOS or chat-template token, when the tokenizer adds one)."""
+
+    def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:  # [L, B, T, D], [B, T]
+        return first_token(hidden, mask)  # [L, B, D]
+
+
+@register_token_pool("last")
+class LastPool(_Pool):
+    """The last real token: in a causal LM the only one that has seen the whole text."""
+
+    def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:  # [L, B, T, D], [B, T]
+        return last_token(hidden, mask)  # [L, B, D]

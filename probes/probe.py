@@ -1,0 +1,213 @@
+"""The probe: normalize -> pool tokens per layer -> mix layers -> linear head.
+
+::
+
+    hidden [L, B, T, D] + mask [B, T]                (token-level states), or
+    pooled [L, B, D]                                 (cached summaries, separable pools)
+        -> (h - shift) / scale   per layer and dim   (training-set statistics; buffers)
+        -> token pool            [L, B, D]
+        -> layer mix             [B, D]
+        -> dropout, linear head  [B, C] logits
+
+``L`` is ``len(spec.layers)``, in the spec's order. The normalization is a
+fixed per-(layer, dimension) affine map, so it commutes with mean, max, first
+and last pooling: a probe trained on cached summaries scores token-level
+states identically.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+# Imported for their registration side effect.
+from probes import gate, layer_mix, mha, pooling  # noqa: F401
+from probes.errors import ProbeError
+from probes.registry import LAYER_MIXES, TOKEN_POOLS
+from schemas import ProbeSpec
+
+__all__ = ["Probe", "build_probe", "weight_entropy"]
+
+
+def weight_entropy(weights: Tensor) -> float:
+    """Shannon entropy (nats) of a weight vector ``[L]``; ``log L`` is uniform, 0 is collapsed."""
+    w = weights.detach().clamp_min(1e-12)
+    return max(0.0, float(-(w * w.log()).sum()))
+
+
+class Probe(nn.Module):
+    """A trainable probe built from a :class:`ProbeSpec`.
+
+    >>> spec = ProbeSpec(name="tox", token_pool="mean", layer_mix="scalar_mix", layers=[1, 2],
+    ...                  hidden_size=8, task="multiclass", labels=["ok", "toxic"])
+    >>> probe = build_probe(spec, seed=0)
+    >>> probe.predict_proba_many(torch.randn(2, 3, 5, 8), torch.ones(3, 5, dtype=torch.bool)).shape
+    torch.Size([3, 2])
+    """
+
+    def __init__(self, spec: ProbeSpec) -> None:
+        super().__init__()
+        if spec.token_pool not in TOKEN_POOLS:
+            raise ProbeError(
+                f"unknown token_pool {spec.token_pool!r}; known: {sorted(TOKEN_POOLS)}"
+            )
+        if spec.layer_mix not in LAYER_MIXES:
+            raise ProbeError(f"unknown layer_mix {spec.layer_mix!r}; known: {sorted(LAYER_MIXES)}")
+        self._spec = spec
+        L, D, C = len(spec.layers), spec.hidden_size, len(spec.labels)
+        self.register_buffer("shift", torch.zeros(L, D))  # [L, D]
+        self.register_buffer("scale", torch.ones(L, D))  # [L, D]
+        self.pool = TOKEN_POOLS[spec.token_pool](spec)
+        self.mix = LAYER_MIXES[spec.layer_mix](spec)
+        self.drop = nn.Dropout(spec.dropout)
+        self.head = nn.Linear(D, C)
+
+    # --- description -----------------------------------------------------
+    @property
+    def spec(self) -> ProbeSpec:
+        """The spec this probe was built from (with its current thresholds)."""
+        return self._spec
+
+    def set_thresholds(self, thresholds: dict[str, float]) -> None:
+        """Replace the decision thresholds in the spec (validated like any spec)."""
+        data = self._spec.model_dump()
+        data["thresholds"] = {k: float(v) for k, v in thresholds.items()}
+        self._spec = ProbeSpec.model_validate(data)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Hidden-state indices this probe reads; the extractor may stop at the last one."""
+        return tuple(self._spec.layers)
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return tuple(self._spec.labels)
+
+    @property
+    def separable(self) -> bool:
+        """True when the probe can score cached per-layer summaries ``[L, B, D]``."""
+        return bool(getattr(self.pool, "separable", False))
+
+    def num_parameters(self) -> int:
+        """Trainable parameters (normalization statistics are buffers, not counted)."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+    @torch.no_grad()
+    def set_input_stats(self, shift: Tensor, scale: Tensor) -> None:
+        """Set the per-(layer, dimension) normalization ``(h - shift) / scale``; both ``[L, D]``."""
+        want = tuple(self.shift.shape)
+        for name, t in (("shift", shift), ("scale", scale)):
+            if tuple(t.shape) != want:
+                raise ProbeError(f"{name} has shape {tuple(t.shape)}, expected {want}")
+            if not torch.isfinite(t).all():
+                raise ProbeError(f"{name} holds non-finite values")
+        if (scale <= 0).any():
+            raise ProbeError(f"scale must be positive; smallest is {float(scale.min()):.3g}")
+        self.shift.copy_(shift)
+        self.scale.copy_(scale)
+
+    # --- scoring ---------------------------------------------------------
+    def _check(self, hidden: Tensor, mask: Tensor | None) -> None:
+        L, D = len(self._spec.layers), self._spec.hidden_size
+        if hidden.dim() == 4:
+            if mask is None:
+                raise ProbeError("token-level hidden states [L, B, T, D] need a mask [B, T]")
+            if mask.dtype != torch.bool or tuple(mask.shape) != tuple(hidden.shape[1:3]):
+                raise ProbeError(
+                    f"mask must be bool {tuple(hidden.shape[1:3])}, got {mask.dtype} "
+                    f"{tuple(mask.shape)}"
+                )
+            empty = (~mask.any(dim=1)).nonzero().flatten().tolist()
+            if empty:
+                raise ProbeError(f"rows {empty[:10]} of the batch have no real token")
+        elif hidden.dim() == 3:
+            if mask is not None:
+                raise ProbeError("pooled summaries [L, B, D] take no mask")
+            if not self.separable:
+                raise ProbeError(
+                    f"token_pool {self._spec.token_pool!r} needs token-level states, "
+                    "not pooled summaries"
+                )
+        else:
+            raise ProbeError(f"hidden states must be [L, B, T, D] or [L, B, D], got {hidden.shape}")
+        if hidden.shape[0] != L or hidden.shape[-1] != D:
+            raise ProbeError(
+                f"hidden states have {hidden.shape[0]} layers of size {hidden.shape[-1]}; "
+                f"the probe reads {L} layers {list(self._spec.layers)} of size {D}"
+            )
+
+    def summarize(self, hidden: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Normalized per-layer summaries ``[L, B, D]`` (before the layer mix)."""
+        self._check(hidden, mask)
+        hidden = hidden.to(self.shift.dtype)
+        shift, scale = self.shift[:, None], self.scale[:, None]  # [L, 1, D]
+        if mask is None:  # cached summaries [L, B, D] (checked above)
+            return (hidden - shift) / scale
+        if self.separable:  # pool first: cheaper, and equal because the map is affine
+            return (self.pool(hidden, mask) - shift) / scale
+        return self.pool((hidden - shift[:, None]) / scale[:, None], mask)
+
+    def forward(self, hidden: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Logits ``[B, C]`` from ``[L, B, T, D]`` + ``[B, T]`` or from summaries ``[L, B, D]``."""
+        mixed = self.mix(self.summarize(hidden, mask))  # [B, D]
+        return self.head(self.drop(mixed))  # [B, C]
+
+    def probabilities(self, logits: Tensor) -> Tensor:
+        """Softmax (multiclass) or sigmoid (multilabel) of logits ``[B, C]``."""
+        if self._spec.task == "multiclass":
+            return torch.softmax(logits, dim=-1)
+        return torch.sigmoid(logits)
+
+    @torch.no_grad()
+    def predict_proba_many(self, hidden: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Probabilities ``[B, C]`` in label order, in eval mode, without gradients."""
+        was_training = self.training
+        self.eval()
+        try:
+            return self.probabilities(self(hidden, mask))
+        finally:
+            self.train(was_training)
+
+    # --- monitoring ------------------------------------------------------
+    @torch.no_grad()
+    def layer_weights(self, hidden: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
+        """Mean layer weights ``[L]`` over a batch; without a batch, the input-free weights.
+
+        For ``scalar_mix`` and ``single`` the weights do not depend on the input.
+        For ``gate`` they do: without a batch this returns ``softmax(prior)``.
+        """
+        if hidden is None:
+            prior = getattr(self.mix, "prior", None)
+            logits = getattr(self.mix, "logits", prior)
+            if logits is None:
+                return torch.ones(1)
+            return torch.softmax(logits.detach(), dim=0)
+        return self.mix.weights(self.summarize(hidden, mask)).mean(dim=1)  # [L]
+
+    def layer_entropy(self, hidden: Tensor | None = None, mask: Tensor | None = None) -> float:
+        """Entropy (nats) of :meth:`layer_weights`; near 0 means the mix collapsed on one layer."""
+        return weight_entropy(self.layer_weights(hidden, mask))
+
+    def extra_repr(self) -> str:
+        s = self._spec
+        return (
+            f"name={s.name!r}, pool={s.token_pool}, mix={s.layer_mix}, layers={s.layers}, "
+            f"labels={len(s.labels)}, params={self.num_parameters()}"
+        )
+
+
+def build_probe(spec: ProbeSpec, *, seed: int | None = None) -> Probe:
+    """Build a fresh probe for ``spec``; with ``seed``, the initial weights are reproducible
+    and the global RNG is left untouched."""
+    if seed is None:
+        return Probe(spec)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Probe(spec)
+
+
+def max_entropy(num_layers: int) -> float:
+    """Entropy of uniform weights over ``num_layers`` layers."""
+    return math.log(num_layers) if num_layers > 1 else 0.0

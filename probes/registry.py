@@ -1,0 +1,49 @@
+"""Registries of token poolings and layer mixes, keyed by their ``ProbeSpec`` names.
+
+A module registers itself with a decorator; :func:`probes.build_probe` looks
+the spec's ``token_pool`` and ``layer_mix`` up here. The contract test runs
+over every registered pair, so a new kind is tested the moment it registers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from torch import nn
+
+__all__ = ["LAYER_MIXES", "TOKEN_POOLS", "probe_kinds", "register_layer_mix", "register_token_pool"]
+
+TOKEN_POOLS: dict[str, type[nn.Module]] = {}
+LAYER_MIXES: dict[str, type[nn.Module]] = {}
+
+M = TypeVar("M", bound=type[nn.Module])
+
+
+def register_token_pool(name: str) -> Callable[[M], M]:
+    """Class decorator: make a token pooling available as ``ProbeSpec.token_pool == name``."""
+
+    def deco(cls: M) -> M:
+        if name in TOKEN_POOLS:
+            raise ValueError(f"token pool {name!r} is already registered")
+        TOKEN_POOLS[name] = cls
+        return cls
+
+    return deco
+
+
+def register_layer_mix(name: str) -> Callable[[M], M]:
+    """Class decorator: make a layer mix available as ``ProbeSpec.layer_mix == name``."""
+
+    def deco(cls: M) -> M:
+        if name in LAYER_MIXES:
+            raise ValueError(f"layer mix {name!r} is already registered")
+        LAYER_MIXES[name] = cls
+        return cls
+
+    return deco
+
+
+def probe_kinds() -> list[tuple[str, str]]:
+    """Every registered ``(token_pool, layer_mix)`` pair, in a stable order."""
+    return [(p, m) for p in sorted(TOKEN_POOLS) for m in sorted(LAYER_MIXES)]

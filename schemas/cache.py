@@ -1,0 +1,95 @@
+"""Offline data: labeled JSONL rows and the manifest of a hidden-state cache."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import AwareDatetime, Field, model_validator
+
+from schemas.base import WireModel
+from schemas.limits import LabelName
+from schemas.probe import LLMFingerprint
+
+__all__ = ["CacheManifest", "CacheSource", "LabeledText", "SummaryKind"]
+
+SummaryKind = Literal["mean", "max", "first", "last"]
+Layer = Annotated[int, Field(ge=0, le=1024)]
+
+
+class LabeledText(WireModel):
+    """One line of a labeled JSONL file: ``{"id", "text", "label"[, "labels"]}``.
+
+    ``label`` is the single class (multiclass); ``labels`` the positive
+    categories (multilabel, empty when none). At least one must be present.
+    """
+
+    id: Annotated[str, Field(min_length=1, max_length=256)]
+    text: Annotated[str, Field(min_length=1, max_length=1_000_000)]
+    label: LabelName | None = None
+    labels: list[LabelName] | None = None
+
+    @model_validator(mode="after")
+    def _some_label(self) -> LabeledText:
+        if self.label is None and self.labels is None:
+            raise ValueError("a row needs 'label' or 'labels'")
+        if not self.text.strip():
+            raise ValueError("text is empty or whitespace only")
+        return self
+
+
+class CacheSource(WireModel):
+    """The labeled file a cache was built from."""
+
+    path: str
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    rows: Annotated[int, Field(ge=0)]
+
+
+class CacheManifest(WireModel):
+    """``manifest.json`` of a hidden-state cache directory.
+
+    Shard ``k`` (``shard-00000.safetensors``, …) holds source rows
+    ``[k * shard_rows, (k + 1) * shard_rows)``. ``token_layers`` are stored
+    token by token (ragged, real tokens only); ``summary_layers`` as one
+    vector per row for each kind in ``summaries``. All hidden states are fp16.
+    """
+
+    schema_version: Literal[1] = 1
+    format: Literal["probeguard-hidden-cache"] = "probeguard-hidden-cache"
+    llm: LLMFingerprint
+    source: CacheSource
+    max_tokens: Annotated[int, Field(ge=1)]
+    truncation: str
+    dtype: Literal["float16"] = "float16"
+    token_layers: list[Layer]
+    summary_layers: list[Layer]
+    summaries: list[SummaryKind]
+    shard_rows: Annotated[int, Field(ge=1, le=1_000_000)]
+    label_vocab: list[LabelName]  # every value of "label", sorted
+    labels_vocab: list[LabelName]  # every category seen in "labels", sorted
+    has_labels_field: bool  # False: the file has no "labels" (multilabel targets unavailable)
+    created_at: AwareDatetime
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CacheManifest:
+        for name in ("token_layers", "summary_layers"):
+            layers = getattr(self, name)
+            if sorted(set(layers)) != layers:
+                raise ValueError(f"{name} must be strictly increasing, got {layers}")
+            if layers and layers[-1] > self.llm.num_layers:
+                raise ValueError(f"{name} reads layer {layers[-1]} beyond {self.llm.num_layers}")
+        if len(set(self.summaries)) != len(self.summaries):
+            raise ValueError(f"summaries repeat: {self.summaries}")
+        if bool(self.summaries) != bool(self.summary_layers):
+            raise ValueError("summaries and summary_layers must be both empty or both set")
+        if not self.token_layers and not self.summary_layers:
+            raise ValueError("a cache must store token_layers or summary_layers")
+        return self
+
+    @property
+    def num_shards(self) -> int:
+        return -(-self.source.rows // self.shard_rows)
+
+    def same_content(self, other: CacheManifest) -> bool:
+        """True when both describe the same cache (creation time aside)."""
+        return self.model_dump(exclude={"created_at"}) == other.model_dump(exclude={"created_at"})

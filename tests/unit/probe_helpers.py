@@ -1,0 +1,68 @@
+"""Small builders shared by the probe tests (synthetic tensors, no LLM)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from schemas import LLMFingerprint, ProbeSpec
+
+D = 16  # hidden size of the synthetic "LLM"
+NUM_LAYERS = 4  # hidden-state indices 0..4
+
+FINGERPRINT = LLMFingerprint(
+    model_id="synthetic/tiny",
+    source_sha256="a" * 64,
+    num_layers=NUM_LAYERS,
+    hidden_size=D,
+    tokenizer_sha256="b" * 64,
+)
+
+
+def make_spec(pool: str, mix: str, task: str = "multiclass", **extra: object) -> ProbeSpec:
+    layers = [2] if mix == "single" else [1, 2, 4]
+    labels = ["ok", "toxic", "spam"]
+    return ProbeSpec(
+        name="contract",
+        token_pool=pool,  # type: ignore[arg-type]
+        layer_mix=mix,  # type: ignore[arg-type]
+        layers=layers,
+        hidden_size=D,
+        task=task,  # type: ignore[arg-type]
+        labels=labels,
+        flag_labels=["toxic"],
+        d_inner=8,
+        num_heads=2,
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+def random_batch(
+    layers: int, batch: int = 6, tokens: int = 7, seed: int = 0
+) -> tuple[Tensor, Tensor]:
+    """Hidden states ``[L, B, T, D]`` and a right-padded mask with varied lengths."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(layers, batch, tokens, D, generator=g)
+    lengths = torch.randint(1, tokens + 1, (batch,), generator=g)
+    lengths[0] = tokens
+    mask = torch.arange(tokens)[None, :] < lengths[:, None]
+    return hidden, mask
+
+
+def toy_task(
+    layers: int, task: str, n: int = 48, tokens: int = 6, seed: int = 1
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A learnable task: each class shifts every real token along its own direction."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(layers, n, tokens, D, generator=g)
+    lengths = torch.randint(2, tokens + 1, (n,), generator=g)
+    mask = torch.arange(tokens)[None, :] < lengths[:, None]
+    # The same class directions for every seed, so two seeds are two splits of one task.
+    directions = 1.5 * torch.randn(3, D, generator=torch.Generator().manual_seed(99))
+    if task == "multiclass":
+        y = torch.randint(0, 3, (n,), generator=g)
+        hidden += directions[y][None, :, None, :]
+        return hidden, mask, y
+    y = (torch.rand(n, 3, generator=g) < 0.4).float()
+    hidden += (y @ directions)[None, :, None, :]
+    return hidden, mask, y

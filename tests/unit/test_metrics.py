@@ -1,0 +1,93 @@
+"""Metrics against hand-computed values and properties."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from probes.metrics import average_precision, best_f1_threshold, choose_thresholds, evaluate
+from schemas import ProbeSpec
+
+
+def test_average_precision_matches_scikit_learn_example() -> None:
+    # The example of sklearn.metrics.average_precision_score's docstring: 0.8333...
+    ap = average_precision(np.array([0, 0, 1, 1]), np.array([0.1, 0.4, 0.35, 0.8]))
+    assert math.isclose(ap, 0.8333333, rel_tol=1e-6)
+
+
+def test_average_precision_with_ties_and_without_positives() -> None:
+    # All scores tied: one threshold, precision = base rate.
+    assert math.isclose(average_precision(np.array([1, 0, 0, 0]), np.zeros(4)), 0.25)
+    assert math.isnan(average_precision(np.zeros(3), np.array([0.1, 0.2, 0.3])))
+
+
+@given(st.lists(st.tuples(st.booleans(), st.floats(0, 1)), min_size=1, max_size=50))
+def test_average_precision_is_bounded(pairs: list[tuple[bool, float]]) -> None:
+    y = np.array([a for a, _ in pairs])
+    s = np.array([b for _, b in pairs])
+    ap = average_precision(y, s)
+    if y.any():
+        assert 0.0 < ap <= 1.0 + 1e-12
+        assert math.isclose(average_precision(y, y.astype(float)), 1.0)  # perfect ranking
+
+
+def test_best_threshold_separates_a_separable_split() -> None:
+    y = np.array([0, 0, 0, 1, 1])
+    s = np.array([0.1, 0.2, 0.3, 0.6, 0.9])
+    t, f1 = best_f1_threshold(y, s)
+    assert f1 == 1.0 and 0.3 < t < 0.6
+
+
+def _binary_spec(**kw: object) -> ProbeSpec:
+    return ProbeSpec(
+        name="tox",
+        token_pool="mean",
+        layer_mix="single",
+        layers=[1],
+        hidden_size=4,
+        task="multiclass",
+        labels=["non-toxic", "toxic"],
+        flag_labels=["toxic"],
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_evaluate_binary_report() -> None:
+    probs_toxic = torch.tensor([0.1, 0.2, 0.35, 0.4, 0.8, 0.9])
+    probs = torch.stack([1 - probs_toxic, probs_toxic], dim=1)
+    y = torch.tensor([0, 0, 1, 0, 1, 1])
+    spec = _binary_spec()
+    thresholds = choose_thresholds(spec, probs, y)
+    assert 0.2 < thresholds["toxic"] < 0.35
+    spec = _binary_spec(thresholds=thresholds)
+    r = evaluate(spec, probs, y)
+    # At the chosen threshold: tp 3, fp 1 (0.4), fn 0.
+    assert math.isclose(r["f1"], 2 * 3 / (2 * 3 + 1))
+    assert r["confusion"]["matrix"] == [[2, 1], [0, 3]]
+    assert math.isclose(r["accuracy"], 5 / 6)
+    assert r["per_class"]["toxic"]["recall"] == 1.0
+    assert math.isclose(r["auprc"], average_precision(y.numpy(), probs_toxic.numpy()))
+
+
+def test_evaluate_multilabel_report() -> None:
+    spec = ProbeSpec(
+        name="mod",
+        token_pool="mean",
+        layer_mix="single",
+        layers=[1],
+        hidden_size=4,
+        task="multilabel",
+        labels=["hate", "sexual"],
+        flag_labels=["hate", "sexual"],
+    )
+    probs = torch.tensor([[0.9, 0.1], [0.2, 0.8], [0.1, 0.1], [0.7, 0.6]])
+    y = torch.tensor([[1, 0], [0, 1], [0, 0], [1, 0]]).float()
+    r = evaluate(spec, probs, y)
+    assert r["confusion"]["per_label"]["sexual"] == [[2, 1], [0, 1]]
+    assert math.isclose(r["accuracy"], 3 / 4)
+    assert r["flagged"]["f1"] == 1.0
+    assert 0 < r["micro_f1"] < 1

@@ -1,0 +1,139 @@
+"""End to end through the CLI: `cache build` -> `fit` -> `eval` with a tiny random LLM."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from probes import load_checkpoint
+from probes.cache import HiddenStateCache
+from tests.tiny_llm import make_tiny_llm
+from tests.unit.offline_helpers import write_labeled
+from worker.cli import main
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("offline")
+    make_tiny_llm(root)  # saved to root/tiny-llama-0
+    write_labeled(root / "train.jsonl", 160, seed=1)
+    write_labeled(root / "val.jsonl", 60, seed=2)
+    return root
+
+
+@pytest.fixture(autouse=True)
+def tiny_model_settings(workspace: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PROBEGUARD_MODEL", str(workspace / "tiny-llama-0"))
+    monkeypatch.setenv("PROBEGUARD_CACHE_DIR", str(workspace / "model-cache"))
+    monkeypatch.setenv("PROBEGUARD_MAX_TOKENS", "64")
+    monkeypatch.setenv("PROBEGUARD_BATCH_SIZE", "8")
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    capsys.readouterr()
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def caches(workspace: Path) -> tuple[Path, Path]:
+    for split in ("train", "val"):
+        argv = ["cache", "build", "--data", str(workspace / f"{split}.jsonl")]
+        argv += ["--out", str(workspace / f"cache-{split}"), "--no-progress", "--shard-rows", "64"]
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("PROBEGUARD_MODEL", str(workspace / "tiny-llama-0"))
+            mp.setenv("PROBEGUARD_CACHE_DIR", str(workspace / "model-cache"))
+            mp.setenv("PROBEGUARD_MAX_TOKENS", "64")
+            assert main(argv) == 0
+    return workspace / "cache-train", workspace / "cache-val"
+
+
+def test_cache_build_reports_size(capsys, caches) -> None:
+    info = run_json(capsys, "cache", "info", str(caches[0]))
+    assert info["rows"] == 160 and info["missing_shards"] == []
+    assert info["token_layers"] == [1, 2, 3, 4] and info["mb_per_1000_messages"] > 0
+
+
+@pytest.mark.parametrize(
+    ("probe", "mix", "target"),
+    [("gate", "scalar_mix", "label"), ("mha", "gate", "label"), ("mean", "scalar_mix", "labels")],
+)
+def test_fit_then_eval(capsys, caches, workspace, probe, mix, target) -> None:
+    ckpt = workspace / f"ckpt-{probe}-{target}"
+    fitted = run_json(
+        capsys,
+        "fit",
+        "--cache",
+        str(caches[0]),
+        "--val-cache",
+        str(caches[1]),
+        "--probe",
+        probe,
+        "--layer-mix",
+        mix,
+        "--target",
+        target,
+        "--out",
+        str(ckpt),
+        "--lr",
+        "1e-2",
+        "--epochs",
+        "20",
+        "--batch-size",
+        "32",
+        *(["--grad-checkpointing"] if probe == "mha" else []),
+    )
+    assert fitted["val_f1"] > 0.75, fitted  # ~0.52 for flagging everything
+    assert fitted["parameters"] > 0 and fitted["thresholds"]
+    _, manifest = load_checkpoint(ckpt, HiddenStateCache(caches[0]).manifest.llm)
+    assert manifest.counters.labels_seen == 160 and manifest.metrics["val_f1"] == fitted["val_f1"]
+
+    png = workspace / f"{probe}-{target}.png"
+    on_data = run_json(
+        capsys,
+        "eval",
+        "--checkpoint",
+        str(ckpt),
+        "--data",
+        str(workspace / "val.jsonl"),
+        "--png",
+        str(png),
+    )
+    on_cache = run_json(capsys, "eval", "--checkpoint", str(ckpt), "--cache", str(caches[1]))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for report in (on_data, on_cache):
+        assert report["n"] == 60
+        assert set(report) >= {"f1", "auprc", "accuracy", "per_class", "confusion", "layer_weights"}
+        assert abs(sum(report["layer_weights"]) - 1) < 1e-4
+    # Same rows, same probe: the fp16 cache and fresh extraction agree closely.
+    assert abs(on_cache["auprc"] - fitted["val_auprc"]) < 1e-6
+    assert abs(on_data["auprc"] - on_cache["auprc"]) < 0.02
+    if target == "label":
+        assert sum(map(sum, on_data["confusion"]["matrix"])) == 60
+
+
+def test_eval_refuses_another_llm(capsys, caches, workspace, monkeypatch) -> None:
+    ckpt = workspace / "ckpt-last"
+    argv = ["fit", "--cache", str(caches[0]), "--val-cache", str(caches[1]), "--probe", "last"]
+    assert main([*argv, "--out", str(ckpt), "--epochs", "1"]) == 0
+    other = workspace / "other"
+    other.mkdir(exist_ok=True)
+    make_tiny_llm(other, seed=1)
+    monkeypatch.setenv("PROBEGUARD_MODEL", str(other / "tiny-llama-1"))
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(ckpt), "--data", str(workspace / "val.jsonl")]) == 1
+    err = capsys.readouterr().err
+    assert "was trained on another LLM" in err and "source_sha256: checkpoint" in err
+
+
+def test_fit_errors_are_clear(capsys, caches, workspace) -> None:
+    argv = ["fit", "--cache", str(caches[0]), "--probe", "mean", "--layer-mix", "single"]
+    assert main([*argv, "--out", str(workspace / "x")]) == 1
+    assert "needs --layers with exactly one layer" in capsys.readouterr().err
+    argv = ["fit", "--cache", str(caches[0]), "--probe", "gate", "--layers", "0"]
+    assert main([*argv, "--out", str(workspace / "x")]) == 1
+    assert "layers [0] are missing" in capsys.readouterr().err
+    assert main(["fit", "--cache", str(workspace / "nope"), "--probe", "gate", "--out", "x"]) == 1
+    assert "is not a cache" in capsys.readouterr().err

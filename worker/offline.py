@@ -1,0 +1,254 @@
+"""Offline training and evaluation glue between caches, the probe library and checkpoints.
+
+The CLI commands ``fit`` and ``eval`` are thin wrappers over these functions,
+which the benchmark scripts call directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from probes import Probe, build_probe, load_checkpoint, save_checkpoint
+from probes.cache import HiddenStateCache, features_for
+from probes.dataset import ProbeDataset
+from probes.metrics import evaluate
+from probes.train import FitConfig, FitResult, fit, predict_dataset
+from schemas import LabeledText, LayerMix, ProbeSpec, TokenPool, TrainingCounters
+from worker.errors import OfflineError
+
+__all__ = [
+    "ProbeOptions",
+    "default_flag_labels",
+    "evaluate_on_cache",
+    "evaluate_on_rows",
+    "load_split",
+    "train_probe",
+]
+
+log = logging.getLogger(__name__)
+Target = Literal["label", "labels"]
+
+
+@dataclass(frozen=True)
+class ProbeOptions:
+    """Architecture choices of ``fit`` (everything a ProbeSpec needs besides the data)."""
+
+    pool: TokenPool
+    mix: LayerMix = "scalar_mix"
+    layers: list[int] | None = None  # None: every layer the cache holds for this pool
+    target: Target = "label"
+    flag_labels: list[str] | None = None  # None: see default_flag_labels
+    name: str | None = None
+    d_inner: int = 64
+    num_heads: int = 4
+    layer_norm: bool = True
+    dropout: float = 0.0
+
+
+def default_flag_labels(train: ProbeDataset) -> list[str]:
+    """Binary multiclass: the minority class; multilabel: every label; else none."""
+    if train.task == "multilabel":
+        return list(train.labels)
+    if len(train.labels) == 2:
+        counts = train.class_counts()
+        return [train.labels[int(counts.argmin())]]
+    return []
+
+
+def _layers_for(cache: HiddenStateCache, opts: ProbeOptions) -> list[int]:
+    m = cache.manifest
+    if opts.layers is not None:
+        return opts.layers
+    if opts.mix == "single":
+        raise OfflineError("layer_mix 'single' needs --layers with exactly one layer")
+    summary_ok = opts.pool in m.summaries
+    layers = m.summary_layers if summary_ok else m.token_layers
+    if not layers:
+        raise OfflineError(f"cache {cache.directory} stores no layers usable by pool {opts.pool!r}")
+    return list(layers)
+
+
+def load_split(
+    cache: HiddenStateCache, pool: str, layers: list[int], target: Target
+) -> ProbeDataset:
+    """The features a probe with this pool and these layers trains on, from ``cache``."""
+    return cache.dataset(features_for(pool, layers, cache.manifest), layers, target)
+
+
+def _split(data: ProbeDataset, fraction: float, seed: int) -> tuple[ProbeDataset, ProbeDataset]:
+    """Stratified (by class, or by 'any label' for multilabel) train/validation split."""
+    g = torch.Generator().manual_seed(seed)
+    strata = data.targets if data.task == "multiclass" else (data.targets.sum(1) > 0).long()
+    val_idx = []
+    for value in torch.unique(strata):
+        rows = (strata == value).nonzero().flatten()
+        rows = rows[torch.randperm(len(rows), generator=g)]
+        val_idx.append(rows[: max(1, round(len(rows) * fraction))])
+    val = torch.cat(val_idx).sort().values
+    keep = torch.ones(len(data), dtype=torch.bool)
+    keep[val] = False
+    return data.subset(keep.nonzero().flatten()), data.subset(val)
+
+
+def train_probe(
+    cache: HiddenStateCache,
+    opts: ProbeOptions,
+    config: FitConfig,
+    *,
+    val_cache: HiddenStateCache | None = None,
+    val_fraction: float = 0.1,
+) -> FitResult:
+    """Build a probe for ``opts``, load its features and fit it (see :func:`probes.train.fit`)."""
+    layers = _layers_for(cache, opts)
+    data = load_split(cache, opts.pool, layers, opts.target)
+    if val_cache is not None:
+        if val_cache.manifest.llm != cache.manifest.llm:
+            raise OfflineError(
+                "the validation cache was built with another LLM than the training cache"
+            )
+        train = data
+        val = load_split(val_cache, opts.pool, layers, opts.target).relabel(train.labels)
+    else:
+        train, val = _split(data, val_fraction, config.seed)
+    flags = default_flag_labels(train) if opts.flag_labels is None else opts.flag_labels
+    try:
+        spec = ProbeSpec(
+            name=opts.name or f"{opts.pool}-{opts.mix}".replace("_", "-"),
+            token_pool=opts.pool,
+            layer_mix=opts.mix,
+            layers=layers,
+            hidden_size=cache.manifest.llm.hidden_size,
+            task="multiclass" if opts.target == "label" else "multilabel",
+            labels=train.labels,
+            flag_labels=flags,
+            d_inner=opts.d_inner,
+            num_heads=opts.num_heads,
+            layer_norm=opts.layer_norm,
+            dropout=opts.dropout,
+        )
+    except ValueError as exc:
+        raise OfflineError(f"invalid probe options: {exc}") from exc
+    log.info(
+        "fit %s: %d train / %d validation rows, %s features, layers %s",
+        spec.name,
+        len(train),
+        len(val),
+        "token-level" if train.token_level else "summary",
+        layers,
+    )
+
+    def progress(row: dict[str, float]) -> None:
+        log.info(
+            ", ".join(
+                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
+            )
+        )
+
+    return fit(build_probe(spec, seed=config.seed), train, val, config, progress=progress)
+
+
+def save_fit(result: FitResult, out: Path, cache: HiddenStateCache) -> None:
+    """Write the trained probe as a checkpoint the worker can load (the cache's LLM fingerprint)."""
+    report = result.val_report
+    metrics = {
+        "val_f1": report["f1"],
+        "val_auprc": report["auprc"],
+        "val_accuracy": report["accuracy"],
+        "val_macro_f1": report["macro_f1"],
+        "best_epoch": float(result.best_epoch),
+        "train_seconds": result.seconds,
+    }
+    save_checkpoint(
+        result.probe,
+        out,
+        llm=cache.manifest.llm,
+        counters=TrainingCounters(
+            labels_seen=result.train_rows, steps=result.steps, per_label=result.train_counts
+        ),
+        metrics={k: float(v) for k, v in metrics.items() if v == v},  # drop NaN
+    )
+
+
+def _layer_summary(probe: Probe, weights: torch.Tensor) -> dict[str, Any]:
+    from probes.probe import weight_entropy
+
+    return {
+        "layers": list(probe.layers),
+        "layer_weights": [round(float(w), 6) for w in weights],
+        "layer_entropy": weight_entropy(weights),
+    }
+
+
+def evaluate_on_cache(checkpoint: Path, cache: HiddenStateCache) -> tuple[Probe, dict[str, Any]]:
+    """Load ``checkpoint`` (verified against the cache's LLM) and evaluate it on ``cache``."""
+    probe, manifest = load_checkpoint(checkpoint, cache.manifest.llm)
+    target: Target = "label" if probe.spec.task == "multiclass" else "labels"
+    data = load_split(cache, probe.spec.token_pool, list(probe.spec.layers), target).relabel(
+        list(probe.spec.labels)
+    )
+    probs = predict_dataset(probe, data)
+    weights = torch.zeros(len(probe.layers))
+    for start in range(0, len(data), 128):
+        idx = torch.arange(start, min(start + 128, len(data)))
+        hidden, mask, _ = data.batch(idx)
+        weights += probe.layer_weights(hidden, mask) * len(idx)
+    report = evaluate(probe.spec, probs, data.targets)
+    report.update(_layer_summary(probe, weights / max(1, len(data))))
+    report.update(checkpoint=str(checkpoint), probe=manifest.probe, version=manifest.version)
+    return probe, report
+
+
+def _targets(probe: Probe, rows: Sequence[LabeledText]) -> torch.Tensor:
+    labels = list(probe.spec.labels)
+    if probe.spec.task == "multiclass":
+        unknown = sorted({r.label or "<none>" for r in rows} - set(labels))
+        if unknown:
+            raise OfflineError(
+                f"rows carry labels {unknown} that probe {probe.spec.name!r} "
+                f"does not know: {labels}"
+            )
+        return torch.tensor([labels.index(r.label) for r in rows if r.label is not None])
+    if any(r.labels is None for r in rows):
+        raise OfflineError("a multilabel probe needs 'labels' on every row")
+    unknown = sorted({x for r in rows for x in r.labels or []} - set(labels))
+    if unknown:
+        raise OfflineError(
+            f"rows carry labels {unknown} that probe {probe.spec.name!r} does not know"
+        )
+    y = torch.zeros(len(rows), len(labels))
+    for i, r in enumerate(rows):
+        for x in r.labels or []:
+            y[i, labels.index(x)] = 1.0
+    return y
+
+
+def evaluate_on_rows(
+    checkpoint: Path, rows: Sequence[LabeledText], extractor: Any, batch_size: int = 16
+) -> tuple[Probe, dict[str, Any]]:
+    """Extract ``rows`` with ``extractor`` (only the probe's layers) and evaluate ``checkpoint``."""
+    probe, manifest = load_checkpoint(checkpoint, extractor.fingerprint)
+    targets = _targets(probe, rows)
+    probs, kept, skipped = [], [], {}
+    weights = torch.zeros(len(probe.layers))
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        out = extractor.extract([r.text for r in chunk], list(probe.layers))
+        skipped.update({chunk[p].id: reason for p, reason in out.errors.items()})
+        if out.index:
+            hidden = out.hidden.float()  # [L, B_ok, T, D]
+            probs.append(probe.predict_proba_many(hidden, out.mask))
+            weights += probe.layer_weights(hidden, out.mask) * len(out.index)
+            kept += [start + p for p in out.index]
+    if not kept:
+        raise OfflineError("no row could be extracted")
+    report = evaluate(probe.spec, torch.cat(probs), targets[torch.tensor(kept)])
+    report.update(_layer_summary(probe, weights / len(kept)))
+    report.update(checkpoint=str(checkpoint), probe=manifest.probe, version=manifest.version)
+    report["skipped"] = skipped
+    return probe, report
