@@ -200,7 +200,10 @@ class HiddenStateExtractor:
             for row, reason in failed.items():
                 errors[index[row]] = reason
             keep = [row for row in range(len(index)) if row not in failed]
-            hidden, mask = hidden[:, keep], mask[keep]
+            # Drop the failed rows, and the padding only they needed.
+            width = max((lengths[row] for row in keep), default=0)
+            cols = slice(T - width, T) if self._left_pad else slice(0, width)
+            hidden, mask = hidden[:, keep, cols], mask[keep, cols]
             index = [index[row] for row in keep]
         return Extraction(hidden=hidden, mask=mask, layers=wanted, index=index, errors=errors)
 
@@ -208,7 +211,7 @@ class HiddenStateExtractor:
 
     def _check_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
         wanted = tuple(layers)
-        bad = [i for i in wanted if isinstance(i, bool) or not isinstance(i, int)]
+        bad: list[object] = [i for i in wanted if isinstance(i, bool) or not isinstance(i, int)]
         bad += [i for i in wanted if isinstance(i, int) and not 0 <= i <= self.num_layers]
         if not wanted or bad or len(set(wanted)) != len(wanted):
             raise ExtractionError(
@@ -319,11 +322,11 @@ class HiddenStateExtractor:
             lo = t - n if self._left_pad else 0
             input_ids[r, lo : lo + n] = torch.tensor(piece.ids)
             attention[r, lo : lo + n] = 1
-            dst = starts[piece.row] + piece.offset
+            first = starts[piece.row] + piece.offset  # in the output row
             src_b.append(torch.full((n,), r))
             src_t.append(torch.arange(lo, lo + n))
             dst_b.append(torch.full((n,), piece.row))
-            dst_t.append(torch.arange(dst, dst + n))
+            dst_t.append(torch.arange(first, first + n))
         src = (torch.cat(src_b).to(model_device), torch.cat(src_t).to(model_device))
         dst = (torch.cat(dst_b).to(self.device), torch.cat(dst_t).to(self.device))
         slot = {layer: i for i, layer in enumerate(wanted)}
