@@ -107,7 +107,9 @@ class HiddenStateExtractor:
     """Run the frozen LLM on texts and return the requested layers' hidden states.
 
     ``device`` and ``dtype`` are those of the returned tensors (default: the model's).
-    Calls are serialised by a lock; one extractor can be shared between threads.
+    The returned tensors are ordinary tensors (not inference-mode ones), so they can feed
+    probe training directly. Forward passes are serialised by a lock; one extractor can
+    be shared between threads.
     """
 
     def __init__(
@@ -134,7 +136,6 @@ class HiddenStateExtractor:
         self.dtype = dtype or llm.dtype
         tokenizer = llm.tokenizer
         self._pad_id = int(tokenizer.pad_token_id)
-        self._left_pad = tokenizer.padding_side == "left"
         self._prefix, self._suffix = _special_affixes(tokenizer)
         self._budget = max_tokens - len(self._prefix) - len(self._suffix)  # content tokens
         if self._budget < 1:
@@ -157,6 +158,11 @@ class HiddenStateExtractor:
             batch_size=settings.batch_size,
             max_chunks=settings.max_chunks,
         )
+
+    @property
+    def _left_pad(self) -> bool:
+        # Read per call: the tokenizer's padding_side can be changed after construction.
+        return bool(self.llm.tokenizer.padding_side == "left")
 
     @property
     def num_layers(self) -> int:

@@ -313,3 +313,21 @@ def test_properties_and_from_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (ex.max_tokens, ex.truncation, ex.batch_size, ex.max_chunks) == (48, "head_tail", 3, 2)
     assert (ex.num_layers, ex.hidden_size) == (NUM_LAYERS, HIDDEN_SIZE)
     assert ex.fingerprint == llm.fingerprint
+
+
+def test_padding_side_is_read_at_call_time() -> None:
+    llm = make_tiny_llm(padding_side="right")
+    ex = extractor(llm)
+    llm.tokenizer.padding_side = "left"
+    out = ex.extract(["ab", "abcd"], layers=[1])
+    assert out.mask[0].tolist() == [False, False, True, True, True]
+
+
+def test_outputs_are_normal_tensors_usable_for_training() -> None:
+    """The updater trains probes on these: they must not be inference-mode tensors."""
+    out = extractor(make_tiny_llm()).extract(TEXTS, layers=[1, 4])
+    assert not out.hidden.is_inference() and not out.mask.is_inference()
+    weight = torch.zeros(HIDDEN_SIZE, requires_grad=True)
+    loss = (out.hidden[:, out.mask] @ weight).square().sum() + weight.sum()
+    loss.backward()
+    assert weight.grad is not None
