@@ -107,7 +107,9 @@ class HiddenStateExtractor:
     """Run the frozen LLM on texts and return the requested layers' hidden states.
 
     ``device`` and ``dtype`` are those of the returned tensors (default: the model's).
-    Calls are serialised by a lock; one extractor can be shared between threads.
+    The returned tensors are ordinary tensors (not inference-mode ones), so they can feed
+    probe training directly. Forward passes are serialised by a lock; one extractor can
+    be shared between threads.
     """
 
     def __init__(
@@ -134,7 +136,6 @@ class HiddenStateExtractor:
         self.dtype = dtype or llm.dtype
         tokenizer = llm.tokenizer
         self._pad_id = int(tokenizer.pad_token_id)
-        self._left_pad = tokenizer.padding_side == "left"
         self._prefix, self._suffix = _special_affixes(tokenizer)
         self._budget = max_tokens - len(self._prefix) - len(self._suffix)  # content tokens
         if self._budget < 1:
@@ -157,6 +158,11 @@ class HiddenStateExtractor:
             batch_size=settings.batch_size,
             max_chunks=settings.max_chunks,
         )
+
+    @property
+    def _left_pad(self) -> bool:
+        # Read per call: the tokenizer's padding_side can be changed after construction.
+        return bool(self.llm.tokenizer.padding_side == "left")
 
     @property
     def num_layers(self) -> int:
@@ -200,7 +206,10 @@ class HiddenStateExtractor:
             for row, reason in failed.items():
                 errors[index[row]] = reason
             keep = [row for row in range(len(index)) if row not in failed]
-            hidden, mask = hidden[:, keep], mask[keep]
+            # Drop the failed rows, and the padding only they needed.
+            width = max((lengths[row] for row in keep), default=0)
+            cols = slice(T - width, T) if self._left_pad else slice(0, width)
+            hidden, mask = hidden[:, keep, cols], mask[keep, cols]
             index = [index[row] for row in keep]
         return Extraction(hidden=hidden, mask=mask, layers=wanted, index=index, errors=errors)
 
@@ -208,7 +217,7 @@ class HiddenStateExtractor:
 
     def _check_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
         wanted = tuple(layers)
-        bad = [i for i in wanted if isinstance(i, bool) or not isinstance(i, int)]
+        bad: list[object] = [i for i in wanted if isinstance(i, bool) or not isinstance(i, int)]
         bad += [i for i in wanted if isinstance(i, int) and not 0 <= i <= self.num_layers]
         if not wanted or bad or len(set(wanted)) != len(wanted):
             raise ExtractionError(
@@ -319,11 +328,11 @@ class HiddenStateExtractor:
             lo = t - n if self._left_pad else 0
             input_ids[r, lo : lo + n] = torch.tensor(piece.ids)
             attention[r, lo : lo + n] = 1
-            dst = starts[piece.row] + piece.offset
+            first = starts[piece.row] + piece.offset  # in the output row
             src_b.append(torch.full((n,), r))
             src_t.append(torch.arange(lo, lo + n))
             dst_b.append(torch.full((n,), piece.row))
-            dst_t.append(torch.arange(dst, dst + n))
+            dst_t.append(torch.arange(first, first + n))
         src = (torch.cat(src_b).to(model_device), torch.cat(src_t).to(model_device))
         dst = (torch.cat(dst_b).to(self.device), torch.cat(dst_t).to(self.device))
         slot = {layer: i for i, layer in enumerate(wanted)}
