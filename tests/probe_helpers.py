@@ -8,7 +8,9 @@ from schemas import LLMFingerprint, ProbeSpec
 from worker.registry import Registry
 
 
-def toxicity_spec(hidden_size: int, layers: list[int] | None = None, name: str = "toxicity") -> ProbeSpec:
+def toxicity_spec(
+    hidden_size: int, layers: list[int] | None = None, name: str = "toxicity"
+) -> ProbeSpec:
     return ProbeSpec(
         name=name,
         token_pool="mean",
@@ -30,7 +32,9 @@ def publish_probe(
     probe: Probe | None = None,
 ) -> int:
     """Publish a (random unless given) probe as the next version; returns the version."""
-    probe = probe or build_probe(toxicity_spec(fingerprint.hidden_size, name=registry.probe), seed=seed)
+    probe = probe or build_probe(
+        toxicity_spec(fingerprint.hidden_size, name=registry.probe), seed=seed
+    )
     version = registry.allocate_version()
     blob, manifest = checkpoint_to_bytes(probe, llm=fingerprint, version=version)
     registry.publish(blob, manifest, set_live=set_live)

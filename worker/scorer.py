@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import redis
 from probes.checkpoint import load_checkpoint
@@ -243,6 +243,7 @@ class Scorer:
             msg = messages[pos]
             for r in results:
                 flag_score = scores.flag_scores.get((pos, r.probe))
+                reason: Literal["uncertain", "audit"]
                 if flag_score is not None and s.review_low <= flag_score <= s.review_high:
                     reason = "uncertain"
                 elif sticky_fraction(msg.message_id, "audit") < s.review_audit_share:

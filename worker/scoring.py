@@ -17,9 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
 from probes.decision import decide
 from probes.probe import Probe
-
 from schemas import ChatMessage, CheckpointManifest, ProbeResult, ShadowResult
 
 if TYPE_CHECKING:
@@ -151,11 +152,18 @@ class _Run:
     flag_score: list[float] | None  # highest probability among the flag labels, per row
 
 
+def _select_layers(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``hidden[rows]`` for ``[L, B, T, D]``; a view (no copy) when the rows are contiguous."""
+    first = rows[0]
+    if rows == list(range(first, first + len(rows))):
+        return hidden[first : first + len(rows)]  # [L_probe, B, T, D], a view
+    return hidden.index_select(0, torch.tensor(rows, device=hidden.device))
+
+
 def _run(served: ServedProbe, ex: Extraction, layers: tuple[int, ...]) -> _Run:
     probe = served.probe
     spec = probe.spec
-    rows = [layers.index(layer) for layer in probe.layers]
-    hidden = ex.hidden[rows]  # [L_probe, B, T, D]
+    hidden = _select_layers(ex.hidden, [layers.index(layer) for layer in probe.layers])
     probs = probe.predict_proba_many(hidden, ex.mask).float().cpu()  # [B, C]
     decision = decide(spec, probs)
     flag_idx = [spec.labels.index(label) for label in spec.flag_labels]

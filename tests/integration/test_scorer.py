@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -44,6 +44,14 @@ def chat(i: int, text: str | None = None, conv: str | None = None) -> bytes:
 
 def extractor(settings: Settings) -> HiddenStateExtractor:
     return HiddenStateExtractor(make_tiny_llm(), max_tokens=64, batch_size=8)
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.1)
 
 
 class Running:
@@ -83,8 +91,9 @@ def start(settings: Settings, redis_ns: RedisNamespace, running: list[Running], 
 
 
 def verdicts(settings: Settings, n: int, timeout_s: float = 90) -> list[Verdict]:
-    records = drain(settings, settings.topic_verdicts, lambda rs: len({r.key for r in rs}) >= n,
-                    timeout_s)
+    records = drain(
+        settings, settings.topic_verdicts, lambda rs: len({r.key for r in rs}) >= n, timeout_s
+    )
     return [Verdict.decode(r.value) for r in records]
 
 
@@ -114,7 +123,9 @@ def test_poison_messages_are_dead_lettered_and_the_rest_scored(
     settings: Settings, redis_ns: RedisNamespace, scorers: list[Running]
 ) -> None:
     ensure_topics(settings)
-    publish_probe(Registry(redis_ns.client, redis_ns.keys, "toxicity"), extractor(settings).fingerprint)
+    publish_probe(
+        Registry(redis_ns.client, redis_ns.keys, "toxicity"), extractor(settings).fingerprint
+    )
     poison = [
         b"not json",
         b"\xff\xfe\xfa",
@@ -159,14 +170,18 @@ def test_hot_swap_and_refusal_of_bad_checkpoints(
     # A checkpoint for another LLM (fingerprint differs) is refused; v1 keeps serving.
     other = fp.model_copy(update={"tokenizer_sha256": hashlib.sha256(b"other").hexdigest()})
     v_bad = publish_probe(registry, other, seed=2)
+    wait_until(lambda: v_bad in scorer.watcher.refused["toxicity"], "v_bad refused")
     # A corrupted blob: published fine, then flipped in Redis before any scorer loads it.
     v_corrupt = publish_probe(registry, fp, seed=3, set_live=False)
     redis_ns.client.set(registry.key("ckpt", v_corrupt), b"garbage")
     registry.promote(v_corrupt)
+    wait_until(lambda: v_corrupt in scorer.watcher.refused["toxicity"], "v_corrupt refused")
     produce_raw(settings, settings.topic_chat, [(None, chat(i)) for i in range(10, 20)])
     got = verdicts(settings, 20)
-    assert {v.results[0].version for v in got if v.message_id in {f"m-{i}" for i in range(10, 20)}} == {v1}
-    assert scorer.watcher.refused["toxicity"] >= {v_bad, v_corrupt}
+    assert {
+        v.results[0].version for v in got if v.message_id in {f"m-{i}" for i in range(10, 20)}
+    } == {v1}
+    assert scorer.watcher.versions()["toxicity"]["live"] == v1
 
     # A good version published mid-stream is picked up without a restart.
     v2 = publish_probe(registry, fp, seed=4)
@@ -194,7 +209,9 @@ def test_metrics_and_health_endpoints(
         urllib.request.urlopen(f"{url}/readyz", timeout=5)
     assert info.value.code == 503
     assert urllib.request.urlopen(f"{url}/healthz", timeout=5).status == 200
-    publish_probe(Registry(redis_ns.client, redis_ns.keys, "toxicity"), extractor(settings).fingerprint)
+    publish_probe(
+        Registry(redis_ns.client, redis_ns.keys, "toxicity"), extractor(settings).fingerprint
+    )
     produce_raw(settings, settings.topic_chat, [(None, chat(i)) for i in range(5)])
     verdicts(settings, 5)
     body = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
@@ -276,7 +293,9 @@ def test_review_queue_is_rate_limited(
         }
     )
     ensure_topics(settings)
-    publish_probe(Registry(redis_ns.client, redis_ns.keys, "toxicity"), extractor(settings).fingerprint)
+    publish_probe(
+        Registry(redis_ns.client, redis_ns.keys, "toxicity"), extractor(settings).fingerprint
+    )
     start(settings, redis_ns, scorers)
     produce_raw(settings, settings.topic_chat, [(None, chat(i)) for i in range(30)])
     verdicts(settings, 30)
