@@ -19,9 +19,9 @@ from typing import Any
 
 import redis
 import torch
+
 from probes.checkpoint import probe_from_bytes
 from probes.errors import CheckpointError
-
 from schemas import LLMFingerprint
 from worker.registry import Registry, RegistryError
 from worker.scoring import ProbeSlot, ServedProbe

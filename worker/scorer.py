@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import redis
-from probes.checkpoint import load_checkpoint
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from probes.checkpoint import load_checkpoint
 from schemas import ChatMessage, ReviewRequest, Verdict, utcnow
 from worker.errors import ConfigError
 from worker.extract import HiddenStateExtractor

@@ -115,6 +115,31 @@ class Settings(BaseSettings):
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 9300
     log_json: bool = False
 
+    # --- Updater (online learning) -----------------------------------------
+    train_probe: str | None = Field(
+        None, description="Probe the updater trains (default: first of probes)."
+    )
+    learn_lr: Annotated[float, Field(gt=0, le=1)] = 1e-4
+    learn_weight_decay: Annotated[float, Field(ge=0)] = 0.01
+    learn_batch_size: Annotated[int, Field(ge=1, le=1024)] = 32
+    learn_steps_per_batch: Annotated[int, Field(ge=1, le=100)] = 2
+    replay_size: Annotated[int, Field(ge=0)] = 1024
+    prequential_window: Annotated[int, Field(ge=10)] = 500
+    stats_warmup: Annotated[int, Field(ge=1)] = 64
+    ema_decay: Annotated[float, Field(ge=0, lt=1)] | None = None
+    publish_every_labels: PositiveInt = 64
+    publish_every_s: Annotated[float, Field(gt=0)] = 30.0
+    auto_live: bool = True
+    keep_versions: PositiveInt = 20
+    lease_ttl_ms: Annotated[int, Field(ge=1000)] = 10_000
+    seed_checkpoint: Path | None = Field(
+        None, description="Offline-trained checkpoint dir to start from when none is published."
+    )
+    seed_spec: Path | None = Field(
+        None, description="ProbeSpec JSON to start from zero with (default: a toxicity probe)."
+    )
+    entropy_alarm: Annotated[float, Field(ge=0)] = 0.5
+
     # --- Process identity -----------------------------------------------
     worker_id: str | None = Field(None, description="Defaults to hostname-pid.")
 
@@ -137,6 +162,10 @@ class Settings(BaseSettings):
     @property
     def probe_names(self) -> list[str]:
         return [p.strip() for p in self.probes.split(",") if p.strip()]
+
+    @property
+    def trained_probe(self) -> str:
+        return self.train_probe or self.probe_names[0]
 
     @property
     def limits(self) -> Limits:

@@ -33,11 +33,16 @@ from pydantic import ValidationError
 
 from schemas import DeadLetter, DeadLetterKind, WireModel, describe_error, utcnow
 
-__all__ = ["BatchLoop", "Item", "LoopStats", "Outgoing"]
+__all__ = ["BatchLoop", "Item", "LoopStats", "Outgoing", "TransientError"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T", bound=WireModel)
+
+
+class TransientError(Exception):
+    """Raised by a handler when a dependency is down (e.g. Redis): the batch is rewound
+    and retried after a backoff, as often as it takes, and never dead-lettered."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,7 @@ class BatchLoop(Generic[T]):
         produce_timeout_s: float = 60.0,
         between_batches: Callable[[], None] | None = None,
         on_dead_letter: Callable[[str], None] | None = None,
+        defer_commits: bool = False,
     ) -> None:
         self.consumer = consumer
         self.producer = producer
@@ -109,6 +115,10 @@ class BatchLoop(Generic[T]):
         self.produce_timeout_s = produce_timeout_s
         self.between_batches = between_batches
         self.on_dead_letter = on_dead_letter
+        # Deferred: offsets accumulate until commit_pending() (the updater commits only
+        # once a published checkpoint reflects the labels).
+        self.defer_commits = defer_commits
+        self.pending: dict[TopicPartition, OffsetAndMetadata] = {}
         self.stats = LoopStats()
         self.stop_event = threading.Event()
 
@@ -137,6 +147,12 @@ class BatchLoop(Generic[T]):
             attempt += 1
             try:
                 out = list(self.handler(items)) if items else []
+            except TransientError as exc:
+                log.warning("dependency unavailable (%s); retrying the batch later", exc)
+                self.stats.retries += 1
+                self._rewind(records)
+                self.stop_event.wait(self.backoff_s)
+                return 0
             except Exception as exc:  # the handler's failure must not kill the loop
                 if attempt < self.max_attempts and not self.stop_event.is_set():
                     log.warning("handler failed (attempt %d): %s; retrying", attempt, exc)
@@ -155,7 +171,9 @@ class BatchLoop(Generic[T]):
             self._rewind(records)
             time.sleep(self.backoff_s)
             return 0
-        self._commit(records)
+        self._track(records)
+        if not self.defer_commits:
+            self.commit_pending()
         self.stats.batches += 1
         self.stats.records += len(records)
         self.stats.handled += len(items)
@@ -234,20 +252,27 @@ class BatchLoop(Generic[T]):
             log.error("producing %d records failed: %s; the batch will be retried", len(out), exc)
             return False
 
-    def _commit(self, records: list[Any]) -> None:
-        offsets: dict[TopicPartition, OffsetAndMetadata] = {}
+    def _track(self, records: list[Any]) -> None:
         for r in records:
             tp = TopicPartition(r.topic, r.partition)
             nxt = r.offset + 1
-            if tp not in offsets or offsets[tp].offset < nxt:
-                offsets[tp] = OffsetAndMetadata(nxt, "", -1)
+            if tp not in self.pending or self.pending[tp].offset < nxt:
+                self.pending[tp] = OffsetAndMetadata(nxt, "", -1)
+
+    def commit_pending(self) -> bool:
+        """Commit every offset processed so far; False if the group had moved on."""
+        if not self.pending:
+            return True
+        offsets, self.pending = self.pending, {}
         try:
             self.consumer.commit(offsets=offsets)
+            return True
         except (CommitFailedError, KafkaError) as exc:
             # The partitions moved to another member (rebalance): it re-reads from the last
             # commit, so these records may be processed twice -- never lost.
             self.stats.commit_failures += 1
             log.warning("commit failed (%s); records will be redelivered", exc)
+            return False
 
     def _rewind(self, records: list[Any]) -> None:
         first: dict[TopicPartition, int] = {}

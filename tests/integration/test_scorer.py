@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -20,6 +17,7 @@ from schemas import DeadLetter, ReviewRequest, Verdict
 from tests.conftest import RedisNamespace
 from tests.kafka_helpers import drain, produce_raw
 from tests.probe_helpers import publish_probe
+from tests.process_helpers import settings_env, spawn, tiny_model_dir
 from tests.tiny_llm import make_tiny_llm
 from worker.embedded import free_port
 from worker.extract import HiddenStateExtractor
@@ -228,48 +226,23 @@ def test_metrics_and_health_endpoints(
         pytest.fail("scorer never became ready")
 
 
-def _scorer_process(settings: Settings, model_dir: Path, log: Path) -> subprocess.Popen[bytes]:
-    env = {
-        **os.environ,
-        "PROBEGUARD_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
-        "PROBEGUARD_REDIS_URL": settings.redis_url.get_secret_value() if settings.redis_url else "",
-        "PROBEGUARD_REDIS_PREFIX": settings.redis_prefix,
-        "PROBEGUARD_TOPIC_CHAT": settings.topic_chat,
-        "PROBEGUARD_TOPIC_VERDICTS": settings.topic_verdicts,
-        "PROBEGUARD_TOPIC_REVIEW": settings.topic_review,
-        "PROBEGUARD_TOPIC_DEAD_LETTER": settings.topic_dead_letter,
-        "PROBEGUARD_TOPIC_LABELS": settings.topic_labels,
-        "PROBEGUARD_GROUP_SCORER": settings.group_scorer,
-        "PROBEGUARD_MODEL": str(model_dir),
-        "PROBEGUARD_CACHE_DIR": str(model_dir.parent / "cache"),
-        "PROBEGUARD_METRICS_PORT": "0",
-        "PROBEGUARD_BATCH_SIZE": "8",
-    }
-    return subprocess.Popen(
-        [sys.executable, "-m", "worker.cli", "score"],
-        env=env,
-        stdout=log.open("ab"),
-        stderr=subprocess.STDOUT,
-    )
-
-
 def test_sigkill_mid_stream_loses_nothing_and_sigterm_exits_zero(
     settings: Settings, redis_ns: RedisNamespace, tmp_path: Path
 ) -> None:
     ensure_topics(settings)
-    llm = make_tiny_llm(tmp_path)  # saved to disk so a subprocess can load it
-    model_dir = next(p for p in tmp_path.iterdir() if p.name.startswith("tiny-"))
+    model_dir, llm = tiny_model_dir(tmp_path)  # saved to disk so a subprocess can load it
     publish_probe(Registry(redis_ns.client, redis_ns.keys, "toxicity"), llm.fingerprint)
     n = 400
     produce_raw(settings, settings.topic_chat, [(f"m-{i}".encode(), chat(i)) for i in range(n)])
     log = tmp_path / "scorer.log"
-    proc = _scorer_process(settings, model_dir, log)
+    env = settings_env(settings, model_dir, batch_size=8)
+    proc = spawn("score", env, log)
     try:
         # Kill it once it has produced some verdicts but not all.
         drain(settings, settings.topic_verdicts, lambda rs: len(rs) >= 40, 90)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        proc = _scorer_process(settings, model_dir, log)
+        proc = spawn("score", env, log)
         got = verdicts(settings, n, timeout_s=180)
         assert {v.message_id for v in got} == {f"m-{i}" for i in range(n)}, log.read_text()[-3000:]
         proc.send_signal(signal.SIGTERM)

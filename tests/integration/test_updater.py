@@ -1,0 +1,303 @@
+"""The updater against the real broker and Redis, on a tiny random LLM."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from schemas import DeadLetter, Verdict
+from tests.conftest import RedisNamespace
+from tests.kafka_helpers import drain, produce_raw
+from tests.process_helpers import settings_env, spawn, tiny_model_dir
+from tests.tiny_llm import make_tiny_llm
+from worker.extract import HiddenStateExtractor
+from worker.kafka import ensure_topics
+from worker.registry import Registry
+from worker.scorer import Scorer
+from worker.settings import Settings
+from worker.updater import Updater
+
+pytestmark = pytest.mark.integration
+
+GOOD = ["what a lovely day", "thanks, that helps", "see you tomorrow", "nice work team"]
+BAD = ["XXXX ZZZZ QQQQ!!!", "ZZZZ XXXX #### !!!", "QQQQ #### XXXX ZZZZ", "!!!! XXXX QQQQ"]
+
+
+def toy(i: int) -> tuple[str, str]:
+    """A learnable toy task: the tiny model's hidden states separate these two styles."""
+    if i % 2:
+        return f"{BAD[i % 4]} {i}", "toxic"
+    return f"{GOOD[i % 4]} {i}", "non-toxic"
+
+
+def label(i: int, with_text: bool = True, prefix: str = "l") -> bytes:
+    text, lab = toy(i)
+    body = {
+        "message_id": f"{prefix}-{i}",
+        "label": lab,
+        "labeler_id": "alice",
+        "created_at": "2026-11-30T12:00:00Z",
+    }
+    if with_text:
+        body["text"] = text
+    return json.dumps(body).encode()
+
+
+def chat(mid: str, text: str) -> bytes:
+    return json.dumps(
+        {
+            "message_id": mid,
+            "conversation_id": "c",
+            "text": text,
+            "created_at": "2026-11-30T12:00:00Z",
+        }
+    ).encode()
+
+
+def fast(settings: Settings, **kw: object) -> Settings:
+    base = {
+        "publish_every_labels": 32,
+        "publish_every_s": 1.0,
+        "stats_warmup": 16,
+        "learn_lr": 3e-3,
+        "learn_batch_size": 16,
+        "lease_ttl_ms": 2000,
+        "stage_check_interval_s": 0.5,
+        "metrics_port": 0,
+    }
+    return settings.model_copy(update={**base, **kw})
+
+
+def extractor() -> HiddenStateExtractor:
+    return HiddenStateExtractor(make_tiny_llm(), max_tokens=64, batch_size=16)
+
+
+class Threaded:
+    def __init__(self, target: Callable[[], None], stop: Callable[[], None]) -> None:
+        self.stop_fn = stop
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(target,), daemon=True)
+        self.thread.start()
+
+    def _run(self, target: Callable[[], None]) -> None:
+        try:
+            target()
+        except BaseException as exc:
+            self.error = exc
+
+    def stop(self) -> None:
+        self.stop_fn()
+        self.thread.join(60)
+        assert not self.thread.is_alive() and self.error is None, self.error
+
+
+@pytest.fixture
+def threads() -> Iterator[list[Threaded]]:
+    running: list[Threaded] = []
+    yield running
+    for t in reversed(running):
+        t.stop()
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def p_correct(settings: Settings, tag: str, n: int) -> float:
+    """Send the toy texts as chat messages; mean probability the scorer gives the true label."""
+    produce_raw(
+        settings, settings.topic_chat, [(None, chat(f"{tag}-{i}", toy(i)[0])) for i in range(n)]
+    )
+    records = drain(
+        settings,
+        settings.topic_verdicts,
+        lambda rs: sum(r.key.decode().startswith(tag) for r in rs) >= n,
+        60,
+    )
+    got = [Verdict.decode(r.value) for r in records if r.key.decode().startswith(tag)]
+    probs = [v.results[0].scores[toy(int(v.message_id.split("-")[1]))[1]] for v in got]
+    return sum(probs) / len(probs)
+
+
+def test_labels_become_versions_that_scorers_serve_and_that_learn(
+    settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded]
+) -> None:
+    settings = fast(settings)
+    ensure_topics(settings)
+    registry = Registry(redis_ns.client, redis_ns.keys, "toxicity")
+    updater = Updater(settings, extractor(), redis_ns.client, worker_id="updater-a")
+    threads.append(Threaded(updater.run, updater.stop))
+    scorer = Scorer(settings, extractor(), redis_ns.client, worker_id="scorer-1")
+    threads.append(Threaded(scorer.run, scorer.stop))
+
+    produce_raw(settings, settings.topic_labels, [(None, label(i)) for i in range(32)])
+    wait_until(lambda: registry.stages().live is not None, "a first version")
+    first = registry.stages().live
+    wait_until(lambda: scorer.watcher.versions()["toxicity"]["live"] == first, "scorer swap")
+    before = p_correct(settings, "a", 16)
+
+    produce_raw(settings, settings.topic_labels, [(None, label(i)) for i in range(32, 320)])
+    wait_until(
+        lambda: updater.counters.labels_seen >= 320 and updater.unpublished == 0,
+        "all labels learned and published",
+    )
+    last = registry.stages().live
+    assert last is not None and first is not None and last > first
+    wait_until(lambda: scorer.watcher.versions()["toxicity"]["live"] == last, "scorer swap")
+    after = p_correct(settings, "b", 16)
+    assert after > before + 0.1, (before, after)
+    manifest = registry.manifest(last)
+    assert manifest.parent is not None and manifest.counters.labels_seen >= 320
+    assert manifest.metrics["prequential_n"] > 0 and "prequential_f1" in manifest.metrics
+    assert all(e.actor == "updater-a" for _, e in registry.history(100) if e.kind == "published")
+
+
+def test_unjoinable_and_unknown_labels_are_dead_lettered(
+    settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded]
+) -> None:
+    settings = fast(settings)
+    ensure_topics(settings)
+    redis_ns.client.set(redis_ns.keys.text("cached-1"), "what a lovely day")
+    updater = Updater(settings, extractor(), redis_ns.client)
+    threads.append(Threaded(updater.run, updater.stop))
+    records = [(None, label(i)) for i in range(20)]
+    records.append((None, label(1, with_text=False, prefix="nowhere")))  # no text, none cached
+    records.append(
+        (
+            None,
+            json.dumps(
+                {
+                    "message_id": "cached-1",
+                    "label": "non-toxic",
+                    "labeler_id": "bob",
+                    "created_at": "2026-11-30T12:00:00Z",
+                }
+            ).encode(),
+        )
+    )
+    records.append(
+        (
+            None,
+            json.dumps(
+                {
+                    "message_id": "x-1",
+                    "label": "spam",
+                    "text": "buy now",
+                    "labeler_id": "bob",
+                    "created_at": "2026-11-30T12:00:00Z",
+                }
+            ).encode(),
+        )
+    )
+    produce_raw(settings, settings.topic_labels, records)
+    dead = drain(settings, settings.topic_dead_letter, lambda rs: len(rs) >= 2, 60)
+    kinds = sorted(DeadLetter.decode(r.value).error_kind for r in dead)
+    assert kinds == ["unjoinable", "unknown_label"]
+    wait_until(
+        lambda: (
+            updater.counters.labels_seen + updater.unpublished >= 21 or len(updater.warmup) >= 21
+        ),
+        "the joinable labels learned",
+    )
+
+
+def test_sigkill_and_restart_resumes_without_losing_labels(
+    settings: Settings, redis_ns: RedisNamespace, tmp_path: Path
+) -> None:
+    settings = fast(settings)
+    ensure_topics(settings)
+    model_dir, _ = tiny_model_dir(tmp_path)
+    env = settings_env(
+        settings,
+        model_dir,
+        publish_every_labels=32,
+        publish_every_s=1,
+        stats_warmup=16,
+        learn_batch_size=16,
+        lease_ttl_ms=2000,
+    )
+    registry = Registry(redis_ns.client, redis_ns.keys, "toxicity")
+    log = tmp_path / "updater.log"
+    n = 400
+    produce_raw(settings, settings.topic_labels, [(None, label(i)) for i in range(n)])
+    proc = spawn("train", env, log)
+    try:
+        wait_until(lambda: len(registry.versions()) >= 2, "two versions", 120)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        killed_at = registry.versions()
+        proc = spawn("train", env, log)  # waits out the dead holder's lease, then resumes
+        wait_until(
+            lambda: (
+                registry.latest() is not None
+                and registry.manifest(registry.latest()).counters.labels_seen >= n
+            ),
+            "every label reflected in a published version",
+            180,
+        )
+        versions = registry.versions()
+        assert versions == sorted(versions) and versions[: len(killed_at)] == killed_at
+        resumed = [registry.manifest(v) for v in versions[len(killed_at) :]]
+        assert resumed and resumed[0].parent == killed_at[-1], log.read_text()[-2000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_two_updaters_one_writer_and_failover(
+    settings: Settings, redis_ns: RedisNamespace, tmp_path: Path
+) -> None:
+    settings = fast(settings)
+    ensure_topics(settings)
+    model_dir, _ = tiny_model_dir(tmp_path)
+    env = settings_env(
+        settings,
+        model_dir,
+        publish_every_labels=16,
+        publish_every_s=1,
+        stats_warmup=16,
+        learn_batch_size=16,
+        lease_ttl_ms=2000,
+    )
+    registry = Registry(redis_ns.client, redis_ns.keys, "toxicity")
+    procs = {
+        name: spawn("train", {**env, "PROBEGUARD_WORKER_ID": name}, tmp_path / f"{name}.log")
+        for name in ("upd-a", "upd-b")
+    }
+    try:
+        produce_raw(settings, settings.topic_labels, [(None, label(i)) for i in range(64)])
+        wait_until(lambda: len(registry.versions()) >= 2, "versions", 120)
+        holder = registry.history(1)[0][1].actor
+        publishers = {e.actor for _, e in registry.history(100) if e.kind == "published"}
+        assert publishers == {holder}
+        procs[holder].send_signal(signal.SIGKILL)
+        procs[holder].wait(10)
+        other = next(n for n in procs if n != holder)
+        produce_raw(settings, settings.topic_labels, [(None, label(i)) for i in range(64, 128)])
+        wait_until(
+            lambda: any(
+                e.actor == other for _, e in registry.history(100) if e.kind == "published"
+            ),
+            "the standby to take over",
+            120,
+        )
+        versions = registry.versions()
+        assert versions == sorted(set(versions))
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -1,0 +1,63 @@
+"""``probeguard train``: the updater (online learning from human labels)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+from typing import Any
+
+__all__ = ["register", "run"]
+
+log = logging.getLogger(__name__)
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "train",
+        help="learn from human labels and publish probe versions (the updater)",
+        description=(
+            "Hold the probe's updater lease in Redis (or wait as a hot standby), consume "
+            "PROBEGUARD_TOPIC_LABELS, score each label before learning from it (prequential "
+            "metrics), take Lion steps with a class-balanced replay buffer, and publish a new "
+            "version every PROBEGUARD_PUBLISH_EVERY_LABELS labels or PROBEGUARD_PUBLISH_EVERY_S "
+            "seconds. Label offsets are committed only once a published version reflects them. "
+            "Cold start: the newest published version, else PROBEGUARD_SEED_CHECKPOINT, else "
+            "a fresh probe (PROBEGUARD_SEED_SPEC or a default binary toxicity probe). "
+            "SIGTERM/Ctrl-C: publish what was learned, commit, release the lease, exit 0."
+        ),
+    )
+    p.add_argument("--probe", help="probe to train (PROBEGUARD_TRAIN_PROBE)")
+    p.add_argument("--seed-checkpoint", help="checkpoint dir to start from if none is published")
+    p.add_argument("--seed-spec", help="ProbeSpec JSON file to start from zero with")
+    p.add_argument("--metrics-port", type=int, help="/metrics, /healthz, /readyz port; 0 = off")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from worker.extract import HiddenStateExtractor
+    from worker.redis_store import make_redis
+    from worker.settings import load_settings
+    from worker.updater import Updater
+
+    overrides = {
+        k: v
+        for k, v in {
+            "train_probe": args.probe,
+            "seed_checkpoint": args.seed_checkpoint,
+            "seed_spec": args.seed_spec,
+            "metrics_port": args.metrics_port,
+        }.items()
+        if v is not None
+    }
+    settings = load_settings(**overrides)
+    updater = Updater(settings, HiddenStateExtractor.from_settings(settings), make_redis(settings))
+
+    def _stop(signum: int, _frame: object) -> None:
+        log.info("%s: publishing what was learned, then leaving", signal.Signals(signum).name)
+        updater.stop()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    updater.run()
+    return 0

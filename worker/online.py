@@ -1,0 +1,115 @@
+"""Online-learning state of the updater: a class-balanced replay buffer and
+windowed prequential ("test, then train") metrics.
+
+Replay examples are what the probe needs and no more: for separable pools
+(mean, max, first, last) the raw per-layer summaries ``[L, D]``; for the gate
+and MHA pools the real tokens ``[L, T, D]``. Both are stored in fp16.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from probes.metrics import evaluate
+from schemas import ProbeSpec
+
+__all__ = ["Example", "Prequential", "ReplayBuffer", "collate"]
+
+
+@dataclass(frozen=True)
+class Example:
+    x: Tensor  # [L, D] summaries or [L, T, D] tokens, fp16
+    target: Tensor  # [] int64 class index, or [C] float 0/1
+    bucket: int  # class used for balancing (multilabel: first positive label, else C)
+
+
+def collate(examples: list[Example]) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Stack examples into ``(hidden, mask, targets)`` ready for ``learn_many``.
+
+    Summaries give ``[L, B, D]`` and no mask; tokens are right-padded to
+    ``[L, B, T, D]`` with a ``[B, T]`` mask.
+    """
+    targets = torch.stack([e.target for e in examples])
+    if examples[0].x.dim() == 2:
+        return torch.stack([e.x for e in examples], dim=1).float(), None, targets  # [L, B, D]
+    L, _, D = examples[0].x.shape
+    T = max(e.x.shape[1] for e in examples)
+    hidden = torch.zeros(L, len(examples), T, D)  # [L, B, T, D]
+    mask = torch.zeros(len(examples), T, dtype=torch.bool)  # [B, T]
+    for b, e in enumerate(examples):
+        t = e.x.shape[1]
+        hidden[:, b, :t] = e.x.float()
+        mask[b, :t] = True
+    return hidden, mask, targets
+
+
+class ReplayBuffer:
+    """Bounded, class-balanced memory of past examples.
+
+    Each class keeps at most ``capacity // buckets`` examples (oldest dropped), and
+    samples draw classes round-robin, so a stream that is 90 % one class still
+    replays the minority class as often as the majority.
+    """
+
+    def __init__(self, capacity: int, buckets: int, seed: int = 0) -> None:
+        self.per_bucket = max(1, capacity // max(1, buckets)) if capacity else 0
+        self.buckets: list[deque[Example]] = [
+            deque(maxlen=self.per_bucket or 1) for _ in range(buckets)
+        ]
+        self.rng = random.Random(seed)
+
+    def __len__(self) -> int:
+        return sum(len(b) for b in self.buckets) if self.per_bucket else 0
+
+    def add(self, examples: list[Example]) -> None:
+        if not self.per_bucket:
+            return
+        for e in examples:
+            self.buckets[e.bucket].append(e)
+
+    def sample(self, n: int) -> list[Example]:
+        """Up to ``n`` examples, classes in turn (random example within a class)."""
+        filled = [b for b in self.buckets if b] if self.per_bucket else []
+        out: list[Example] = []
+        while filled and len(out) < n:
+            for bucket in filled:
+                if len(out) == n:
+                    break
+                out.append(bucket[self.rng.randrange(len(bucket))])
+        return out
+
+
+class Prequential:
+    """The last ``window`` (probabilities, target) pairs, scored before learning from them."""
+
+    def __init__(self, spec: ProbeSpec, window: int) -> None:
+        self.spec = spec
+        self.probs: deque[Tensor] = deque(maxlen=window)
+        self.targets: deque[Tensor] = deque(maxlen=window)
+        self.seen = 0
+
+    def add(self, probs: Tensor, targets: Tensor) -> None:
+        for p, t in zip(probs, targets, strict=True):
+            self.probs.append(p.detach().float().cpu())
+            self.targets.append(t.cpu())
+        self.seen += len(probs)
+
+    def report(self) -> dict[str, float]:
+        """Flat metrics for a manifest / Prometheus: f1, auprc, accuracy, per-class f1."""
+        if len(self.probs) < 2:
+            return {}
+        rep = evaluate(self.spec, torch.stack(list(self.probs)), torch.stack(list(self.targets)))
+        out = {
+            "prequential_f1": rep["f1"],
+            "prequential_auprc": rep["auprc"],
+            "prequential_accuracy": rep["accuracy"],
+            "prequential_n": float(rep["n"]),
+        }
+        for label, m in rep["per_class"].items():
+            out[f"prequential_f1/{label}"] = m["f1"]
+        return {k: float(v) for k, v in out.items() if v == v}  # drop NaN (no support yet)
