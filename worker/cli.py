@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
 from collections.abc import Sequence
 
+from pydantic import ValidationError
+
 from worker.errors import ProbeguardError
+from worker.logs import configure_logging
+from worker.settings import load_settings
 
 __all__ = ["build_parser", "main"]
 
@@ -71,12 +74,12 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    if args.log_level != "DEBUG":  # kafka-python logs every connection at INFO
-        logging.getLogger("kafka").setLevel(logging.WARNING)
+    try:
+        settings = load_settings()
+    except ValidationError as exc:
+        print(f"probeguard: invalid settings (PROBEGUARD_* environment):\n{exc}", file=sys.stderr)
+        return 2
+    configure_logging(args.log_level, json_lines=settings.log_json)
     if args.command is None:
         parser.print_help()
         return 2

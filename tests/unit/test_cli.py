@@ -41,3 +41,36 @@ def test_no_command_prints_help_and_fails(capsys: pytest.CaptureFixture[str]) ->
 def test_unknown_command_is_an_error() -> None:
     out = _run("frobnicate")
     assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+def test_invalid_settings_are_reported_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PROBEGUARD_DEVICE", "gpu")
+    out = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "up"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**__import__("os").environ},
+    )
+    assert out.returncode == 2 and "device" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_json_logs_and_secrets_stay_secret(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+    import logging
+
+    from worker.logs import configure_logging
+    from worker.settings import Settings
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        configure_logging("INFO", json_lines=True)
+        s = Settings(kafka_sasl_password="hunter2", redis_url="redis://:hunter2@h:6379")
+        logging.getLogger("probeguard.test").info("settings: %s", s)
+    finally:
+        root.handlers[:], _ = saved[0], root.setLevel(saved[1])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    entry = json.loads(line)
+    assert entry["level"] == "INFO" and entry["logger"] == "probeguard.test"
+    assert "hunter2" not in line and "**********" in line
