@@ -69,7 +69,8 @@ def test_json_logs_and_secrets_stay_secret(capsys: pytest.CaptureFixture[str]) -
         s = Settings(kafka_sasl_password="hunter2", redis_url="redis://:hunter2@h:6379")
         logging.getLogger("probeguard.test").info("settings: %s", s)
     finally:
-        root.handlers[:], _ = saved[0], root.setLevel(saved[1])
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
     line = capsys.readouterr().err.strip().splitlines()[-1]
     entry = json.loads(line)
     assert entry["level"] == "INFO" and entry["logger"] == "probeguard.test"
