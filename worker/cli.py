@@ -23,6 +23,7 @@ __all__ = ["build_parser", "main"]
 
 # (module under worker.commands, one-line help). Order is the order in --help.
 COMMANDS: list[tuple[str, str]] = [
+    ("demo", "run broker, Redis, a scorer and an updater on a replayed labeled stream"),
     ("up", "run the embedded Kafka-protocol broker and Redis in the foreground"),
     ("score", "consume chat messages, publish verdicts (the scoring worker)"),
     ("train", "learn from human labels and publish probe versions (the updater)"),

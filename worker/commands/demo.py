@@ -1,0 +1,110 @@
+"""``probeguard demo``: the main job on one machine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+__all__ = ["register", "run"]
+
+log = logging.getLogger(__name__)
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "demo",
+        help="run broker, Redis, a scorer and an updater on a replayed labeled stream",
+        description=(
+            "One command, no configuration: start the embedded Kafka-protocol broker and Redis "
+            "(or use PROBEGUARD_KAFKA_BOOTSTRAP / PROBEGUARD_REDIS_URL when set), one scorer and "
+            "one updater on the default LLM, then replay a labeled file as chat messages plus "
+            "delayed human labels. Shows a live view, and writes a report (HTML + PNG plots) at "
+            "the end, also after Ctrl-C."
+        ),
+    )
+    p.add_argument(
+        "--data",
+        type=Path,
+        help='labeled JSONL ({"id","text","label"} per line); default: the packaged '
+        "demo chat set (121 messages)",
+    )
+    p.add_argument("--limit", type=int, help="use only the first N rows")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=None,
+        help="replay the rows this many times (default: 2 for the packaged set, else 1)",
+    )
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=20.0,
+        help="chat messages per second (default: %(default)s; 0 = as fast as possible)",
+    )
+    p.add_argument(
+        "--label-share",
+        type=float,
+        default=0.6,
+        help="share of messages that get a human label (default: %(default)s)",
+    )
+    p.add_argument(
+        "--label-delay-s",
+        type=float,
+        default=2.0,
+        help="delay before a message's label arrives (default: %(default)s)",
+    )
+    p.add_argument("--flag-labels", help="comma-separated labels that mean 'flag' (default: guess)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("probeguard-report"),
+        help="report folder (default: %(default)s)",
+    )
+    p.add_argument(
+        "--keep", action="store_true", help="leave the embedded broker and Redis running afterwards"
+    )
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=1800,
+        help="stop and report after this long (default: %(default)s)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from worker.demo import DemoOptions, run_demo
+    from worker.extract import HiddenStateExtractor
+    from worker.settings import load_settings
+
+    opts = DemoOptions(
+        data=args.data,
+        limit=args.limit,
+        repeat=args.repeat if args.repeat is not None else (1 if args.data else 2),
+        rate=args.rate,
+        label_share=args.label_share,
+        label_delay_s=args.label_delay_s,
+        out=args.out,
+        keep=args.keep,
+        timeout_s=args.timeout_s,
+        flag_labels=args.flag_labels.split(",") if args.flag_labels else None,
+    )
+    settings = load_settings()
+    interrupted = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: interrupted.set())
+    signal.signal(signal.SIGTERM, lambda *_: interrupted.set())
+    log.info("loading the LLM (%s) …", settings.model)
+    extractor = HiddenStateExtractor.from_settings(settings)
+    figures, page = run_demo(settings, opts, extractor, interrupted=interrupted)
+    print(f"report: {page}")
+    print(
+        f"messages {figures['messages']}  verdicts {figures['verdicts']}  "
+        f"dead letters {figures['dead_letters']}  served F1 {figures['served_f1_all']:.3f} "
+        f"(second half {figures['served_f1_second_half']:.3f})  "
+        f"p50 {figures['p50_ms']} ms  p99 {figures['p99_ms']} ms"
+    )
+    return 130 if interrupted.is_set() else 0

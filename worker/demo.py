@@ -1,0 +1,511 @@
+"""``probeguard demo``: the whole loop on one machine, from a labeled file.
+
+    embedded broker + Redis (or the configured ones)
+    one scorer + one updater (threads, sharing one frozen LLM)
+    replay: every row of the labeled file as a ChatMessage at --rate; for a share of them,
+            a HumanLabel after --label-delay-s, like a review queue answering
+    observer: reads verdicts, review requests and dead letters as they arrive
+    live view (rich; plain log lines when not a TTY) -> report folder at the end
+
+Labels carry the text (as a reviewer's tool would), so the first labels can train
+the very first version before any message has been scored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from kafka import KafkaConsumer
+
+from schemas import ChatMessage, HumanLabel, LabeledText, ProbeSpec, Verdict, utcnow
+from worker.embedded import EmbeddedBroker, EmbeddedRedis
+from worker.extract import HiddenStateExtractor
+from worker.kafka import client_config, ensure_topics, make_producer
+from worker.labeled import read_labeled
+from worker.redis_store import Keys, make_redis
+from worker.registry import Registry
+from worker.scorer import Scorer
+from worker.settings import Settings
+from worker.updater import Updater
+
+__all__ = ["DemoOptions", "DemoRun", "default_data", "run_demo"]
+
+log = logging.getLogger(__name__)
+
+FLAG_WORDS = (
+    "toxic",
+    "flagged",
+    "offensive",
+    "hate",
+    "unsafe",
+    "abusive",
+    "hate_speech",
+    "offensive_language",
+    "harassment",
+)
+
+
+def default_data() -> Path:
+    """The small labeled chat set shipped in the package (121 messages, 40 toxic)."""
+    return Path(str(resources.files("worker") / "data" / "demo_chat.jsonl"))
+
+
+@dataclass
+class DemoOptions:
+    data: Path | None = None
+    limit: int | None = None
+    repeat: int = 2
+    rate: float = 20.0  # chat messages per second
+    label_share: float = 0.6
+    label_delay_s: float = 2.0
+    out: Path = Path("probeguard-report")
+    keep: bool = False
+    flag_labels: list[str] | None = None
+    timeout_s: float = 1800.0
+
+
+@dataclass
+class Observed:
+    """What came out of the system, with arrival times."""
+
+    sent: dict[str, float] = field(default_factory=dict)  # message id -> produce time
+    truth: dict[str, str] = field(default_factory=dict)  # message id -> label (labeled ones)
+    verdicts: dict[str, tuple[float, Verdict]] = field(default_factory=dict)
+    reviews: int = 0
+    dead_letters: int = 0
+    labels_sent: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _rows(opts: DemoOptions) -> list[LabeledText]:
+    rows = read_labeled(opts.data or default_data())
+    rows = [r for r in rows if r.label is not None]
+    if opts.limit:
+        rows = rows[: opts.limit]
+    return rows
+
+
+def demo_spec(
+    name: str,
+    rows: list[LabeledText],
+    flag_labels: list[str] | None,
+    num_layers: int,
+    hidden_size: int,
+) -> ProbeSpec:
+    """A scoring-gate probe over six spread layers for the labels found in ``rows``."""
+    labels = sorted({r.label for r in rows if r.label})
+    flags = flag_labels or [lb for lb in labels if lb in FLAG_WORDS] or labels[-1:]
+    layers = sorted({max(1, round(num_layers * k / 6)) for k in range(1, 7)})
+    return ProbeSpec(
+        name=name,
+        token_pool="gate",
+        layer_mix="scalar_mix",
+        layers=layers,
+        hidden_size=hidden_size,
+        task="multiclass",
+        labels=labels,
+        flag_labels=flags,
+    )
+
+
+class DemoRun:
+    """One demo run; :meth:`run` returns the figures the report shows."""
+
+    def __init__(
+        self, settings: Settings, opts: DemoOptions, extractor: HiddenStateExtractor | None = None
+    ) -> None:
+        self.opts = opts
+        self.base = settings
+        self.extractor = extractor
+        self.rows = _rows(opts)
+        self.obs = Observed()
+        self.stop = threading.Event()
+        self.started = time.time()
+        self.run_id = uuid.uuid4().hex[:8]
+        self.scorer: Scorer | None = None
+        self.updater: Updater | None = None
+        self.registry: Registry | None = None
+        self.settings: Settings | None = None
+        self.replay_done = threading.Event()
+        self.total = len(self.rows) * opts.repeat
+
+    # --- orchestration -------------------------------------------------------
+
+    @contextlib.contextmanager
+    def stack(self) -> Iterator[Settings]:
+        """The broker and Redis to use: the configured ones, else embedded ones."""
+        broker = redis_server = None
+        updates: dict[str, Any] = {}
+        try:
+            if "kafka_bootstrap" not in self.base.model_fields_set:
+                broker = EmbeddedBroker().start()
+                updates["kafka_bootstrap"] = broker.bootstrap
+            if self.base.redis_url is None:
+                redis_server = EmbeddedRedis().start()
+                updates["redis_url"] = redis_server.url
+            yield self.base.model_copy(update=updates)
+        finally:
+            if self.opts.keep:
+                for name, svc in (("broker", broker), ("redis", redis_server)):
+                    if svc is not None:
+                        log.info("--keep: %s left running (pid %s)", name, svc.pid)
+            else:
+                for svc in (broker, redis_server):
+                    if svc is not None:
+                        svc.stop()
+
+    def configure(self, stack: Settings) -> Settings:
+        """Per-run topics, group ids and key prefix; demo-sized learning settings."""
+        tag = f"demo-{self.run_id}"
+        return stack.model_copy(
+            update={
+                "redis_prefix": tag,
+                "topic_chat": f"{tag}.chat",
+                "topic_labels": f"{tag}.labels",
+                "topic_verdicts": f"{tag}.verdicts",
+                "topic_review": f"{tag}.review",
+                "topic_dead_letter": f"{tag}.dead-letter",
+                "group_scorer": f"{tag}-scorer",
+                "group_updater": f"{tag}-updater",
+                "probes": "demo",
+                "train_probe": "demo",
+                "stats_warmup": min(24, max(4, len(self.rows) // 5)),
+                "publish_every_labels": 16,
+                "publish_every_s": 5.0,
+                "learn_lr": 1e-3,
+                "learn_batch_size": 16,
+                "learn_steps_per_batch": 4,
+                "metrics_port": 0,
+                "stage_check_interval_s": 1.0,
+            }
+        )
+
+    def start_roles(self, settings: Settings, seed_spec: Path) -> list[threading.Thread]:
+        assert self.extractor is not None
+        settings = settings.model_copy(update={"seed_spec": seed_spec})
+        self.settings = settings
+        ensure_topics(settings, partitions=2)
+        client = make_redis(settings)
+        self.registry = Registry(client, Keys(settings.redis_prefix), "demo")
+        self.updater = Updater(settings, self.extractor, make_redis(settings), worker_id="updater")
+        self.scorer = Scorer(settings, self.extractor, make_redis(settings), worker_id="scorer")
+        threads = [
+            threading.Thread(target=r.run, name=n, daemon=True)
+            for n, r in (("updater", self.updater), ("scorer", self.scorer))
+        ]
+        threads.append(threading.Thread(target=self._observe, name="observer", daemon=True))
+        threads.append(threading.Thread(target=self._replay, name="replay", daemon=True))
+        for t in threads:
+            t.start()
+        return threads
+
+    def finished(self) -> bool:
+        with self.obs.lock:
+            scored = len(self.obs.verdicts)
+        return self.replay_done.is_set() and scored >= self.total - self.obs.dead_letters
+
+    def shutdown(self, threads: list[threading.Thread]) -> None:
+        self.stop.set()
+        for role in (self.scorer, self.updater):
+            if role is not None:
+                role.stop()
+        for t in threads:
+            t.join(60)
+
+    # --- threads -------------------------------------------------------------
+
+    def _replay(self) -> None:
+        settings = self.settings
+        assert settings is not None
+        producer = make_producer(settings)
+        pending: list[tuple[float, HumanLabel]] = []
+        interval = 1.0 / self.opts.rate if self.opts.rate > 0 else 0.0
+        n = 0
+        try:
+            for rep in range(self.opts.repeat):
+                for i, row in enumerate(self.rows):
+                    if self.stop.is_set():
+                        return
+                    mid = f"{self.run_id}-{rep}-{i}"
+                    msg = ChatMessage(
+                        message_id=mid,
+                        conversation_id=f"conv-{i % 17}",
+                        text=row.text[: settings.max_text_chars],
+                        created_at=utcnow(),
+                    )
+                    with self.obs.lock:
+                        self.obs.sent[mid] = time.time()
+                    producer.send(settings.topic_chat, key=mid.encode(), value=msg.encode())
+                    share = self.opts.label_share  # label every message where the share ticks over
+                    if int((n + 1) * share) > int(n * share):
+                        pending.append(
+                            (
+                                time.time() + self.opts.label_delay_s,
+                                HumanLabel(
+                                    message_id=mid,
+                                    label=row.label,
+                                    labeler_id="demo-reviewer",
+                                    created_at=utcnow(),
+                                    text=msg.text,
+                                ),
+                            )
+                        )
+                        with self.obs.lock:
+                            self.obs.truth[mid] = str(row.label)
+                    n += 1
+                    pending = self._send_due(producer, pending, settings.topic_labels)
+                    self.stop.wait(interval)
+            while pending and not self.stop.is_set():
+                pending = self._send_due(producer, pending, settings.topic_labels)
+                self.stop.wait(0.1)
+        finally:
+            producer.flush(30)
+            producer.close()
+            self.replay_done.set()
+
+    def _send_due(
+        self, producer: Any, pending: list[tuple[float, HumanLabel]], topic: str
+    ) -> list[tuple[float, HumanLabel]]:
+        now = time.time()
+        for _, label in (p for p in pending if p[0] <= now):
+            producer.send(topic, key=label.message_id.encode(), value=label.encode())
+            with self.obs.lock:
+                self.obs.labels_sent += 1
+        return [p for p in pending if p[0] > now]
+
+    def _observe(self) -> None:
+        settings = self.settings
+        assert settings is not None
+        consumer = KafkaConsumer(
+            settings.topic_verdicts,
+            settings.topic_review,
+            settings.topic_dead_letter,
+            **client_config(settings),
+            auto_offset_reset="earliest",
+            enable_auto_commit=False,
+        )
+        try:
+            while not self.stop.is_set():
+                for tp, records in consumer.poll(timeout_ms=200).items():
+                    self._record(tp.topic, records)
+        finally:
+            consumer.close()
+
+    def _record(self, topic: str, records: list[Any]) -> None:
+        settings = self.settings
+        assert settings is not None
+        now = time.time()
+        with self.obs.lock:
+            if topic == settings.topic_verdicts:
+                for r in records:
+                    v = Verdict.decode(r.value)
+                    self.obs.verdicts.setdefault(v.message_id, (now, v))
+            elif topic == settings.topic_review:
+                self.obs.reviews += len(records)
+            else:
+                self.obs.dead_letters += len(records)
+
+
+def run_demo(
+    settings: Settings,
+    opts: DemoOptions,
+    extractor: HiddenStateExtractor,
+    *,
+    interrupted: threading.Event | None = None,
+    tty: bool | None = None,
+) -> tuple[dict[str, Any], Path]:
+    """Run the demo to the end (or ``interrupted``/timeout); write the report. Returns
+    the figures and the report page."""
+    from worker.live import LiveView
+    from worker.report import write_report
+
+    interrupted = interrupted or threading.Event()
+    demo = DemoRun(settings, opts, extractor)
+    spec = demo_spec(
+        "demo", demo.rows, opts.flag_labels, extractor.num_layers, extractor.hidden_size
+    )
+    with demo.stack() as stack:
+        configured = demo.configure(stack)
+        opts.out.mkdir(parents=True, exist_ok=True)
+        spec_path = opts.out / "probe-spec.json"
+        spec_path.write_text(spec.model_dump_json(indent=1))
+        log.info(
+            "replaying %d messages (%s) at %s msg/s; labels for %.0f%%",
+            demo.total,
+            opts.data or "packaged demo set",
+            opts.rate or "max",
+            100 * opts.label_share,
+        )
+        threads = demo.start_roles(configured, spec_path)
+        deadline = time.monotonic() + opts.timeout_s
+        try:
+            with LiveView(lambda: snapshot(demo), tty=tty) as view:
+                while not (demo.finished() or interrupted.is_set() or time.monotonic() > deadline):
+                    view.update()
+                    time.sleep(0.5)
+                _settle(demo, interrupted)
+                view.update()
+        finally:
+            demo.shutdown(threads)
+        figures = final_figures(demo)
+    return figures, write_report(figures, opts.out)
+
+
+def _settle(demo: DemoRun, interrupted: threading.Event, timeout_s: float = 30.0) -> None:
+    """Wait until the updater has learned every label sent and published it."""
+    deadline = time.monotonic() + timeout_s
+    upd = demo.updater
+    while upd is not None and not interrupted.is_set() and time.monotonic() < deadline:
+        learned = upd.counters.labels_seen + len(upd.warmup)
+        if learned >= demo.obs.labels_sent - demo.obs.dead_letters and upd.unpublished == 0:
+            return
+        time.sleep(0.2)
+
+
+# --- figures ------------------------------------------------------------------
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def _f1(pairs: list[tuple[bool, bool]]) -> float:
+    tp = sum(1 for p, t in pairs if p and t)
+    fp = sum(1 for p, t in pairs if p and not t)
+    fn = sum(1 for p, t in pairs if not p and t)
+    return 2 * tp / (2 * tp + fp + fn) if tp else 0.0
+
+
+def snapshot(run: DemoRun) -> dict[str, Any]:
+    """Live figures (cheap; called by the live view twice a second)."""
+    obs = run.obs
+    with obs.lock:
+        sent, scored = len(obs.sent), len(obs.verdicts)
+        lat = [1000 * (t - obs.sent[m]) for m, (t, _) in obs.verdicts.items() if m in obs.sent]
+        arrivals = sorted(t for t, _ in obs.verdicts.values())
+        reviews, dead, labels = obs.reviews, obs.dead_letters, obs.labels_sent
+    recent = [t for t in arrivals if t >= time.time() - 10]
+    upd, scorer = run.updater, run.scorer
+    versions = scorer.watcher.versions().get("demo", {}) if scorer else {}
+    preq = upd.prequential.report() if upd and upd.prequential else {}
+    return {
+        "elapsed_s": time.time() - run.started,
+        "total": run.total,
+        "sent": sent,
+        "scored": scored,
+        "msg_per_s": len(recent) / 10.0,
+        "p50_ms": _pct(lat[-200:], 0.5),
+        "p99_ms": _pct(lat[-200:], 0.99),
+        "live": versions.get("live"),
+        "canary": versions.get("canary"),
+        "prequential_f1": preq.get("prequential_f1"),
+        "labels_sent": labels,
+        "labels_learned": upd.counters.labels_seen if upd else 0,
+        "dead_letters": dead,
+        "reviews": reviews,
+    }
+
+
+def final_figures(run: DemoRun) -> dict[str, Any]:
+    """Everything the report shows, from what was observed and the registry."""
+    obs = run.obs
+    with obs.lock:
+        order = sorted(obs.sent, key=obs.sent.__getitem__)
+        verdicts = dict(obs.verdicts)
+        sent, truth = dict(obs.sent), dict(obs.truth)
+    spec = run.updater.probe.spec if run.updater and run.updater.probe else None
+    flags = set(spec.flag_labels) if spec else set()
+    served: list[dict[str, Any]] = []
+    for mid in order:
+        if mid in truth and mid in verdicts:
+            res = verdicts[mid][1].results[0]
+            served.append(
+                {
+                    "t": sent[mid] - run.started,
+                    "version": res.version,
+                    "pred": res.predicted[0] if res.predicted else "",
+                    "truth": truth[mid],
+                    "flagged": res.flagged,
+                    "flag_true": truth[mid] in flags,
+                }
+            )
+    window = 40
+    curve = [
+        {
+            "n": i + 1,
+            "version": s["version"],
+            "f1": _f1(
+                [(x["flagged"], x["flag_true"]) for x in served[max(0, i - window + 1) : i + 1]]
+            ),
+        }
+        for i, s in enumerate(served)
+    ]
+    labels = spec.labels if spec else sorted({s["truth"] for s in served})
+    confusion = [
+        [sum(1 for s in served if s["truth"] == a and s["pred"] == b) for b in labels]
+        for a in labels
+    ]
+    lat = [1000 * (t - sent[m]) for m, (t, _) in verdicts.items() if m in sent]
+    arrivals = sorted(t - run.started for t, _ in verdicts.values())
+    half = served[len(served) // 2 :]
+    return {
+        "run_id": run.run_id,
+        "messages": run.total,
+        "verdicts": len(verdicts),
+        "dead_letters": obs.dead_letters,
+        "reviews": obs.reviews,
+        "labels": obs.labels_sent,
+        "elapsed_s": round(time.time() - run.started, 1),
+        "latency_ms": lat,
+        "arrivals_s": arrivals,
+        "p50_ms": round(_pct(lat, 0.5), 1),
+        "p99_ms": round(_pct(lat, 0.99), 1),
+        "served": served,
+        "curve": curve,
+        "labels_order": labels,
+        "confusion": confusion,
+        "served_f1_all": round(_f1([(s["flagged"], s["flag_true"]) for s in served]), 4),
+        "served_f1_second_half": round(_f1([(s["flagged"], s["flag_true"]) for s in half]), 4),
+        "versions": _version_points(run),
+        "layer_weights": _layer_weights(run),
+    }
+
+
+def _version_points(run: DemoRun) -> list[dict[str, Any]]:
+    if run.registry is None:
+        return []
+    points = []
+    for v in run.registry.versions():
+        m = run.registry.manifest(v)
+        points.append(
+            {
+                "version": v,
+                "labels_seen": m.counters.labels_seen,
+                "f1": m.metrics.get("prequential_f1"),
+                "auprc": m.metrics.get("prequential_auprc"),
+                "entropy": m.metrics.get("layer_entropy"),
+            }
+        )
+    return points
+
+
+def _layer_weights(run: DemoRun) -> dict[str, Any]:
+    upd = run.updater
+    if upd is None or upd.probe is None:
+        return {}
+    return {
+        "layers": list(upd.probe.layers),
+        "weights": [float(w) for w in upd.probe.layer_weights().tolist()],
+    }
