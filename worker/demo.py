@@ -20,11 +20,11 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from kafka import KafkaConsumer
+from pydantic import SecretStr
 
 from schemas import ChatMessage, HumanLabel, LabeledText, ProbeSpec, Verdict, utcnow
 from worker.embedded import EmbeddedBroker, EmbeddedRedis
@@ -56,7 +56,7 @@ FLAG_WORDS = (
 
 def default_data() -> Path:
     """The small labeled chat set shipped in the package (121 messages, 40 toxic)."""
-    return Path(str(resources.files("worker") / "data" / "demo_chat.jsonl"))
+    return Path(__file__).parent / "data" / "demo_chat.jsonl"
 
 
 @dataclass
@@ -64,7 +64,7 @@ class DemoOptions:
     data: Path | None = None
     limit: int | None = None
     repeat: int = 2
-    rate: float = 20.0  # chat messages per second
+    rate: float = 5.0  # chat messages per second
     label_share: float = 0.6
     label_delay_s: float = 2.0
     out: Path = Path("probeguard-report")
@@ -151,7 +151,7 @@ class DemoRun:
                 updates["kafka_bootstrap"] = broker.bootstrap
             if self.base.redis_url is None:
                 redis_server = EmbeddedRedis().start()
-                updates["redis_url"] = redis_server.url
+                updates["redis_url"] = SecretStr(redis_server.url)  # model_copy won't convert
             yield self.base.model_copy(update=updates)
         finally:
             if self.opts.keep:
@@ -422,8 +422,9 @@ def final_figures(run: DemoRun) -> dict[str, Any]:
     """Everything the report shows, from what was observed and the registry."""
     obs = run.obs
     with obs.lock:
-        order = sorted(obs.sent, key=obs.sent.__getitem__)
         verdicts = dict(obs.verdicts)
+        # Scored order (verdict arrival): a backlog is not scored in the order it was sent.
+        order = sorted(verdicts, key=lambda m: verdicts[m][0])
         sent, truth = dict(obs.sent), dict(obs.truth)
     spec = run.updater.probe.spec if run.updater and run.updater.probe else None
     flags = set(spec.flag_labels) if spec else set()

@@ -23,12 +23,14 @@ def plot_layer_weights(
     try:
         ax.bar(range(len(layers)), weights, color="#4472c4")
         ax.set_xticks(range(len(layers)), [str(i) for i in layers])
-        if len(weights) > 1:
-            ax.axhline(1 / len(weights), color="grey", linestyle=":", linewidth=1, label="uniform")
-            ax.legend(loc="upper left", frameon=False)
+        if len(weights) > 1:  # the dotted line marks uniform weights
+            ax.axhline(1 / len(weights), color="grey", linestyle=":", linewidth=1)
         ax.set_xlabel("hidden-state index (0 = embeddings)")
         ax.set_ylabel("layer weight")
-        ax.set_title(f"{title}  entropy {entropy:.2f} / {uniform:.2f} nats".strip(), fontsize=9)
+        ax.set_title(
+            f"{title}  entropy {entropy:.2f} / {uniform:.2f} nats (dotted: uniform)".strip(),
+            fontsize=9,
+        )
         ax.tick_params(axis="x", labelsize=7)
         fig.tight_layout()
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -39,9 +39,9 @@ def plot_prequential(fig_data: dict[str, Any], path: Path) -> str:
             color="#4472c4",
             label="served F1 (last 40 labeled messages)",
         )
-        last = None
+        last = 0
         for c in curve:
-            if c["version"] != last:
+            if c["version"] > last:  # mark each newer version where it first decided
                 ax.axvline(c["n"], color="grey", linestyle=":", linewidth=0.8)
                 ax.text(
                     c["n"],

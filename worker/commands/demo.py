@@ -42,7 +42,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--rate",
         type=float,
-        default=20.0,
+        default=5.0,
         help="chat messages per second (default: %(default)s; 0 = as fast as possible)",
     )
     p.add_argument(
