@@ -126,9 +126,11 @@ def plot_confusion(fig_data: dict[str, Any], path: Path) -> str:
     labels, m = fig_data["labels_order"], fig_data["confusion"]
     fig, ax = plt.subplots(figsize=(1.2 * len(labels) + 2.2, 1.1 * len(labels) + 1.6), dpi=120)
     ax.imshow(m, cmap="Blues")
+    top = max((v for row in m for v in row), default=0)
     for i, row in enumerate(m):
         for j, v in enumerate(row):
-            ax.text(j, i, str(v), ha="center", va="center", fontsize=9)
+            color = "white" if v > top / 2 else "black"  # readable on dark cells
+            ax.text(j, i, str(v), ha="center", va="center", fontsize=9, color=color)
     ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     ax.set_xlabel("served decision")
