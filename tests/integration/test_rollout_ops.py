@@ -8,8 +8,14 @@ import math
 
 import pytest
 
-from schemas import CheckpointManifest, DecidedRecord, LLMFingerprint, ProbeDecision, ProbeSpec
-from schemas import utcnow
+from schemas import (
+    CheckpointManifest,
+    DecidedRecord,
+    LLMFingerprint,
+    ProbeDecision,
+    ProbeSpec,
+    utcnow,
+)
 from tests.conftest import RedisNamespace
 from worker.cli import main
 from worker.evidence import EvidenceStore
