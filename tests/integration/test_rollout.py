@@ -49,7 +49,14 @@ def toy(i: int) -> tuple[str, bool]:
     return (f"{BAD[i % 4]} {i}", True) if i % 2 else (f"{GOOD[i % 4]} {i}", False)
 
 
-def extractor() -> HiddenStateExtractor:
+@pytest.fixture(scope="module")
+def ex() -> HiddenStateExtractor:
+    """One tiny LLM shared by every scorer and updater of a test (it serializes calls).
+
+    Building one per worker would race: ``make_tiny_llm`` seeds torch's global RNG
+    while already running workers draw from it (a probe's random init before loading),
+    and a different RNG state means different weights and another fingerprint.
+    """
     return HiddenStateExtractor(make_tiny_llm(), max_tokens=64, batch_size=16)
 
 
@@ -69,8 +76,7 @@ def train(ex: HiddenStateExtractor, target: Callable[[bool], int], seed: int) ->
 
 
 @pytest.fixture(scope="module")
-def probes() -> dict[str, Probe]:
-    ex = extractor()
+def probes(ex: HiddenStateExtractor) -> dict[str, Probe]:
     return {
         "good": train(ex, lambda flag: int(flag), seed=0),
         "good2": train(ex, lambda flag: int(flag), seed=1),
@@ -150,14 +156,22 @@ def tuned(settings: Settings, **kw: object) -> Settings:
     return settings.model_copy(update={**base, **kw})
 
 
-def start_scorer(settings: Settings, redis_ns: RedisNamespace, running: list[Threaded], n: int):
-    scorer = Scorer(settings, extractor(), redis_ns.client, worker_id=f"scorer-{n}")
+def start_scorer(
+    settings: Settings,
+    ex: HiddenStateExtractor,
+    redis_ns: RedisNamespace,
+    running: list[Threaded],
+    n: int,
+) -> Scorer:
+    scorer = Scorer(settings, ex, redis_ns.client, worker_id=f"scorer-{n}")
     running.append(Threaded(scorer.run, scorer.stop))
     return scorer
 
 
-def start_updater(settings: Settings, redis_ns: RedisNamespace, running: list[Threaded]):
-    updater = Updater(settings, extractor(), redis_ns.client, worker_id="updater-a")
+def start_updater(
+    settings: Settings, ex: HiddenStateExtractor, redis_ns: RedisNamespace, running: list[Threaded]
+) -> Updater:
+    updater = Updater(settings, ex, redis_ns.client, worker_id="updater-a")
     running.append(Threaded(updater.run, updater.stop))
     return updater
 
@@ -190,7 +204,7 @@ def serving(scorer: Scorer) -> dict[str, int | None]:
 
 
 def test_flag_everything_canary_is_rolled_back_while_live_keeps_serving(
-    settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded], probes
+    settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded], probes, ex
 ) -> None:
     settings = tuned(
         settings,
@@ -200,11 +214,11 @@ def test_flag_everything_canary_is_rolled_back_while_live_keeps_serving(
     )
     ensure_topics(settings)
     registry = Registry(redis_ns.client, redis_ns.keys, "toxicity")
-    fp = extractor().fingerprint
+    fp = ex.fingerprint
     v1 = publish_probe(registry, fp, probe=probes["good"])
     v2 = publish_probe(registry, fp, probe=probes["flag_all"], set_live=False)
-    scorer = start_scorer(settings, redis_ns, threads, 1)
-    start_updater(settings, redis_ns, threads)
+    scorer = start_scorer(settings, ex, redis_ns, threads, 1)
+    start_updater(settings, ex, redis_ns, threads)
 
     wait_until(lambda: registry.stages().canary == v2, "the policy to trial the candidate")
     wait_until(lambda: serving(scorer)["canary"] == v2, "the scorer to serve the canary")
@@ -236,16 +250,16 @@ def test_flag_everything_canary_is_rolled_back_while_live_keeps_serving(
 
 
 def test_refused_canary_is_rolled_back_as_an_error(
-    settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded], probes
+    settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded], probes, ex
 ) -> None:
     settings = tuned(settings)
     ensure_topics(settings)
     registry = Registry(redis_ns.client, redis_ns.keys, "toxicity")
-    fp = extractor().fingerprint
+    fp = ex.fingerprint
     v1 = publish_probe(registry, fp, probe=probes["good"])
-    scorer = start_scorer(settings, redis_ns, threads, 1)
+    scorer = start_scorer(settings, ex, redis_ns, threads, 1)
     wait_until(lambda: serving(scorer)["live"] == v1, "the scorer to serve live")
-    updater = start_updater(settings, redis_ns, threads)
+    updater = start_updater(settings, ex, redis_ns, threads)
     wait_until(lambda: updater.probe is not None, "the updater to resume from v1")
     other = fp.model_copy(update={"model_id": "some-other-llm"})
     v2 = publish_probe(registry, other, probe=probes["good2"], set_live=False)
@@ -256,7 +270,7 @@ def test_refused_canary_is_rolled_back_as_an_error(
 
 
 def test_labels_roll_back_a_flipped_canary_and_promote_a_good_one(
-    settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded], probes
+    settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded], probes, ex
 ) -> None:
     settings = tuned(
         settings,
@@ -268,11 +282,11 @@ def test_labels_roll_back_a_flipped_canary_and_promote_a_good_one(
     ensure_topics(settings)
     registry = Registry(redis_ns.client, redis_ns.keys, "toxicity")
     evidence = EvidenceStore(redis_ns.client, redis_ns.keys)
-    fp = extractor().fingerprint
+    fp = ex.fingerprint
     v1 = publish_probe(registry, fp, probe=probes["good"])
     v2 = publish_probe(registry, fp, probe=probes["flipped"], set_live=False)
-    scorer = start_scorer(settings, redis_ns, threads, 1)
-    start_updater(settings, redis_ns, threads)
+    scorer = start_scorer(settings, ex, redis_ns, threads, 1)
+    start_updater(settings, ex, redis_ns, threads)
 
     def trial(tag: str, version: int, done: Callable[[], bool], what: str) -> None:
         wait_until(lambda: registry.stages().canary == version, f"v{version} on trial")
@@ -302,17 +316,16 @@ def test_labels_roll_back_a_flipped_canary_and_promote_a_good_one(
 
 
 def test_shadow_mode_never_changes_a_decision(
-    settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded], probes
+    settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded], probes, ex
 ) -> None:
     settings = tuned(settings, shadow=True, rollout="manual")
     ensure_topics(settings)
     registry = Registry(redis_ns.client, redis_ns.keys, "toxicity")
     evidence = EvidenceStore(redis_ns.client, redis_ns.keys)
-    ex = extractor()
     v1 = publish_probe(registry, ex.fingerprint, probe=probes["good"])
     v2 = publish_probe(registry, ex.fingerprint, probe=probes["flipped"], set_live=False)
     Rollout(registry, evidence, actor="test").start_canary(v2, 1.0, reason="all in shadow")
-    scorer = start_scorer(settings, redis_ns, threads, 1)
+    scorer = start_scorer(settings, ex, redis_ns, threads, 1)
     wait_until(lambda: serving(scorer) == {"live": v1, "canary": v2}, "live and canary served")
 
     ids = send_chats(settings, "s", 60)
@@ -336,16 +349,16 @@ def test_shadow_mode_never_changes_a_decision(
 
 
 def test_sticky_split_and_cli_rollback_on_every_scorer(
-    settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded], probes, tmp_path
+    settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded], probes, ex, tmp_path
 ) -> None:
     settings = tuned(settings, rollout="manual", stage_check_interval_s=5.0)
     ensure_topics(settings)
     registry = Registry(redis_ns.client, redis_ns.keys, "toxicity")
-    fp = extractor().fingerprint
+    fp = ex.fingerprint
     v1 = publish_probe(registry, fp, probe=probes["good"])
     v2 = publish_probe(registry, fp, probe=probes["good2"], set_live=False)
     v3 = publish_probe(registry, fp, probe=probes["flag_all"], set_live=False)
-    scorers = [start_scorer(settings, redis_ns, threads, n) for n in (1, 2)]
+    scorers = [start_scorer(settings, ex, redis_ns, threads, n) for n in (1, 2)]
     env = settings_env(settings, tmp_path)
 
     def cli(*args: str) -> str:
