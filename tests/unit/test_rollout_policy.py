@@ -249,3 +249,19 @@ def test_sticky_split_is_stable_and_near_the_share() -> None:
     wider = [sticky_fraction(c, "toxicity") < 0.25 for c in ids]
     assert all(w for f, w in zip(first, wider, strict=True) if f)
     assert abs(sum(wider) / len(ids) - 0.25) < 0.015
+
+
+def test_rollout_settings() -> None:
+    from pydantic import ValidationError
+
+    from worker.settings import Settings
+
+    assert Settings().rollout_mode == "auto_live"
+    assert Settings(auto_live=False).rollout_mode == "manual"  # the old spelling still works
+    assert Settings(auto_live=False, rollout="canary").rollout_mode == "canary"
+    policy = Policy.from_settings(Settings(rollout="canary", canary_share=0.25))
+    assert policy.mode == "canary" and policy.canary_share == 0.25
+    with pytest.raises(ValidationError, match="promote_epsilon"):
+        Settings(promote_epsilon=0.1, rollback_delta=0.05)
+    with pytest.raises(ValidationError, match="rollback_flag_rate_factor"):
+        Settings(rollback_flag_rate_factor=1.0)
