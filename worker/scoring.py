@@ -129,25 +129,26 @@ class Scoring:
         canary = None
         if slot.canary is not None and slot.canary.version != slot.live.version:
             canary = _run(slot.canary, ex, layers)
+        shadowed = canary if self.shadow else None  # scored for comparison, never acting
         for row, pos in enumerate(ex.index):
             msg = messages[pos]
             use_canary = canary is not None and not self.shadow and self.sends_to_canary(msg, slot)
             decided = canary if use_canary and canary is not None else live
             shadow = None
-            if self.shadow and canary is not None:
+            if shadowed is not None:
                 shadow = ShadowResult(
-                    version=canary.served.version,
-                    scores=canary.scores[row],
-                    predicted=canary.predicted[row],
+                    version=shadowed.served.version,
+                    scores=shadowed.scores[row],
+                    predicted=shadowed.predicted[row],
                 )
             out.decisions[(pos, slot.name)] = ProbeDecision(
                 v=decided.served.version,
                 f=decided.flagged[row],
                 s=_score(decided, row),
                 c=canary.served.version if canary is not None and not use_canary else None,
-                sv=shadow.version if shadow is not None and canary is not None else None,
-                sf=canary.flagged[row] if shadow is not None and canary is not None else None,
-                ss=_score(canary, row) if shadow is not None and canary is not None else None,
+                sv=shadowed.served.version if shadowed is not None else None,
+                sf=shadowed.flagged[row] if shadowed is not None else None,
+                ss=_score(shadowed, row) if shadowed is not None else None,
             )
             result = ProbeResult(
                 probe=slot.name,
