@@ -267,8 +267,11 @@ def _show(args: argparse.Namespace) -> int:
         ("probe", f"{spec.token_pool} pooling, {spec.layer_mix} over layers {spec.layers}"),
         ("task", f"{spec.task}: {', '.join(spec.labels)}; flags {spec.flag_labels or '-'}"),
         ("thresholds", ", ".join(f"{k}={v:g}" for k, v in spec.thresholds.items()) or "-"),
-        ("LLM", f"{m.llm.model_id} ({m.llm.num_layers} layers, d={m.llm.hidden_size}, "),
-        ("", f"fingerprint {m.llm.digest})"),
+        (
+            "LLM",
+            f"{m.llm.model_id} ({m.llm.num_layers} layers, d={m.llm.hidden_size}), "
+            f"fingerprint {m.llm.digest}",
+        ),
         ("tensors", f"sha256 {m.tensors_sha256[:16]}…" + (", signed" if m.signature else "")),
         ("trained on", f"{m.counters.labels_seen} labels, {m.counters.steps} steps"),
     ]
@@ -278,8 +281,8 @@ def _show(args: argparse.Namespace) -> int:
     fields.append(
         (
             "evidence",
-            f"{ev.scored} msgs, flag rate {ev.flag_rate:.3f}, {ev.labels.labeled} labels, "
-            f"F1 {ev.labels.f1:.3f}, AUPRC {auprc:.3f}, {ev.errors} refusal(s)",
+            f"{ev.scored} msgs, flag rate {_fmt(ev.flag_rate)}, {ev.labels.labeled} labels, "
+            f"F1 {_fmt(ev.labels.f1)}, AUPRC {_fmt(auprc)}, {ev.errors} refusal(s)",
         )
     )
     if ev.last_error:
@@ -293,6 +296,10 @@ def _show(args: argparse.Namespace) -> int:
         for more in lines[1:]:
             print(f"{'':<12}  {more}")
     return 0
+
+
+def _fmt(x: float) -> str:
+    return "-" if x != x else f"{x:.3f}"  # NaN (no data yet) as "-"
 
 
 def _ev(ev: Any, auprc: float) -> dict[str, Any]:
