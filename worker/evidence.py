@@ -38,10 +38,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from pydantic import ValidationError
 
-from probes.metrics import average_precision
 from schemas import DecidedRecord, ProbeDecision
 from worker.redis_store import Keys
 
@@ -282,6 +280,10 @@ class EvidenceStore:
 
     def auprc(self, probe: str, version: int) -> float:
         """AUPRC of the version's flag score on its labeled messages (NaN without positives)."""
+        import numpy as np
+
+        from probes.metrics import average_precision  # torch: only when asked (CLI start-up)
+
         raw = self.client.lrange(self.pairs_key(probe, version), 0, -1)
         if not raw:
             return math.nan
