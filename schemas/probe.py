@@ -134,7 +134,21 @@ class CheckpointManifest(WireModel):
         return self
 
 
-EventKind = Literal["published", "promoted", "canary", "canary_cleared", "rolled_back", "pinned"]
+# published: a new version (details.live: it went live at once)
+# promoted: a version became live (previous = the live before)
+# canary / canary_cleared: a canary trial started / ended without a verdict
+# rolled_back: a version was judged bad (details.stage: "canary" or "live"; a live rollback
+#   names the restored version in details.restored); never auto-promoted again
+# pinned / unpinned: automatic stage changes frozen / resumed
+EventKind = Literal[
+    "published",
+    "promoted",
+    "canary",
+    "canary_cleared",
+    "rolled_back",
+    "pinned",
+    "unpinned",
+]
 
 
 class CheckpointEvent(WireModel):

@@ -27,6 +27,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("up", "run the embedded Kafka-protocol broker and Redis in the foreground"),
     ("score", "consume chat messages, publish verdicts (the scoring worker)"),
     ("train", "learn from human labels and publish probe versions (the updater)"),
+    ("probe", "operate probe versions: status, promote, canary, rollback, pin, history"),
     ("cache", "build or inspect a hidden-state cache for offline training"),
     ("fit", "train a probe offline on a hidden-state cache; write a checkpoint"),
     ("eval", "evaluate a checkpoint on a labeled file or a cache"),

@@ -9,8 +9,12 @@
     ├── ModelLoadError       the frozen LLM or its tokenizer could not be located or loaded
     ├── ExtractionError      a hidden-state extraction request cannot be served (bad layers)
     │   └── ExtractionInputError   one input item cannot be extracted (empty, not UTF-8, ...)
-    └── OfflineError         offline work (cache, fit, eval) failed: a bad data file, an
-                             incomplete cache, a refused checkpoint (wraps probes.ProbeError)
+    ├── OfflineError         offline work (cache, fit, eval) failed: a bad data file, an
+    │                        incomplete cache, a refused checkpoint (wraps probes.ProbeError)
+    └── RolloutError         an operator's stage change was refused: an incompatible or
+                             rolled-back version, a canary already on trial, a concurrent
+                             change (registry errors, e.g. an unknown version, live in
+                             worker.registry and are ProbeguardErrors too)
 
 Dependency errors are translated into these with ``raise ... from exc``.
 """
@@ -25,6 +29,7 @@ __all__ = [
     "ModelLoadError",
     "OfflineError",
     "ProbeguardError",
+    "RolloutError",
     "StackError",
 ]
 
@@ -67,3 +72,7 @@ class ExtractionInputError(ExtractionError):
 
 class OfflineError(ProbeguardError):
     """Offline data, cache, training or evaluation failed; the message names the value."""
+
+
+class RolloutError(ProbeguardError):
+    """A stage change was refused; the message says why and what to do instead."""

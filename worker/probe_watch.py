@@ -5,7 +5,8 @@ streams without blocking (one round trip); an event, or the periodic stage
 check every ``check_interval_s``, triggers a re-read of the stage pointers
 and loading of any new live/canary version. A version is served only after
 its sha256, optional HMAC signature and LLM fingerprint verify; anything
-wrong is refused, counted and remembered, and the last good probe stays.
+wrong is refused, counted and remembered, and the last good live probe stays
+(a refused canary is simply not served).
 If Redis is unreachable the scorer keeps scoring with what it has and
 retries after ``check_interval_s``.
 """
@@ -132,6 +133,12 @@ class ProbeWatcher:
             if loaded is not None:
                 setattr(slot, stage, loaded)
                 self._announce(name, stage, wanted)
+                changed = True
+            elif stage == "canary" and current is not None:
+                # The wanted canary cannot be served: serve none rather than an older one
+                # (only the live stage keeps its last good probe).
+                log.warning("%s: no canary served (v%d refused)", name, wanted)
+                slot.canary = None
                 changed = True
         if slot.canary_share != stages.canary_share:
             slot.canary_share = stages.canary_share

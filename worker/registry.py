@@ -9,6 +9,15 @@ Key layout (``K = {prefix}:{probe}``)::
     K:stages           hash: live -> v, canary -> v, canary_share -> float, pinned -> 0/1
     K:events           stream of CheckpointEvent JSON (field "event")
     K:updater_lease    "<token>|<holder>" with a TTL (see worker.lease)
+    K:rolled_back      hash: version -> reason; such a version is never auto-promoted again
+    K:tried            set of versions that have been canaries (the policy never retries one)
+    K:evidence:{v}     per-version evidence counters (see worker.evidence)
+
+Stage changes are one Lua script too: pointers, marks and the event together, and
+optionally only if the pointers still hold the values the caller read
+(compare-and-set), so the updater's policy and an operator cannot overwrite
+each other's change unseen. The live versions' history (for rollback) is
+derived from the event stream (:func:`live_lineage`).
 
 Publishing is one Lua script: blob, manifest, the version marker and the
 event are written together or not at all, and only by the current lease
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +46,10 @@ __all__ = [
     "Registry",
     "RegistryError",
     "Stages",
+    "StagesChanged",
     "StoredCheckpoint",
     "UnknownVersion",
+    "live_lineage",
 ]
 
 EVENTS_MAXLEN = 10_000
@@ -53,6 +65,10 @@ class UnknownVersion(RegistryError):
 
 class Fenced(RegistryError):
     """The writer's fencing token is not the current lease holder's."""
+
+
+class StagesChanged(RegistryError):
+    """A compare-and-set stage change found the pointers changed since they were read."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +88,8 @@ class StoredCheckpoint:
 
 
 # KEYS: versions, ckpt, manifest, events, stages, lease
-# ARGV: version, blob, manifest, event, token ('' = no fencing), set_live '0'/'1', maxlen
+# ARGV: version, blob, manifest, event, token ('' = no fencing), set_live '0'/'1', maxlen,
+#       event to record instead when set_live is refused because the probe is pinned
 _PUBLISH = """
 if ARGV[5] ~= '' then
   local cur = redis.call('GET', KEYS[6])
@@ -88,16 +105,35 @@ end
 redis.call('SET', KEYS[2], ARGV[2])
 redis.call('SET', KEYS[3], ARGV[3])
 redis.call('ZADD', KEYS[1], ARGV[1], ARGV[1])
-if ARGV[6] == '1' then redis.call('HSET', KEYS[5], 'live', ARGV[1]) end
-return redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'event', ARGV[4])
+local event = ARGV[4]
+if ARGV[6] == '1' then
+  if redis.call('HGET', KEYS[5], 'pinned') == '1' then
+    event = ARGV[8]
+  else
+    redis.call('HSET', KEYS[5], 'live', ARGV[1])
+  end
+end
+return redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'event', event)
 """
 
-# KEYS: versions, stages, events; ARGV: field-value pairs JSON, fields to delete JSON,
-# version that must exist ('' = none), event, maxlen
+# KEYS: versions, stages, events, rolled_back, tried, then keys to delete (e.g. evidence)
+# ARGV: field-value pairs JSON, fields to delete JSON, version that must exist ('' = none),
+#       event, maxlen, expected stage fields JSON ('' = must be absent),
+#       rolled-back marks JSON {version: reason}, versions to mark tried JSON
 _SET_STAGES = """
 if ARGV[3] ~= '' and not redis.call('ZSCORE', KEYS[1], ARGV[3]) then
   return redis.error_reply('UNKNOWN version ' .. ARGV[3] .. ' is not published')
 end
+for k, want in pairs(cjson.decode(ARGV[6])) do
+  local cur = redis.call('HGET', KEYS[2], k) or ''
+  if cur ~= want then
+    return redis.error_reply('CHANGED ' .. k .. ' is ' .. (cur == '' and 'unset' or cur)
+      .. ', expected ' .. (want == '' and 'unset' or want))
+  end
+end
+for v, why in pairs(cjson.decode(ARGV[7])) do redis.call('HSET', KEYS[4], v, why) end
+for _, v in ipairs(cjson.decode(ARGV[8])) do redis.call('SADD', KEYS[5], v) end
+for i = 6, #KEYS do redis.call('DEL', KEYS[i]) end
 local sets = cjson.decode(ARGV[1])
 for k, v in pairs(sets) do redis.call('HSET', KEYS[2], k, v) end
 for _, k in ipairs(cjson.decode(ARGV[2])) do redis.call('HDEL', KEYS[2], k) end
@@ -139,17 +175,30 @@ class Registry:
         actor: str = "",
         reason: str = "",
     ) -> CheckpointManifest:
-        """Store a checkpoint whose manifest carries an allocated version; atomic and fenced."""
+        """Store a checkpoint whose manifest carries an allocated version; atomic and fenced.
+
+        ``set_live`` makes it live in the same step, unless the probe is pinned (then the
+        event says so and the live version stays).
+        """
         manifest = self._parse(manifest_json, blob, where="publish")
         if manifest.probe != self.probe:
             raise RegistryError(f"manifest is for probe {manifest.probe!r}, not {self.probe!r}")
         v = manifest.version
+        previous = self.stages().live if set_live else None
         event = self._event(
             "published",
             v,
+            previous=previous,
             reason=reason,
             actor=actor,
             details={"parent": manifest.parent, "live": set_live},
+        )
+        held = self._event(  # recorded instead when the probe is pinned
+            "published",
+            v,
+            reason=f"{reason}; not made live: the probe is pinned".lstrip("; "),
+            actor=actor,
+            details={"parent": manifest.parent, "live": False},
         )
         try:
             self._publish(
@@ -161,7 +210,16 @@ class Registry:
                     self.key("stages"),
                     self.lease_key,
                 ],
-                args=[v, blob, manifest_json, event, token or "", int(set_live), EVENTS_MAXLEN],
+                args=[
+                    v,
+                    blob,
+                    manifest_json,
+                    event,
+                    token or "",
+                    int(set_live),
+                    EVENTS_MAXLEN,
+                    held,
+                ],
             )
         except redis.ResponseError as exc:
             msg = str(exc)
@@ -181,34 +239,67 @@ class Registry:
         reason: str = "",
         actor: str = "",
         details: dict[str, Any] | None = None,
+        expect: dict[str, int | str | None] | None = None,
+        mark_rolled_back: dict[int, str] | None = None,
+        mark_tried: tuple[int, ...] | list[int] = (),
+        reset: tuple[str, ...] | list[str] = (),
     ) -> None:
-        """Change stage pointers and record the event, atomically.
+        """Change stage pointers, marks and record the event, atomically.
 
         ``version`` (when given) must be published, else :class:`UnknownVersion`.
+        ``expect`` maps stage fields to the values the caller read (``None`` = unset);
+        if any differs now, nothing changes and :class:`StagesChanged` is raised.
+        ``mark_rolled_back`` adds versions (with a reason) to the rolled-back hash,
+        ``mark_tried`` to the tried set; ``reset`` names keys to delete in the same step.
         """
         event = self._event(
             kind, version, previous=previous, reason=reason, actor=actor, details=details or {}
         )
-        sets = {k: str(int(v) if isinstance(v, bool) else v) for k, v in (set_fields or {}).items()}
+        sets = {k: _field(v) for k, v in (set_fields or {}).items()}
+        expected = {k: "" if v is None else _field(v) for k, v in (expect or {}).items()}
         try:
             self._set_stages(
-                keys=[self.key("versions"), self.key("stages"), self.key("events")],
+                keys=[
+                    self.key("versions"),
+                    self.key("stages"),
+                    self.key("events"),
+                    self.key("rolled_back"),
+                    self.key("tried"),
+                    *reset,
+                ],
                 args=[
                     json.dumps(sets),
                     json.dumps(list(delete)),
                     "" if version is None else version,
                     event,
                     EVENTS_MAXLEN,
+                    json.dumps(expected),
+                    json.dumps({str(v): why for v, why in (mark_rolled_back or {}).items()}),
+                    json.dumps([int(v) for v in mark_tried]),
                 ],
             )
         except redis.ResponseError as exc:
-            if str(exc).startswith("UNKNOWN"):
+            msg = str(exc)
+            if msg.startswith("UNKNOWN"):
                 raise UnknownVersion(f"{self.probe} has no published version {version}") from None
-            raise RegistryError(str(exc)) from None
+            if msg.startswith("CHANGED"):
+                raise StagesChanged(f"{self.probe} stages changed meanwhile: {msg[8:]}") from None
+            raise RegistryError(msg) from None
 
-    def promote(self, version: int, *, reason: str = "", actor: str = "") -> None:
-        """Make ``version`` live; it stops being the canary if it was one."""
-        st = self.stages()
+    def promote(
+        self,
+        version: int,
+        *,
+        reason: str = "",
+        actor: str = "",
+        details: dict[str, Any] | None = None,
+        expect: Stages | None = None,
+    ) -> None:
+        """Make ``version`` live; it stops being the canary if it was one.
+
+        With ``expect`` (stages as the caller read them) this is a compare-and-set.
+        """
+        st = expect or self.stages()
         delete = ["canary", "canary_share"] if st.canary == version else []
         self.set_stages(
             "promoted",
@@ -218,19 +309,35 @@ class Registry:
             previous=st.live,
             reason=reason,
             actor=actor,
+            details=details,
+            expect={"live": st.live, "canary": st.canary} if expect is not None else None,
+            mark_tried=[version],
         )
 
     def prune(self, keep: int) -> list[int]:
-        """Delete all but the newest ``keep`` versions, never the live or canary one."""
+        """Delete all but the newest ``keep`` versions.
+
+        Never the live or canary one, nor the two lives before (rollback targets).
+        Evidence and optimizer state of pruned versions go with them.
+        """
         st = self.stages()
-        protected = {st.live, st.canary}
         versions = self.versions()
-        doomed = [v for v in versions[:-keep] if v not in protected] if keep > 0 else []
+        old = versions[:-keep] if keep > 0 else []
+        protected = {st.live, st.canary}
+        if any(v not in protected for v in old):
+            protected.update(live_lineage(e for _, e in self.history(1000))[-3:])
+        doomed = [v for v in old if v not in protected]
         if doomed:
             pipe = self.client.pipeline(transaction=True)
             pipe.zrem(self.key("versions"), *doomed)
             for v in doomed:
-                pipe.delete(self.key("ckpt", v), self.key("manifest", v))
+                pipe.delete(
+                    self.key("ckpt", v),
+                    self.key("manifest", v),
+                    self.key("evidence", v),
+                    self.key("pairs", v),
+                    self.key("optim", v),
+                )
             pipe.execute()
         return doomed
 
@@ -251,6 +358,19 @@ class Registry:
             canary_share=float(raw.get("canary_share", 0.0)),
             pinned=raw.get("pinned") == "1",
         )
+
+    def rolled_back(self) -> dict[int, str]:
+        """Versions judged bad, with the reason; the policy never promotes one of them."""
+        raw = self.client.hgetall(self.key("rolled_back"))
+        return {int(k): v.decode() for k, v in raw.items()}
+
+    def tried(self) -> set[int]:
+        """Versions that have been canaries (or live): the policy never starts them again."""
+        return {int(v) for v in self.client.smembers(self.key("tried"))}
+
+    def lineage(self, count: int = EVENTS_MAXLEN) -> list[int]:
+        """Versions that were live, oldest first, the current last (:func:`live_lineage`)."""
+        return live_lineage(e for _, e in self.history(count))
 
     def manifest(self, version: int) -> CheckpointManifest:
         raw = self.client.get(self.key("manifest", version))
@@ -329,3 +449,41 @@ class Registry:
             .encode()
             .decode()
         )
+
+
+def _field(value: Any) -> str:
+    return str(int(value) if isinstance(value, bool) else value)
+
+
+def live_lineage(events: Iterable[CheckpointEvent]) -> list[int]:
+    """The live versions in the order they went live, oldest first, the current last.
+
+    A version that goes live again moves to the end; a live rollback removes the
+    rolled-back version, so the element before the last is always the version a
+    rollback restores. Events are read oldest first.
+
+    >>> from schemas import utcnow
+    >>> def ev(kind, v, **kw):
+    ...     return CheckpointEvent(kind=kind, probe="p", version=v, at=utcnow(), **kw)
+    >>> live_lineage([ev("promoted", 1), ev("promoted", 3), ev("promoted", 5),
+    ...               ev("rolled_back", 5, details={"stage": "live", "restored": 3})])
+    [1, 3]
+    """
+    stack: list[int] = []
+
+    def to_top(v: int) -> None:
+        if v in stack:
+            stack.remove(v)
+        stack.append(v)
+
+    for e in events:
+        if e.version is None:
+            continue
+        if e.kind == "promoted" or (e.kind == "published" and e.details.get("live") is True):
+            to_top(e.version)
+        elif e.kind == "rolled_back" and e.details.get("stage") == "live":
+            stack[:] = [v for v in stack if v != e.version]
+            restored = e.details.get("restored")
+            if isinstance(restored, int) and not isinstance(restored, bool):
+                to_top(restored)
+    return stack

@@ -4,9 +4,11 @@ One consumer-group member on the chat topic. Per batch: decode (bad payloads
 become dead letters), one LLM pass for the union of the layers every served
 probe reads, every probe scores, one :class:`Verdict` per message keyed by
 message id; uncertain and audit-sampled messages go to the review topic
-(rate-limited across all scorers); message texts go to Redis with a TTL so
-labels can be joined later. Offsets are committed only after the broker has
-acknowledged everything the batch produced (see :mod:`worker.stream`).
+(rate-limited across all scorers); message texts and how each probe decided go
+to Redis with a TTL so labels can be joined later, and every decision is added
+to its version's evidence counters (see :mod:`worker.evidence`). Offsets are
+committed only after the broker has acknowledged everything the batch produced
+(see :mod:`worker.stream`).
 Probes hot-swap between batches (see :mod:`worker.probe_watch`).
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -23,8 +26,9 @@ import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from probes.checkpoint import load_checkpoint
-from schemas import ChatMessage, ReviewRequest, Verdict, utcnow
+from schemas import ChatMessage, DecidedRecord, ProbeDecision, ReviewRequest, Verdict, utcnow
 from worker.errors import ConfigError
+from worker.evidence import EvidenceStore
 from worker.extract import HiddenStateExtractor
 from worker.kafka import consumer_lag, ensure_topics, make_consumer, make_producer
 from worker.metrics import Health, HealthServer
@@ -91,7 +95,7 @@ class ScorerMetrics:
         )
         self.redis_errors = Counter(
             "probeguard_scorer_redis_errors",
-            "Failed Redis writes (text cache, review budget)",
+            "Failed Redis writes (text cache, evidence, review budget)",
             registry=r,
         )
 
@@ -116,6 +120,12 @@ class Scorer:
         self.metrics = ScorerMetrics()
         self.health = Health(stale_after_s=max(60.0, settings.kafka_max_poll_interval_ms / 1000))
         self.health.ready_check = self._ready
+        self.evidence = EvidenceStore(
+            redis_client,
+            self.keys,
+            pairs_max=settings.evidence_pairs,
+            marker_ttl_s=settings.text_cache_ttl_s,
+        )
         registries = {n: Registry(redis_client, self.keys, n) for n in settings.probe_names}
         self.watcher = ProbeWatcher(
             registries,
@@ -123,7 +133,7 @@ class Scorer:
             device=extractor.device,
             check_interval_s=settings.stage_check_interval_s,
             on_swap=lambda name, stage, v: self.metrics.version.labels(name, stage).set(v),
-            on_refused=lambda name, v, why: self.metrics.refused.labels(name).inc(),
+            on_refused=self._refused,
         )
         self.scoring = Scoring(extractor, self.watcher.slots, shadow=settings.shadow)
         self.loop: BatchLoop[ChatMessage] | None = None
@@ -226,7 +236,7 @@ class Scorer:
                 if r.flagged:
                     self.metrics.flags.labels(r.probe).inc()
         out.extend(self._reviews(messages, scores))
-        self._cache_texts(messages, scores)
+        self._remember(messages, scores, latency_ms)
         n = len(scores.results)
         self.metrics.messages.inc(n)
         self.metrics.batch_size.observe(len(items))
@@ -290,20 +300,42 @@ class Scorer:
             return 0  # without the shared budget, err on the side of not flooding reviewers
         return max(0, min(wanted, limit - (used - wanted)))
 
-    def _cache_texts(self, messages: list[ChatMessage], scores: BatchScores) -> None:
-        """Text (for label joins) and the versions that decided (for canary evidence)."""
+    def _remember(
+        self, messages: list[ChatMessage], scores: BatchScores, latency_ms: float
+    ) -> None:
+        """Text and decisions per message (for label joins), evidence per version.
+
+        One round trip, best-effort: a Redis failure costs label joins and evidence,
+        never the batch.
+        """
         ttl = self.settings.text_cache_ttl_s
+        by_pos: dict[int, dict[str, ProbeDecision]] = defaultdict(dict)
+        by_probe: dict[str, list[tuple[ProbeDecision, float]]] = defaultdict(list)
+        for (pos, probe), d in scores.decisions.items():
+            by_pos[pos][probe] = d
+            by_probe[probe].append((d, latency_ms))
         try:
             pipe = self.redis.pipeline(transaction=False)
-            for pos, results in scores.results.items():
+            for pos in scores.results:
                 msg = messages[pos]
                 pipe.set(self.keys.text(msg.message_id), msg.text.encode(), ex=ttl)
-                decided = ",".join(f"{r.probe}@{r.version}" for r in results)
-                pipe.set(self.keys("decided", msg.message_id), decided, ex=ttl)
+                if by_pos.get(pos):
+                    record = DecidedRecord(p=by_pos[pos]).encode()
+                    pipe.set(self.evidence.decided_key(msg.message_id), record, ex=ttl)
+            for probe, decisions in by_probe.items():
+                self.evidence.add_scored(pipe, probe, decisions)
             pipe.execute()
         except (redis.RedisError, OSError) as exc:
             self.metrics.redis_errors.inc()
-            log.warning("text cache write failed (%s); labels may need to carry text", exc)
+            log.warning("text cache/evidence write failed (%s); labels may need to carry text", exc)
+
+    def _refused(self, name: str, version: int, why: str) -> None:
+        self.metrics.refused.labels(name).inc()
+        try:
+            self.evidence.record_refusal(name, version, f"{self.worker_id}: {why}")
+        except (redis.RedisError, OSError) as exc:
+            self.metrics.redis_errors.inc()
+            log.warning("could not record the refusal of %s v%d (%s)", name, version, exc)
 
     # --- helpers -------------------------------------------------------------
 

@@ -4,9 +4,15 @@
           -> per probe: live (and canary) probabilities -> decide() -> ProbeResult
 
 Which version decides a message is sticky: a hash of the conversation id (else
-the message id) below the canary share sends it to the canary. In shadow mode
-the live version always decides and the canary's scores ride along in
-``ProbeResult.shadow``.
+the message id) below the canary share sends it to the canary, so a conversation
+sees one version throughout and the canary gets about ``canary_share`` of the
+conversations. The hash is salted with the probe name only (not the version), so
+successive canaries see the same conversations. In shadow mode the live version
+always decides and the canary's scores ride along in ``ProbeResult.shadow``.
+
+Each result also yields a :class:`~schemas.ProbeDecision` (which version decided,
+its flag and flag score, the canary it stood in for or was shadowed by): the
+scorer stores it for label joins and counts it as evidence.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 
 from probes.decision import decide
 from probes.probe import Probe
-from schemas import ChatMessage, CheckpointManifest, ProbeResult, ShadowResult
+from schemas import ChatMessage, CheckpointManifest, ProbeDecision, ProbeResult, ShadowResult
 
 if TYPE_CHECKING:
     from worker.extract import Extraction, HiddenStateExtractor
@@ -67,6 +73,8 @@ class BatchScores:
     extract_s: float = 0.0
     probe_s: float = 0.0
     flag_scores: dict[tuple[int, str], float] = field(default_factory=dict)
+    # (input position, probe) -> how it was decided, for evidence and label joins
+    decisions: dict[tuple[int, str], ProbeDecision] = field(default_factory=dict)
 
 
 class Scoring:
@@ -88,6 +96,12 @@ class Scoring:
 
     def layers(self) -> tuple[int, ...]:
         return tuple(sorted(set().union(*(s.layers() for s in self.slots.values()))))
+
+    @staticmethod
+    def sends_to_canary(msg: ChatMessage, slot: ProbeSlot) -> bool:
+        """Whether ``msg``'s conversation falls in the canary's share (sticky)."""
+        key = msg.conversation_id or msg.message_id
+        return sticky_fraction(key, slot.name) < slot.canary_share
 
     def score(self, messages: Sequence[ChatMessage]) -> BatchScores:
         layers = self.layers()
@@ -112,23 +126,30 @@ class Scoring:
         if slot.live is None:
             return
         live = _run(slot.live, ex, layers)
-        canary = _run(slot.canary, ex, layers) if slot.canary is not None else None
+        canary = None
+        if slot.canary is not None and slot.canary.version != slot.live.version:
+            canary = _run(slot.canary, ex, layers)
+        shadowed = canary if self.shadow else None  # scored for comparison, never acting
         for row, pos in enumerate(ex.index):
             msg = messages[pos]
-            use_canary = (
-                canary is not None
-                and not self.shadow
-                and sticky_fraction(msg.conversation_id or msg.message_id, slot.name)
-                < slot.canary_share
-            )
+            use_canary = canary is not None and not self.shadow and self.sends_to_canary(msg, slot)
             decided = canary if use_canary and canary is not None else live
             shadow = None
-            if self.shadow and canary is not None:
+            if shadowed is not None:
                 shadow = ShadowResult(
-                    version=canary.served.version,
-                    scores=canary.scores[row],
-                    predicted=canary.predicted[row],
+                    version=shadowed.served.version,
+                    scores=shadowed.scores[row],
+                    predicted=shadowed.predicted[row],
                 )
+            out.decisions[(pos, slot.name)] = ProbeDecision(
+                v=decided.served.version,
+                f=decided.flagged[row],
+                s=_score(decided, row),
+                c=canary.served.version if canary is not None and not use_canary else None,
+                sv=shadowed.served.version if shadowed is not None else None,
+                sf=shadowed.flagged[row] if shadowed is not None else None,
+                ss=_score(shadowed, row) if shadowed is not None else None,
+            )
             result = ProbeResult(
                 probe=slot.name,
                 version=decided.served.version,
@@ -150,6 +171,12 @@ class _Run:
     predicted: list[list[str]]
     flagged: list[bool]
     flag_score: list[float] | None  # highest probability among the flag labels, per row
+
+
+def _score(run: _Run, row: int) -> float | None:
+    if run.flag_score is None:
+        return None
+    return min(1.0, max(0.0, round(run.flag_score[row], 4)))
 
 
 def _select_layers(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:

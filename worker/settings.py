@@ -129,6 +129,8 @@ class Settings(BaseSettings):
     ema_decay: Annotated[float, Field(ge=0, lt=1)] | None = None
     publish_every_labels: PositiveInt = 64
     publish_every_s: Annotated[float, Field(gt=0)] = 30.0
+    # Deprecated spelling of `rollout`: true = "auto_live", false = "manual" (used only
+    # when `rollout` is unset).
     auto_live: bool = True
     keep_versions: PositiveInt = 20
     lease_ttl_ms: Annotated[int, Field(ge=1000)] = 10_000
@@ -139,6 +141,23 @@ class Settings(BaseSettings):
         None, description="ProbeSpec JSON to start from zero with (default: a toxicity probe)."
     )
     entropy_alarm: Annotated[float, Field(ge=0)] = 0.5
+
+    # --- Rollout (see worker/rollout.py; evaluated by the active updater) ---------
+    # auto_live: new versions go live at once. canary: new versions are candidates; the
+    # newest becomes the canary, then is promoted or rolled back on evidence. manual:
+    # no automatic stage change; operators use `probeguard probe`.
+    rollout: Literal["auto_live", "canary", "manual"] | None = Field(
+        None, description="Default: auto_live (or manual when auto_live=false)."
+    )
+    canary_share: Annotated[float, Field(gt=0.0, le=1.0)] = 0.1
+    promote_min_labels: PositiveInt = 200
+    promote_epsilon: Annotated[float, Field(ge=0.0, le=1.0)] = 0.02
+    rollback_delta: Annotated[float, Field(ge=0.0, le=1.0)] = 0.05
+    rollback_min_labels: PositiveInt = 50
+    rollback_flag_rate_factor: Annotated[float, Field(gt=1.0)] = 2.0
+    rollback_min_messages: PositiveInt = 200
+    rollout_check_interval_s: Annotated[float, Field(gt=0)] = 2.0
+    evidence_pairs: Annotated[int, Field(ge=0, le=100_000)] = 2000
 
     # --- Process identity -----------------------------------------------
     worker_id: str | None = Field(None, description="Defaults to hostname-pid.")
@@ -155,6 +174,11 @@ class Settings(BaseSettings):
             raise ValueError("review_low must not exceed review_high")
         if not self.probe_names:
             raise ValueError("probes must name at least one probe")
+        if self.promote_epsilon > self.rollback_delta:
+            raise ValueError(
+                "promote_epsilon must not exceed rollback_delta (a canary that may be promoted "
+                "must not at the same time be bad enough to roll back)"
+            )
         if self.kafka_heartbeat_interval_ms * 3 > self.kafka_session_timeout_ms:
             raise ValueError("kafka_heartbeat_interval_ms should be at most a third of the session")
         return self
@@ -166,6 +190,12 @@ class Settings(BaseSettings):
     @property
     def trained_probe(self) -> str:
         return self.train_probe or self.probe_names[0]
+
+    @property
+    def rollout_mode(self) -> Literal["auto_live", "canary", "manual"]:
+        if self.rollout is not None:
+            return self.rollout
+        return "auto_live" if self.auto_live else "manual"
 
     @property
     def limits(self) -> Limits:

@@ -11,6 +11,10 @@
     publish  -- every N labels or T seconds: a new version (fenced by the lease
                 token) with counters and prequential metrics; only then are the
                 label offsets committed, so a crash loses no label
+    rollout  -- every label is credited to the version(s) that judged its message
+                (evidence), and between batches the rollout policy promotes, trials
+                or rolls back versions (see worker.rollout); the lease holder is the
+                only automatic writer of stages
 
 Labels that cannot be joined, name unknown labels, or whose text the model
 cannot read go to the dead-letter topic. A fresh probe first collects
@@ -39,13 +43,15 @@ from probes.learner import Learner
 from probes.probe import Probe, build_probe
 from schemas import HumanLabel, ProbeSpec, TrainingCounters
 from worker.errors import ConfigError
+from worker.evidence import EvidenceStore
 from worker.extract import HiddenStateExtractor
 from worker.kafka import ensure_topics, make_consumer, make_producer
 from worker.lease import Lease
 from worker.metrics import Health, HealthServer
 from worker.online import Example, Prequential, ReplayBuffer, collate
 from worker.redis_store import Keys
-from worker.registry import Fenced, Registry, RegistryError
+from worker.registry import Fenced, Registry, RegistryError, StagesChanged
+from worker.rollout import Policy, Rollout
 from worker.settings import Settings
 from worker.stream import BatchLoop, Item, Outgoing, TransientError
 
@@ -99,6 +105,17 @@ class UpdaterMetrics:
         self.lease = Gauge(
             "probeguard_updater_lease_held", "1 while this process holds the lease", registry=r
         )
+        self.stage_changes = Counter(
+            "probeguard_updater_stage_changes",
+            "Automatic stage changes by the rollout policy",
+            ["action"],
+            registry=r,
+        )
+        self.labels_credited = Counter(
+            "probeguard_updater_labels_credited",
+            "Labels credited to the version(s) that judged the message (evidence)",
+            registry=r,
+        )
 
 
 class Updater:
@@ -123,6 +140,15 @@ class Updater:
         self.lease = Lease(
             redis_client, self.registry.lease_key, self.worker_id, settings.lease_ttl_ms
         )
+        self.evidence = EvidenceStore(
+            redis_client,
+            self.keys,
+            pairs_max=settings.evidence_pairs,
+            marker_ttl_s=settings.text_cache_ttl_s,
+        )
+        self.rollout = Rollout(self.registry, self.evidence, actor=self.worker_id)
+        self.policy = Policy.from_settings(settings)
+        self._next_rollout = 0.0
         self.metrics = UpdaterMetrics()
         self.health = Health(stale_after_s=max(60.0, settings.kafka_max_poll_interval_ms / 1000))
         self.health.ready_check = lambda: (True, "active" if self.active else "standby")
@@ -314,6 +340,7 @@ class Updater:
                 dead.append(self._reject(item, "unknown_label", target))
                 continue
             ready.append((item, text, *target))
+        self._credit(spec, [r[0].value for r in ready])
         if not ready:
             return dead
         ex = self.extractor.extract([t for _, t, _, _ in ready], probe.layers)
@@ -333,6 +360,20 @@ class Updater:
         self.unpublished += len(new)
         self.metrics.labels.inc(len(new))
         return dead
+
+    def _credit(self, spec: ProbeSpec, labels: list[HumanLabel]) -> None:
+        """Evidence: each label against the flag decision of the version(s) that judged it.
+
+        Best-effort: without Redis the labels are still learned from.
+        """
+        if not spec.flag_labels or not labels:
+            return
+        flag = set(spec.flag_labels)
+        truths = [(lb.message_id, any(n in flag for n in lb.all_labels)) for lb in labels]
+        try:
+            self.metrics.labels_credited.inc(self.evidence.record_labels(self.name, truths))
+        except (redis.RedisError, OSError) as exc:
+            log.warning("could not record label evidence (%s)", exc)
 
     def _join_texts(self, labels: list[HumanLabel]) -> list[str | None]:
         missing = [lb.message_id for lb in labels if lb.text is None]
@@ -434,6 +475,31 @@ class Updater:
         )
         if (due_labels or due_time) and not self.needs_stats:
             self.publish(reason=f"{self.unpublished} new labels")
+        self._rollout_tick()
+
+    def _rollout_tick(self) -> None:
+        """Evaluate the rollout policy, at most every ``rollout_check_interval_s``."""
+        now = time.monotonic()
+        if now < self._next_rollout:
+            return
+        self._next_rollout = now + self.settings.rollout_check_interval_s
+        try:
+            decision = self.rollout.evaluate(self.policy)
+        except StagesChanged as exc:
+            log.info("rollout: %s; deciding again next time", exc)
+            return
+        except (RegistryError, redis.RedisError, OSError) as exc:
+            log.warning("rollout policy could not run (%s)", exc)
+            return
+        if decision.action != "none":
+            self.metrics.stage_changes.labels(decision.action).inc()
+            log.info(
+                "rollout: %s %s v%s: %s",
+                decision.action,
+                self.name,
+                decision.version,
+                decision.reason,
+            )
 
     def _holds_lease(self) -> bool:
         try:
@@ -465,7 +531,7 @@ class Updater:
                 blob,
                 manifest,
                 token=self.lease.token,
-                set_live=self.settings.auto_live,
+                set_live=self.settings.rollout_mode == "auto_live",
                 actor=self.worker_id,
                 reason=reason,
             )
@@ -484,6 +550,7 @@ class Updater:
         self.unpublished = 0
         self.last_publish = time.monotonic()
         self.published.append(version)
+        self._next_rollout = 0.0  # let the policy see the new candidate at once
         self.metrics.version.set(version)
         self.metrics.publish_seconds.observe(time.perf_counter() - start)
         for k, v in metrics.items():

@@ -1,0 +1,260 @@
+"""Stage operations, evidence and the ``probeguard probe`` CLI against a real Redis."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+
+import pytest
+
+from schemas import (
+    CheckpointManifest,
+    DecidedRecord,
+    LLMFingerprint,
+    ProbeDecision,
+    ProbeSpec,
+    utcnow,
+)
+from tests.conftest import RedisNamespace
+from worker.cli import main
+from worker.evidence import EvidenceStore
+from worker.lease import Lease
+from worker.registry import Registry, RegistryError, StagesChanged
+from worker.rollout import Policy, Rollout
+
+pytestmark = pytest.mark.integration
+
+FP = LLMFingerprint(
+    model_id="tiny", source_sha256="0" * 64, num_layers=4, hidden_size=8, tokenizer_sha256="1" * 64
+)
+OTHER_FP = FP.model_copy(update={"tokenizer_sha256": "2" * 64})
+SPEC = ProbeSpec(
+    name="tox",
+    token_pool="mean",
+    layer_mix="scalar_mix",
+    layers=[1, 2],
+    hidden_size=8,
+    task="multiclass",
+    labels=["ok", "toxic"],
+    flag_labels=["toxic"],
+)
+
+
+def publish(registry: Registry, *, live: bool = False, fp: LLMFingerprint = FP) -> int:
+    v = registry.allocate_version()
+    blob = b"tensors" + str(v).encode()
+    manifest = CheckpointManifest(
+        probe="tox",
+        version=v,
+        created_at=utcnow(),
+        spec=SPEC,
+        llm=fp,
+        tensors_sha256=hashlib.sha256(blob).hexdigest(),
+    )
+    registry.publish(blob, manifest.encode(), set_live=live)
+    return v
+
+
+@pytest.fixture
+def registry(redis_ns: RedisNamespace) -> Registry:
+    return Registry(redis_ns.client, redis_ns.keys, "tox")
+
+
+@pytest.fixture
+def evidence(redis_ns: RedisNamespace) -> EvidenceStore:
+    return EvidenceStore(redis_ns.client, redis_ns.keys, pairs_max=5)
+
+
+@pytest.fixture
+def rollout(registry: Registry, evidence: EvidenceStore) -> Rollout:
+    return Rollout(registry, evidence, actor="test")
+
+
+def test_compare_and_set_refuses_a_stale_view(registry: Registry, rollout: Rollout) -> None:
+    v1, v2, v3 = (publish(registry, live=i == 0) for i in range(3))
+    seen = registry.stages()
+    rollout.start_canary(v2, 0.2, reason="operator")
+    with pytest.raises(StagesChanged, match="canary is 2"):
+        rollout.start_canary(v3, 0.2, reason="policy", expect=seen)
+    st = registry.stages()
+    assert (st.live, st.canary, st.canary_share) == (v1, v2, 0.2)
+    assert registry.tried() == {v2}
+    kinds = [e.kind for _, e in registry.history(10)]
+    assert kinds.count("canary") == 1  # the refused change left no event
+
+
+def test_pinned_probe_ignores_publish_to_live(registry: Registry, rollout: Rollout) -> None:
+    v1 = publish(registry, live=True)
+    rollout.pin(reason="freeze")
+    v2 = publish(registry, live=True)
+    assert registry.stages().live == v1 and registry.stages().pinned
+    last = registry.history(1)[0][1]
+    assert last.version == v2 and last.details["live"] is False and "pinned" in last.reason
+    rollout.unpin(reason="thaw")
+    v3 = publish(registry, live=True)
+    assert registry.stages().live == v3 and not registry.stages().pinned
+    assert registry.history(1)[0][1].previous == v1  # published-live events name the previous
+
+
+def test_live_rollback_walks_back_the_lineage(registry: Registry, rollout: Rollout) -> None:
+    v1 = publish(registry, live=True)
+    v2 = publish(registry)
+    rollout.promote(v2, reason="manual")
+    v3 = publish(registry, live=True)
+    assert rollout.rollback_target() == v2
+    assert rollout.rollback_live(reason="bad v3") == v2
+    st = registry.stages()
+    assert st.live == v2 and st.pinned
+    assert registry.rolled_back() == {v3: "bad v3"}
+    assert rollout.rollback_live(reason="bad v2 too", pin=False) == v1
+    with pytest.raises(RegistryError, match="no earlier live version"):
+        rollout.rollback_live(reason="again")
+    event = registry.history(1)[0][1]
+    assert event.kind == "rolled_back" and event.version == v2
+    assert event.details == {"stage": "live", "restored": v1, "pinned": False}
+
+
+def test_prune_keeps_the_rollback_target_and_drops_evidence(
+    registry: Registry, evidence: EvidenceStore, redis_ns: RedisNamespace
+) -> None:
+    vs = [publish(registry, live=True) for _ in range(6)]
+    for v in vs:
+        redis_ns.client.hset(evidence.key("tox", v), "n", 1)
+    assert registry.prune(keep=2) == vs[:3]  # vs[3] is the live before vs[5]'s predecessor
+    assert registry.versions() == vs[3:]
+    assert not redis_ns.client.exists(evidence.key("tox", vs[0]))
+    assert redis_ns.client.exists(evidence.key("tox", vs[3]))
+
+
+def test_evidence_counts_scored_and_labeled_once(
+    registry: Registry, evidence: EvidenceStore, redis_ns: RedisNamespace
+) -> None:
+    live, canary = 3, 5
+    decisions = [
+        ProbeDecision(v=live, f=True, s=0.9, c=canary),  # live decided during the trial
+        ProbeDecision(v=live, f=False, s=0.2, c=canary, sv=canary, sf=True, ss=0.8),  # shadow
+        ProbeDecision(v=canary, f=True, s=0.7),  # the canary decided
+    ]
+    pipe = redis_ns.client.pipeline()
+    evidence.add_scored(pipe, "tox", [(d, 10.0) for d in decisions])
+    for i, d in enumerate(decisions):
+        pipe.set(evidence.decided_key(f"m{i}"), DecidedRecord(p={"tox": d}).encode())
+    pipe.execute()
+    truths = [("m0", True), ("m1", True), ("m2", False), ("nowhere", True)]
+    assert evidence.record_labels("tox", truths) == 3
+    assert evidence.record_labels("tox", truths) == 0  # redelivered: counted once
+    lv, cv = evidence.read("tox", live), evidence.read("tox", canary)
+    assert (lv.messages, lv.flags, lv.latency_ms) == (2, 1, 10.0)
+    assert (cv.messages, cv.flags, cv.shadow_messages, cv.shadow_flags) == (1, 1, 1, 1)
+    assert (cv.baseline_messages, cv.baseline_flags, cv.shadow_agree) == (2, 1, 0)
+    assert vars(lv.labels) == {"tp": 1, "fp": 0, "fn": 1, "tn": 0}
+    assert vars(cv.labels) == {"tp": 1, "fp": 1, "fn": 0, "tn": 0}  # shadow m1 + decided m2
+    assert vars(cv.baseline_labels) == {"tp": 1, "fp": 0, "fn": 1, "tn": 0}
+    assert evidence.auprc("tox", canary) == pytest.approx(1.0)  # 0.8 (true) ranks over 0.7
+    assert math.isnan(evidence.auprc("tox", 99))
+    evidence.record_refusal("tox", canary, "s1: bad sha")
+    assert evidence.read("tox", canary).errors == 1
+
+
+def test_policy_run_by_the_controller(
+    registry: Registry, rollout: Rollout, evidence: EvidenceStore, redis_ns: RedisNamespace
+) -> None:
+    policy = Policy(mode="canary", canary_share=0.3, rollback_min_messages=10)
+    v1 = publish(registry)
+    assert rollout.evaluate(policy).action == "promote"  # nothing live: first goes live
+    v2 = publish(registry)
+    redis_ns.client.hset(evidence.key("tox", v2), "n", 999)  # stale numbers from before
+    d = rollout.evaluate(policy)
+    assert (d.action, d.version) == ("start_canary", v2)
+    assert evidence.read("tox", v2).messages == 0  # a trial starts from fresh evidence
+    redis_ns.client.hset(evidence.key("tox", v2), mapping={"n": 50, "flags": 50})
+    redis_ns.client.hset(evidence.key("tox", v2), mapping={"bl_n": 100, "bl_flags": 10})
+    d = rollout.evaluate(policy)
+    assert d.action == "rollback" and "flag rate" in d.reason
+    st = registry.stages()
+    assert (st.live, st.canary) == (v1, None) and v2 in registry.rolled_back()
+    event = registry.history(1)[0][1]
+    assert event.kind == "rolled_back" and event.details["stage"] == "canary"
+    assert event.details["canary_flag_rate"] > 0.9 and event.reason == d.reason
+    assert rollout.evaluate(policy).action == "none"  # v2 is never tried again
+    policy_state = redis_ns.client.hgetall(registry.key("policy"))
+    assert policy_state[b"mode"] == b"canary" and policy_state[b"holder"] == b"test"
+
+
+# --- the CLI -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cli(redis_ns: RedisNamespace, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
+    monkeypatch.setenv("PROBEGUARD_REDIS_URL", redis_ns.url)
+    monkeypatch.setenv("PROBEGUARD_REDIS_PREFIX", redis_ns.prefix)
+    monkeypatch.setenv("PROBEGUARD_PROBES", "tox")
+
+    def run(*args: str) -> tuple[int, str, str]:
+        code = main(["probe", *args])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
+
+
+def test_cli_changes_and_explains_refusals(cli, registry: Registry, evidence) -> None:
+    v1 = publish(registry, live=True)
+    v2, v3 = publish(registry), publish(registry)
+    v_other = publish(registry, fp=OTHER_FP)
+
+    code, out, err = cli("promote", "99")
+    assert code == 1 and "no version 99" in err
+    code, _, err = cli("canary", str(v_other))
+    assert code == 1 and "incompatible with live v1" in err and "tokenizer_sha256" in err
+
+    assert cli("canary", str(v2), "--share", "0.25")[0] == 0
+    code, _, err = cli("canary", str(v3))
+    assert code == 1 and f"already has canary v{v2}" in err and "--force" in err
+    assert cli("rollback", "--canary", "--reason", "looks off")[0] == 0
+    assert registry.rolled_back() == {v2: "looks off"}
+    code, _, err = cli("promote", str(v2))
+    assert code == 1 and "was rolled back (looks off)" in err
+    evidence.record_refusal("tox", v3, "scorer-1: signature does not verify")
+    code, _, err = cli("promote", str(v3))
+    assert code == 1 and "refused by 1 scorer" in err
+
+    code, out, _ = cli("promote", str(v3), "--force", "--reason", "hotfix")
+    assert code == 0 and f"v{v3} is live (was v{v1})" in out
+    code, out, _ = cli("rollback")
+    assert code == 0 and f"v{v1} is live again" in out and "pinned" in out
+    assert registry.stages().live == v1 and registry.stages().pinned
+    assert cli("unpin")[0] == 0 and not registry.stages().pinned
+
+    code, out, _ = cli("history")
+    assert code == 0 and "rolled_back" in out and "hotfix" in out
+    assert all(len(line) <= 80 for line in out.splitlines())
+    code, out, _ = cli("history", "--json")
+    kinds = [e["kind"] for e in json.loads(out)["events"]]
+    assert kinds == ["canary", "rolled_back", "promoted", "rolled_back", "unpinned"]
+
+
+def test_cli_status_and_show(cli, registry: Registry, redis_ns: RedisNamespace) -> None:
+    v1 = publish(registry, live=True)
+    v2 = publish(registry)
+    assert cli("canary", str(v2), "--share", "0.1")[0] == 0
+    Lease(redis_ns.client, registry.lease_key, "updater-a").acquire()
+    code, out, _ = cli("status")
+    assert code == 0, out
+    assert f"live v{v1}, canary v{v2} (10% of conversations)" in out
+    assert "updater: updater-a" in out
+    assert all(len(line) <= 80 for line in out.splitlines()), out
+    rows = {line.split()[0]: line.split()[1] for line in out.splitlines() if line[:5].strip()}
+    assert rows[str(v1)] == "live" and rows[str(v2)] == "canary"
+    code, out, _ = cli("status", "--json")
+    data = json.loads(out)
+    assert data["live"] == v1 and data["canary_share"] == 0.1 and data["updater"] == "updater-a"
+    code, out, _ = cli("show", str(v2))
+    assert code == 0 and "mean pooling, scalar_mix over layers [1, 2]" in out and "(canary)" in out
+    code, out, _ = cli("show", str(v2), "--json")
+    assert json.loads(out)["manifest"]["version"] == v2
+    # An operator change while an updater runs an automatic policy comes with a note.
+    redis_ns.client.hset(registry.key("policy"), mapping={"mode": "canary", "holder": "u"})
+    code, _, err = cli("rollback", "--canary")
+    assert code == 0 and "may change stages after this" in err

@@ -1,0 +1,426 @@
+"""``probeguard probe``: the operator's view of probe versions and their rollout.
+
+    probeguard probe status [--versions N] [--json]
+    probeguard probe show VERSION [--json]
+    probeguard probe promote VERSION [--force] [--verify-model]
+    probeguard probe canary VERSION [--share 0.1] [--force] [--verify-model]
+    probeguard probe rollback [--canary] [--no-pin]
+    probeguard probe pin | unpin
+    probeguard probe history [--count N] [--wide] [--json]
+
+Every change is a compare-and-set stage change with an event (actor, reason). Only
+Redis is needed. Compatibility of a version with the model is checked against the
+live version's LLM fingerprint (cheap; scorers verify the real model anyway and
+refuse what does not fit); ``--verify-model`` loads the configured LLM and checks
+against it instead (slow, authoritative, and the way through a model migration).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pwd
+import socket
+import sys
+import textwrap
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["register"]
+
+
+def _default_actor() -> str:
+    try:
+        user = pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        user = str(os.getuid())
+    return f"{user}@{socket.gethostname()}"[:256]
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "probe",
+        help="operate probe versions: status, promote, canary, rollback, pin, history",
+        description=(
+            "Inspect and change which probe version serves traffic. Reads and writes the Redis "
+            "registry (PROBEGUARD_REDIS_URL); every change is recorded as an event with its "
+            "actor and reason, and all scorers follow it within the propagation bound. "
+            "Exit status 1 with a message when a version does not exist, does not fit the "
+            "model, was rolled back, or the change conflicts with the updater's rollout."
+        ),
+    )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--probe", help="probe name (default: PROBEGUARD_TRAIN_PROBE or first)")
+    changes = argparse.ArgumentParser(add_help=False)
+    changes.add_argument("--reason", default="", help="why (recorded in the event)")
+    changes.add_argument("--actor", default=_default_actor(), help="who (default: user@host)")
+    as_json = argparse.ArgumentParser(add_help=False)
+    as_json.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    checks = argparse.ArgumentParser(add_help=False)
+    checks.add_argument(
+        "--force",
+        action="store_true",
+        help="override: a rolled-back version, scorer refusals, a canary already on trial",
+    )
+    checks.add_argument(
+        "--verify-model",
+        action="store_true",
+        help="load the configured LLM and check the version's fingerprint against it "
+        "(default: against the live version's)",
+    )
+    acts = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    a = acts.add_parser(
+        "status", parents=[common, as_json], help="stages, shares and evidence per version"
+    )
+    a.add_argument("--versions", type=int, default=8, help="newest versions shown (default 8)")
+    a.set_defaults(func=_status)
+
+    a = acts.add_parser("show", parents=[common, as_json], help="one version's manifest")
+    a.add_argument("version", type=int)
+    a.set_defaults(func=_show)
+
+    a = acts.add_parser(
+        "promote", parents=[common, changes, checks], help="make a version live at once"
+    )
+    a.add_argument("version", type=int)
+    a.set_defaults(func=_promote)
+
+    a = acts.add_parser(
+        "canary",
+        parents=[common, changes, checks],
+        help="trial a version on a share of conversations",
+    )
+    a.add_argument("version", type=int)
+    a.add_argument("--share", type=float, default=None, help="default: PROBEGUARD_CANARY_SHARE")
+    a.set_defaults(func=_canary)
+
+    a = acts.add_parser(
+        "rollback",
+        parents=[common, changes],
+        help="restore the previous live version (and pin), or end the canary",
+        description=(
+            "Without --canary: make the previous live version (from the event history) live "
+            "again, mark the current one rolled back (never promoted automatically again) and "
+            "pin the probe so automation does not replace the restored version; "
+            "`probeguard probe unpin` resumes it. With --canary: end the canary's trial and "
+            "mark it rolled back."
+        ),
+    )
+    a.add_argument("--canary", action="store_true", help="roll back the canary instead")
+    a.add_argument("--no-pin", action="store_true", help="do not pin after a live rollback")
+    a.set_defaults(func=_rollback)
+
+    a = acts.add_parser("pin", parents=[common, changes], help="freeze automatic stage changes")
+    a.set_defaults(func=_pin)
+    a = acts.add_parser("unpin", parents=[common, changes], help="resume automatic stage changes")
+    a.set_defaults(func=_unpin)
+
+    a = acts.add_parser("history", parents=[common, as_json], help="stage-change events")
+    a.add_argument("--count", type=int, default=20, help="newest events (default 20)")
+    a.add_argument("--wide", action="store_true", help="do not cut lines at 80 columns")
+    a.add_argument("--all", action="store_true", help="include 'published' events")
+    a.set_defaults(func=_history)
+
+
+# --- context -------------------------------------------------------------------------
+
+
+@dataclass
+class _Ctx:
+    settings: Any
+    registry: Any
+    evidence: Any
+    rollout: Any
+
+
+def _ctx(args: argparse.Namespace) -> _Ctx:
+    from worker.evidence import EvidenceStore
+    from worker.redis_store import Keys, make_redis
+    from worker.registry import Registry
+    from worker.rollout import Rollout
+    from worker.settings import load_settings
+
+    settings = load_settings()
+    client = make_redis(settings)
+    keys = Keys(settings.redis_prefix)
+    registry = Registry(client, keys, args.probe or settings.trained_probe)
+    evidence = EvidenceStore(client, keys, pairs_max=settings.evidence_pairs)
+    actor = getattr(args, "actor", "probeguard-cli")
+    return _Ctx(settings, registry, evidence, Rollout(registry, evidence, actor=actor))
+
+
+def _emit(obj: Any) -> None:
+    from worker.commands._common import print_json
+
+    print_json(obj)
+
+
+def _holder(ctx: _Ctx) -> str | None:
+    from worker.lease import Lease
+
+    current = Lease(ctx.registry.client, ctx.registry.lease_key, "probeguard-cli").current()
+    return current[1] if current else None
+
+
+def _changed(ctx: _Ctx, exc: Exception) -> Exception:
+    from worker.errors import RolloutError
+
+    holder = _holder(ctx)
+    who = f"updater {holder} holds the lease and may have acted" if holder else "someone else"
+    return RolloutError(
+        f"{ctx.registry.probe}: the stages changed while this command ran ({who}): {exc}; "
+        "check `probeguard probe status` and retry"
+    )
+
+
+def _note_policy(ctx: _Ctx) -> None:
+    """Warn (stderr) when an updater's automatic rollout may change stages again."""
+    holder = _holder(ctx)
+    raw = ctx.registry.client.hgetall(ctx.registry.key("policy"))
+    mode = raw.get(b"mode", b"").decode()
+    if holder and mode in ("canary", "auto_live") and not ctx.registry.stages().pinned:
+        print(
+            f"note: updater {holder} holds the {ctx.registry.probe} lease and runs the "
+            f"{mode!r} rollout policy; it may change stages after this "
+            "(`probeguard probe pin` freezes it)",
+            file=sys.stderr,
+        )
+
+
+def _check(ctx: _Ctx, args: argparse.Namespace, version: int) -> None:
+    """Refuse versions that do not exist, do not fit the model, or are known bad."""
+    from worker.errors import RolloutError
+
+    reg = ctx.registry
+    stored = reg.get(version)  # UnknownVersion / integrity errors exit 1 with the reason
+    llm = stored.manifest.llm
+    if args.verify_model:
+        from worker.llm import load_llm
+
+        want, against = load_llm(ctx.settings).fingerprint, f"the configured model {llm.model_id}"
+    else:
+        live = reg.stages().live
+        if live is None or live == version:
+            want, against = None, ""
+        else:
+            want, against = reg.manifest(live).llm, f"live v{live}"
+    if want is not None and llm != want:
+        diffs = [
+            f"{f}: {getattr(llm, f)!r} vs {getattr(want, f)!r}"
+            for f in type(want).model_fields
+            if getattr(llm, f) != getattr(want, f)
+        ]
+        raise RolloutError(
+            f"{reg.probe} v{version} is incompatible with {against}: it was trained on "
+            f"another LLM ({'; '.join(diffs)}); scorers would refuse it "
+            "(--verify-model checks against the configured model instead)"
+        )
+    if args.force:
+        return
+    bad = reg.rolled_back()
+    if version in bad:
+        raise RolloutError(
+            f"{reg.probe} v{version} was rolled back ({bad[version]}); --force to use it anyway"
+        )
+    ev = ctx.evidence.read(reg.probe, version)
+    if ev.errors:
+        raise RolloutError(
+            f"{reg.probe} v{version} was refused by {ev.errors} scorer(s) ({ev.last_error}); "
+            "--force to use it anyway"
+        )
+
+
+# --- actions -----------------------------------------------------------------------------
+
+
+def _status(args: argparse.Namespace) -> int:
+    from worker.status import gather, render_status
+
+    ctx = _ctx(args)
+    report = gather(ctx.registry, ctx.evidence, limit=max(1, args.versions))
+    if args.json:
+        _emit(report.as_dict())
+    else:
+        print(render_status(report))
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from worker.status import stage_of
+
+    ctx = _ctx(args)
+    reg = ctx.registry
+    m = reg.manifest(args.version)
+    st = reg.stages()
+    stage = stage_of(args.version, st, set(reg.rolled_back()), reg.tried())
+    ev = ctx.evidence.read(reg.probe, args.version)
+    auprc = ctx.evidence.auprc(reg.probe, args.version)
+    if args.json:
+        _emit({"stage": stage, "manifest": json.loads(m.encode()), "evidence": _ev(ev, auprc)})
+        return 0
+    spec = m.spec
+    fields = [
+        ("version", f"{m.version} ({stage})" + (f", parent {m.parent}" if m.parent else "")),
+        ("created", m.created_at.isoformat(timespec="seconds")),
+        ("probe", f"{spec.token_pool} pooling, {spec.layer_mix} over layers {spec.layers}"),
+        ("task", f"{spec.task}: {', '.join(spec.labels)}; flags {spec.flag_labels or '-'}"),
+        ("thresholds", ", ".join(f"{k}={v:g}" for k, v in spec.thresholds.items()) or "-"),
+        (
+            "LLM",
+            f"{m.llm.model_id} ({m.llm.num_layers} layers, d={m.llm.hidden_size}), "
+            f"fingerprint {m.llm.digest}",
+        ),
+        ("tensors", f"sha256 {m.tensors_sha256[:16]}…" + (", signed" if m.signature else "")),
+        ("trained on", f"{m.counters.labels_seen} labels, {m.counters.steps} steps"),
+    ]
+    metrics = {k: v for k, v in m.metrics.items() if "/" not in k}
+    if metrics:
+        fields.append(("metrics", ", ".join(f"{k}={v:.3g}" for k, v in sorted(metrics.items()))))
+    fields.append(
+        (
+            "evidence",
+            f"{ev.scored} msgs, flag rate {_fmt(ev.flag_rate)}, {ev.labels.labeled} labels, "
+            f"F1 {_fmt(ev.labels.f1)}, AUPRC {_fmt(auprc)}, {ev.errors} refusal(s)",
+        )
+    )
+    if ev.last_error:
+        fields.append(("refused", ev.last_error))
+    bad = reg.rolled_back()
+    if args.version in bad:
+        fields.append(("rolled back", bad[args.version]))
+    for key, value in fields:
+        lines = textwrap.wrap(value, 66) or [""]
+        print(f"{key:<12}  {lines[0]}")
+        for more in lines[1:]:
+            print(f"{'':<12}  {more}")
+    return 0
+
+
+def _fmt(x: float) -> str:
+    return "-" if x != x else f"{x:.3f}"  # NaN (no data yet) as "-"
+
+
+def _ev(ev: Any, auprc: float) -> dict[str, Any]:
+    return {
+        "messages": ev.messages,
+        "flags": ev.flags,
+        "shadow_messages": ev.shadow_messages,
+        "shadow_flags": ev.shadow_flags,
+        "shadow_agree": ev.shadow_agree,
+        "baseline_messages": ev.baseline_messages,
+        "baseline_flags": ev.baseline_flags,
+        "confusion": vars(ev.labels),
+        "baseline_confusion": vars(ev.baseline_labels),
+        "f1": ev.labels.f1,
+        "auprc": auprc,
+        "latency_ms": ev.latency_ms,
+        "errors": ev.errors,
+        "last_error": ev.last_error or None,
+    }
+
+
+def _promote(args: argparse.Namespace) -> int:
+    from worker.registry import StagesChanged
+
+    ctx = _ctx(args)
+    _check(ctx, args, args.version)
+    st = ctx.registry.stages()
+    if st.live == args.version:
+        print(f"{ctx.registry.probe}: v{args.version} is already live")
+        return 0
+    try:
+        ctx.rollout.promote(args.version, reason=args.reason or "operator promote", expect=st)
+    except StagesChanged as exc:
+        raise _changed(ctx, exc) from None
+    was = f" (was v{st.live})" if st.live is not None else ""
+    print(f"{ctx.registry.probe}: v{args.version} is live{was}")
+    _note_policy(ctx)
+    return 0
+
+
+def _canary(args: argparse.Namespace) -> int:
+    from worker.errors import RolloutError
+    from worker.registry import StagesChanged
+
+    ctx = _ctx(args)
+    reg = ctx.registry
+    share = ctx.settings.canary_share if args.share is None else args.share
+    if not 0.0 < share <= 1.0:
+        raise RolloutError(f"--share must be in (0, 1], got {share}")
+    _check(ctx, args, args.version)
+    st = reg.stages()
+    if st.live == args.version:
+        raise RolloutError(f"{reg.probe} v{args.version} is live already; nothing to trial")
+    if st.canary is not None and st.canary != args.version and not args.force:
+        holder = _holder(ctx)
+        by = f"; updater {holder} holds the lease and runs the rollout policy" if holder else ""
+        raise RolloutError(
+            f"{reg.probe} already has canary v{st.canary} on trial{by}. End it first "
+            "(`probeguard probe rollback --canary`) or pass --force to replace it"
+        )
+    try:
+        ctx.rollout.start_canary(
+            args.version, share, reason=args.reason or "operator canary", expect=st
+        )
+    except StagesChanged as exc:
+        raise _changed(ctx, exc) from None
+    print(f"{reg.probe}: v{args.version} is the canary for {share:.0%} of conversations")
+    _note_policy(ctx)
+    return 0
+
+
+def _rollback(args: argparse.Namespace) -> int:
+    from worker.registry import StagesChanged
+
+    ctx = _ctx(args)
+    reg = ctx.registry
+    st = reg.stages()
+    try:
+        if args.canary:
+            v = ctx.rollout.rollback_canary(
+                reason=args.reason or "operator rollback of the canary", expect=st
+            )
+            print(f"{reg.probe}: canary v{v} rolled back; live stays v{st.live}")
+            _note_policy(ctx)
+            return 0
+        restored = ctx.rollout.rollback_live(
+            reason=args.reason or "operator rollback", pin=not args.no_pin, expect=st
+        )
+    except StagesChanged as exc:
+        raise _changed(ctx, exc) from None
+    print(f"{reg.probe}: v{restored} is live again; v{st.live} rolled back")
+    if not args.no_pin:
+        print(f"{reg.probe} is pinned: `probeguard probe unpin` resumes automatic rollout")
+    _note_policy(ctx)
+    return 0
+
+
+def _pin(args: argparse.Namespace) -> int:
+    ctx = _ctx(args)
+    ctx.rollout.pin(reason=args.reason or "operator pin")
+    print(f"{ctx.registry.probe}: pinned; no automatic stage changes until `unpin`")
+    return 0
+
+
+def _unpin(args: argparse.Namespace) -> int:
+    ctx = _ctx(args)
+    ctx.rollout.unpin(reason=args.reason or "operator unpin")
+    print(f"{ctx.registry.probe}: unpinned; automatic rollout resumes")
+    return 0
+
+
+def _history(args: argparse.Namespace) -> int:
+    from worker.status import render_history
+
+    ctx = _ctx(args)
+    events = [e for _, e in ctx.registry.history(max(1, args.count) * (1 if args.all else 20))]
+    if not args.all:
+        events = [e for e in events if e.kind != "published"]
+    events = events[-max(1, args.count) :]
+    if args.json:
+        _emit({"probe": ctx.registry.probe, "events": [e.model_dump(mode="json") for e in events]})
+    else:
+        print(render_history(events, wide=args.wide))
+    return 0

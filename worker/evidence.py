@@ -1,0 +1,291 @@
+"""Per-version evidence in Redis: what every scorer saw, and what the human labels said.
+
+Every scorer adds to the counters of the versions it served; the updater (which
+consumes the labels) credits each label to the version(s) that judged the message.
+The rollout policy (:mod:`worker.rollout`) decides on these numbers, and
+``probeguard probe status`` shows them. Writing is best-effort: callers catch
+Redis errors, so a Redis hiccup costs evidence, never a batch.
+
+Keys (``K = {prefix}:{probe}``)::
+
+    K:evidence:{v}      hash of counters, fields below (HINCRBY, shared by all scorers)
+    K:pairs:{v}         list of "flag_score truth" (newest first, at most ``pairs_max``)
+    K:labeled:{mid}     marker (TTL): this message's label was credited already
+
+Hash fields of ``K:evidence:{v}``:
+
+==============  ==============================================================
+``n``           messages the version decided
+``flags``       of those, flagged
+``lat_ms``      sum of the verdict latency (ms) of those messages
+``sh_n``        messages it scored in shadow mode (live decided)
+``sh_flags``    of those, the ones it would have flagged
+``sh_agree``    of those, the ones where its flag decision matched live's
+``bl_n``        messages the *live* version decided while this one was the canary
+``bl_flags``    of those, flagged (the canary's baseline flag rate)
+``tp fp fn tn`` labeled confusion of its own flag decisions (decided or shadowed)
+``bl_tp`` …     labeled confusion of live's decisions while this one was the canary
+``errors``      scorers that refused to load it (hash, fingerprint, signature, …)
+``error``       the last refusal reason
+==============  ==============================================================
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from schemas import DecidedRecord, ProbeDecision
+from worker.redis_store import Keys
+
+__all__ = ["Confusion", "Evidence", "EvidenceStore"]
+
+
+@dataclass(frozen=True)
+class Confusion:
+    """Counts of a flag decision against human truth."""
+
+    tp: int = 0
+    fp: int = 0
+    fn: int = 0
+    tn: int = 0
+
+    @property
+    def labeled(self) -> int:
+        return self.tp + self.fp + self.fn + self.tn
+
+    @property
+    def precision(self) -> float:
+        return self.tp / (self.tp + self.fp) if self.tp + self.fp else 0.0
+
+    @property
+    def recall(self) -> float:
+        return self.tp / (self.tp + self.fn) if self.tp + self.fn else 0.0
+
+    @property
+    def f1(self) -> float:
+        """F1 of the flag decision; NaN without labels.
+
+        With labels but nothing to flag and nothing flagged (``tp + fp + fn == 0``) the
+        decisions were all correct, so F1 is 1.0 rather than undefined.
+        """
+        if not self.labeled:
+            return math.nan
+        denominator = 2 * self.tp + self.fp + self.fn
+        return 2 * self.tp / denominator if denominator else 1.0
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """The numbers of one version (see the module docstring for each field's meaning)."""
+
+    version: int
+    messages: int = 0
+    flags: int = 0
+    latency_ms_sum: float = 0.0
+    shadow_messages: int = 0
+    shadow_flags: int = 0
+    shadow_agree: int = 0
+    baseline_messages: int = 0
+    baseline_flags: int = 0
+    labels: Confusion = field(default_factory=Confusion)
+    baseline_labels: Confusion = field(default_factory=Confusion)
+    errors: int = 0
+    last_error: str = ""
+
+    @classmethod
+    def from_hash(cls, version: int, raw: dict[bytes, bytes] | dict[str, str]) -> Evidence:
+        h = {_text(k): _text(v) for k, v in raw.items()}
+
+        def i(name: str) -> int:
+            return int(float(h.get(name, 0)))
+
+        return cls(
+            version=version,
+            messages=i("n"),
+            flags=i("flags"),
+            latency_ms_sum=float(h.get("lat_ms", 0.0)),
+            shadow_messages=i("sh_n"),
+            shadow_flags=i("sh_flags"),
+            shadow_agree=i("sh_agree"),
+            baseline_messages=i("bl_n"),
+            baseline_flags=i("bl_flags"),
+            labels=Confusion(i("tp"), i("fp"), i("fn"), i("tn")),
+            baseline_labels=Confusion(i("bl_tp"), i("bl_fp"), i("bl_fn"), i("bl_tn")),
+            errors=i("errors"),
+            last_error=h.get("error", ""),
+        )
+
+    @property
+    def scored(self) -> int:
+        """Messages it judged, deciding or in shadow."""
+        return self.messages + self.shadow_messages
+
+    @property
+    def scored_flags(self) -> int:
+        return self.flags + self.shadow_flags
+
+    @property
+    def flag_rate(self) -> float:
+        return self.scored_flags / self.scored if self.scored else math.nan
+
+    @property
+    def latency_ms(self) -> float:
+        """Mean verdict latency of the messages it decided."""
+        return self.latency_ms_sum / self.messages if self.messages else math.nan
+
+    @property
+    def agreement(self) -> float:
+        """Share of shadowed messages where it agreed with live's flag decision."""
+        return self.shadow_agree / self.shadow_messages if self.shadow_messages else math.nan
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _cell(flagged: bool, truth: bool) -> str:
+    return ("tp" if truth else "fp") if flagged else ("fn" if truth else "tn")
+
+
+class EvidenceStore:
+    """Reads and writes evidence for every probe under one key prefix."""
+
+    def __init__(
+        self, client: Any, keys: Keys, *, pairs_max: int = 2000, marker_ttl_s: int = 7 * 86400
+    ) -> None:
+        self.client: Any = client
+        self.keys = keys
+        self.pairs_max = pairs_max
+        self.marker_ttl_s = marker_ttl_s
+
+    def key(self, probe: str, version: int) -> str:
+        return self.keys.probe(probe, "evidence", version)
+
+    def pairs_key(self, probe: str, version: int) -> str:
+        return self.keys.probe(probe, "pairs", version)
+
+    def decided_key(self, message_id: str) -> str:
+        return self.keys("decided", message_id)
+
+    # --- scorers -------------------------------------------------------------
+
+    def add_scored(
+        self, pipe: Any, probe: str, decisions: Iterable[tuple[ProbeDecision, float]]
+    ) -> None:
+        """Queue on ``pipe`` the counters for a batch of ``(decision, latency_ms)``.
+
+        Aggregated per version first: a batch costs a few HINCRBYs, not one per message.
+        """
+        sums: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        for d, latency_ms in decisions:
+            if d.v > 0:  # version 0 is a bootstrap file, not a registry version
+                own = sums[d.v]
+                own["n"] += 1
+                own["flags"] += d.f
+                own["lat_ms"] += latency_ms
+            if d.c is not None:
+                base = sums[d.c]
+                base["bl_n"] += 1
+                base["bl_flags"] += d.f
+            if d.sv is not None and d.sf is not None:
+                shadow = sums[d.sv]
+                shadow["sh_n"] += 1
+                shadow["sh_flags"] += d.sf
+                shadow["sh_agree"] += d.sf == d.f
+        for version, fields in sums.items():
+            key = self.key(probe, version)
+            for name, amount in fields.items():
+                if name == "lat_ms":
+                    pipe.hincrbyfloat(key, name, round(amount, 3))
+                elif amount:
+                    pipe.hincrby(key, name, int(amount))
+
+    def record_refusal(self, probe: str, version: int, reason: str) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hincrby(self.key(probe, version), "errors", 1)
+        pipe.hset(self.key(probe, version), "error", reason[:500])
+        pipe.execute()
+
+    # --- the updater ---------------------------------------------------------
+
+    def record_labels(self, probe: str, labeled: Sequence[tuple[str, bool]]) -> int:
+        """Credit ``(message_id, truth)`` pairs (truth: the message deserves a flag).
+
+        Each label counts once, however often it is redelivered (a marker per message);
+        messages no scorer recorded a decision for are skipped. Returns how many were
+        credited.
+        """
+        if not labeled:
+            return 0
+        raw = self.client.mget([self.decided_key(mid) for mid, _ in labeled])
+        found: list[tuple[str, bool, ProbeDecision]] = []
+        for (mid, truth), blob in zip(labeled, raw, strict=True):
+            if blob is None:
+                continue
+            try:
+                decision = DecidedRecord.decode(blob).p.get(probe)
+            except ValidationError:
+                continue
+            if decision is not None:
+                found.append((mid, truth, decision))
+        if not found:
+            return 0
+        pipe = self.client.pipeline(transaction=False)
+        for mid, _, _ in found:
+            pipe.set(self.keys.probe(probe, "labeled", mid), 1, nx=True, ex=self.marker_ttl_s)
+        fresh = [f for f, new in zip(found, pipe.execute(), strict=True) if new]
+        counts: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        pairs: dict[int, list[str]] = defaultdict(list)
+        for _, truth, d in fresh:
+            if d.v > 0:
+                counts[d.v][_cell(d.f, truth)] += 1
+                if d.s is not None:
+                    pairs[d.v].append(f"{d.s:.4f} {int(truth)}")
+            if d.c is not None:
+                counts[d.c]["bl_" + _cell(d.f, truth)] += 1
+            if d.sv is not None and d.sf is not None:
+                counts[d.sv][_cell(d.sf, truth)] += 1
+                if d.ss is not None:
+                    pairs[d.sv].append(f"{d.ss:.4f} {int(truth)}")
+        pipe = self.client.pipeline(transaction=False)
+        for version, fields in counts.items():
+            for name, amount in fields.items():
+                pipe.hincrby(self.key(probe, version), name, amount)
+        if self.pairs_max:
+            for version, items in pairs.items():
+                pipe.lpush(self.pairs_key(probe, version), *items)
+                pipe.ltrim(self.pairs_key(probe, version), 0, self.pairs_max - 1)
+        pipe.execute()
+        return len(fresh)
+
+    # --- reading -------------------------------------------------------------
+
+    def read(self, probe: str, version: int) -> Evidence:
+        return Evidence.from_hash(version, self.client.hgetall(self.key(probe, version)))
+
+    def read_many(self, probe: str, versions: Iterable[int]) -> dict[int, Evidence]:
+        versions = list(versions)
+        pipe = self.client.pipeline(transaction=False)
+        for v in versions:
+            pipe.hgetall(self.key(probe, v))
+        return {
+            v: Evidence.from_hash(v, raw) for v, raw in zip(versions, pipe.execute(), strict=True)
+        }
+
+    def auprc(self, probe: str, version: int) -> float:
+        """AUPRC of the version's flag score on its labeled messages (NaN without positives)."""
+        import numpy as np
+
+        from probes.metrics import average_precision  # torch: only when asked (CLI start-up)
+
+        raw = self.client.lrange(self.pairs_key(probe, version), 0, -1)
+        if not raw:
+            return math.nan
+        rows = np.array([[float(x) for x in _text(r).split()] for r in raw])  # [N, 2]
+        return average_precision(rows[:, 1] > 0.5, rows[:, 0])

@@ -1,0 +1,258 @@
+"""What ``probeguard probe status`` and ``history`` show: gathered from Redis, rendered
+as tables that fit 80 columns (or as JSON-ready dicts).
+
+Stages of a version as shown: ``live``, ``canary``, ``rolled back`` (never promoted
+automatically again), ``candidate`` (newer than live, never tried: the policy's next
+canary is the newest one), ``retired`` (anything else: earlier lives, ended trials,
+superseded candidates).
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from schemas import CheckpointEvent
+from worker.evidence import Evidence, EvidenceStore
+from worker.lease import Lease
+from worker.registry import Registry, Stages, UnknownVersion
+
+__all__ = ["StatusReport", "VersionRow", "gather", "render_history", "render_status", "stage_of"]
+
+WIDTH = 80
+
+
+@dataclass(frozen=True)
+class VersionRow:
+    version: int
+    stage: str
+    evidence: Evidence
+    auprc: float
+    created_at: datetime | None
+    labels_seen: int | None
+
+    def as_dict(self, share: float) -> dict[str, Any]:
+        e = self.evidence
+        return {
+            "version": self.version,
+            "stage": self.stage,
+            "share": share if self.stage == "canary" else None,
+            "messages": e.messages,
+            "shadow_messages": e.shadow_messages,
+            "flag_rate": _num(e.flag_rate),
+            "latency_ms": _num(e.latency_ms),
+            "labels": e.labels.labeled,
+            "f1": _num(e.labels.f1),
+            "auprc": _num(self.auprc),
+            "agreement": _num(e.agreement),
+            "errors": e.errors,
+            "last_error": e.last_error or None,
+            "confusion": vars(e.labels),
+            "created_at": self.created_at.isoformat() if self.created_at else None,
+            "labels_seen": self.labels_seen,
+        }
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    probe: str
+    stages: Stages
+    rows: list[VersionRow]
+    lease_holder: str | None
+    policy: dict[str, str] = field(default_factory=dict)
+    rolled_back: dict[int, str] = field(default_factory=dict)
+    last_change: CheckpointEvent | None = None
+    total_versions: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        st = self.stages
+        return {
+            "probe": self.probe,
+            "live": st.live,
+            "canary": st.canary,
+            "canary_share": st.canary_share if st.canary is not None else None,
+            "pinned": st.pinned,
+            "updater": self.lease_holder,
+            "policy": self.policy or None,
+            "versions": [r.as_dict(st.canary_share) for r in self.rows],
+            "rolled_back": {str(k): v for k, v in self.rolled_back.items()},
+            "last_change": self.last_change.model_dump(mode="json") if self.last_change else None,
+        }
+
+
+def stage_of(version: int, st: Stages, rolled_back: set[int], tried: set[int]) -> str:
+    if version == st.live:
+        return "live"
+    if version == st.canary:
+        return "canary"
+    if version in rolled_back:
+        return "rolled back"
+    if (st.live is None or version > st.live) and version not in tried:
+        return "candidate"
+    return "retired"
+
+
+def gather(
+    registry: Registry, evidence: EvidenceStore, *, limit: int = 8, auprc: bool = True
+) -> StatusReport:
+    """The newest ``limit`` versions, plus live and canary wherever they are."""
+    st = registry.stages()
+    versions = registry.versions()
+    shown = set(versions[-limit:]) | {v for v in (st.live, st.canary) if v is not None}
+    shown &= set(versions)
+    bad = registry.rolled_back()
+    tried = registry.tried()
+    ev = evidence.read_many(registry.probe, sorted(shown))
+    rows = []
+    for v in sorted(shown, reverse=True):
+        try:
+            manifest = registry.manifest(v)
+            created, seen = manifest.created_at, manifest.counters.labels_seen
+        except UnknownVersion:
+            created, seen = None, None
+        rows.append(
+            VersionRow(
+                version=v,
+                stage=stage_of(v, st, set(bad), tried),
+                evidence=ev[v],
+                auprc=evidence.auprc(registry.probe, v) if auprc else math.nan,
+                created_at=created,
+                labels_seen=seen,
+            )
+        )
+    holder = Lease(registry.client, registry.lease_key, "probeguard-cli").current()
+    policy = {
+        k.decode(): v.decode() for k, v in registry.client.hgetall(registry.key("policy")).items()
+    }
+    changes = [e for _, e in registry.history(50) if e.kind != "published"]
+    return StatusReport(
+        probe=registry.probe,
+        stages=st,
+        rows=rows,
+        lease_holder=holder[1] if holder else None,
+        policy=policy,
+        rolled_back=bad,
+        last_change=changes[-1] if changes else None,
+        total_versions=len(versions),
+    )
+
+
+# --- rendering ---------------------------------------------------------------------
+
+_COLUMNS = (  # (title, width); right-aligned except the stage
+    ("v", 5),
+    ("stage", 11),
+    ("share", 5),
+    ("msgs", 7),
+    ("flag%", 6),
+    ("lat ms", 6),
+    ("labels", 6),
+    ("F1", 5),
+    ("AUPRC", 5),
+    ("agree", 5),
+    ("err", 3),
+)
+
+
+def _num(x: float) -> float | None:
+    return None if math.isnan(x) else round(x, 4)
+
+
+def _pct(x: float) -> str:
+    if math.isnan(x):
+        return "-"
+    return "100%" if x >= 0.9995 else f"{100 * x:.1f}%"
+
+
+def _f(x: float, fmt: str) -> str:
+    return "-" if math.isnan(x) else format(x, fmt)
+
+
+def _row(cells: list[str]) -> str:
+    out = []
+    for (_, width), cell in zip(_COLUMNS, cells, strict=True):
+        out.append(cell.ljust(width) if width == 11 else cell.rjust(width))
+    return " ".join(out).rstrip()
+
+
+def _wrap(text: str) -> list[str]:
+    return textwrap.wrap(text, WIDTH, subsequent_indent="  ") or [""]
+
+
+def render_status(report: StatusReport, *, now: float | None = None) -> str:
+    st = report.stages
+    lines = []
+    head = f"probe {report.probe}: live " + (f"v{st.live}" if st.live is not None else "none")
+    if st.canary is not None:
+        head += f", canary v{st.canary} ({st.canary_share:.0%} of conversations)"
+    head += ", PINNED (no automatic changes)" if st.pinned else ""
+    lines += _wrap(head)
+    updater = report.lease_holder or "none (no updater holds the lease)"
+    policy = report.policy
+    if policy:
+        age = (now or time.time()) - float(policy.get("at", 0))
+        note = f"policy {policy.get('mode', '?')} (updater {policy.get('holder', '?')}, "
+        note += f"{age:.0f}s ago): {policy.get('note', '')}"
+        lines += [f"updater: {updater}", *_wrap(note)]
+    else:
+        lines.append(f"updater: {updater}; the rollout policy has not run yet")
+    change = report.last_change
+    if change is not None:
+        when = change.at.strftime("%m-%d %H:%M:%S")
+        who = change.actor or "?"
+        lines += _wrap(
+            f"last change {when} {change.kind} v{change.version} by {who}: {change.reason}"
+        )
+    lines.append("")
+    lines.append(_row([t for t, _ in _COLUMNS]))
+    for r in report.rows:
+        e = r.evidence
+        lines.append(
+            _row(
+                [
+                    str(r.version),
+                    r.stage,
+                    f"{st.canary_share:.0%}" if r.stage == "canary" else "",
+                    str(e.scored),
+                    _pct(e.flag_rate),
+                    _f(e.latency_ms, ".1f"),
+                    str(e.labels.labeled),
+                    _f(e.labels.f1, ".2f"),
+                    _f(r.auprc, ".2f"),
+                    _pct(e.agreement).replace(".0%", "%"),
+                    str(e.errors),
+                ]
+            )
+        )
+    hidden = report.total_versions - len(report.rows)
+    if hidden > 0:
+        lines.append(f"({hidden} older version(s) not shown; --versions N shows more)")
+    for r in report.rows:
+        if r.stage == "rolled back" and r.version in report.rolled_back:
+            lines += _wrap(f"v{r.version} rolled back: {report.rolled_back[r.version]}")
+        if r.evidence.errors:
+            lines += _wrap(f"v{r.version} refused: {r.evidence.last_error}")
+    return "\n".join(lines)
+
+
+def render_history(events: list[CheckpointEvent], *, wide: bool = False) -> str:
+    head = f"{'time (UTC)':<14} {'event':<14} {'v':>5} {'prev':>5} {'actor':<12} reason"
+    lines = [head]
+    for e in events:
+        reason = e.reason
+        if e.details and e.kind != "published":
+            extra = ", ".join(f"{k}={v}" for k, v in e.details.items() if v is not None)
+            reason = f"{reason} [{extra}]" if wide and extra else reason
+        line = (
+            f"{e.at.strftime('%m-%d %H:%M:%S'):<14} {e.kind:<14} "
+            f"{'' if e.version is None else e.version:>5} "
+            f"{'' if e.previous is None else e.previous:>5} {e.actor[:12]:<12} {reason}"
+        )
+        if not wide and len(line) > WIDTH:
+            line = line[: WIDTH - 1] + "…"
+        lines.append(line.rstrip())
+    return "\n".join(lines)
