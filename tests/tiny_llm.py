@@ -74,8 +74,12 @@ def tiny_tokenizer(arch: Arch = "llama", *, extra_chars: str = "") -> PreTrained
 
 
 def tiny_model(arch: Arch = "llama", *, vocab_size: int, seed: int = 0) -> PreTrainedModel:
-    """A randomly initialised base model (no LM head), seeded: same seed, same weights."""
-    torch.manual_seed(seed)
+    """A randomly initialised base model (no LM head), seeded: same seed, same weights.
+
+    The weights come from a private generator, not torch's global one, so building a
+    model while another thread seeds or draws from the global generator (a probe being
+    built, a scorer starting) still gives the same weights and the same fingerprint.
+    """
     common: dict[str, Any] = {
         "vocab_size": vocab_size,
         "hidden_size": HIDDEN_SIZE,
@@ -85,8 +89,17 @@ def tiny_model(arch: Arch = "llama", *, vocab_size: int, seed: int = 0) -> PreTr
         "max_position_embeddings": 512,
     }
     if arch == "llama":
-        return LlamaModel(LlamaConfig(**common, num_key_value_heads=2)).eval()
-    return BertModel(BertConfig(**common, pad_token_id=0)).eval()
+        model: PreTrainedModel = LlamaModel(LlamaConfig(**common, num_key_value_heads=2))
+    else:
+        model = BertModel(BertConfig(**common, pad_token_id=0))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:  # norm scales and biases
+                p.copy_(torch.ones_like(p) if name.endswith("weight") else torch.zeros_like(p))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return model.eval()
 
 
 def make_tiny_llm(
