@@ -10,6 +10,7 @@ as the extractor's own length bucketing would) run through
 - ``extract_le15``: the same reading only layers 0..15 (early exit after block 15).
 
 Modes are interleaved batch by batch, so load from other processes hits all of them alike.
+tokens/s counts real tokens (after truncation to --max-tokens), not padding.
 Peak RSS is the process's high-water mark after each batch size (batch sizes run in
 increasing order); the 16 x 256 check runs first, right after loading, so its figure is
 load + one full extraction of 16 texts of 256 tokens. Load times are measured in a child
