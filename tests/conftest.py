@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import hypothesis  # noqa: F401  (imported early: see below)
 import pytest
 import redis
 
@@ -21,6 +22,11 @@ from worker.embedded import EmbeddedBroker, EmbeddedRedis
 from worker.kafka import ensure_topics
 from worker.redis_store import Keys
 from worker.settings import Settings
+
+
+# hypothesis is imported here, at collection, on purpose: imported late (its pytest plugin
+# does so at the terminal summary) after the Kafka client threads have run, CPython
+# 3.11.7's parser can fail with "AST constructor recursion depth mismatch".
 
 
 def _unique(prefix: str) -> str:
@@ -119,3 +125,4 @@ def topic_factory(kafka_bootstrap: str) -> Callable[..., str]:
         return topic
 
     return make
+
