@@ -23,7 +23,6 @@ from worker.kafka import ensure_topics
 from worker.redis_store import Keys
 from worker.settings import Settings
 
-
 # hypothesis is imported here, at collection, on purpose: imported late (its pytest plugin
 # does so at the terminal summary) after the Kafka client threads have run, CPython
 # 3.11.7's parser can fail with "AST constructor recursion depth mismatch".
@@ -125,4 +124,3 @@ def topic_factory(kafka_bootstrap: str) -> Callable[..., str]:
         return topic
 
     return make
-
