@@ -15,14 +15,14 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from probes.registry import register_token_pool
+from probes.registry import TokenPoolModule, register_token_pool
 from schemas import ProbeSpec
 
 __all__ = ["ScoringGate"]
 
 
 @register_token_pool("gate")
-class ScoringGate(nn.Module):
+class ScoringGate(TokenPoolModule):
     """Per-layer attention pooling with a bounded (tanh) score."""
 
     separable: ClassVar[bool] = False

@@ -16,14 +16,14 @@ import math
 import torch
 from torch import Tensor, nn
 
-from probes.registry import register_layer_mix
+from probes.registry import LayerMixModule, register_layer_mix
 from schemas import ProbeSpec
 
 __all__ = ["LayerGate", "ScalarMix", "SingleLayer"]
 
 
 @register_layer_mix("single")
-class SingleLayer(nn.Module):
+class SingleLayer(LayerMixModule):
     """Reads exactly one layer; its weight is always 1."""
 
     def __init__(self, spec: ProbeSpec) -> None:
@@ -37,7 +37,7 @@ class SingleLayer(nn.Module):
 
 
 @register_layer_mix("scalar_mix")
-class ScalarMix(nn.Module):
+class ScalarMix(LayerMixModule):
     """ELMo scalar mix: softmax-normalized layer weights times a learned scale γ."""
 
     def __init__(self, spec: ProbeSpec) -> None:
@@ -54,7 +54,7 @@ class ScalarMix(nn.Module):
 
 
 @register_layer_mix("gate")
-class LayerGate(nn.Module):
+class LayerGate(LayerMixModule):
     """A per-input softmax gate over layers: ``softmax_l(u · z_l + c_l)``."""
 
     def __init__(self, spec: ProbeSpec) -> None:

@@ -20,14 +20,14 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from probes.pooling import masked_mean
-from probes.registry import register_token_pool
+from probes.registry import TokenPoolModule, register_token_pool
 from schemas import ProbeSpec
 
 __all__ = ["DowncastMHA"]
 
 
 @register_token_pool("mha")
-class DowncastMHA(nn.Module):
+class DowncastMHA(TokenPoolModule):
     """Attention over tokens in a small inner dimension, pooled and projected back."""
 
     separable: ClassVar[bool] = False

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from probes.registry import register_token_pool
+from probes.registry import TokenPoolModule, register_token_pool
 from schemas import ProbeSpec
 
 __all__ = [
@@ -81,7 +81,7 @@ SUMMARIES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 }
 
 
-class _Pool(nn.Module):
+class _Pool(TokenPoolModule):
     separable: ClassVar[bool] = True
 
     def __init__(self, spec: ProbeSpec) -> None:

@@ -161,8 +161,7 @@ def fit(
     g = torch.Generator().manual_seed(config.seed)
     if config.standardize:
         probe.set_input_stats(*train.input_stats())
-    if hasattr(probe.pool, "gradient_checkpointing"):
-        probe.pool.gradient_checkpointing = config.gradient_checkpointing
+    probe.pool.gradient_checkpointing = config.gradient_checkpointing
     weights = class_weights(train) if config.balance == "weights" else None
     learner = Learner(probe, lr=config.lr, weight_decay=config.weight_decay, class_weights=weights)
     best_score, best_state, best_epoch, history = float("-inf"), None, 0, []
