@@ -90,9 +90,10 @@ class ProbeDataset:
         within = torch.arange(T)[None, :].expand_as(mask)[mask]  # [sum(len)]
         flat = starts.repeat_interleave(lengths) + within
         L, D = tokens.shape[1], tokens.shape[2]
-        padded = torch.zeros(len(index), T, L, D)  # [B, T, L, D]
-        padded[mask] = tokens[flat].float()
-        return padded.permute(2, 0, 1, 3), mask, targets  # [L, B, T, D]
+        # Contiguous [L, B, T, D]: the probe's einsums and elementwise ops stream through it.
+        padded = torch.zeros(L, len(index), T, D)  # [L, B, T, D]
+        padded[:, mask] = tokens[flat].transpose(0, 1).float()  # [L, n, D] into the real slots
+        return padded, mask, targets
 
     def input_stats(self, chunk: int = 8192) -> tuple[Tensor, Tensor]:
         """Per-(layer, dim) mean and standard deviation ``[L, D]`` over rows (summaries) or

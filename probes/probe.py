@@ -150,9 +150,7 @@ class Probe(nn.Module):
         shift, scale = self.shift[:, None], self.scale[:, None]  # [L, 1, D]
         if mask is None:  # cached summaries [L, B, D] (checked above)
             return (hidden - shift) / scale
-        if self.separable:  # pool first: cheaper, and equal because the map is affine
-            return (self.pool(hidden, mask) - shift) / scale
-        return self.pool((hidden - shift[:, None]) / scale[:, None], mask)
+        return self.pool(hidden, mask, self.shift, self.scale)  # normalizes as it pools
 
     def forward(self, hidden: Tensor, mask: Tensor | None = None) -> Tensor:
         """Logits ``[B, C]`` from ``[L, B, T, D]`` + ``[B, T]`` or from summaries ``[L, B, D]``."""

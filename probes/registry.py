@@ -26,7 +26,11 @@ __all__ = [
 class TokenPoolModule(nn.Module):
     """Base of token poolings: ``[L, B, T, D]`` + mask ``[B, T]`` -> ``[L, B, D]``.
 
-    Subclasses take the ``ProbeSpec`` as their only constructor argument.
+    ``forward(hidden, mask, shift, scale)`` returns summaries of the normalized
+    states ``(hidden - shift) / scale`` (``shift``, ``scale``: ``[L, D]``). The
+    pooling applies the normalization itself, so it can fold it into cheaper
+    operations than a pass over every token. Subclasses take the ``ProbeSpec``
+    as their only constructor argument.
     """
 
     # True when the output is a fixed per-layer summary a cache can store.
@@ -34,7 +38,7 @@ class TokenPoolModule(nn.Module):
     # Recompute activations in the backward pass instead of storing them (if supported).
     gradient_checkpointing: bool = False
 
-    def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, hidden: Tensor, mask: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
         raise NotImplementedError
 
 

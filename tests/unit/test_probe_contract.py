@@ -18,6 +18,7 @@ from probes import (
     save_checkpoint,
 )
 from probes.learner import Learner
+from probes.pooling import SUMMARIES
 from schemas import ProbeSpec
 from schemas.probe import LayerMix, TokenPool
 from tests.unit.probe_helpers import FINGERPRINT, make_spec, random_batch, toy_task
@@ -162,5 +163,5 @@ def test_summaries_score_like_tokens_for_separable_pools(spec: ProbeSpec) -> Non
             probe(hidden.mean(dim=2))
         return
     with torch.no_grad():
-        summaries = probe.pool(hidden, mask)  # the raw per-layer summary a cache stores
+        summaries = SUMMARIES[spec.token_pool](hidden, mask)  # what a cache stores
         torch.testing.assert_close(probe(summaries), probe(hidden, mask), atol=1e-5, rtol=1e-5)
