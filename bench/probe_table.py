@@ -67,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--scan-lr", type=float, default=1e-3, help="Lion learning rate of the layer scan"
     )
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--layer-lr-scale", type=float, default=30.0)
     p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--patience", type=int, default=6)
     p.add_argument("--batch-size", type=int, default=64)
@@ -107,6 +108,7 @@ def fit_one(
         patience=args.patience,
         balance=args.balance,
         seed=args.seed,
+        layer_lr_scale=args.layer_lr_scale,
     )
     result = train_probe(train, opts, config, val_cache=val)
     r = result.val_report

@@ -45,6 +45,9 @@ class ScalarMix(LayerMixModule):
         self.logits = nn.Parameter(torch.zeros(len(spec.layers)))  # [L], uniform at start
         self.gamma = nn.Parameter(torch.ones(()))
 
+    def layer_weight_parameters(self) -> list[nn.Parameter]:
+        return [self.logits, self.gamma]
+
     def weights(self, pooled: Tensor) -> Tensor:  # [L, B, D] -> [L, B]
         return torch.softmax(self.logits, dim=0)[:, None].expand(pooled.shape[:2])
 
@@ -62,6 +65,9 @@ class LayerGate(LayerMixModule):
         D = spec.hidden_size
         self.query = nn.Parameter(torch.randn(D) / (10 * math.sqrt(D)))  # [D], near-uniform
         self.prior = nn.Parameter(torch.zeros(len(spec.layers)))  # [L]
+
+    def layer_weight_parameters(self) -> list[nn.Parameter]:
+        return [self.prior]
 
     def weights(self, pooled: Tensor) -> Tensor:  # [L, B, D] -> [L, B]
         scores = torch.einsum("lbd,d->lb", pooled, self.query) + self.prior[:, None]

@@ -34,6 +34,7 @@ class Learner:
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.99),
         class_weights: Tensor | None = None,
+        layer_lr_scale: float = 30.0,
     ) -> None:
         C = len(probe.spec.labels)
         if class_weights is not None and tuple(class_weights.shape) != (C,):
@@ -45,11 +46,19 @@ class Learner:
         self.probe = probe
         # Multiclass: per-class weights in the cross-entropy. Multilabel: pos_weight per label.
         self.class_weights = None if class_weights is None else class_weights.float()
+        # Layer-mix logits are a handful of scalars that must move by whole units; with
+        # Lion's fixed step size they need a larger rate than the weight matrices, and no decay.
+        fast = {id(p) for p in probe.mix.layer_weight_parameters()}
+        groups = [
+            {"params": [p for p in probe.parameters() if p.requires_grad and id(p) not in fast]},
+            {
+                "params": [p for p in probe.parameters() if p.requires_grad and id(p) in fast],
+                "lr": lr * layer_lr_scale,
+                "weight_decay": 0.0,
+            },
+        ]
         self.optimizer = Lion(
-            [p for p in probe.parameters() if p.requires_grad],
-            lr=lr,
-            betas=betas,
-            weight_decay=weight_decay,
+            [g for g in groups if g["params"]], lr=lr, betas=betas, weight_decay=weight_decay
         )
         self.steps = 0
         self.examples = 0

@@ -45,6 +45,15 @@ class TokenPoolModule(nn.Module):
 class LayerMixModule(nn.Module):
     """Base of layer mixes: ``[L, B, D]`` -> ``[B, D]``, with the weights used, ``[L, B]``."""
 
+    def layer_weight_parameters(self) -> list[nn.Parameter]:
+        """Scalars that set the layer weights directly (mix logits, priors, scale).
+
+        Lion moves every parameter by ``lr`` per step whatever its gradient, so
+        these few scalars, which need to travel several units, get a larger
+        learning rate than the weight matrices (see ``Learner``).
+        """
+        return []
+
     def weights(self, pooled: Tensor) -> Tensor:
         raise NotImplementedError
 
