@@ -51,7 +51,8 @@ class DowncastMHA(TokenPoolModule):
 
     def _attend(self, x: Tensor, mask: Tensor) -> Tensor:
         L, B, T, D = x.shape
-        weight, bias = self.qkv, self.qkv_bias  # [L, D, 3d], [L, 3d]
+        weight: Tensor = self.qkv  # [L, D, 3d]
+        bias: Tensor = self.qkv_bias  # [L, 3d]
         if self.layer_norm:
             x = F.layer_norm(x, (D,))
             # (x̂ ⊙ g + b) W == x̂ (g ⊙ W) + b W: the per-layer affine folds into the projection.
