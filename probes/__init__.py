@@ -18,6 +18,7 @@ from probes.checkpoint import (
 )
 from probes.decision import Decision, decide
 from probes.errors import CacheError, CheckpointError, IncompatibleCheckpoint, ProbeError
+from probes.learner import Learner
 from probes.probe import Probe, build_probe, weight_entropy
 from probes.registry import LAYER_MIXES, TOKEN_POOLS, probe_kinds
 
@@ -28,6 +29,7 @@ __all__ = [
     "CheckpointError",
     "Decision",
     "IncompatibleCheckpoint",
+    "Learner",
     "Probe",
     "ProbeError",
     "build_probe",

@@ -38,7 +38,7 @@ from probes._io import atomic_write
 from probes.dataset import ProbeDataset
 from probes.errors import CacheError
 from probes.pooling import SUMMARIES
-from schemas import CacheManifest, describe_error
+from schemas import CacheManifest, Task, describe_error
 
 __all__ = [
     "FP16_MAX",
@@ -135,7 +135,7 @@ def features_for(pool: str, layers: list[int], available: CacheManifest) -> Feat
     """What a probe with token pool ``pool`` reading ``layers`` trains on: its own summary
     when the cache holds it for those layers, else token-level states."""
     if pool in available.summaries and set(layers) <= set(available.summary_layers):
-        return pool  # type: ignore[return-value]
+        return pool
     return "tokens"
 
 
@@ -209,6 +209,7 @@ class HiddenStateCache:
                 data = f.get_tensor(key)
                 parts.append(data[:, pick] if features == "tokens" else data[pick])
         length = torch.cat(lengths)
+        task: Task
         if target == "label":
             y = torch.cat(targets)
             if (y < 0).any():
@@ -220,5 +221,5 @@ class HiddenStateCache:
             offsets = torch.cat([torch.zeros(1, dtype=torch.int64), length.cumsum(0)])
             return ProbeDataset(
                 layers, names, task, y, ids, tokens=torch.cat(parts), offsets=offsets
-            )  # type: ignore[arg-type]
-        return ProbeDataset(layers, names, task, y, ids, summaries=torch.cat(parts, dim=1))  # type: ignore[arg-type]
+            )
+        return ProbeDataset(layers, names, task, y, ids, summaries=torch.cat(parts, dim=1))

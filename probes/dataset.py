@@ -44,11 +44,22 @@ class ProbeDataset:
         if self.targets.shape[0] != n or len(self) != n:
             raise ProbeError(f"{n} ids but {self.targets.shape[0]} targets / {len(self)} rows")
 
+    def _ragged(self) -> tuple[Tensor, Tensor]:
+        """``(tokens, offsets)`` of token-level data."""
+        if self.tokens is None or self.offsets is None:
+            raise ProbeError("this dataset holds summaries, not token-level states")
+        return self.tokens, self.offsets
+
+    def _rows(self) -> Tensor:
+        """The stored states with rows first: ``[N, L, D]`` or ``[N_tok, L, D]``."""
+        if self.summaries is not None:
+            return self.summaries.transpose(0, 1)
+        return self._ragged()[0]
+
     def __len__(self) -> int:
         if self.summaries is not None:
             return int(self.summaries.shape[1])
-        assert self.offsets is not None  # guaranteed by __post_init__
-        return int(self.offsets.shape[0] - 1)
+        return int(self._ragged()[1].shape[0] - 1)
 
     @property
     def token_level(self) -> bool:
@@ -56,16 +67,14 @@ class ProbeDataset:
 
     @property
     def hidden_size(self) -> int:
-        data = self.summaries if self.summaries is not None else self.tokens
-        assert data is not None
-        return int(data.shape[-1])
+        return int(self._rows().shape[-1])
 
     @property
     def lengths(self) -> Tensor:
         """Real tokens per row ``[N]`` (ones for summaries)."""
-        if self.offsets is None:
+        if self.summaries is not None:
             return torch.ones(len(self), dtype=torch.int64)
-        return self.offsets.diff()
+        return self._ragged()[1].diff()
 
     def batch(self, index: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
         """``(hidden, mask, targets)`` for rows ``index``: ``[L, B, T, D]`` + ``[B, T]`` for
@@ -73,23 +82,23 @@ class ProbeDataset:
         targets = self.targets[index]
         if self.summaries is not None:
             return self.summaries[:, index].float(), None, targets
-        assert self.tokens is not None and self.offsets is not None
-        starts, lengths = self.offsets[index], self.lengths[index]  # [B]
+        tokens, offsets = self._ragged()
+        starts, lengths = offsets[index], self.lengths[index]  # [B]
         T = int(lengths.max())
         mask = torch.arange(T)[None, :] < lengths[:, None]  # [B, T]
         # Positions of every real token, row after row: matches mask's row-major order.
         within = torch.arange(T)[None, :].expand_as(mask)[mask]  # [sum(len)]
         flat = starts.repeat_interleave(lengths) + within
-        L, D = self.tokens.shape[1], self.tokens.shape[2]
-        padded = torch.zeros(len(index), T, L, D)  # [B, T, L, D]
-        padded[mask] = self.tokens[flat].float()
-        return padded.permute(2, 0, 1, 3), mask, targets  # [L, B, T, D]
+        L, D = tokens.shape[1], tokens.shape[2]
+        # Contiguous [L, B, T, D]: the probe's einsums and elementwise ops stream through it.
+        padded = torch.zeros(L, len(index), T, D)  # [L, B, T, D]
+        padded[:, mask] = tokens[flat].transpose(0, 1).float()  # [L, n, D] into the real slots
+        return padded, mask, targets
 
     def input_stats(self, chunk: int = 8192) -> tuple[Tensor, Tensor]:
         """Per-(layer, dim) mean and standard deviation ``[L, D]`` over rows (summaries) or
         over real tokens; dimensions with no spread get scale 1."""
-        data = self.summaries.transpose(0, 1) if self.summaries is not None else self.tokens
-        assert data is not None  # [N or N_tok, L, D]
+        data = self._rows()  # [N or N_tok, L, D]
         total = torch.zeros(data.shape[1:], dtype=torch.float64)
         square = torch.zeros_like(total)
         for start in range(0, data.shape[0], chunk):
@@ -115,14 +124,14 @@ class ProbeDataset:
             return replace(
                 self, summaries=self.summaries[:, index], targets=self.targets[index], ids=ids
             )
-        assert self.tokens is not None and self.offsets is not None
-        lengths = self.lengths[index]
-        flat = torch.cat(
-            [torch.arange(int(self.offsets[i]), int(self.offsets[i + 1])) for i in index]
-        )
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        tokens, offsets = self._ragged()
+        lengths = self.lengths[index]  # [B]
+        new_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        # Every selected token's position: its row's old start plus its place in the row.
+        within = torch.arange(int(new_offsets[-1])) - new_offsets[:-1].repeat_interleave(lengths)
+        flat = offsets[index].repeat_interleave(lengths) + within
         return replace(
-            self, tokens=self.tokens[flat], offsets=offsets, targets=self.targets[index], ids=ids
+            self, tokens=tokens[flat], offsets=new_offsets, targets=self.targets[index], ids=ids
         )
 
     def relabel(self, names: list[str]) -> ProbeDataset:

@@ -15,14 +15,14 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from probes.registry import register_token_pool
+from probes.registry import TokenPoolModule, register_token_pool
 from schemas import ProbeSpec
 
 __all__ = ["ScoringGate"]
 
 
 @register_token_pool("gate")
-class ScoringGate(nn.Module):
+class ScoringGate(TokenPoolModule):
     """Per-layer attention pooling with a bounded (tanh) score."""
 
     separable: ClassVar[bool] = False
@@ -34,13 +34,19 @@ class ScoringGate(nn.Module):
         self.weight = nn.Parameter(torch.randn(L, D) / math.sqrt(D))  # [L, D]
         self.bias = nn.Parameter(torch.zeros(L))  # [L]
 
-    def scores(self, hidden: Tensor, mask: Tensor) -> Tensor:
-        """Token weights ``[L, B, T]`` (each row sums to 1 over real tokens)."""
-        raw = torch.einsum("lbtd,ld->lbt", hidden, self.weight) + self.bias[:, None, None]
+    def scores(self, hidden: Tensor, mask: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+        """Token weights ``[L, B, T]`` (each row sums to 1 over real tokens) for raw states."""
+        # w · (h - shift) / scale == (w / scale) · h - (w / scale) · shift: one pass over h.
+        w = self.weight / scale  # [L, D]
+        b = self.bias - (w * shift).sum(dim=-1)  # [L]
+        raw = torch.einsum("lbtd,ld->lbt", hidden, w) + b[:, None, None]
         raw = torch.tanh(raw).masked_fill(~mask[None], float("-inf"))  # [L, B, T]
         return torch.softmax(raw, dim=-1)
 
-    def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:  # [L, B, T, D], [B, T]
+    def forward(self, hidden: Tensor, mask: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+        # [L, B, T, D], [B, T], [L, D], [L, D]
         hidden = hidden.masked_fill(~mask[None, :, :, None], 0.0)  # padding may hold NaN
-        a = self.scores(hidden, mask)  # [L, B, T]
-        return torch.einsum("lbt,lbtd->lbd", a, hidden)  # [L, B, D]
+        a = self.scores(hidden, mask, shift, scale)  # [L, B, T]
+        pooled = torch.einsum("lbt,lbtd->lbd", a, hidden)  # [L, B, D], raw states
+        # The weights sum to 1, so normalizing the weighted sum equals summing normalized states.
+        return (pooled - shift[:, None]) / scale[:, None]

@@ -16,14 +16,14 @@ import math
 import torch
 from torch import Tensor, nn
 
-from probes.registry import register_layer_mix
+from probes.registry import LayerMixModule, register_layer_mix
 from schemas import ProbeSpec
 
 __all__ = ["LayerGate", "ScalarMix", "SingleLayer"]
 
 
 @register_layer_mix("single")
-class SingleLayer(nn.Module):
+class SingleLayer(LayerMixModule):
     """Reads exactly one layer; its weight is always 1."""
 
     def __init__(self, spec: ProbeSpec) -> None:
@@ -37,13 +37,16 @@ class SingleLayer(nn.Module):
 
 
 @register_layer_mix("scalar_mix")
-class ScalarMix(nn.Module):
+class ScalarMix(LayerMixModule):
     """ELMo scalar mix: softmax-normalized layer weights times a learned scale γ."""
 
     def __init__(self, spec: ProbeSpec) -> None:
         super().__init__()
         self.logits = nn.Parameter(torch.zeros(len(spec.layers)))  # [L], uniform at start
         self.gamma = nn.Parameter(torch.ones(()))
+
+    def layer_weight_parameters(self) -> list[nn.Parameter]:
+        return [self.logits, self.gamma]
 
     def weights(self, pooled: Tensor) -> Tensor:  # [L, B, D] -> [L, B]
         return torch.softmax(self.logits, dim=0)[:, None].expand(pooled.shape[:2])
@@ -54,7 +57,7 @@ class ScalarMix(nn.Module):
 
 
 @register_layer_mix("gate")
-class LayerGate(nn.Module):
+class LayerGate(LayerMixModule):
     """A per-input softmax gate over layers: ``softmax_l(u · z_l + c_l)``."""
 
     def __init__(self, spec: ProbeSpec) -> None:
@@ -62,6 +65,9 @@ class LayerGate(nn.Module):
         D = spec.hidden_size
         self.query = nn.Parameter(torch.randn(D) / (10 * math.sqrt(D)))  # [D], near-uniform
         self.prior = nn.Parameter(torch.zeros(len(spec.layers)))  # [L]
+
+    def layer_weight_parameters(self) -> list[nn.Parameter]:
+        return [self.prior]
 
     def weights(self, pooled: Tensor) -> Tensor:  # [L, B, D] -> [L, B]
         scores = torch.einsum("lbd,d->lb", pooled, self.query) + self.prior[:, None]

@@ -12,6 +12,8 @@ matrices ``[B, C]`` for multilabel probes.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from lion_pytorch import Lion
@@ -34,6 +36,7 @@ class Learner:
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.99),
         class_weights: Tensor | None = None,
+        layer_lr_scale: float = 30.0,
     ) -> None:
         C = len(probe.spec.labels)
         if class_weights is not None and tuple(class_weights.shape) != (C,):
@@ -45,12 +48,18 @@ class Learner:
         self.probe = probe
         # Multiclass: per-class weights in the cross-entropy. Multilabel: pos_weight per label.
         self.class_weights = None if class_weights is None else class_weights.float()
-        self.optimizer = Lion(
-            [p for p in probe.parameters() if p.requires_grad],
-            lr=lr,
-            betas=betas,
-            weight_decay=weight_decay,
-        )
+        # Layer-mix logits are a handful of scalars that must move by whole units; with
+        # Lion's fixed step size they need a larger rate than the weight matrices, and no decay.
+        fast_ids = {id(p) for p in probe.mix.layer_weight_parameters()}
+        trainable = [p for p in probe.parameters() if p.requires_grad]
+        slow = [p for p in trainable if id(p) not in fast_ids]
+        fast = [p for p in trainable if id(p) in fast_ids]
+        groups: list[dict[str, Any]] = []
+        if slow:
+            groups.append({"params": slow})
+        if fast:
+            groups.append({"params": fast, "lr": lr * layer_lr_scale, "weight_decay": 0.0})
+        self.optimizer = Lion(groups, lr=lr, betas=betas, weight_decay=weight_decay)
         self.steps = 0
         self.examples = 0
 

@@ -140,7 +140,7 @@ def evaluate(spec: ProbeSpec, probs: Tensor, targets: Tensor) -> dict[str, Any]:
         report["micro_f1"] = _prf(tp, fp, float((~pred & truth).sum()))[2]
     if spec.flag_labels:
         flag_idx = [spec.labels.index(label) for label in spec.flag_labels]
-        y_flag = truth[:, flag_idx].any(axis=1)
+        y_flag = np.asarray(truth[:, flag_idx].any(axis=1))
         fl = decision.flagged.numpy()
         prec, rec, f1 = _prf(
             float((fl & y_flag).sum()), float((fl & ~y_flag).sum()), float((~fl & y_flag).sum())

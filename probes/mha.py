@@ -20,14 +20,14 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from probes.pooling import masked_mean
-from probes.registry import register_token_pool
+from probes.registry import TokenPoolModule, register_token_pool
 from schemas import ProbeSpec
 
 __all__ = ["DowncastMHA"]
 
 
 @register_token_pool("mha")
-class DowncastMHA(nn.Module):
+class DowncastMHA(TokenPoolModule):
     """Attention over tokens in a small inner dimension, pooled and projected back."""
 
     separable: ClassVar[bool] = False
@@ -51,10 +51,14 @@ class DowncastMHA(nn.Module):
 
     def _attend(self, x: Tensor, mask: Tensor) -> Tensor:
         L, B, T, D = x.shape
+        weight: Tensor = self.qkv  # [L, D, 3d]
+        bias: Tensor = self.qkv_bias  # [L, 3d]
         if self.layer_norm:
             x = F.layer_norm(x, (D,))
-            x = x * self.norm_weight[:, None, None] + self.norm_bias[:, None, None]
-        qkv = torch.einsum("lbtd,lde->lbte", x, self.qkv) + self.qkv_bias[:, None, None]
+            # (x̂ ⊙ g + b) W == x̂ (g ⊙ W) + b W: the per-layer affine folds into the projection.
+            weight = self.norm_weight[:, :, None] * self.qkv
+            bias = self.qkv_bias + torch.einsum("ld,lde->le", self.norm_bias, self.qkv)
+        qkv = torch.einsum("lbtd,lde->lbte", x, weight) + bias[:, None, None]
         q, k, v = qkv.chunk(3, dim=-1)  # 3 x [L, B, T, d]
         d = q.shape[-1]
         H = self.num_heads
@@ -74,11 +78,14 @@ class DowncastMHA(nn.Module):
         pooled = masked_mean(o, mask)  # [L, B, d]
         return torch.einsum("lbe,led->lbd", pooled, self.out) + self.out_bias[:, None]
 
-    def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:  # [L, B, T, D], [B, T]
-        hidden = hidden.masked_fill(~mask[None, :, :, None], 0.0)  # padding may hold NaN
-        residual = masked_mean(hidden, mask)  # [L, B, D]
+    def forward(self, hidden: Tensor, mask: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+        # [L, B, T, D], [B, T], [L, D], [L, D]
+        inv = 1.0 / scale  # [L, D]
+        x = torch.addcmul((-shift * inv)[:, None, None], hidden, inv[:, None, None])  # one pass
+        x = x.masked_fill(~mask[None, :, :, None], 0.0)  # padding may hold NaN
+        residual = masked_mean(x, mask)  # [L, B, D]
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-            delta = checkpoint(self._attend, hidden, mask, use_reentrant=False)
+            delta = checkpoint(self._attend, x, mask, use_reentrant=False)
         else:
-            delta = self._attend(hidden, mask)
+            delta = self._attend(x, mask)
         return residual + delta  # [L, B, D]

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from probes.registry import register_token_pool
+from probes.registry import TokenPoolModule, register_token_pool
 from schemas import ProbeSpec
 
 __all__ = [
@@ -81,40 +81,44 @@ SUMMARIES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 }
 
 
-class _Pool(nn.Module):
+class _Pool(TokenPoolModule):
+    """A separable pooling: summarize the raw states, then normalize the summary."""
+
     separable: ClassVar[bool] = True
+    kind: ClassVar[str]
 
     def __init__(self, spec: ProbeSpec) -> None:
         super().__init__()
+
+    def forward(self, hidden: Tensor, mask: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+        # [L, B, T, D], [B, T], [L, D], [L, D]. Equal to pooling normalized states,
+        # because the normalization is affine per dimension (and scale > 0 for max).
+        return (SUMMARIES[self.kind](hidden, mask) - shift[:, None]) / scale[:, None]  # [L, B, D]
 
 
 @register_token_pool("mean")
 class MeanPool(_Pool):
     """Average of the real tokens of each layer."""
 
-    def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:  # [L, B, T, D], [B, T]
-        return masked_mean(hidden, mask)  # [L, B, D]
+    kind = "mean"
 
 
 @register_token_pool("max")
 class MaxPool(_Pool):
     """Per-dimension maximum over the real tokens of each layer."""
 
-    def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:  # [L, B, T, D], [B, T]
-        return masked_max(hidden, mask)  # [L, B, D]
+    kind = "max"
 
 
 @register_token_pool("first")
 class FirstPool(_Pool):
     """The first real token (a BOS or chat-template token, when the tokenizer adds one)."""
 
-    def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:  # [L, B, T, D], [B, T]
-        return first_token(hidden, mask)  # [L, B, D]
+    kind = "first"
 
 
 @register_token_pool("last")
 class LastPool(_Pool):
     """The last real token: in a causal LM the only one that has seen the whole text."""
 
-    def forward(self, hidden: Tensor, mask: Tensor) -> Tensor:  # [L, B, T, D], [B, T]
-        return last_token(hidden, mask)  # [L, B, D]
+    kind = "last"

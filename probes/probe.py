@@ -25,7 +25,7 @@ from torch import Tensor, nn
 # Imported for their registration side effect.
 from probes import gate, layer_mix, mha, pooling  # noqa: F401
 from probes.errors import ProbeError
-from probes.registry import LAYER_MIXES, TOKEN_POOLS
+from probes.registry import LAYER_MIXES, TOKEN_POOLS, LayerMixModule, TokenPoolModule
 from schemas import ProbeSpec
 
 __all__ = ["Probe", "build_probe", "weight_entropy"]
@@ -46,6 +46,11 @@ class Probe(nn.Module):
     >>> probe.predict_proba_many(torch.randn(2, 3, 5, 8), torch.ones(3, 5, dtype=torch.bool)).shape
     torch.Size([3, 2])
     """
+
+    shift: Tensor  # [L, D] buffer
+    scale: Tensor  # [L, D] buffer
+    pool: TokenPoolModule
+    mix: LayerMixModule
 
     def __init__(self, spec: ProbeSpec) -> None:
         super().__init__()
@@ -88,7 +93,7 @@ class Probe(nn.Module):
     @property
     def separable(self) -> bool:
         """True when the probe can score cached per-layer summaries ``[L, B, D]``."""
-        return bool(getattr(self.pool, "separable", False))
+        return self.pool.separable
 
     def num_parameters(self) -> int:
         """Trainable parameters (normalization statistics are buffers, not counted)."""
@@ -145,9 +150,7 @@ class Probe(nn.Module):
         shift, scale = self.shift[:, None], self.scale[:, None]  # [L, 1, D]
         if mask is None:  # cached summaries [L, B, D] (checked above)
             return (hidden - shift) / scale
-        if self.separable:  # pool first: cheaper, and equal because the map is affine
-            return (self.pool(hidden, mask) - shift) / scale
-        return self.pool((hidden - shift[:, None]) / scale[:, None], mask)
+        return self.pool(hidden, mask, self.shift, self.scale)  # normalizes as it pools
 
     def forward(self, hidden: Tensor, mask: Tensor | None = None) -> Tensor:
         """Logits ``[B, C]`` from ``[L, B, T, D]`` + ``[B, T]`` or from summaries ``[L, B, D]``."""

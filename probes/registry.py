@@ -8,22 +8,70 @@ over every registered pair, so a new kind is tested the moment it registers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
-from torch import nn
+from torch import Tensor, nn
 
-__all__ = ["LAYER_MIXES", "TOKEN_POOLS", "probe_kinds", "register_layer_mix", "register_token_pool"]
+__all__ = [
+    "LAYER_MIXES",
+    "TOKEN_POOLS",
+    "LayerMixModule",
+    "TokenPoolModule",
+    "probe_kinds",
+    "register_layer_mix",
+    "register_token_pool",
+]
 
-TOKEN_POOLS: dict[str, type[nn.Module]] = {}
-LAYER_MIXES: dict[str, type[nn.Module]] = {}
 
-M = TypeVar("M", bound=type[nn.Module])
+class TokenPoolModule(nn.Module):
+    """Base of token poolings: ``[L, B, T, D]`` + mask ``[B, T]`` -> ``[L, B, D]``.
+
+    ``forward(hidden, mask, shift, scale)`` returns summaries of the normalized
+    states ``(hidden - shift) / scale`` (``shift``, ``scale``: ``[L, D]``). The
+    pooling applies the normalization itself, so it can fold it into cheaper
+    operations than a pass over every token. Subclasses take the ``ProbeSpec``
+    as their only constructor argument.
+    """
+
+    # True when the output is a fixed per-layer summary a cache can store.
+    separable: ClassVar[bool] = False
+    # Recompute activations in the backward pass instead of storing them (if supported).
+    gradient_checkpointing: bool = False
+
+    def forward(self, hidden: Tensor, mask: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+        raise NotImplementedError
 
 
-def register_token_pool(name: str) -> Callable[[M], M]:
+class LayerMixModule(nn.Module):
+    """Base of layer mixes: ``[L, B, D]`` -> ``[B, D]``, with the weights used, ``[L, B]``."""
+
+    def layer_weight_parameters(self) -> list[nn.Parameter]:
+        """Scalars that set the layer weights directly (mix logits, priors, scale).
+
+        Lion moves every parameter by ``lr`` per step whatever its gradient, so
+        these few scalars, which need to travel several units, get a larger
+        learning rate than the weight matrices (see ``Learner``).
+        """
+        return []
+
+    def weights(self, pooled: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def forward(self, pooled: Tensor) -> Tensor:
+        raise NotImplementedError
+
+
+TOKEN_POOLS: dict[str, type[TokenPoolModule]] = {}
+LAYER_MIXES: dict[str, type[LayerMixModule]] = {}
+
+P = TypeVar("P", bound=type[TokenPoolModule])
+M = TypeVar("M", bound=type[LayerMixModule])
+
+
+def register_token_pool(name: str) -> Callable[[P], P]:
     """Class decorator: make a token pooling available as ``ProbeSpec.token_pool == name``."""
 
-    def deco(cls: M) -> M:
+    def deco(cls: P) -> P:
         if name in TOKEN_POOLS:
             raise ValueError(f"token pool {name!r} is already registered")
         TOKEN_POOLS[name] = cls

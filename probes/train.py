@@ -44,6 +44,7 @@ class FitConfig:
     monitor: Literal["auprc", "f1", "loss"] = "auprc"
     standardize: bool = True  # per-(layer, dim) normalization from the training split
     gradient_checkpointing: bool = False  # recompute MHA attention in backward (less memory)
+    layer_lr_scale: float = 30.0  # learning-rate multiplier of the layer-mix scalars
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -161,10 +162,15 @@ def fit(
     g = torch.Generator().manual_seed(config.seed)
     if config.standardize:
         probe.set_input_stats(*train.input_stats())
-    if hasattr(probe.pool, "gradient_checkpointing"):
-        probe.pool.gradient_checkpointing = config.gradient_checkpointing
+    probe.pool.gradient_checkpointing = config.gradient_checkpointing
     weights = class_weights(train) if config.balance == "weights" else None
-    learner = Learner(probe, lr=config.lr, weight_decay=config.weight_decay, class_weights=weights)
+    learner = Learner(
+        probe,
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        class_weights=weights,
+        layer_lr_scale=config.layer_lr_scale,
+    )
     best_score, best_state, best_epoch, history = float("-inf"), None, 0, []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)  # dropout

@@ -57,8 +57,9 @@ class ExtractorLike(Protocol):
     """What the builder needs from ``worker.extract.HiddenStateExtractor``."""
 
     max_tokens: int
-    truncation: str
 
+    @property
+    def truncation(self) -> str: ...
     @property
     def num_layers(self) -> int: ...
     @property
@@ -155,12 +156,9 @@ def _shard(
     ordered = concat_batches([parts[j] for j in perm])
     kept = [done[j] for j in perm]
     ordered["row"] = torch.tensor([start + i for i in kept], dtype=torch.int64)
+    vocab = {label: j for j, label in enumerate(manifest.label_vocab)}
     ordered["label"] = torch.tensor(
-        [
-            manifest.label_vocab.index(rows[i].label) if rows[i].label is not None else -1
-            for i in kept
-        ],
-        dtype=torch.int64,
+        [vocab.get(rows[i].label or "", -1) for i in kept], dtype=torch.int64
     )
     if manifest.has_labels_field:
         multi = torch.zeros(len(kept), len(manifest.labels_vocab), dtype=torch.uint8)

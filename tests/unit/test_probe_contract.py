@@ -10,6 +10,7 @@ import torch
 from probes import (
     LAYER_MIXES,
     TOKEN_POOLS,
+    ProbeError,
     build_probe,
     checkpoint_to_bytes,
     load_checkpoint,
@@ -18,6 +19,7 @@ from probes import (
     save_checkpoint,
 )
 from probes.learner import Learner
+from probes.pooling import SUMMARIES
 from schemas import ProbeSpec
 from schemas.probe import LayerMix, TokenPool
 from tests.unit.probe_helpers import FINGERPRINT, make_spec, random_batch, toy_task
@@ -162,5 +164,43 @@ def test_summaries_score_like_tokens_for_separable_pools(spec: ProbeSpec) -> Non
             probe(hidden.mean(dim=2))
         return
     with torch.no_grad():
-        summaries = probe.pool(hidden, mask)  # the raw per-layer summary a cache stores
+        summaries = SUMMARIES[spec.token_pool](hidden, mask)  # what a cache stores
         torch.testing.assert_close(probe(summaries), probe(hidden, mask), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layer_norm", [False, True])
+def test_mha_variants_keep_the_contract(layer_norm: bool) -> None:
+    spec = make_spec("mha", "gate", layer_norm=layer_norm, dropout=0.2)
+    probe = build_probe(spec, seed=0)
+    hidden, mask, y = toy_task(len(spec.layers), spec.task)
+    Learner(probe).loss(probe.train()(hidden, mask), y).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in probe.parameters())
+    probe.eval()
+    pad = torch.full((3, hidden.shape[1], 4, 16), float("nan"))
+    padded_mask = torch.cat([mask, torch.zeros(mask.shape[0], 4, dtype=torch.bool)], dim=1)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            probe(torch.cat([hidden, pad], dim=2), padded_mask), probe(hidden, mask)
+        )
+    probe.pool.gradient_checkpointing = True
+    probe.train()
+    probe.zero_grad()
+    Learner(probe).loss(probe(hidden, mask), y).backward()  # attention recomputed in backward
+    assert all(p.grad is not None for p in probe.parameters())
+
+
+def test_invalid_inputs_are_named() -> None:
+    probe = build_probe(make_spec("gate", "scalar_mix"), seed=0)
+    hidden, mask = random_batch(3)
+    with pytest.raises(ProbeError, match="need a mask"):
+        probe(hidden)
+    with pytest.raises(ProbeError, match=r"the probe reads 3 layers \[1, 2, 4\] of size 16"):
+        probe(hidden[:2], mask)
+    empty = mask.clone()
+    empty[2] = False
+    with pytest.raises(ProbeError, match=r"rows \[2\] of the batch have no real token"):
+        probe(hidden, empty)
+    with pytest.raises(ProbeError, match="needs token-level states"):
+        probe(hidden.mean(dim=2))
+    with pytest.raises(ProbeError, match="scale must be positive"):
+        probe.set_input_stats(torch.zeros(3, 16), torch.zeros(3, 16))

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from worker.commands._common import dir_size, layer_list, offline_errors, print_json
+
+if TYPE_CHECKING:
+    from schemas import CacheManifest
 
 SUMMARY_KINDS = ("mean", "max", "first", "last")
 
@@ -68,7 +72,7 @@ def _build(args: argparse.Namespace) -> int:
     from worker.extract import HiddenStateExtractor
     from worker.settings import load_settings
 
-    kinds = [k.strip() for k in args.summaries.split(",") if k.strip()]
+    kinds: list = [k.strip() for k in args.summaries.split(",") if k.strip()]
     unknown = sorted(set(kinds) - set(SUMMARY_KINDS))
     if unknown:
         raise OfflineError(f"unknown summary kinds {unknown}; choose from {list(SUMMARY_KINDS)}")
@@ -81,7 +85,7 @@ def _build(args: argparse.Namespace) -> int:
         extractor,
         token_layers=args.token_layers,
         summary_layers=args.summary_layers,
-        summaries=kinds,  # type: ignore[arg-type]
+        summaries=kinds,
         shard_rows=args.shard_rows,
         batch_size=settings.batch_size,
         progress=not args.no_progress,
@@ -97,7 +101,9 @@ def _info(args: argparse.Namespace) -> int:
     return _report(args.cache, cache.manifest, as_json=args.json, missing=cache.missing_shards())
 
 
-def _report(out: Path, manifest, *, as_json: bool, missing: list[int] | None = None) -> int:  # type: ignore[no-untyped-def]
+def _report(
+    out: Path, manifest: CacheManifest, *, as_json: bool, missing: list[int] | None = None
+) -> int:
     from probes.cache import HiddenStateCache
 
     cache = HiddenStateCache(out)

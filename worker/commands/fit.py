@@ -54,6 +54,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--patience", type=int, default=6, help="early-stopping patience in epochs")
     p.add_argument("--lr", type=float, default=3e-4, help="Lion learning rate (default 3e-4)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="decoupled (default 0.1)")
+    p.add_argument(
+        "--layer-lr-scale",
+        type=float,
+        default=30.0,
+        help="learning-rate multiplier of the layer-mix scalars (default 30)",
+    )
     p.add_argument("--batch-size", type=int, default=64, help="mini-batch size, <= 256")
     p.add_argument("--balance", choices=["weights", "sampler", "none"], default="weights")
     p.add_argument("--monitor", choices=["auprc", "f1", "loss"], default="auprc")
@@ -104,6 +110,7 @@ def _run(args: argparse.Namespace) -> int:
         standardize=not args.no_standardize,
         gradient_checkpointing=args.grad_checkpointing,
         seed=args.seed,
+        layer_lr_scale=args.layer_lr_scale,
     )
     result = train_probe(cache, opts, config, val_cache=val_cache, val_fraction=args.val_fraction)
     save_fit(result, args.out, cache)
