@@ -40,6 +40,7 @@ from safetensors.torch import save as st_save
 from probes.checkpoint import checkpoint_to_bytes, load_checkpoint, probe_from_bytes
 from probes.errors import CheckpointError
 from probes.learner import Learner
+from probes.pooling import SUMMARIES
 from probes.probe import Probe, build_probe
 from schemas import HumanLabel, ProbeSpec, TrainingCounters
 from worker.errors import ConfigError
@@ -404,7 +405,8 @@ class Updater:
             raise RuntimeError("no probe")
         if probe.separable:
             with torch.no_grad():
-                pooled = probe.pool(hidden, mask).half()  # [L, B, D], raw (before normalization)
+                raw = SUMMARIES[probe.spec.token_pool](hidden, mask)  # [L, B, D], unnormalized
+                pooled = raw.half()
             return [
                 Example(pooled[:, b].clone(), targets[b], buckets[b]) for b in range(len(buckets))
             ]

@@ -20,6 +20,7 @@ import torch
 
 from probes.decision import decide
 from probes.learner import Learner
+from probes.pooling import masked_mean
 from probes.probe import Probe, build_probe
 from schemas import Verdict
 from tests.conftest import RedisNamespace
@@ -67,7 +68,7 @@ def train(ex: HiddenStateExtractor, target: Callable[[bool], int], seed: int) ->
     y = torch.tensor([target(flag) for _, flag in texts])
     probe = build_probe(toxicity_spec(ex.hidden_size), seed=seed)
     with torch.no_grad():
-        pooled = probe.pool(hidden, mask)  # [L, B, D]
+        pooled = masked_mean(hidden, mask)  # [L, B, D], the probe's (mean) pooling
     probe.set_input_stats(pooled.mean(dim=1), pooled.std(dim=1))
     learner = Learner(probe, lr=3e-3)
     for _ in range(60):
@@ -81,8 +82,15 @@ def probes(ex: HiddenStateExtractor) -> dict[str, Probe]:
         "good": train(ex, lambda flag: int(flag), seed=0),
         "good2": train(ex, lambda flag: int(flag), seed=1),
         "flipped": train(ex, lambda flag: 1 - int(flag), seed=2),
-        "flag_all": train(ex, lambda flag: 1, seed=3),
+        "flag_all": _flag_everything(train(ex, lambda flag: 1, seed=3)),
     }
+
+
+def _flag_everything(probe: Probe) -> Probe:
+    """Make sure the 'flag everything' probe really flags everything, whatever training did."""
+    with torch.no_grad():
+        probe.head.bias[1] += 50.0
+    return probe
 
 
 def chat(mid: str, i: int, conv: str) -> bytes:
