@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
@@ -76,7 +76,7 @@ def tiny_tokenizer(arch: Arch = "llama", *, extra_chars: str = "") -> PreTrained
 def tiny_model(arch: Arch = "llama", *, vocab_size: int, seed: int = 0) -> PreTrainedModel:
     """A randomly initialised base model (no LM head), seeded: same seed, same weights."""
     torch.manual_seed(seed)
-    common = {
+    common: dict[str, Any] = {
         "vocab_size": vocab_size,
         "hidden_size": HIDDEN_SIZE,
         "intermediate_size": 64,

@@ -107,7 +107,9 @@ class HiddenStateExtractor:
     """Run the frozen LLM on texts and return the requested layers' hidden states.
 
     ``device`` and ``dtype`` are those of the returned tensors (default: the model's).
-    Calls are serialised by a lock; one extractor can be shared between threads.
+    The returned tensors are ordinary tensors (not inference-mode ones), so they can feed
+    probe training directly. Forward passes are serialised by a lock; one extractor can
+    be shared between threads.
     """
 
     def __init__(
@@ -134,7 +136,6 @@ class HiddenStateExtractor:
         self.dtype = dtype or llm.dtype
         tokenizer = llm.tokenizer
         self._pad_id = int(tokenizer.pad_token_id)
-        self._left_pad = tokenizer.padding_side == "left"
         self._prefix, self._suffix = _special_affixes(tokenizer)
         self._budget = max_tokens - len(self._prefix) - len(self._suffix)  # content tokens
         if self._budget < 1:
@@ -157,6 +158,11 @@ class HiddenStateExtractor:
             batch_size=settings.batch_size,
             max_chunks=settings.max_chunks,
         )
+
+    @property
+    def _left_pad(self) -> bool:
+        # Read per call: the tokenizer's padding_side can be changed after construction.
+        return bool(self.llm.tokenizer.padding_side == "left")
 
     @property
     def num_layers(self) -> int:
@@ -186,12 +192,16 @@ class HiddenStateExtractor:
         pieces, lengths = self._plan([ids for _, ids in tokenized])
         T = max(lengths, default=0)
         starts = [T - n if self._left_pad else 0 for n in lengths]
-        hidden = torch.zeros(  # [L_sel, B_ok, T, D]
+        # Every real token is written exactly once below; only padding needs zeroing, which
+        # spares a pass over (and page faults on) an output that can be hundreds of MB.
+        hidden = torch.empty(  # [L_sel, B_ok, T, D]
             len(wanted), len(index), T, self.hidden_size, device=self.device, dtype=self.dtype
         )
         mask = torch.zeros(len(index), T, dtype=torch.bool, device=self.device)  # [B_ok, T]
         for row, (start, n) in enumerate(zip(starts, lengths, strict=True)):
             mask[row, start : start + n] = True
+            hidden[:, row, :start] = 0
+            hidden[:, row, start + n :] = 0
         failed: dict[int, str] = {}
         with self._lock, torch.inference_mode():
             for batch in self._micro_batches(pieces):
@@ -200,7 +210,10 @@ class HiddenStateExtractor:
             for row, reason in failed.items():
                 errors[index[row]] = reason
             keep = [row for row in range(len(index)) if row not in failed]
-            hidden, mask = hidden[:, keep], mask[keep]
+            # Drop the failed rows, and the padding only they needed.
+            width = max((lengths[row] for row in keep), default=0)
+            cols = slice(T - width, T) if self._left_pad else slice(0, width)
+            hidden, mask = hidden[:, keep, cols], mask[keep, cols]
             index = [index[row] for row in keep]
         return Extraction(hidden=hidden, mask=mask, layers=wanted, index=index, errors=errors)
 
@@ -208,7 +221,7 @@ class HiddenStateExtractor:
 
     def _check_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
         wanted = tuple(layers)
-        bad = [i for i in wanted if isinstance(i, bool) or not isinstance(i, int)]
+        bad: list[object] = [i for i in wanted if isinstance(i, bool) or not isinstance(i, int)]
         bad += [i for i in wanted if isinstance(i, int) and not 0 <= i <= self.num_layers]
         if not wanted or bad or len(set(wanted)) != len(wanted):
             raise ExtractionError(
@@ -313,24 +326,21 @@ class HiddenStateExtractor:
         b, t = len(batch), max(len(p.ids) for p in batch)
         input_ids = torch.full((b, t), self._pad_id, dtype=torch.long)  # [b, t]
         attention = torch.zeros(b, t, dtype=torch.long)  # [b, t]
-        src_b, src_t, dst_b, dst_t = [], [], [], []
+        # (micro-batch row, first real position there, output row, position there, length)
+        spans: list[tuple[int, int, int, int, int]] = []
         for r, piece in enumerate(batch):
             n = len(piece.ids)
             lo = t - n if self._left_pad else 0
             input_ids[r, lo : lo + n] = torch.tensor(piece.ids)
             attention[r, lo : lo + n] = 1
-            dst = starts[piece.row] + piece.offset
-            src_b.append(torch.full((n,), r))
-            src_t.append(torch.arange(lo, lo + n))
-            dst_b.append(torch.full((n,), piece.row))
-            dst_t.append(torch.arange(dst, dst + n))
-        src = (torch.cat(src_b).to(model_device), torch.cat(src_t).to(model_device))
-        dst = (torch.cat(dst_b).to(self.device), torch.cat(dst_t).to(self.device))
+            spans.append((r, lo, piece.row, starts[piece.row] + piece.offset, n))
         slot = {layer: i for i, layer in enumerate(wanted)}
 
         def sink(layer: int, states: torch.Tensor) -> None:  # states: [b, t, D]
-            real = states[src].to(device=self.device, dtype=self.dtype)  # [n_real, D]
-            hidden[slot[layer]].index_put_(dst, real)
+            out = hidden[slot[layer]]  # [B_ok, T, D]
+            # Slice copies beat a gather + scatter by ~2x and convert device/dtype on the way.
+            for r, lo, row, first, n in spans:
+                out[row, first : first + n].copy_(states[r, lo : lo + n])
 
         kwargs: dict[str, Any] = {"input_ids": input_ids.to(model_device)}
         kwargs["attention_mask"] = attention.to(model_device)

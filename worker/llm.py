@@ -192,7 +192,7 @@ def resolve_source(model: str, gguf_file: str | None = None) -> ModelSource:
         name = directory.name if path.is_dir() else model
         model_id = f"{name}/{gguf_file}" if gguf_file else name
     if gguf_file is not None:
-        weights = (directory / gguf_file,)
+        weights: tuple[Path, ...] = (directory / gguf_file,)
         if not weights[0].is_file():
             raise ModelLoadError(f"GGUF file {gguf_file!r} not found in {directory}")
     else:
@@ -306,7 +306,7 @@ def _load_gguf_cached(
             _write_cache_entry(entry, model, tokenizer, sha, gguf_file)
         except OSError as exc:
             log.warning("cannot write the GGUF cache %s (%s); each start dequantizes", entry, exc)
-            return model.to(device=device, dtype=dtype), tokenizer
+            return model.to(device=device, dtype=dtype), tokenizer  # type: ignore[call-arg]
         del model, tokenizer
     # Even on the first start the model is read back from the entry, so that first and
     # later starts run exactly the same weights and config.
