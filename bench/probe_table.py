@@ -34,15 +34,17 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from probes.cache import HiddenStateCache
-from probes.train import FitConfig
+from probes.train import FitConfig, FitResult
+from schemas import LayerMix, TokenPool
 from worker.commands._common import dir_size
 from worker.offline import ProbeOptions, save_fit, train_probe
 
-CONFIGS = {
+CONFIGS: dict[str, tuple[TokenPool, LayerMix]] = {
     "mean-best": ("mean", "single"),
     "mean-mix": ("mean", "scalar_mix"),
     "max-mix": ("max", "scalar_mix"),
@@ -84,11 +86,12 @@ def fit_one(
     args: argparse.Namespace,
     train: HiddenStateCache,
     val: HiddenStateCache,
-    pool: str,
-    mix: str,
+    pool: TokenPool,
+    mix: LayerMix,
     layers: list[int] | None,
     lr: float,
-) -> dict:
+) -> tuple[dict[str, Any], FitResult]:
+    """Fit one probe; its summary row and the full result."""
     flags = None if args.flag_labels is None else args.flag_labels.split(",")
     opts = ProbeOptions(
         pool=pool,
@@ -99,7 +102,7 @@ def fit_one(
         d_inner=args.d_inner,
         num_heads=args.heads,
         dropout=args.dropout,
-    )  # type: ignore[arg-type]
+    )
     config = FitConfig(
         lr=lr,
         weight_decay=args.weight_decay,

@@ -8,8 +8,10 @@ given), the LLM fingerprint, then the tensor names, shapes and values against
 a probe freshly built from the manifest's spec. Any failure raises
 :class:`CheckpointError` (or :class:`IncompatibleCheckpoint`) naming the value.
 
->>> blob, manifest = checkpoint_to_bytes(probe, llm=fingerprint)      # doctest: +SKIP
->>> probe2, m = probe_from_bytes(blob, manifest, expected_fingerprint=fingerprint)  # doctest: +SKIP
+::
+
+    blob, manifest = checkpoint_to_bytes(probe, llm=fingerprint, version=7)
+    probe2, m = probe_from_bytes(blob, manifest, expected_fingerprint=fingerprint)
 """
 
 from __future__ import annotations

@@ -2,9 +2,11 @@
 
 The updater (streaming) and ``fit`` (offline) both drive a :class:`Learner`:
 
->>> learner = Learner(probe, lr=3e-4, weight_decay=0.1)         # doctest: +SKIP
->>> learner.learn_many(hidden, mask, targets)                    # one Lion step, returns the loss
->>> learner.predict_proba_many(hidden, mask)                     # [B, C]
+::
+
+    learner = Learner(probe, lr=3e-4, weight_decay=0.1)
+    learner.learn_many(hidden, mask, targets)     # one Lion step, returns the loss
+    learner.predict_proba_many(hidden, mask)      # [B, C]
 
 Targets are class indices ``[B]`` (int64) for multiclass probes and 0/1
 matrices ``[B, C]`` for multilabel probes.

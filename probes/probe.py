@@ -4,7 +4,9 @@
 
     hidden [L, B, T, D] + mask [B, T]                (token-level states), or
     pooled [L, B, D]                                 (cached summaries, separable pools)
-        -> (h - shift) / scale   per layer and dim   (training-set statistics; buffers)
+        -> (h - shift) / scale   per layer and dim   (training-set statistics; buffers;
+                                                      applied by the pooling, which may
+                                                      fold it into cheaper operations)
         -> token pool            [L, B, D]
         -> layer mix             [B, D]
         -> dropout, linear head  [B, C] logits
@@ -16,8 +18,6 @@ states identically.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import Tensor, nn
@@ -209,8 +209,3 @@ def build_probe(spec: ProbeSpec, *, seed: int | None = None) -> Probe:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return Probe(spec)
-
-
-def max_entropy(num_layers: int) -> float:
-    """Entropy of uniform weights over ``num_layers`` layers."""
-    return math.log(num_layers) if num_layers > 1 else 0.0

@@ -1,7 +1,9 @@
 """Offline training of a probe on a :class:`ProbeDataset`: Lion, early stopping, thresholds.
 
->>> result = fit(build_probe(spec, seed=0), train, val, FitConfig(lr=3e-4))   # doctest: +SKIP
->>> result.probe.spec.thresholds, result.val_report["f1"]                      # doctest: +SKIP
+::
+
+    result = fit(build_probe(spec, seed=0), train, val, FitConfig(lr=3e-4))
+    result.probe.spec.thresholds, result.val_report["f1"]
 
 Each epoch: mini-batches (rows of similar length together, so token-level
 batches carry little padding), one Lion step each; then the validation split

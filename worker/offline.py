@@ -20,6 +20,7 @@ from probes.dataset import ProbeDataset
 from probes.metrics import evaluate
 from probes.train import FitConfig, FitResult, fit, predict_dataset
 from schemas import LabeledText, LayerMix, ProbeSpec, TokenPool, TrainingCounters
+from worker.cache_build import ExtractorLike
 from worker.errors import OfflineError
 
 __all__ = [
@@ -229,7 +230,7 @@ def _targets(probe: Probe, rows: Sequence[LabeledText]) -> torch.Tensor:
 
 
 def evaluate_on_rows(
-    checkpoint: Path, rows: Sequence[LabeledText], extractor: Any, batch_size: int = 16
+    checkpoint: Path, rows: Sequence[LabeledText], extractor: ExtractorLike, batch_size: int = 16
 ) -> tuple[Probe, dict[str, Any]]:
     """Extract ``rows`` with ``extractor`` (only the probe's layers) and evaluate ``checkpoint``."""
     probe, manifest = load_checkpoint(checkpoint, extractor.fingerprint)

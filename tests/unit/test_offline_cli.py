@@ -137,3 +137,18 @@ def test_fit_errors_are_clear(capsys, caches, workspace) -> None:
     assert "layers [0] are missing" in capsys.readouterr().err
     assert main(["fit", "--cache", str(workspace / "nope"), "--probe", "gate", "--out", "x"]) == 1
     assert "is not a cache" in capsys.readouterr().err
+
+
+def test_probe_table_bench_runs(capsys, caches) -> None:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "probe_table.py"
+    spec = importlib.util.spec_from_file_location("probe_table", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = ["--train-cache", str(caches[0]), "--val-cache", str(caches[1])]
+    assert bench.main([*argv, "--configs", "mean-best,gate", "--epochs", "2"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["config"] for r in summary["results"]] == ["mean-best", "gate"]
+    assert len(summary["results"][0]["scan"]) == 5  # hidden states 0..4 of the tiny model
