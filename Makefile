@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-fast lint up clean help
+.PHONY: install test test-fast lint up demo clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -31,6 +31,9 @@ lint: $(STAMP)  ## ruff (lint + format check) and mypy
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+demo: $(STAMP)  ## the main job: broker + Redis + scorer + updater on a replayed stream, report
+	$(BIN)/probeguard demo
 
 up: $(STAMP)  ## run the embedded Kafka-protocol broker + Redis in the foreground
 	$(BIN)/probeguard up
