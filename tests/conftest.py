@@ -18,6 +18,7 @@ import hypothesis  # noqa: F401  (imported early: see below)
 import pytest
 import redis
 
+from tests.process_helpers import Threaded
 from worker.embedded import EmbeddedBroker, EmbeddedRedis
 from worker.kafka import ensure_topics
 from worker.redis_store import Keys
@@ -124,3 +125,12 @@ def topic_factory(kafka_bootstrap: str) -> Callable[..., str]:
         return topic
 
     return make
+
+
+@pytest.fixture
+def threads() -> Iterator[list[Threaded]]:
+    """Roles started on threads by a test; stopped (newest first) after it."""
+    running: list[Threaded] = []
+    yield running
+    for t in reversed(running):
+        t.stop()

@@ -10,10 +10,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from schemas import Verdict
 from tests.conftest import RedisNamespace
 from tests.kafka_helpers import drain, produce_raw
 from tests.probe_helpers import publish_probe, toxicity_spec
-from tests.process_helpers import settings_env
+from tests.process_helpers import Threaded, settings_env, wait_until
 from tests.tiny_llm import make_tiny_llm
 from worker.evidence import EvidenceStore
 from worker.extract import HiddenStateExtractor
@@ -112,41 +111,6 @@ def label(mid: str, i: int) -> bytes:
         "created_at": "2026-11-30T12:00:00Z",
     }
     return json.dumps(body).encode()
-
-
-class Threaded:
-    def __init__(self, target: Callable[[], None], stop: Callable[[], None]) -> None:
-        self.stop_fn = stop
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(target,), daemon=True)
-        self.thread.start()
-
-    def _run(self, target: Callable[[], None]) -> None:
-        try:
-            target()
-        except BaseException as exc:
-            self.error = exc
-
-    def stop(self) -> None:
-        self.stop_fn()
-        self.thread.join(60)
-        assert not self.thread.is_alive() and self.error is None, self.error
-
-
-@pytest.fixture
-def threads() -> Iterator[list[Threaded]]:
-    running: list[Threaded] = []
-    yield running
-    for t in reversed(running):
-        t.stop()
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def tuned(settings: Settings, **kw: object) -> Settings:

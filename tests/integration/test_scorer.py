@@ -8,7 +8,7 @@ import signal
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +17,7 @@ from schemas import DeadLetter, ReviewRequest, Verdict
 from tests.conftest import RedisNamespace
 from tests.kafka_helpers import drain, produce_raw
 from tests.probe_helpers import publish_probe
-from tests.process_helpers import settings_env, spawn, tiny_model_dir
+from tests.process_helpers import settings_env, spawn, tiny_model_dir, wait_until
 from tests.tiny_llm import make_tiny_llm
 from worker.embedded import free_port
 from worker.extract import HiddenStateExtractor
@@ -42,14 +42,6 @@ def chat(i: int, text: str | None = None, conv: str | None = None) -> bytes:
 
 def extractor(settings: Settings) -> HiddenStateExtractor:
     return HiddenStateExtractor(make_tiny_llm(), max_tokens=64, batch_size=8)
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 class Running:

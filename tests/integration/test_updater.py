@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
-import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +11,7 @@ import pytest
 from schemas import DeadLetter, Verdict
 from tests.conftest import RedisNamespace
 from tests.kafka_helpers import drain, produce_raw
-from tests.process_helpers import settings_env, spawn, tiny_model_dir
+from tests.process_helpers import Threaded, settings_env, spawn, tiny_model_dir, wait_until
 from tests.tiny_llm import make_tiny_llm
 from worker.extract import HiddenStateExtractor
 from worker.kafka import ensure_topics
@@ -76,41 +73,6 @@ def fast(settings: Settings, **kw: object) -> Settings:
 
 def extractor() -> HiddenStateExtractor:
     return HiddenStateExtractor(make_tiny_llm(), max_tokens=64, batch_size=16)
-
-
-class Threaded:
-    def __init__(self, target: Callable[[], None], stop: Callable[[], None]) -> None:
-        self.stop_fn = stop
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(target,), daemon=True)
-        self.thread.start()
-
-    def _run(self, target: Callable[[], None]) -> None:
-        try:
-            target()
-        except BaseException as exc:
-            self.error = exc
-
-    def stop(self) -> None:
-        self.stop_fn()
-        self.thread.join(60)
-        assert not self.thread.is_alive() and self.error is None, self.error
-
-
-@pytest.fixture
-def threads() -> Iterator[list[Threaded]]:
-    running: list[Threaded] = []
-    yield running
-    for t in reversed(running):
-        t.stop()
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 def p_correct(settings: Settings, tag: str, n: int) -> float:

@@ -72,3 +72,28 @@ def print_json(obj: Any) -> None:
 
 def dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def settings_with(**overrides: Any) -> Any:
+    """Settings from the environment, with the command line's options (those given) winning."""
+    from worker.settings import load_settings
+
+    return load_settings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def serve(role: Any, what: str) -> int:
+    """Run a long-lived role (scorer, updater) until SIGTERM/SIGINT asks it to stop.
+
+    ``role`` has ``run()`` and ``stop()``; ``stop`` must be safe from a signal handler.
+    """
+    import logging
+    import signal
+
+    def _stop(signum: int, _frame: object) -> None:
+        logging.getLogger(__name__).info("%s: %s", signal.Signals(signum).name, what)
+        role.stop()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    role.run()
+    return 0

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 from typing import Any
+
+from worker.commands._common import serve, settings_with
 
 __all__ = ["register", "run"]
 
@@ -42,28 +43,13 @@ def run(args: argparse.Namespace) -> int:
     from worker.extract import HiddenStateExtractor
     from worker.redis_store import make_redis
     from worker.scorer import Scorer
-    from worker.settings import load_settings
 
-    overrides = {
-        k: v
-        for k, v in {
-            "probes": args.probes,
-            "batch_size": args.batch_size,
-            "metrics_port": args.metrics_port,
-            "bootstrap_checkpoint": args.bootstrap_checkpoint,
-            "shadow": args.shadow,
-        }.items()
-        if v is not None
-    }
-    settings = load_settings(**overrides)
-    extractor = HiddenStateExtractor.from_settings(settings)
-    scorer = Scorer(settings, extractor, make_redis(settings))
-
-    def _stop(signum: int, _frame: object) -> None:
-        log.info("%s: finishing the batch in hand, then leaving", signal.Signals(signum).name)
-        scorer.stop()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    scorer.run()
-    return 0
+    settings = settings_with(
+        probes=args.probes,
+        batch_size=args.batch_size,
+        metrics_port=args.metrics_port,
+        bootstrap_checkpoint=args.bootstrap_checkpoint,
+        shadow=args.shadow,
+    )
+    scorer = Scorer(settings, HiddenStateExtractor.from_settings(settings), make_redis(settings))
+    return serve(scorer, "finishing the batch in hand, then leaving")

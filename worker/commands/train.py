@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 from typing import Any
+
+from worker.commands._common import serve, settings_with
 
 __all__ = ["register", "run"]
 
@@ -37,27 +38,13 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from worker.extract import HiddenStateExtractor
     from worker.redis_store import make_redis
-    from worker.settings import load_settings
     from worker.updater import Updater
 
-    overrides = {
-        k: v
-        for k, v in {
-            "train_probe": args.probe,
-            "seed_checkpoint": args.seed_checkpoint,
-            "seed_spec": args.seed_spec,
-            "metrics_port": args.metrics_port,
-        }.items()
-        if v is not None
-    }
-    settings = load_settings(**overrides)
+    settings = settings_with(
+        train_probe=args.probe,
+        seed_checkpoint=args.seed_checkpoint,
+        seed_spec=args.seed_spec,
+        metrics_port=args.metrics_port,
+    )
     updater = Updater(settings, HiddenStateExtractor.from_settings(settings), make_redis(settings))
-
-    def _stop(signum: int, _frame: object) -> None:
-        log.info("%s: publishing what was learned, then leaving", signal.Signals(signum).name)
-        updater.stop()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    updater.run()
-    return 0
+    return serve(updater, "publishing what was learned, then leaving")
