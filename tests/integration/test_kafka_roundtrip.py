@@ -112,6 +112,7 @@ def test_group_of_two_sees_everything_and_restart_resumes_at_commit(
     for m in members:
         m.stop.set()
         m.join(15)
+        assert not m.is_alive(), "a member did not close (still in the group)"
         assert m.error is None, m.error
     # Each member consumed a share; together they saw every message.
     assert all(m.seen for m in members)
