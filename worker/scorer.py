@@ -30,7 +30,7 @@ from schemas import ChatMessage, DecidedRecord, ProbeDecision, ReviewRequest, Ve
 from worker.errors import ConfigError
 from worker.evidence import EvidenceStore
 from worker.extract import HiddenStateExtractor
-from worker.kafka import consumer_lag, ensure_topics, make_consumer, make_producer
+from worker.kafka import consumer_lag, ensure_topics
 from worker.metrics import Health, HealthServer
 from worker.probe_watch import ProbeWatcher
 from worker.redis_store import Keys
@@ -153,20 +153,14 @@ class Scorer:
             if not self._wait_for_probes():
                 return
             ensure_topics(self.settings)
-            consumer = make_consumer(
-                self.settings, self.settings.group_scorer, [self.settings.topic_chat]
-            )
-            producer = make_producer(self.settings)
-            self.loop = BatchLoop(
-                consumer=consumer,
-                producer=producer,
+            self.loop = BatchLoop.for_topic(
+                self.settings,
+                group_id=self.settings.group_scorer,
+                topic=self.settings.topic_chat,
                 model=ChatMessage,
-                decode=lambda raw: ChatMessage.decode(raw, self.settings.limits),
                 handler=self.handle,
-                dead_letter_topic=self.settings.topic_dead_letter,
                 worker_id=self.worker_id,
                 max_batch=self.settings.batch_size,
-                max_wait_ms=self.settings.poll_wait_ms,
                 between_batches=self._between_batches,
                 on_dead_letter=lambda kind: self.metrics.dead_letters.labels(kind).inc(),
             )
@@ -176,9 +170,7 @@ class Scorer:
             try:
                 self.loop.run()
             finally:
-                consumer.close()  # commits nothing more; leaves the group at once
-                producer.flush(30)
-                producer.close(30)
+                self.loop.close()
                 log.info("scorer stopped after %d messages", self.loop.stats.handled)
         finally:
             if self._server is not None:

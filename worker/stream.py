@@ -122,6 +122,40 @@ class BatchLoop(Generic[T]):
         self.stats = LoopStats()
         self.stop_event = threading.Event()
 
+    @classmethod
+    def for_topic(
+        cls,
+        settings: Any,
+        *,
+        group_id: str,
+        topic: str,
+        model: type[T],
+        handler: Callable[[list[Item[T]]], Sequence[Outgoing]],
+        worker_id: str,
+        **options: Any,
+    ) -> BatchLoop[T]:
+        """A loop on ``topic`` in ``group_id`` with a consumer and producer from ``settings``,
+        decoding with ``settings.limits`` and dead-lettering to ``settings.topic_dead_letter``."""
+        from worker.kafka import make_consumer, make_producer
+
+        return cls(
+            consumer=make_consumer(settings, group_id, [topic]),
+            producer=make_producer(settings),
+            model=model,
+            decode=lambda raw: model.decode(raw, settings.limits),
+            handler=handler,
+            dead_letter_topic=settings.topic_dead_letter,
+            worker_id=worker_id,
+            max_wait_ms=settings.poll_wait_ms,
+            **options,
+        )
+
+    def close(self) -> None:
+        """Leave the group at once (commits nothing more) and drain the producer."""
+        self.consumer.close()
+        self.producer.flush(30)
+        self.producer.close(30)
+
     # --- the loop ------------------------------------------------------------
 
     def run(self) -> None:

@@ -46,7 +46,7 @@ from schemas import HumanLabel, ProbeSpec, TrainingCounters
 from worker.errors import ConfigError
 from worker.evidence import EvidenceStore
 from worker.extract import HiddenStateExtractor
-from worker.kafka import ensure_topics, make_consumer, make_producer
+from worker.kafka import ensure_topics
 from worker.lease import Lease
 from worker.metrics import Health, HealthServer
 from worker.online import Example, Prequential, ReplayBuffer, collate
@@ -217,20 +217,14 @@ class Updater:
         self.metrics.lease.set(1)
         self._resume()
         ensure_topics(self.settings, [self.settings.topic_labels, self.settings.topic_dead_letter])
-        consumer = make_consumer(
-            self.settings, self.settings.group_updater, [self.settings.topic_labels]
-        )
-        producer = make_producer(self.settings)
-        self.loop = BatchLoop(
-            consumer=consumer,
-            producer=producer,
+        self.loop = BatchLoop.for_topic(
+            self.settings,
+            group_id=self.settings.group_updater,
+            topic=self.settings.topic_labels,
             model=HumanLabel,
-            decode=lambda raw: HumanLabel.decode(raw, self.settings.limits),
             handler=self.handle,
-            dead_letter_topic=self.settings.topic_dead_letter,
             worker_id=self.worker_id,
             max_batch=self.settings.learn_batch_size,
-            max_wait_ms=self.settings.poll_wait_ms,
             between_batches=self._between_batches,
             on_dead_letter=lambda kind: self.metrics.dead_letters.labels(kind).inc(),
             defer_commits=True,
@@ -242,9 +236,7 @@ class Updater:
             if self.unpublished and self._holds_lease():
                 self.publish(reason="shutdown")
         finally:
-            consumer.close()
-            producer.flush(30)
-            producer.close(30)
+            self.loop.close()
             self.loop = None
             self.active = False
             self.metrics.lease.set(0)
