@@ -30,12 +30,15 @@ def publish_probe(
     seed: int = 0,
     set_live: bool = True,
     probe: Probe | None = None,
+    signing_key: bytes | None = None,
 ) -> int:
     """Publish a (random unless given) probe as the next version; returns the version."""
     probe = probe or build_probe(
         toxicity_spec(fingerprint.hidden_size, name=registry.probe), seed=seed
     )
     version = registry.allocate_version()
-    blob, manifest = checkpoint_to_bytes(probe, llm=fingerprint, version=version)
+    blob, manifest = checkpoint_to_bytes(
+        probe, llm=fingerprint, version=version, signing_key=signing_key
+    )
     registry.publish(blob, manifest, set_live=set_live)
     return version

@@ -154,8 +154,11 @@ def train_probe(
     return fit(build_probe(spec, seed=config.seed), train, val, config, progress=progress)
 
 
-def save_fit(result: FitResult, out: Path, cache: HiddenStateCache) -> None:
-    """Write the trained probe as a checkpoint the worker can load (the cache's LLM fingerprint)."""
+def save_fit(
+    result: FitResult, out: Path, cache: HiddenStateCache, *, signing_key: bytes | None = None
+) -> None:
+    """Write the trained probe as a checkpoint the worker can load (the cache's LLM
+    fingerprint), HMAC-signed when ``signing_key`` is given."""
     report = result.val_report
     metrics = {
         "val_f1": report["f1"],
@@ -173,6 +176,7 @@ def save_fit(result: FitResult, out: Path, cache: HiddenStateCache) -> None:
             labels_seen=result.train_rows, steps=result.steps, per_label=result.train_counts
         ),
         metrics={k: float(v) for k, v in metrics.items() if v == v},  # drop NaN
+        signing_key=signing_key,
     )
 
 

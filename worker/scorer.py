@@ -131,6 +131,7 @@ class Scorer:
             registries,
             extractor.fingerprint,
             device=extractor.device,
+            signing_key=settings.signing_key,
             check_interval_s=settings.stage_check_interval_s,
             on_swap=lambda name, stage, v: self.metrics.version.labels(name, stage).set(v),
             on_refused=self._refused,
@@ -364,7 +365,9 @@ class Scorer:
         return False
 
     def _serve_bootstrap(self, path: Path) -> None:
-        probe, manifest = load_checkpoint(path, self.extractor.fingerprint)
+        probe, manifest = load_checkpoint(
+            path, self.extractor.fingerprint, signing_key=self.settings.signing_key
+        )
         if manifest.probe not in self.watcher.slots:
             raise ConfigError(
                 f"bootstrap checkpoint {str(path)!r} is for probe {manifest.probe!r}, "

