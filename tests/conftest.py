@@ -134,3 +134,12 @@ def threads() -> Iterator[list[Threaded]]:
     yield running
     for t in reversed(running):
         t.stop()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The fault suite's table: where every input of each fault test ended up."""
+    from tests.faults.accounting import ROWS, table
+
+    if ROWS:
+        terminalreporter.section("fault suite summary")
+        terminalreporter.write_line(table(ROWS))

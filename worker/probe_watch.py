@@ -24,6 +24,7 @@ import torch
 from probes.checkpoint import probe_from_bytes
 from probes.errors import CheckpointError
 from schemas import LLMFingerprint
+from worker.redis_store import Breaker
 from worker.registry import Registry, RegistryError
 from worker.scoring import ProbeSlot, ServedProbe
 
@@ -45,6 +46,7 @@ class ProbeWatcher:
         check_interval_s: float = 5.0,
         on_swap: Callable[[str, str, int], None] | None = None,
         on_refused: Callable[[str, int, str], None] | None = None,
+        breaker: Breaker | None = None,
     ) -> None:
         self.registries = registries
         self.fingerprint = fingerprint
@@ -53,6 +55,7 @@ class ProbeWatcher:
         self.check_interval_s = check_interval_s
         self.on_swap = on_swap
         self.on_refused = on_refused
+        self.breaker = breaker or Breaker()
         self.slots = {name: ProbeSlot(name) for name in registries}
         self.refused: dict[str, set[int]] = {name: set() for name in registries}
         self._cursors: dict[str, str] = {}
@@ -71,6 +74,8 @@ class ProbeWatcher:
     def refresh(self, *, force: bool = False) -> bool:
         """Catch up with the registry; True when anything served changed."""
         now = time.monotonic()
+        if not self.breaker.ready():
+            return False  # Redis failed a moment ago: serve what we have, do not wait on it
         try:
             if not force and not self._events_pending() and now < self._next_check:
                 return False
@@ -88,6 +93,7 @@ class ProbeWatcher:
             if self.redis_ok:
                 log.warning("Redis unreachable (%s); serving the last good probes", exc)
             self.redis_ok = False
+            self.breaker.trip()
             self._next_check = now + self.check_interval_s
             return False
 

@@ -6,14 +6,17 @@ so several deployments (or test runs) can share one server.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from worker.errors import ConfigError
 from worker.settings import Settings
 
-__all__ = ["Keys", "make_redis"]
+__all__ = ["Breaker", "Keys", "make_redis"]
 
 
 def make_redis(settings: Settings, url: str | None = None, **overrides: Any) -> redis.Redis:
@@ -35,6 +38,10 @@ def make_redis(settings: Settings, url: str | None = None, **overrides: Any) -> 
         "socket_timeout": settings.redis_socket_timeout_s,
         "socket_connect_timeout": settings.redis_socket_timeout_s,
         "health_check_interval": 30,
+        # Fail fast: one quick retry for a dropped connection. redis-py's default (10
+        # retries with backoff) turns a hung server into minutes per call, stalling
+        # batches and outliving the updater's lease.
+        "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), settings.redis_retries),
     }
     if url.startswith("rediss://") and settings.redis_ssl_ca_certs is not None:
         kwargs["ssl_ca_certs"] = str(settings.redis_ssl_ca_certs)
@@ -65,3 +72,22 @@ class Keys:
     def pattern(self) -> str:
         """A SCAN pattern matching every key under this prefix."""
         return f"{self.prefix}:*"
+
+
+class Breaker:
+    """Skips best-effort Redis work for ``cooldown_s`` after a failure.
+
+    A hung Redis costs a socket timeout per call; a scorer that tried on every batch
+    would stall scoring for the whole outage instead of going on with its last good
+    probe. Callers ask :meth:`ready` first and :meth:`trip` on a failure.
+    """
+
+    def __init__(self, cooldown_s: float = 5.0) -> None:
+        self.cooldown_s = cooldown_s
+        self._until = 0.0
+
+    def ready(self) -> bool:
+        return time.monotonic() >= self._until
+
+    def trip(self) -> None:
+        self._until = time.monotonic() + self.cooldown_s

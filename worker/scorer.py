@@ -33,7 +33,7 @@ from worker.extract import HiddenStateExtractor
 from worker.kafka import consumer_lag, ensure_topics
 from worker.metrics import Health, HealthServer
 from worker.probe_watch import ProbeWatcher
-from worker.redis_store import Keys
+from worker.redis_store import Breaker, Keys
 from worker.registry import Registry
 from worker.scoring import BatchScores, Scoring, ServedProbe, sticky_fraction
 from worker.settings import Settings
@@ -98,6 +98,11 @@ class ScorerMetrics:
             "Failed Redis writes (text cache, evidence, review budget)",
             registry=r,
         )
+        self.redis_skipped = Counter(
+            "probeguard_scorer_redis_skipped_batches",
+            "Batches whose text cache/evidence writes were skipped while Redis was failing",
+            registry=r,
+        )
 
 
 class Scorer:
@@ -126,6 +131,9 @@ class Scorer:
             pairs_max=settings.evidence_pairs,
             marker_ttl_s=settings.text_cache_ttl_s,
         )
+        # One breaker for every best-effort Redis call: after a failure, batches skip Redis
+        # for a few seconds rather than each waiting on a socket timeout.
+        self.redis_breaker = Breaker(cooldown_s=5.0)
         registries = {n: Registry(redis_client, self.keys, n) for n in settings.probe_names}
         self.watcher = ProbeWatcher(
             registries,
@@ -135,6 +143,7 @@ class Scorer:
             check_interval_s=settings.stage_check_interval_s,
             on_swap=lambda name, stage, v: self.metrics.version.labels(name, stage).set(v),
             on_refused=self._refused,
+            breaker=self.redis_breaker,
         )
         self.scoring = Scoring(extractor, self.watcher.slots, shadow=settings.shadow)
         self.loop: BatchLoop[ChatMessage] | None = None
@@ -279,6 +288,8 @@ class Scorer:
         """
         if wanted == 0:
             return 0
+        if not self.redis_breaker.ready():
+            return 0  # Redis is failing: without the shared budget, hold reviews back
         limit = self.settings.review_max_per_window
         window = self.settings.review_window_s
         key = self.keys("review_budget", int(time.time() // window))
@@ -289,6 +300,7 @@ class Scorer:
             used = int(pipe.execute()[0])
         except (redis.RedisError, OSError) as exc:
             self.metrics.redis_errors.inc()
+            self.redis_breaker.trip()
             log.warning("review budget unavailable (%s); holding reviews back", exc)
             return 0  # without the shared budget, err on the side of not flooding reviewers
         return max(0, min(wanted, limit - (used - wanted)))
@@ -301,6 +313,9 @@ class Scorer:
         One round trip, best-effort: a Redis failure costs label joins and evidence,
         never the batch.
         """
+        if not self.redis_breaker.ready():
+            self.metrics.redis_skipped.inc()
+            return
         ttl = self.settings.text_cache_ttl_s
         by_pos: dict[int, dict[str, ProbeDecision]] = defaultdict(dict)
         by_probe: dict[str, list[tuple[ProbeDecision, float]]] = defaultdict(list)
@@ -320,6 +335,7 @@ class Scorer:
             pipe.execute()
         except (redis.RedisError, OSError) as exc:
             self.metrics.redis_errors.inc()
+            self.redis_breaker.trip()
             log.warning("text cache/evidence write failed (%s); labels may need to carry text", exc)
 
     def _refused(self, name: str, version: int, why: str) -> None:
@@ -361,6 +377,7 @@ class Scorer:
                     missing,
                 )
                 last_note = time.monotonic()
+            self.health.beat()  # waiting is healthy: liveness probes must not restart us
             self._stop.wait(1.0)
         return False
 

@@ -75,6 +75,7 @@ class Settings(BaseSettings):
     redis_prefix: str = Field("probeguard", pattern=r"^[A-Za-z0-9_.\-:]{1,64}$")
     redis_ssl_ca_certs: Path | None = None
     redis_socket_timeout_s: float = Field(5.0, gt=0)
+    redis_retries: Annotated[int, Field(ge=0, le=10)] = 1
 
     # --- Checkpoint integrity ---------------------------------------------
     checkpoint_hmac_key: SecretStr | None = Field(

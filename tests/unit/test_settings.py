@@ -116,3 +116,9 @@ def test_checkpoint_key_is_a_secret_of_sane_length(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("PROBEGUARD_CHECKPOINT_HMAC_KEY", "short")
     with pytest.raises(ValueError, match="at least 16 bytes"):
         Settings()
+
+
+def test_redis_clients_fail_fast() -> None:
+    client = make_redis(Settings(redis_url="redis://h:6379/0", redis_retries=2))
+    retry = client.get_retry()
+    assert retry is not None and retry._retries == 2  # redis-py's default is 10

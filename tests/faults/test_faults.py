@@ -1,0 +1,380 @@
+"""Fault injection: kills, a paused broker, a paused Redis, bad checkpoints, fuzzed payloads.
+
+Each test owns its broker and Redis (see conftest) and accounts for every input: a verdict
+or a dead letter, none missing. Each adds a row to the summary table printed at the end
+of the run (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, Phase, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+
+from schemas import CheckpointManifest
+from tests.faults.accounting import Row, Tally, record
+from tests.faults.conftest import Stack
+from tests.integration.test_updater import chat, fast, label
+from tests.kafka_helpers import produce_raw
+from tests.probe_helpers import publish_probe
+from tests.process_helpers import Threaded, settings_env, spawn, wait_until
+from tests.tiny_llm import make_tiny_llm
+from worker.extract import HiddenStateExtractor
+from worker.redis_store import Keys, make_redis
+from worker.registry import Registry
+from worker.scorer import Scorer
+from worker.settings import Settings
+from worker.updater import Updater
+
+pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.slow]
+
+OUTAGE_S = 15.0
+
+
+def extractor() -> HiddenStateExtractor:
+    return HiddenStateExtractor(make_tiny_llm(), max_tokens=64, batch_size=16)
+
+
+def registry(settings: Settings) -> Registry:
+    return Registry(make_redis(settings), Keys(settings.redis_prefix), "toxicity")
+
+
+def chats(prefix: str, start: int, stop: int) -> list[tuple[bytes, bytes]]:
+    return [
+        (f"{prefix}-{i}".encode(), chat(f"{prefix}-{i}", f"message {i}: how is everyone today?"))
+        for i in range(start, stop)
+    ]
+
+
+def labels(start: int, stop: int) -> list[tuple[bytes | None, bytes]]:
+    return [(None, label(i)) for i in range(start, stop)]
+
+
+def alive(roles: list[Threaded]) -> None:
+    for r in roles:
+        assert r.thread.is_alive() and r.error is None, f"a role died: {r.error!r}"
+
+
+def roles(settings: Settings, threads: list[Threaded]) -> tuple[Scorer, Updater]:
+    """An updater and a scorer on threads (their own Redis clients, with short timeouts)."""
+    updater = Updater(settings, extractor(), make_redis(settings), worker_id="updater-f")
+    threads.append(Threaded(updater.run, updater.stop))
+    scorer = Scorer(settings, extractor(), make_redis(settings), worker_id="scorer-f")
+    threads.append(Threaded(scorer.run, scorer.stop))
+    return scorer, updater
+
+
+def learned_and_published(updater: Updater, n: int) -> bool:
+    return updater.counters.labels_seen >= n and updater.unpublished == 0
+
+
+# --- SIGKILL --------------------------------------------------------------------------
+
+
+def test_sigkill_a_scorer_mid_batch_twice_during_a_2000_message_stream(
+    stack: Stack, model_dir: tuple[Path, Any], tmp_path: Path
+) -> None:
+    s = stack.settings
+    path, llm = model_dir
+    publish_probe(registry(s), llm.fingerprint)
+    n, poison_every = 2000, 50
+    records = [
+        (k, b"{not json" if i % poison_every == 0 else v)
+        for i, (k, v) in enumerate(chats("m", 0, n))
+    ]
+    keys = {k.decode() for k, _ in records}
+    # A backlog, so the scorers are never idle: each kill lands inside a batch (scoring,
+    # producing or committing it).
+    produce_raw(s, s.topic_chat, records)
+    env = settings_env(s, path, batch_size=16)
+    logs = [tmp_path / "scorer-a.log", tmp_path / "scorer-b.log"]
+    procs = [spawn("score", env, logs[0]), spawn("score", env, logs[1])]
+    try:
+        with Tally(s) as tally:
+            for victim, after in ((0, 300), (1, 1000)):
+                tally.wait(lambda o, a=after: sum(o.verdicts.values()) >= a, 240, f"{after}")
+                procs[victim].send_signal(signal.SIGKILL)  # mid-batch: it is busy scoring
+                procs[victim].wait(10)
+                procs[victim] = spawn("score", env, logs[victim])
+            out = tally.settle(keys, timeout_s=300)
+        missing = out.missing(keys)
+        tails = "\n".join(p.read_text()[-1500:] for p in logs)
+        assert not missing, f"{len(missing)} missing, e.g. {sorted(missing)[:5]}\n{tails}"
+        poison = {f"m-{i}" for i in range(0, n, poison_every)}
+        assert set(out.dead) == poison and not poison & set(out.verdicts)
+        redelivered = sum(out.verdicts.values()) - len(out.verdicts)
+        record(
+            Row(
+                "SIGKILL a scorer mid-batch, twice (2 scorers)",
+                n,
+                len(out.verdicts),
+                len(out.dead),
+                len(missing),
+                f"{redelivered} verdicts redelivered after the kills (at-least-once)",
+            )
+        )
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+# --- outages --------------------------------------------------------------------------
+
+
+def test_broker_paused_for_15s_everything_recovers_without_restart(
+    stack: Stack, threads: list[Threaded]
+) -> None:
+    s = fast(stack.settings)
+    _, updater = roles(s, threads)
+    produce_raw(s, s.topic_labels, labels(0, 64))
+    wait_until(lambda: registry(s).stages().live is not None, "a first version")
+    backlog = chats("b", 0, 1000)
+    produce_raw(s, s.topic_chat, backlog)
+    with Tally(s) as tally:
+        tally.wait(lambda o: len(o.verdicts) >= 100, 120, "scoring under way")
+        stack.broker.signal(signal.SIGSTOP)
+        time.sleep(OUTAGE_S)
+        stack.broker.signal(signal.SIGCONT)
+        alive(threads)
+        after = chats("b", 1000, 1200)
+        produce_raw(s, s.topic_chat, after)
+        produce_raw(s, s.topic_labels, labels(64, 128))
+        keys = {k.decode() for k, _ in backlog + after}
+        out = tally.settle(keys, timeout_s=240)
+    wait_until(lambda: learned_and_published(updater, 128), "labels after the outage", 120)
+    alive(threads)
+    missing = out.missing(keys)
+    assert not missing, f"{len(missing)} missing, e.g. {sorted(missing)[:5]}"
+    latest = registry(s).latest()
+    assert latest is not None
+    assert registry(s).manifest(latest).counters.labels_seen >= 128
+    record(
+        Row(
+            f"broker SIGSTOP {OUTAGE_S:.0f} s (scorer + updater)",
+            len(keys),
+            len(out.verdicts),
+            len(out.dead),
+            len(missing),
+            f"128 labels learned, v{latest} published after resume; no restart",
+        )
+    )
+
+
+def test_redis_paused_for_15s_scoring_goes_on_and_the_updater_catches_up(
+    stack: Stack, threads: list[Threaded]
+) -> None:
+    s = fast(stack.settings)
+    scorer, updater = roles(s, threads)
+    produce_raw(s, s.topic_labels, labels(0, 64))
+    reg = registry(s)
+    wait_until(lambda: learned_and_published(updater, 64), "a version with the first labels")
+    live = reg.stages().live
+    wait_until(lambda: scorer.watcher.versions()["toxicity"]["live"] == live, "scorer on it")
+    published_before = reg.latest()
+
+    during = chats("r", 0, 300)
+    with Tally(s) as tally:
+        stack.redis.signal(signal.SIGSTOP)
+        paused_at = time.monotonic()
+        try:
+            produce_raw(s, s.topic_chat, during)
+            produce_raw(s, s.topic_labels, labels(64, 128))
+            keys = {k.decode() for k, _ in during}
+            while time.monotonic() - paused_at < OUTAGE_S:
+                tally.poll()
+            scored_in_outage = len(set(tally.outcome.verdicts) & keys)
+            versions_in_outage = set().union(*tally.outcome.verdict_versions.values())
+        finally:
+            stack.redis.signal(signal.SIGCONT)
+        out = tally.settle(keys, timeout_s=180)
+    # Scoring went on with the last good probe while Redis was away.
+    assert scored_in_outage > 0 and versions_in_outage == {live}
+    # The updater could not publish then, and catches up once Redis is back.
+    wait_until(lambda: learned_and_published(updater, 128), "labels from the outage", 120)
+    latest = reg.latest()
+    assert latest is not None and published_before is not None and latest > published_before
+    assert reg.manifest(latest).counters.labels_seen >= 128
+    alive(threads)
+    missing = out.missing(keys)
+    assert not missing, f"{len(missing)} missing, e.g. {sorted(missing)[:5]}"
+    record(
+        Row(
+            f"Redis SIGSTOP {OUTAGE_S:.0f} s (scorer + updater)",
+            len(keys),
+            len(out.verdicts),
+            len(out.dead),
+            len(missing),
+            f"{scored_in_outage} scored during the outage on v{live}; "
+            f"labels published as v{latest} after",
+        )
+    )
+
+
+# --- bad checkpoints ------------------------------------------------------------------
+
+
+def test_bad_checkpoints_are_refused_counted_and_scoring_continues(
+    stack: Stack, threads: list[Threaded]
+) -> None:
+    s = stack.settings
+    reg = registry(s)
+    scorer = Scorer(s, extractor(), make_redis(s), worker_id="scorer-f")
+    threads.append(Threaded(scorer.run, scorer.stop))
+    fp = scorer.extractor.fingerprint
+    good = publish_probe(reg, fp, seed=1)
+    wait_until(lambda: scorer.watcher.versions()["toxicity"]["live"] == good, "the good one")
+
+    def corrupted_blob() -> int:
+        v = publish_probe(reg, fp, seed=2, set_live=False)
+        reg.client.set(reg.key("ckpt", v), b"\x00garbage\x00")
+        return v
+
+    def wrong_hash() -> int:
+        v = publish_probe(reg, fp, seed=3, set_live=False)
+        m = CheckpointManifest.decode(reg.get(v).manifest_json)
+        bad = m.model_copy(update={"tensors_sha256": hashlib.sha256(b"other").hexdigest()})
+        reg.client.set(reg.key("manifest", v), bad.encode())
+        return v
+
+    def other_model() -> int:
+        other = fp.model_copy(update={"model_id": "someone/else"})
+        return publish_probe(reg, other, seed=4, set_live=False)
+
+    sent: list[tuple[bytes, bytes]] = []
+    for n, make in enumerate((corrupted_blob, wrong_hash, other_model)):
+        batch = chats("k", 100 * n, 100 * (n + 1))
+        produce_raw(s, s.topic_chat, batch)
+        sent += batch
+        bad = make()
+        reg.promote(bad)
+        wait_until(lambda b=bad: b in scorer.watcher.refused["toxicity"], f"v{bad} refused")
+    refused = scorer.metrics.registry.get_sample_value(
+        "probeguard_scorer_checkpoints_refused_total", {"probe": "toxicity"}
+    )
+    assert refused == 3
+    tail = chats("k", 300, 400)
+    produce_raw(s, s.topic_chat, tail)
+    keys = {k.decode() for k, _ in sent + tail}
+    with Tally(s) as tally:
+        out = tally.settle(keys, timeout_s=120)
+    missing = out.missing(keys)
+    assert not missing
+    assert set().union(*out.verdict_versions.values()) == {good}
+    assert scorer.watcher.versions()["toxicity"]["live"] == good
+    alive(threads)
+    record(
+        Row(
+            "corrupted blob, wrong sha256, other LLM pushed live",
+            len(keys),
+            len(out.verdicts),
+            len(out.dead),
+            len(missing),
+            f"3 refused and counted; all verdicts from v{good}",
+        )
+    )
+
+
+# --- fuzzing --------------------------------------------------------------------------
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=40),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner),
+    max_leaves=10,
+)
+
+
+def _payloads(valid: dict[str, Any]) -> st.SearchStrategy[bytes]:
+    """Garbage, random JSON, and near-misses of a valid payload (one field changed, one
+    dropped, one added)."""
+    fields = sorted(valid)
+    changed = st.tuples(st.sampled_from(fields), _json).map(lambda kv: {**valid, kv[0]: kv[1]})
+    dropped = st.sampled_from(fields).map(lambda k: {f: v for f, v in valid.items() if f != k})
+    added = st.tuples(st.text(min_size=1, max_size=10), _json).map(
+        lambda kv: {**valid, kv[0]: kv[1]}
+    )
+    as_json = st.one_of(_json, changed, dropped, added).map(lambda o: json.dumps(o).encode())
+    return st.one_of(st.binary(max_size=200), st.text(max_size=200).map(str.encode), as_json)
+
+
+def _generate(strategy: st.SearchStrategy[bytes], n: int) -> list[bytes]:
+    out: list[bytes] = []
+
+    @hsettings(
+        max_examples=n,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(strategy)
+    def collect(payload: bytes) -> None:
+        out.append(payload)
+
+    collect()
+    return out
+
+
+def test_fuzzed_payloads_on_every_input_topic_are_dead_lettered_never_a_crash(
+    stack: Stack, threads: list[Threaded]
+) -> None:
+    s = fast(stack.settings)
+    reg = registry(s)
+    scorer, updater = roles(s, threads)
+    publish_probe(reg, scorer.extractor.fingerprint)
+    wait_until(lambda: scorer.watcher.versions()["toxicity"]["live"] is not None, "a probe")
+    wait_until(lambda: updater.probe is not None, "the updater to resume")
+    base_chat = json.loads(chat("fz-chat", "a perfectly ordinary message"))
+    base_label = json.loads(label(1, prefix="fz-label"))
+    chat_in = _generate(_payloads(base_chat), 1000)
+    label_in = _generate(_payloads(base_label), 1000)
+    assert len(chat_in) >= 1000 and len(label_in) >= 1000
+    seen_before = updater.counters.labels_seen
+    produce_raw(s, s.topic_chat, [(f"fz-c-{i}".encode(), p) for i, p in enumerate(chat_in)])
+    produce_raw(s, s.topic_labels, [(f"fz-l-{i}".encode(), p) for i, p in enumerate(label_in)])
+    sentinel = chats("after", 0, 10)
+    produce_raw(s, s.topic_chat, sentinel)
+
+    def accounted(o: Any) -> bool:
+        chat_out = sum(c for k, c in o.verdicts.items() if not k.startswith("after-"))
+        chat_out += o.dead_by_topic[s.topic_chat]
+        label_out = o.dead_by_topic[s.topic_labels] + updater.counters.labels_seen - seen_before
+        return chat_out >= len(chat_in) and label_out >= len(label_in)
+
+    with Tally(s) as tally:
+        out = tally.wait(accounted, 300, "an outcome for every fuzzed payload")
+        tally.settle({f"after-{i}" for i in range(10)}, timeout_s=60)
+    alive(threads)
+    assert {f"after-{i}" for i in range(10)} <= set(out.verdicts)  # still scoring after
+    chat_verdicts = sum(c for k, c in out.verdicts.items() if not k.startswith("after-"))
+    learned = updater.counters.labels_seen - seen_before
+    for topic, n_in, accepted in (
+        (s.topic_chat, len(chat_in), chat_verdicts),
+        (s.topic_labels, len(label_in), learned),
+    ):
+        dead = out.dead_by_topic[topic]
+        assert dead + accepted == n_in, (topic, dead, accepted, n_in)
+        record(
+            Row(
+                f"hypothesis fuzz on {topic}",
+                n_in,
+                accepted,
+                dead,
+                n_in - dead - accepted,
+                "accepted = valid by chance (verdicts / labels learned); no crash",
+            )
+        )
