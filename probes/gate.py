@@ -26,6 +26,7 @@ class ScoringGate(TokenPoolModule):
     """Per-layer attention pooling with a bounded (tanh) score."""
 
     separable: ClassVar[bool] = False
+    token_weights_kind: ClassVar[str] = "gate"
 
     def __init__(self, spec: ProbeSpec) -> None:
         super().__init__()
@@ -42,6 +43,12 @@ class ScoringGate(TokenPoolModule):
         raw = torch.einsum("lbtd,ld->lbt", hidden, w) + b[:, None, None]
         raw = torch.tanh(raw).masked_fill(~mask[None], float("-inf"))  # [L, B, T]
         return torch.softmax(raw, dim=-1)
+
+    @torch.no_grad()
+    def token_weights(self, hidden: Tensor, mask: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+        """The gate's softmax over tokens, ``[L, B, T]`` (0 at padding)."""
+        hidden = hidden.masked_fill(~mask[None, :, :, None], 0.0)
+        return self.scores(hidden, mask, shift, scale)
 
     def forward(self, hidden: Tensor, mask: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
         # [L, B, T, D], [B, T], [L, D], [L, D]

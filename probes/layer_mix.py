@@ -51,6 +51,9 @@ class ScalarMix(LayerMixModule):
     def weights(self, pooled: Tensor) -> Tensor:  # [L, B, D] -> [L, B]
         return torch.softmax(self.logits, dim=0)[:, None].expand(pooled.shape[:2])
 
+    def solo(self, pooled: Tensor) -> Tensor:  # [L, B, D] -> [L, B, D]
+        return self.gamma * pooled
+
     def forward(self, pooled: Tensor) -> Tensor:  # [L, B, D]
         w = torch.softmax(self.logits, dim=0)  # [L]
         return self.gamma * torch.einsum("l,lbd->bd", w, pooled)  # [B, D]

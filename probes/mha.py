@@ -31,6 +31,7 @@ class DowncastMHA(TokenPoolModule):
     """Attention over tokens in a small inner dimension, pooled and projected back."""
 
     separable: ClassVar[bool] = False
+    token_weights_kind: ClassVar[str] = "attention"
 
     def __init__(self, spec: ProbeSpec) -> None:
         super().__init__()
@@ -49,7 +50,8 @@ class DowncastMHA(TokenPoolModule):
         self.out = nn.Parameter(0.1 * torch.randn(L, d, D) / math.sqrt(d))  # [L, d, D]
         self.out_bias = nn.Parameter(torch.zeros(L, D))  # [L, D]
 
-    def _attend(self, x: Tensor, mask: Tensor) -> Tensor:
+    def _heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Q, K, V split into heads: ``[L, B, T, D]`` -> 3 x ``[L*B, H, T, d/H]``."""
         L, B, T, D = x.shape
         weight: Tensor = self.qkv  # [L, D, 3d]
         bias: Tensor = self.qkv_bias  # [L, 3d]
@@ -60,29 +62,51 @@ class DowncastMHA(TokenPoolModule):
             bias = self.qkv_bias + torch.einsum("ld,lde->le", self.norm_bias, self.qkv)
         qkv = torch.einsum("lbtd,lde->lbte", x, weight) + bias[:, None, None]
         q, k, v = qkv.chunk(3, dim=-1)  # 3 x [L, B, T, d]
-        d = q.shape[-1]
-        H = self.num_heads
+        d, H = q.shape[-1], self.num_heads
 
         def heads(t: Tensor) -> Tensor:  # [L, B, T, d] -> [L*B, H, T, d/H]
             return t.reshape(L * B, T, H, d // H).transpose(1, 2)
 
+        return heads(q), heads(k), heads(v)
+
+    def _attend(self, x: Tensor, mask: Tensor) -> Tensor:
+        L, B, T, _ = x.shape
+        q, k, v = self._heads(x)  # [L*B, H, T, d/H] each
         keys = mask.repeat(L, 1)[:, None, None, :]  # [L*B, 1, 1, T], True = attend
         o = F.scaled_dot_product_attention(
-            heads(q),
-            heads(k),
-            heads(v),
-            attn_mask=keys,
-            dropout_p=self.dropout if self.training else 0.0,
+            q, k, v, attn_mask=keys, dropout_p=self.dropout if self.training else 0.0
         )  # [L*B, H, T, d/H]
-        o = o.transpose(1, 2).reshape(L, B, T, d)  # [L, B, T, d]
+        o = o.transpose(1, 2).reshape(L, B, T, -1)  # [L, B, T, d]
         pooled = masked_mean(o, mask)  # [L, B, d]
         return torch.einsum("lbe,led->lbd", pooled, self.out) + self.out_bias[:, None]
 
-    def forward(self, hidden: Tensor, mask: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
-        # [L, B, T, D], [B, T], [L, D], [L, D]
+    def _normalize(self, hidden: Tensor, mask: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
         inv = 1.0 / scale  # [L, D]
         x = torch.addcmul((-shift * inv)[:, None, None], hidden, inv[:, None, None])  # one pass
-        x = x.masked_fill(~mask[None, :, :, None], 0.0)  # padding may hold NaN
+        return x.masked_fill(~mask[None, :, :, None], 0.0)  # padding may hold NaN
+
+    @torch.no_grad()
+    def token_weights(self, hidden: Tensor, mask: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+        """How much each token feeds the attention summary: ``[L, B, T]``, summing to 1 over
+        each row's real tokens (0 at padding).
+
+        The pooled output is the mean over real queries of attention-weighted values, so a
+        key token's weight is its attention averaged over the heads and the real queries.
+        (The summary also adds the plain mean of all tokens, its residual, which this leaves
+        out.)
+        """
+        L, B, T, _ = hidden.shape
+        q, k, _ = self._heads(self._normalize(hidden, mask, shift, scale))  # [L*B, H, T, e]
+        keys = mask.repeat(L, 1)[:, None, None, :]  # [L*B, 1, 1, T]
+        logits = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # [L*B, H, T, T]
+        attn = logits.masked_fill(~keys, float("-inf")).softmax(dim=-1).mean(dim=1)  # [L*B,T,T]
+        queries = mask.repeat(L, 1).to(attn.dtype)  # [L*B, T], 1 on real queries
+        per_key = torch.einsum("nq,nqt->nt", queries, attn) / queries.sum(1, keepdim=True)
+        return per_key.reshape(L, B, T)
+
+    def forward(self, hidden: Tensor, mask: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+        # [L, B, T, D], [B, T], [L, D], [L, D]
+        x = self._normalize(hidden, mask, shift, scale)
         residual = masked_mean(x, mask)  # [L, B, D]
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             delta = checkpoint(self._attend, x, mask, use_reentrant=False)

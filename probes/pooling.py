@@ -95,12 +95,29 @@ class _Pool(TokenPoolModule):
         # because the normalization is affine per dimension (and scale > 0 for max).
         return (SUMMARIES[self.kind](hidden, mask) - shift[:, None]) / scale[:, None]  # [L, B, D]
 
+    @torch.no_grad()
+    def token_weights(self, hidden: Tensor, mask: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+        # [L, B, T]; shift and scale do not move any of these weights.
+        L, _, T, _ = hidden.shape
+        if self.kind == "mean":
+            return (mask / mask.sum(dim=1, keepdim=True)).to(hidden.dtype).expand(L, -1, -1)
+        if self.kind in ("first", "last"):
+            index = real_token_index(mask, self.kind)  # [B]
+            one_hot = torch.nn.functional.one_hot(index, T).to(hidden.dtype)  # [B, T]
+            return one_hot.expand(L, -1, -1)
+        # max: the share of dimensions in which each token holds the maximum.
+        winners = hidden.masked_fill(~mask[None, :, :, None], float("-inf")).argmax(dim=2)
+        counts = torch.zeros(hidden.shape[:3], dtype=hidden.dtype, device=hidden.device)
+        ones = torch.ones(winners.shape, dtype=hidden.dtype, device=hidden.device)
+        return counts.scatter_add_(2, winners, ones) / hidden.shape[-1]  # [L, B, T]
+
 
 @register_token_pool("mean")
 class MeanPool(_Pool):
     """Average of the real tokens of each layer."""
 
     kind = "mean"
+    token_weights_kind = "uniform"
 
 
 @register_token_pool("max")
@@ -108,6 +125,7 @@ class MaxPool(_Pool):
     """Per-dimension maximum over the real tokens of each layer."""
 
     kind = "max"
+    token_weights_kind = "max_share"
 
 
 @register_token_pool("first")
@@ -115,6 +133,7 @@ class FirstPool(_Pool):
     """The first real token (a BOS or chat-template token, when the tokenizer adds one)."""
 
     kind = "first"
+    token_weights_kind = "single"
 
 
 @register_token_pool("last")
@@ -122,3 +141,4 @@ class LastPool(_Pool):
     """The last real token: in a causal LM the only one that has seen the whole text."""
 
     kind = "last"
+    token_weights_kind = "single"

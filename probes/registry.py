@@ -37,8 +37,15 @@ class TokenPoolModule(nn.Module):
     separable: ClassVar[bool] = False
     # Recompute activations in the backward pass instead of storing them (if supported).
     gradient_checkpointing: bool = False
+    # What token_weights() measures: "uniform", "max_share", "single", "gate", "attention".
+    token_weights_kind: ClassVar[str] = "none"
 
     def forward(self, hidden: Tensor, mask: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def token_weights(self, hidden: Tensor, mask: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+        """How much each token feeds the summary, for explanations: ``[L, B, T]``, each row
+        summing to 1 over its real tokens, 0 at padding (arguments as for ``forward``)."""
         raise NotImplementedError
 
 
@@ -56,6 +63,14 @@ class LayerMixModule(nn.Module):
 
     def weights(self, pooled: Tensor) -> Tensor:
         raise NotImplementedError
+
+    def solo(self, pooled: Tensor) -> Tensor:
+        """``[L, B, D]`` -> ``[L, B, D]``: what the mix would pass on for each layer if it put
+        all of its weight on that layer. Mixes are convex combinations of these:
+        ``forward(z) == Σ_l weights(z)[l] * solo(z)[l]``, which is what lets
+        :mod:`probes.explain` split a verdict into per-layer scores.
+        """
+        return pooled
 
     def forward(self, pooled: Tensor) -> Tensor:
         raise NotImplementedError

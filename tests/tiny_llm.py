@@ -13,13 +13,14 @@ Example::
     llm = make_tiny_llm()                      # in memory
     llm = make_tiny_llm(tmp_path, arch="bert") # saved to tmp_path and loaded with load_llm
     llm.num_layers, llm.hidden_size            # (4, 32)
+    llm = make_tiny_llm(lm_head="own")         # a Llama with an LM head (logit lens tests)
 """
 
 from __future__ import annotations
 
 import string
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
@@ -27,6 +28,7 @@ from transformers import (
     BertConfig,
     BertModel,
     LlamaConfig,
+    LlamaForCausalLM,
     LlamaModel,
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -38,6 +40,8 @@ from worker.settings import Settings
 __all__ = ["HIDDEN_SIZE", "NUM_LAYERS", "make_tiny_llm", "tiny_tokenizer"]
 
 Arch = Literal["llama", "bert"]
+# None: a base model; "own": an untied LM head of its own; "tied": the input embeddings.
+Head = Literal["own", "tied"] | None
 HIDDEN_SIZE = 32
 NUM_LAYERS = 4
 _SPECIALS: dict[Arch, list[str]] = {
@@ -73,12 +77,17 @@ def tiny_tokenizer(arch: Arch = "llama", *, extra_chars: str = "") -> PreTrained
     )
 
 
-def tiny_model(arch: Arch = "llama", *, vocab_size: int, seed: int = 0) -> PreTrainedModel:
+def tiny_model(
+    arch: Arch = "llama", *, vocab_size: int, seed: int = 0, lm_head: Head = None
+) -> PreTrainedModel:
     """A randomly initialised base model (no LM head), seeded: same seed, same weights.
 
     The weights come from a private generator, not torch's global one, so building a
     model while another thread seeds or draws from the global generator (a probe being
     built, a scorer starting) still gives the same weights and the same fingerprint.
+
+    ``lm_head`` (Llama only) wraps the same base model in a ``LlamaForCausalLM`` whose
+    head is its own random matrix (``"own"``) or the input embeddings (``"tied"``).
     """
     common: dict[str, Any] = {
         "vocab_size": vocab_size,
@@ -99,6 +108,19 @@ def tiny_model(arch: Arch = "llama", *, vocab_size: int, seed: int = 0) -> PreTr
                 p.copy_(torch.ones_like(p) if name.endswith("weight") else torch.zeros_like(p))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    if lm_head is not None:
+        if arch != "llama":
+            raise ValueError("tiny models have an LM head only for arch='llama'")
+        config = cast(LlamaConfig, model.config)
+        config.tie_word_embeddings = lm_head == "tied"
+        causal = LlamaForCausalLM(config)
+        causal.model = cast(LlamaModel, model)
+        if lm_head == "tied":
+            causal.lm_head.weight = causal.model.embed_tokens.weight
+        else:
+            with torch.no_grad():
+                causal.lm_head.weight.copy_(torch.randn(causal.lm_head.weight.shape, generator=g))
+        model = causal
     return model.eval()
 
 
@@ -108,16 +130,20 @@ def make_tiny_llm(
     arch: Arch = "llama",
     padding_side: Literal["right", "left"] = "right",
     seed: int = 0,
+    lm_head: Head = None,
 ) -> LoadedLLM:
-    """A frozen tiny LLM; with ``tmp_path`` it is saved there and loaded through ``load_llm``."""
+    """A frozen tiny LLM; with ``tmp_path`` it is saved there and loaded through ``load_llm``
+    (in ``tmp_path / "tiny-{arch}-{seed}"``, or ``"tiny-{arch}-{seed}-{lm_head}"``)."""
     tokenizer = tiny_tokenizer(arch)
-    model = tiny_model(arch, vocab_size=len(tokenizer), seed=seed)
+    model = tiny_model(arch, vocab_size=len(tokenizer), seed=seed, lm_head=lm_head)
+    name = f"tiny-{arch}-{seed}" + (f"-{lm_head}" if lm_head else "")
     if tmp_path is None:
-        llm = LoadedLLM.from_model(model, tokenizer, model_id=f"tiny-{arch}-{seed}")
+        llm = LoadedLLM.from_model(model, tokenizer, model_id=name)
     else:
-        directory = tmp_path / f"tiny-{arch}-{seed}"
+        directory = tmp_path / name
         model.save_pretrained(directory)
         tokenizer.save_pretrained(directory)
-        llm = load_llm(Settings(model=str(directory), cache_dir=tmp_path / "cache"))
+        settings = Settings(model=str(directory), cache_dir=tmp_path / "cache")
+        llm = load_llm(settings, lm_head=lm_head is not None)
     llm.tokenizer.padding_side = padding_side
     return llm

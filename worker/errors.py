@@ -11,6 +11,8 @@
     │   └── ExtractionInputError   one input item cannot be extracted (empty, not UTF-8, ...)
     ├── OfflineError         offline work (cache, fit, eval) failed: a bad data file, an
     │                        incomplete cache, a refused checkpoint (wraps probes.ProbeError)
+    ├── ExplainError         `probeguard explain` cannot explain: an empty text, no live
+    │                        version, no cached text for a message id
     └── RolloutError         an operator's stage change was refused: an incompatible or
                              rolled-back version, a canary already on trial, a concurrent
                              change (registry errors, e.g. an unknown version, live in
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 __all__ = [
     "ConfigError",
+    "ExplainError",
     "ExtractionError",
     "ExtractionInputError",
     "KafkaSetupError",
@@ -72,6 +75,10 @@ class ExtractionInputError(ExtractionError):
 
 class OfflineError(ProbeguardError):
     """Offline data, cache, training or evaluation failed; the message names the value."""
+
+
+class ExplainError(ProbeguardError):
+    """An explanation cannot be produced; the message says what is missing."""
 
 
 class RolloutError(ProbeguardError):

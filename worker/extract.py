@@ -217,6 +217,20 @@ class HiddenStateExtractor:
             index = [index[row] for row in keep]
         return Extraction(hidden=hidden, mask=mask, layers=wanted, index=index, errors=errors)
 
+    def token_ids(self, text: str | bytes) -> list[int]:
+        """Token ids of ``text`` as :meth:`extract` runs them: its row's real positions, in
+        order (special tokens, truncation and chunks included).
+
+        Raises :class:`ExtractionInputError` when the text cannot be extracted.
+        """
+        errors: dict[int, str] = {}
+        tokenized = self._tokenize([text], errors)
+        if not tokenized:
+            kind, _, reason = errors.get(0, "failed: no tokens").partition(": ")
+            raise ExtractionInputError(kind, reason)
+        pieces, _ = self._plan([tokenized[0][1]])
+        return [i for piece in sorted(pieces, key=lambda p: p.offset) for i in piece.ids]
+
     # --- texts to pieces ------------------------------------------------------------------
 
     def _check_layers(self, layers: Sequence[int]) -> tuple[int, ...]:

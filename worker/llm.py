@@ -10,7 +10,11 @@ Sources, from ``Settings.model``:
 - a hub id that is already in the local Hugging Face cache. Nothing is ever downloaded.
 
 Decoder LLMs (Llama, Qwen, Mistral, ...) and BERT-style encoders load through ``AutoModel``:
-the base model, without a language-model head, which extraction never needs.
+the base model, without a language-model head, which extraction never needs. Analyst tools
+that want next-token predictions (``probeguard explain``'s logit lens) ask for the head with
+``load_llm(settings, lm_head=True)``: the model then loads through ``AutoModelForCausalLM``
+and the head is kept beside the base model (no extra memory when it is tied to the input
+embeddings, as in SmolLM2). The scoring path never asks for it.
 
 Dequantizing a GGUF takes seconds to minutes, so the first start writes the dequantized
 weights (float32 safetensors), config and tokenizer to
@@ -86,12 +90,18 @@ class LoadedLLM:
 
     ``layer_stack`` holds the ``num_layers`` transformer blocks in order; hidden-state index
     ``i`` (1 <= i < num_layers) is the output of ``layer_stack[i - 1]``.
+
+    ``model`` is always the base model. ``lm_head`` is the output embedding (hidden state ->
+    vocabulary logits), present only when it was asked for and the weights have one;
+    otherwise ``lm_head_missing`` says why there is none.
     """
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     fingerprint: LLMFingerprint
     layer_stack: nn.ModuleList
+    lm_head: nn.Module | None = None
+    lm_head_missing: str | None = None  # set whenever lm_head is None
 
     @property
     def num_layers(self) -> int:
@@ -117,15 +127,25 @@ class LoadedLLM:
         *,
         model_id: str,
         source_sha256: str | None = None,
+        lm_head_missing: str | None = None,
     ) -> LoadedLLM:
         """Freeze an in-process model and fingerprint it.
 
         Without ``source_sha256`` the weights are hashed from the state dict (fine for tiny
         test models; loaded models pass the hash of their files instead).
+
+        A model with an LM head (``*ForCausalLM``) is split: the base model serves
+        extraction, the head is kept as ``lm_head`` (and the base alone is fingerprinted).
+        ``lm_head_missing`` overrides why a model without a usable head has none.
         """
         model.eval()
         model.requires_grad_(False)
         _ensure_pad_token(tokenizer)
+        head = model.get_output_embeddings()
+        if head is not None and model.base_model is not model:
+            model = model.base_model  # type: ignore[assignment]
+        else:
+            head = None
         stack = find_layer_stack(model)
         fingerprint = LLMFingerprint(
             model_id=model_id,
@@ -134,7 +154,17 @@ class LoadedLLM:
             hidden_size=int(model.config.hidden_size),
             tokenizer_sha256=tokenizer_sha256(tokenizer),
         )
-        return cls(model=model, tokenizer=tokenizer, fingerprint=fingerprint, layer_stack=stack)
+        lm_head = head if isinstance(head, nn.Module) else None
+        if lm_head is None:
+            lm_head_missing = lm_head_missing or "the model was loaded without its LM head"
+        return cls(
+            model=model,
+            tokenizer=tokenizer,
+            fingerprint=fingerprint,
+            layer_stack=stack,
+            lm_head=lm_head,
+            lm_head_missing=None if lm_head is not None else lm_head_missing,
+        )
 
 
 @dataclass(frozen=True)
@@ -147,23 +177,35 @@ class ModelSource:
     weight_files: tuple[Path, ...]
 
 
-def load_llm(settings: Settings) -> LoadedLLM:
-    """Load the configured LLM, frozen, on ``settings.device`` in ``settings.dtype``."""
+def load_llm(settings: Settings, *, lm_head: bool = False) -> LoadedLLM:
+    """Load the configured LLM, frozen, on ``settings.device`` in ``settings.dtype``.
+
+    ``lm_head=True`` also keeps the language-model head (``LoadedLLM.lm_head``) for analyst
+    tools; when the weights have none (a base-model checkpoint with untied embeddings, an
+    encoder), the model still loads and ``LoadedLLM.lm_head_missing`` says why.
+    """
     started = time.perf_counter()
     source = resolve_source(settings.model, settings.model_gguf_file)
     device = resolve_device(settings.device)
     dtype = DTYPES[settings.dtype]
     log.info("LLM %s: hashing %d weight file(s)", source.model_id, len(source.weight_files))
     sha = weights_sha256(source.weight_files, memo_dir=settings.cache_dir / "sha256")
+    head = _HeadLoad() if lm_head else None
     if source.gguf_file is None:
         log.info("LLM %s: loading from %s", source.model_id, source.directory)
-        model = _load_model(source.directory, None, dtype=dtype, device=device)
+        model = _load_model(source.directory, None, dtype=dtype, device=device, head=head)
         tokenizer = _load_tokenizer(source.directory, None)
     else:
         model, tokenizer = _load_gguf_cached(
-            source, source.gguf_file, sha, settings.cache_dir, dtype=dtype, device=device
+            source, source.gguf_file, sha, settings.cache_dir, dtype=dtype, device=device, head=head
         )
-    llm = LoadedLLM.from_model(model, tokenizer, model_id=source.model_id, source_sha256=sha)
+    llm = LoadedLLM.from_model(
+        model,
+        tokenizer,
+        model_id=source.model_id,
+        source_sha256=sha,
+        lm_head_missing=head.missing if head is not None else None,
+    )
     log.info(
         "LLM %s ready in %.1f s on %s (%s): %d layers, hidden size %d, fingerprint %s",
         source.model_id,
@@ -249,8 +291,20 @@ def resolve_device(name: str) -> torch.device:
 # --- loading ----------------------------------------------------------------------------
 
 
+@dataclass
+class _HeadLoad:
+    """A request to keep the LM head; ``missing`` is filled in when the weights have none."""
+
+    missing: str | None = None
+
+
 def _load_model(
-    directory: Path, gguf_file: str | None, *, dtype: torch.dtype, device: torch.device
+    directory: Path,
+    gguf_file: str | None,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    head: _HeadLoad | None = None,
 ) -> PreTrainedModel:
     from transformers import AutoModel
 
@@ -259,10 +313,54 @@ def _load_model(
         kwargs["gguf_file"] = gguf_file
     if device.type != "cpu":
         kwargs["device_map"] = str(device)
+    if head is not None:
+        with_head = _load_with_head(directory, kwargs, head)
+        if with_head is not None:
+            return with_head
     try:
         model = AutoModel.from_pretrained(str(directory), **kwargs)
     except Exception as exc:
         raise ModelLoadError(f"cannot load model from {directory}: {exc}") from exc
+    return model
+
+
+def _load_with_head(
+    directory: Path, kwargs: dict[str, Any], head: _HeadLoad
+) -> PreTrainedModel | None:
+    """The model through ``AutoModelForCausalLM``; ``None`` when it is no decoder LLM.
+
+    A head whose weights are not in the files would be random: it is dropped (only the base
+    model is returned) and ``head.missing`` says so. Tied heads share the input embeddings.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    where = {k: v for k, v in kwargs.items() if k in ("local_files_only", "gguf_file")}
+    try:
+        config = AutoConfig.from_pretrained(str(directory), **where)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load model config from {directory}: {exc}") from exc
+    kind = str(getattr(config, "model_type", ""))
+    # BERT-style encoders have "causal" variants whose head starts with its own transform.
+    encoder = bool(getattr(config, "is_encoder_decoder", False)) or "bert" in kind
+    if encoder or kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        head.missing = f"a {kind or 'non-decoder'} model has no causal LM head"
+        return None
+    try:
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
+            str(directory), output_loading_info=True, **kwargs
+        )
+        model, info = loaded
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load model with its LM head from {directory}: {exc}") from exc
+    prefix = model.base_model_prefix
+    absent = sorted(k for k in info.get("missing_keys", []) if not k.startswith(f"{prefix}."))
+    if absent:
+        head.missing = (
+            f"the weights in {directory} have no LM head ({', '.join(absent[:3])} missing: "
+            "untied output embeddings that were not saved)"
+        )
+        return model.base_model
     return model
 
 
@@ -286,8 +384,12 @@ def _load_gguf_cached(
     *,
     dtype: torch.dtype,
     device: torch.device,
+    head: _HeadLoad | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a GGUF through its dequantized cache entry, building the entry on first use."""
+    """Load a GGUF through its dequantized cache entry, building the entry on first use.
+
+    The entry holds the base model (a tied head is rebuilt from the input embeddings).
+    """
     entry = cache_dir / "llm" / f"gguf-{sha[:32]}"
     if not _cache_entry_valid(entry, sha):
         size_mb = source.weight_files[0].stat().st_size / 2**20
@@ -306,13 +408,15 @@ def _load_gguf_cached(
             _write_cache_entry(entry, model, tokenizer, sha, gguf_file)
         except OSError as exc:
             log.warning("cannot write the GGUF cache %s (%s); each start dequantizes", entry, exc)
+            if head is not None:
+                head.missing = f"the GGUF cache {entry} could not be written ({exc})"
             return model.to(device=device, dtype=dtype), tokenizer  # type: ignore[call-arg]
         del model, tokenizer
     # Even on the first start the model is read back from the entry, so that first and
     # later starts run exactly the same weights and config.
     log.info("LLM %s: loading dequantized weights from %s", source.model_id, entry)
     return (
-        _load_model(entry, None, dtype=dtype, device=device),
+        _load_model(entry, None, dtype=dtype, device=device, head=head),
         _load_tokenizer(entry, None),
     )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-__all__ = ["plot_layer_weights"]
+__all__ = ["plot_layer_scores", "plot_layer_weights", "plot_token_weights"]
 
 
 def plot_layer_weights(
@@ -32,6 +32,79 @@ def plot_layer_weights(
             fontsize=9,
         )
         ax.tick_params(axis="x", labelsize=7)
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def plot_layer_scores(
+    layers: list[int],
+    weights: list[float],
+    scores: list[float],
+    final: float,
+    path: Path,
+    *,
+    score_label: str,
+    title: str = "",
+) -> Path:
+    """Per-layer score (line, left axis) over the layer-mix weights (bars, right axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.3 * len(layers) + 2.5), 3.4), dpi=120)
+    try:
+        xs = range(len(layers))
+        bars = ax.twinx()
+        bars.bar(xs, weights, color="#c9d6ee", label="mix weight")
+        bars.set_ylabel("layer-mix weight", color="#4472c4")
+        ax.set_zorder(bars.get_zorder() + 1)
+        ax.patch.set_visible(False)
+        ax.plot(xs, scores, marker="o", color="#c0392b", label=f"{score_label}, layer alone")
+        ax.axhline(final, color="#c0392b", linestyle=":", linewidth=1, label="mixed (verdict)")
+        ax.set_ylim(0, 1)
+        ax.set_xticks(list(xs), [str(i) for i in layers])
+        ax.set_xlabel("hidden-state index (0 = embeddings)")
+        ax.set_ylabel(score_label)
+        ax.legend(loc="upper left", fontsize=7)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.set_title(title, fontsize=9)
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def plot_token_weights(
+    layers: list[int], tokens: list[str], weights: list[list[float]], path: Path, *, title: str = ""
+) -> Path:
+    """Heat map of token weights: one row per probe layer, one column per token."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(tokens)
+    fig, ax = plt.subplots(
+        figsize=(min(16.0, max(5.0, 0.22 * n + 2)), max(2.2, 0.3 * len(layers) + 1.4)), dpi=120
+    )
+    try:
+        image = ax.imshow(weights, aspect="auto", cmap="Blues", interpolation="nearest")
+        ax.set_yticks(range(len(layers)), [str(i) for i in layers])
+        ax.set_ylabel("layer")
+        if n <= 120:  # beyond that the labels would overlap into a smear
+            labels = [repr(t)[1:-1].replace(" ", "␣") for t in tokens]
+            ax.set_xticks(range(n), labels, rotation=90, fontsize=6)
+        else:
+            ax.set_xlabel("token position")
+        fig.colorbar(image, ax=ax, fraction=0.03, pad=0.01)
+        ax.set_title(title, fontsize=9)
         fig.tight_layout()
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path)

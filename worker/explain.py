@@ -1,0 +1,272 @@
+"""``probeguard explain``: how one message's verdict forms, as one JSON-ready report.
+
+    text -> extractor (the probe's layers + the lens layers, one pass)
+         -> score by layer   (probes.explain.layer_breakdown: head on each layer alone, mix weight)
+         -> top tokens       (probes.explain.token_weights, on the most heavily mixed layers)
+         -> logit lens       (worker.lens: final norm + LM head at the last real token)
+
+The probe comes from a checkpoint directory or from the Redis registry, and is verified
+like a scorer verifies it (sha256, then the LLM fingerprint). The verdict in the report is
+the scorer's own computation (``predict_proba_many`` + ``decide``); the per-layer scores
+recombine into its logits exactly (mix-weighted sum).
+
+Example::
+
+    source = source_from_checkpoint(Path("ckpt"))
+    extractor = HiddenStateExtractor(load_llm(settings, lm_head=True), max_tokens=256)
+    probe, manifest = verify(source, extractor)
+    report = explain(probe, manifest, extractor, "you are an idiot", source.where)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from probes.checkpoint import MANIFEST_FILE, TENSORS_FILE, probe_from_bytes
+from probes.decision import decide
+from probes.explain import layer_breakdown, token_weights
+from probes.pooling import real_token_index
+from worker.errors import ExplainError, ExtractionInputError
+from worker.lens import LensUnavailable, LogitLens
+
+if TYPE_CHECKING:
+    from probes.probe import Probe
+    from schemas import CheckpointManifest, ProbeSpec
+    from worker.extract import HiddenStateExtractor
+    from worker.redis_store import Keys
+    from worker.registry import Registry
+
+__all__ = [
+    "ExplainOptions",
+    "ProbeSource",
+    "cached_text",
+    "explain",
+    "lens_layers",
+    "source_from_checkpoint",
+    "source_from_registry",
+    "verify",
+]
+
+
+@dataclass(frozen=True)
+class ProbeSource:
+    """A checkpoint's two blobs, not yet verified, and where they came from."""
+
+    blob: bytes
+    manifest_json: bytes
+    where: str  # "checkpoint PATH" or "registry live v3"
+
+
+@dataclass(frozen=True)
+class ExplainOptions:
+    top_k: int = 5  # next tokens per lens layer
+    lens_every: int = 1  # lens on every k-th hidden-state index, counted down from the top
+    lens: bool = True  # False: skip the lens
+    tokens: int = 5  # top tokens shown per layer
+    token_layers: int = 3  # layers shown for the token weights (the most heavily mixed)
+
+
+def source_from_checkpoint(path: Path) -> ProbeSource:
+    """A checkpoint directory (``probeguard fit --out``), or a file inside one."""
+    directory = path.parent if path.is_file() else path
+    try:
+        blob = (directory / TENSORS_FILE).read_bytes()
+        manifest = (directory / MANIFEST_FILE).read_bytes()
+    except OSError as exc:
+        raise ExplainError(
+            f"cannot read checkpoint {str(path)!r}: {exc.strerror or exc} (expected a "
+            f"directory with {TENSORS_FILE} and {MANIFEST_FILE}, as `probeguard fit` writes)"
+        ) from exc
+    return ProbeSource(blob, manifest, f"checkpoint {directory}")
+
+
+def source_from_registry(registry: Registry, stage: str, version: int | None) -> ProbeSource:
+    """``version``, else the version at ``stage`` (``live`` or ``canary``)."""
+    if version is None:
+        stages = registry.stages()
+        version = stages.live if stage == "live" else stages.canary
+        if version is None:
+            what = "live version" if stage == "live" else "canary on trial"
+            raise ExplainError(
+                f"probe {registry.probe!r} has no {what} in the registry (prefix "
+                f"{registry.keys.prefix!r}); publish one with `probeguard train`, name one "
+                "with --version, or explain a file with --checkpoint"
+            )
+        where = f"registry {stage} v{version}"
+    else:
+        where = f"registry v{version}"
+    stored = registry.get(version)  # UnknownVersion / integrity errors name the version
+    return ProbeSource(stored.blob, stored.manifest_json, where)
+
+
+def cached_text(client: Any, keys: Keys, message_id: str) -> str:
+    """The text scorers cached for ``message_id`` (``{prefix}:text:{id}``)."""
+    raw = client.get(keys.text(message_id))
+    if raw is None:
+        raise ExplainError(
+            f"no cached text for message id {message_id!r} under {keys.text(message_id)!r} "
+            "(never scored, or older than PROBEGUARD_TEXT_CACHE_TTL_S); pass the text instead"
+        )
+    return bytes(raw).decode("utf-8", errors="replace")
+
+
+def verify(
+    source: ProbeSource, extractor: HiddenStateExtractor
+) -> tuple[Probe, CheckpointManifest]:
+    """The probe, verified as a scorer would (raises ``probes.IncompatibleCheckpoint`` etc.)."""
+    probe, manifest = probe_from_bytes(source.blob, source.manifest_json, extractor.fingerprint)
+    return probe.float().eval(), manifest
+
+
+def lens_layers(num_layers: int, every: int) -> tuple[int, ...]:
+    """Hidden-state indices for the lens: the top one, then every ``every``-th one below it."""
+    if every < 1:
+        raise ExplainError(f"--lens-every must be >= 1, got {every}")
+    return tuple(sorted(range(num_layers, -1, -every)))
+
+
+def explain(
+    probe: Probe,
+    manifest: CheckpointManifest,
+    extractor: HiddenStateExtractor,
+    text: str,
+    where: str,
+    options: ExplainOptions | None = None,
+) -> dict[str, Any]:
+    """The whole explanation of ``text`` as plain data (see the module docstring)."""
+    opts = options or ExplainOptions()
+    spec = probe.spec
+    try:
+        ids = extractor.token_ids(text)
+    except ExtractionInputError as exc:
+        raise ExplainError(f"cannot explain this text: {exc}") from exc
+    lens, lens_note = _lens(extractor, opts)
+    wanted_lens = lens_layers(extractor.num_layers, opts.lens_every) if lens else ()
+    wanted = tuple(sorted(set(probe.layers) | set(wanted_lens)))
+    ex = extractor.extract([text], wanted)
+    if ex.errors or not ex.index:
+        raise ExplainError(f"cannot explain this text: {next(iter(ex.errors.values()), '?')}")
+    mask = ex.mask.cpu()  # [1, T]
+    pick = [wanted.index(layer) for layer in probe.layers]
+    hidden = ex.hidden[pick].to("cpu", torch.float32)  # [L, 1, T, D]
+    positions = mask[0].nonzero().flatten().tolist()  # real positions, in token order
+    if len(positions) != len(ids):
+        raise ExplainError(f"extractor kept {len(positions)} tokens but tokenized {len(ids)}")
+    tokens = [str(extractor.llm.tokenizer.decode([i])) for i in ids]
+
+    parts = layer_breakdown(probe, hidden, mask)
+    probs = probe.predict_proba_many(hidden, mask)  # [1, C], the scorer's computation
+    report: dict[str, Any] = {
+        "probe": spec.name,
+        "version": manifest.version,
+        "source": where,
+        "model": extractor.fingerprint.model_id,
+        "token_pool": spec.token_pool,
+        "layer_mix": spec.layer_mix,
+        "task": spec.task,
+        "labels": list(spec.labels),
+        "flag_labels": list(spec.flag_labels),
+        "thresholds": dict(spec.thresholds),
+        "text": text,
+        "n_tokens": len(ids),
+        "verdict": {**_scores(spec, probs[0]), "logits": _named(spec, parts.mixed_logits[0])},
+        "layer_entropy": _entropy(parts.weights[:, 0]),
+        "layers": [
+            {
+                "layer": layer,
+                "weight": float(parts.weights[i, 0]),
+                "logits": _named(spec, parts.logits[i, 0]),
+                **_scores(spec, parts.probs[i, 0]),
+            }
+            for i, layer in enumerate(probe.layers)
+        ],
+        "tokens": _tokens(probe, hidden, mask, parts.weights[:, 0], positions, tokens, opts),
+        "lens": {"available": lens is not None, "reason": lens_note, "top_k": opts.top_k},
+    }
+    if lens is not None:
+        last = int(real_token_index(ex.mask, "last")[0])
+        states = ex.hidden[[wanted.index(layer) for layer in wanted_lens], 0, last]  # [L_lens, D]
+        rows = lens.top_k(states, wanted_lens, opts.top_k)
+        report["lens"].update(
+            position=positions.index(last),
+            token=tokens[positions.index(last)],
+            layers=[
+                {"layer": r.layer, "tokens": r.tokens, "probs": r.probs, "token_ids": r.token_ids}
+                for r in rows
+            ],
+        )
+    return report
+
+
+def _lens(extractor: HiddenStateExtractor, opts: ExplainOptions) -> tuple[LogitLens | None, Any]:
+    if not opts.lens:
+        return None, "turned off (--no-lens)"
+    if opts.top_k < 1:
+        raise ExplainError(f"--top-k must be >= 1, got {opts.top_k}")
+    try:
+        return LogitLens(extractor.llm), None
+    except LensUnavailable as exc:
+        return None, str(exc)
+
+
+def _named(spec: ProbeSpec, row: torch.Tensor) -> dict[str, float]:
+    return dict(zip(spec.labels, (float(v) for v in row.tolist()), strict=True))
+
+
+def _scores(spec: ProbeSpec, probs: torch.Tensor) -> dict[str, Any]:
+    """Probabilities ``[C]`` -> named probabilities, flag score, decision."""
+    decision = decide(spec, probs[None].float())
+    flag_idx = [spec.labels.index(label) for label in spec.flag_labels]
+    return {
+        "probs": _named(spec, probs),
+        "flag_score": float(probs[flag_idx].max()) if flag_idx else None,
+        "predicted": decision.label_names(spec)[0],
+        "flagged": bool(decision.flagged[0]),
+    }
+
+
+def _entropy(weights: torch.Tensor) -> float:
+    w = weights.clamp_min(1e-12)
+    return max(0.0, float(-(w * w.log()).sum()))
+
+
+def _tokens(
+    probe: Probe,
+    hidden: torch.Tensor,
+    mask: torch.Tensor,
+    mix: torch.Tensor,
+    positions: list[int],
+    tokens: list[str],
+    opts: ExplainOptions,
+) -> dict[str, Any]:
+    """Token weights of every probe layer, and the top tokens of the most mixed layers."""
+    tw = token_weights(probe, hidden, mask)
+    matrix = tw.weights[:, 0, positions]  # [L, n] over real tokens, in token order
+    order = sorted(range(len(probe.layers)), key=lambda i: -float(mix[i]))
+    top = []
+    if tw.kind != "uniform":
+        for i in order[: max(0, opts.token_layers)]:
+            values, idx = matrix[i].topk(min(opts.tokens, matrix.shape[1]))
+            top.append(
+                {
+                    "layer": probe.layers[i],
+                    "mix_weight": float(mix[i]),
+                    "tokens": [
+                        {"position": int(j), "token": tokens[int(j)], "weight": float(v)}
+                        for v, j in zip(values.tolist(), idx.tolist(), strict=True)
+                        if v > 0
+                    ],
+                }
+            )
+    return {
+        "kind": tw.kind,
+        "description": tw.description,
+        "tokens": tokens,
+        "layers": list(probe.layers),
+        "weights": [[round(float(v), 5) for v in row] for row in matrix.tolist()],
+        "top": top,
+    }

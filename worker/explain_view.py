@@ -1,0 +1,266 @@
+"""Showing an explanation (:func:`worker.explain.explain`'s report): 80-column plain text, a
+rich rendering for terminals, and an HTML page with PNG plots."""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["print_rich", "render_plain", "write_html"]
+
+WIDTH = 80
+
+
+# --- shared pieces -----------------------------------------------------------------------
+
+
+def tok(s: str, limit: int = 14) -> str:
+    """A token as a quoted literal, so spaces and newlines show: ``' the'``, ``'\\n'``."""
+    text = repr(s)
+    return text if len(text) <= limit else text[: limit - 2] + "…" + text[-1]
+
+
+def fit(line: str, width: int = WIDTH) -> str:
+    return line if len(line) <= width else line[: width - 1] + "…"
+
+
+def join_fitting(prefix: str, items: list[str], width: int = WIDTH, sep: str = "  ") -> str:
+    """``prefix`` then as many whole ``items`` as fit in ``width`` columns."""
+    line = prefix
+    for i, item in enumerate(items):
+        piece = ("" if i == 0 else sep) + item
+        if len(line) + len(piece) > width:
+            break
+        line += piece
+    return line
+
+
+def _p(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+Column = tuple[str, Callable[[dict[str, Any]], float | None]]
+
+
+def score_columns(r: dict[str, Any]) -> list[Column]:
+    """Probability columns: the flag label (or flag score), else the top classes."""
+    flags = r["flag_labels"]
+    if len(flags) == 1:
+        return [(f"P({flags[0]})"[:12], lambda e: e["flag_score"])]
+    if flags:
+        return [("flag score", lambda e: e["flag_score"])]
+    probs = r["verdict"]["probs"]
+    top = sorted(probs, key=lambda label: -probs[label])[:3]
+    return [(label[:12], _prob_of(label)) for label in top]
+
+
+def _prob_of(label: str) -> Callable[[dict[str, Any]], float | None]:
+    return lambda e: e["probs"][label]
+
+
+def decision(e: dict[str, Any]) -> str:
+    names = ",".join(e["predicted"]) or "-"
+    return f"FLAG {names}" if e["flagged"] else names
+
+
+def header_lines(r: dict[str, Any]) -> list[str]:
+    v = r["verdict"]
+    n = len(r["layers"])
+    ver = f" v{r['version']}" if r["version"] else ""
+    text = r["text"].replace("\n", " ")
+    score = "" if v["flag_score"] is None else f"  flag score {v['flag_score']:.3f}"
+    thresholds = ", ".join(f"{k} {t:.2f}" for k, t in r["thresholds"].items())
+    return [
+        fit(f"probe   {r['probe']}{ver} from {r['source']}"),
+        fit(f"        {r['token_pool']} tokens, {r['layer_mix']} over {n} layer(s), {r['task']}"),
+        fit(f"model   {r['model']}"),
+        fit(f"text    {text!r} ({r['n_tokens']} tokens)"),
+        fit(
+            f"verdict {'FLAGGED' if v['flagged'] else 'not flagged'}: "
+            f"{', '.join(v['predicted']) or '-'}{score}"
+            + (f" (thresholds {thresholds})" if thresholds else "")
+        ),
+    ]
+
+
+def token_lines(r: dict[str, Any]) -> list[str]:
+    t = r["tokens"]
+    lines = [fit(f"Top tokens: {t['description']}")]
+    if t["kind"] == "uniform":
+        return lines
+    for entry in t["top"]:
+        items = [f"{tok(x['token'])} {x['weight']:.2f}" for x in entry["tokens"]]
+        prefix = f"  layer {entry['layer']:>3} (mix {entry['mix_weight']:.2f}) "
+        lines.append(join_fitting(prefix, items))
+    return lines
+
+
+def lens_lines(r: dict[str, Any]) -> list[str]:
+    lens = r["lens"]
+    if not lens["available"]:
+        return [fit(f"Logit lens: unavailable: {lens['reason']}")]
+    lines = [
+        fit(
+            f"Logit lens (final norm + LM head on each layer): top {lens['top_k']} next "
+            f"tokens after {tok(lens['token'])}"
+        )
+    ]
+    for row in lens["layers"]:
+        items = [f"{tok(t)} {p:.2f}" for t, p in zip(row["tokens"], row["probs"], strict=True)]
+        lines.append(join_fitting(f"  {row['layer']:>5}  ", items))
+    return lines
+
+
+# --- plain text ----------------------------------------------------------------------------
+
+
+def render_plain(r: dict[str, Any]) -> str:
+    """The report in at most 80 columns, no colour (for pipes, logs and tests)."""
+    cols = score_columns(r)
+    head = "  layer  weight " + "".join(f" {h:>12}" for h, _ in cols) + "  decision"
+    lines = [*header_lines(r), ""]
+    lines.append("Score by layer: the probe's head on each layer's summary alone")
+    lines.append(fit(head))
+    for e in r["layers"]:
+        cells = "".join(f" {_p(fn(e)):>12}" for _, fn in cols)
+        lines.append(fit(f"  {e['layer']:>5}  {e['weight']:6.3f} {cells}  {decision(e)}"))
+    cells = "".join(f" {_p(fn(r['verdict'])):>12}" for _, fn in cols)
+    lines.append(fit(f"  {'mixed':>5}  {1.0:6.3f} {cells}  {decision(r['verdict'])}"))
+    lines.append(f"  (layer-weight entropy {r['layer_entropy']:.3f} nats)")
+    lines += ["", *token_lines(r), "", *lens_lines(r)]
+    return "\n".join(lines)
+
+
+# --- rich ------------------------------------------------------------------------------------
+
+
+def print_rich(r: dict[str, Any], console: Any = None) -> None:
+    """The report as rich tables, 80 columns wide (for terminals)."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    console = console or Console(width=WIDTH)
+    for line in header_lines(r):
+        style = "bold red" if line.startswith("verdict FLAGGED") else None
+        console.print(Text(line, style=style or ""))
+    cols = score_columns(r)
+    console.print()
+    console.print(Text("Score by layer: the probe's head on each layer's summary alone"))
+    table = Table()
+    table.add_column("layer", justify="right")
+    table.add_column("mix weight", justify="right")
+    for h, _ in cols:
+        table.add_column(h, justify="right")
+    table.add_column("decision", overflow="ellipsis", no_wrap=True)
+    for e in [*r["layers"], {**r["verdict"], "layer": "mixed", "weight": 1.0}]:
+        style = "red" if e["flagged"] else ""
+        table.add_row(
+            str(e["layer"]),
+            f"{e['weight']:.3f}",
+            *(_p(fn(e)) for _, fn in cols),
+            Text(decision(e), style=style),
+            end_section=e["layer"] == r["layers"][-1]["layer"],
+        )
+    console.print(table)
+    console.print(f"  layer-weight entropy {r['layer_entropy']:.3f} nats\n")
+    for line in token_lines(r):
+        console.print(Text(line))
+    console.print()
+    lens = r["lens"]
+    if not lens["available"]:
+        console.print(Text(lens_lines(r)[0]))
+        return
+    console.print(Text(lens_lines(r)[0]))
+    lt = Table(show_header=False)
+    lt.add_column("layer", justify="right")
+    lt.add_column("next tokens", overflow="ellipsis", no_wrap=True)
+    for row in lens["layers"]:
+        items = [f"{tok(t)} {p:.2f}" for t, p in zip(row["tokens"], row["probs"], strict=True)]
+        lt.add_row(str(row["layer"]), "  ".join(items))
+    console.print(lt)
+
+
+# --- HTML ------------------------------------------------------------------------------------
+
+
+def write_html(r: dict[str, Any], out: Path) -> Path:
+    """``index.html``, ``layers.png``, ``tokens.png`` and ``explain.json`` in ``out``."""
+    from worker.plots import plot_layer_scores, plot_token_weights
+
+    out.mkdir(parents=True, exist_ok=True)
+    cols = score_columns(r)
+    label, pick = cols[0]
+    plot_layer_scores(
+        [e["layer"] for e in r["layers"]],
+        [e["weight"] for e in r["layers"]],
+        [_value(pick(e)) for e in r["layers"]],
+        _value(pick(r["verdict"])),
+        out / "layers.png",
+        score_label=label,
+        title=f"{r['probe']}: score of each layer alone, and its mix weight",
+    )
+    images = ["layers.png"]
+    t = r["tokens"]
+    if t["kind"] != "uniform":
+        plot_token_weights(
+            t["layers"], t["tokens"], t["weights"], out / "tokens.png", title=t["description"]
+        )
+        images.append("tokens.png")
+    (out / "explain.json").write_text(json.dumps(r, indent=1))
+    esc = html.escape
+    rows = "".join(
+        f"<tr><td>{esc(str(e['layer']))}</td><td>{e['weight']:.3f}</td>"
+        + "".join(f"<td>{_p(fn(e))}</td>" for _, fn in cols)
+        + f"<td>{esc(decision(e))}</td></tr>"
+        for e in [*r["layers"], {**r["verdict"], "layer": "mixed", "weight": 1.0}]
+    )
+    heads = "".join(f"<th>{esc(h)}</th>" for h, _ in cols)
+    lens = r["lens"]
+    if lens["available"]:
+        lens_rows = "".join(
+            f"<tr><td>{row['layer']}</td>"
+            + "".join(
+                f"<td><code>{esc(repr(x))}</code> {p:.2f}</td>"
+                for x, p in zip(row["tokens"], row["probs"], strict=True)
+            )
+            + "</tr>"
+            for row in lens["layers"]
+        )
+        lens_html = f"<p>{esc(lens_lines(r)[0])}</p><table>{lens_rows}</table>"
+    else:
+        lens_html = f"<p>Unavailable: {esc(str(lens['reason']))}</p>"
+    top = "".join(
+        f"<li>layer {e['layer']} (mix {e['mix_weight']:.2f}): "
+        + ", ".join(f"<code>{esc(repr(x['token']))}</code> {x['weight']:.2f}" for x in e["tokens"])
+        + "</li>"
+        for e in t["top"]
+    )
+    imgs = "".join(f'<figure><img src="{name}" alt="{name}"></figure>' for name in images)
+    page = f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>probeguard explain: {esc(r["probe"])}</title>
+<style>body{{font-family:sans-serif;max-width:60em;margin:2em auto;color:#222}}
+table{{border-collapse:collapse}}td,th{{border-bottom:1px solid #ddd;padding:.2em .8em}}
+figure{{display:block;margin:.5em 0}}img{{max-width:100%;border:1px solid #eee}}
+pre{{white-space:pre-wrap;background:#f6f6f6;padding:.5em}}</style>
+</head><body><h1>probeguard explain</h1>
+<pre>{esc(chr(10).join(header_lines(r)))}</pre>
+<h2>Score by layer</h2>
+<p>The probe's head applied to each layer's summary alone (as if the layer mix put all of
+its weight on it), beside the weight the mix gives the layer. The mixed logits are the
+weighted sum of the per-layer logits.</p>
+<table><tr><th>layer</th><th>mix weight</th>{heads}<th>decision</th></tr>{rows}</table>
+<h2>Tokens</h2><p>{esc(t["description"])}</p><ul>{top}</ul>
+{imgs}
+<h2>Logit lens</h2>{lens_html}
+</body></html>
+"""
+    (out / "index.html").write_text(page)
+    return out / "index.html"
+
+
+def _value(v: float | None) -> float:
+    return float("nan") if v is None else float(v)
