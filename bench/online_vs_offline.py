@@ -58,11 +58,17 @@ def features(extractor, rows, layers, labels, batch):  # type: ignore[no-untyped
     from probes.pooling import masked_mean
 
     parts, keep = [], []
+    start = last = time.perf_counter()
     for i in range(0, len(rows), batch):
         chunk = rows[i : i + batch]
         ex = extractor.extract([r.text for r in chunk], layers)
         parts.append(masked_mean(ex.hidden.float(), ex.mask).half())  # [L, b, D]
         keep += [chunk[j] for j in ex.index]
+        if time.perf_counter() - last > 30:
+            done, last = i + len(chunk), time.perf_counter()
+            rate = done / (last - start)
+            left = (len(rows) - done) / rate
+            log(f"  {done}/{len(rows)} texts, {rate:.1f}/s, ~{left:.0f} s left")
     y = torch.tensor([labels.index(r.label) for r in keep])
     return ProbeDataset(
         layers=list(layers),
@@ -139,8 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         producer.flush(60)
         producer.close()
         t0 = time.perf_counter()
+        last = t0
         while updater.counters.labels_seen < len(train_ds) or updater.unpublished:
             time.sleep(1.0)
+            if time.perf_counter() - last > 30:
+                last = time.perf_counter()
+                log(f"  online: {updater.counters.labels_seen}/{len(train_ds)} labels learned")
             if time.perf_counter() - t0 > 7200:
                 raise SystemExit("online learning did not finish in 2 hours")
         online_s = time.perf_counter() - t0
