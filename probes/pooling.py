@@ -30,12 +30,48 @@ __all__ = [
     "last_token",
     "masked_max",
     "masked_mean",
+    "real_spans",
     "real_token_index",
 ]
 
 
+def real_spans(mask: Tensor) -> list[tuple[int, int]] | None:
+    """``[start, end)`` of each row's real tokens when they are one contiguous run (right or
+    left padding, the extractor's layouts); None when any row has holes.
+
+    Pooling over these spans reads only real tokens: no ``[L, B, T, D]`` temporary, and
+    whatever the padding holds (even NaN) is never touched.
+    """
+    if mask.dim() != 2 or mask.shape[1] == 0:
+        return None
+    counts = mask.sum(dim=1)  # [B]
+    first = mask.to(torch.int8).argmax(dim=1)  # [B]; 0 for an empty row
+    positions = torch.arange(mask.shape[1], device=mask.device)[None, :]
+    run = (positions >= first[:, None]) & (positions < (first + counts)[:, None])
+    if not bool((run == mask).all()):
+        return None
+    return [(f, f + n) for f, n in zip(first.tolist(), counts.tolist(), strict=True)]
+
+
+def _per_span(
+    hidden: Tensor, spans: list[tuple[int, int]], reduce: Callable[[Tensor], Tensor], empty: float
+) -> Tensor:
+    """``reduce`` over each row's real tokens: ``[L, B, T, D]`` -> ``[L, B, D]``."""
+    L, _, _, D = hidden.shape
+    rows = [
+        reduce(hidden[:, b, s:e])
+        if e > s
+        else torch.full((L, D), empty, dtype=hidden.dtype, device=hidden.device)
+        for b, (s, e) in enumerate(spans)
+    ]
+    return torch.stack(rows, dim=1)
+
+
 def masked_mean(hidden: Tensor, mask: Tensor) -> Tensor:
     """Mean over real tokens: ``[L, B, T, D]``, ``[B, T]`` -> ``[L, B, D]``."""
+    spans = real_spans(mask)
+    if spans is not None:
+        return _per_span(hidden, spans, lambda x: x.mean(dim=1), 0.0)
     keep = mask[None, :, :, None]  # [1, B, T, 1]
     total = hidden.masked_fill(~keep, 0.0).sum(dim=2)  # [L, B, D]
     count = mask.sum(dim=1).clamp(min=1).to(hidden.dtype)  # [B]
@@ -59,6 +95,9 @@ def _take(hidden: Tensor, index: Tensor) -> Tensor:
 
 def masked_max(hidden: Tensor, mask: Tensor) -> Tensor:
     """Per-dimension maximum over real tokens: ``[L, B, T, D]``, ``[B, T]`` -> ``[L, B, D]``."""
+    spans = real_spans(mask)
+    if spans is not None:
+        return _per_span(hidden, spans, lambda x: x.amax(dim=1), float("-inf"))
     return hidden.masked_fill(~mask[None, :, :, None], float("-inf")).amax(dim=2)
 
 

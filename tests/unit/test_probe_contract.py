@@ -204,3 +204,32 @@ def test_invalid_inputs_are_named() -> None:
         probe(hidden.mean(dim=2))
     with pytest.raises(ProbeError, match="scale must be positive"):
         probe.set_input_stats(torch.zeros(3, 16), torch.zeros(3, 16))
+
+
+@pytest.mark.parametrize("layout", ["right", "left", "holes", "empty_row"])
+def test_span_pooling_equals_the_masked_reference(layout: str) -> None:
+    """Mean/max read only each row's real tokens when they form one run; any mask layout
+    gives the masked reference, and NaN in the padding never leaks in."""
+    from probes.pooling import masked_max, masked_mean, real_spans
+
+    g = torch.Generator().manual_seed(3)
+    L, B, T, D = 3, 5, 9, 4
+    hidden = torch.randn(L, B, T, D, generator=g)
+    lengths = torch.tensor([9, 1, 4, 7, 2])
+    pos = torch.arange(T)[None, :]
+    mask = pos < lengths[:, None]
+    if layout == "left":
+        mask = mask.flip(1)
+    elif layout == "holes":
+        mask[0, 3] = False
+    elif layout == "empty_row":
+        mask[1] = False
+    hidden = hidden.masked_fill(~mask[None, :, :, None], float("nan"))
+    assert (real_spans(mask) is None) == (layout == "holes")
+
+    keep = mask[None, :, :, None]
+    zeroed = hidden.masked_fill(~keep, 0.0)
+    mean_ref = zeroed.sum(2) / mask.sum(1).clamp(min=1)[None, :, None]
+    max_ref = hidden.masked_fill(~keep, float("-inf")).amax(2)
+    torch.testing.assert_close(masked_mean(hidden, mask), mean_ref)
+    torch.testing.assert_close(masked_max(hidden, mask), max_ref)
