@@ -88,6 +88,7 @@ class ProbeWatcher:
             if not self.redis_ok:
                 log.info("Redis reachable again; probe registry in sync")
             self.redis_ok = True
+            self.breaker.reset()
             return changed
         except (redis.RedisError, OSError) as exc:
             if self.redis_ok:

@@ -75,19 +75,29 @@ class Keys:
 
 
 class Breaker:
-    """Skips best-effort Redis work for ``cooldown_s`` after a failure.
+    """Skips best-effort Redis work for a while after a failure.
 
-    A hung Redis costs a socket timeout per call; a scorer that tried on every batch
-    would stall scoring for the whole outage instead of going on with its last good
-    probe. Callers ask :meth:`ready` first and :meth:`trip` on a failure.
+    A hung Redis costs a socket timeout per call, and the scorer makes its calls on the
+    thread that polls Kafka: trying on every batch would stall scoring (and any group
+    rebalance, which kafka-python drives from ``poll``) for the whole outage. Callers ask
+    :meth:`ready` first, :meth:`trip` on a failure and :meth:`reset` on a success; the
+    pause doubles with each failure in a row, from ``cooldown_s`` up to ``max_cooldown_s``.
     """
 
-    def __init__(self, cooldown_s: float = 5.0) -> None:
+    def __init__(self, cooldown_s: float = 5.0, max_cooldown_s: float = 60.0) -> None:
         self.cooldown_s = cooldown_s
+        self.max_cooldown_s = max_cooldown_s
+        self.failures = 0
         self._until = 0.0
 
     def ready(self) -> bool:
         return time.monotonic() >= self._until
 
     def trip(self) -> None:
-        self._until = time.monotonic() + self.cooldown_s
+        pause = min(self.max_cooldown_s, self.cooldown_s * 2**self.failures)
+        self.failures += 1
+        self._until = time.monotonic() + pause
+
+    def reset(self) -> None:
+        self.failures = 0
+        self._until = 0.0

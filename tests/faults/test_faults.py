@@ -185,6 +185,9 @@ def test_redis_paused_for_15s_scoring_goes_on_and_the_updater_catches_up(
     wait_until(lambda: learned_and_published(updater, 64), "a version with the first labels")
     live = reg.stages().live
     wait_until(lambda: scorer.watcher.versions()["toxicity"]["live"] == live, "scorer on it")
+    # The outage hits a steady group. (Mid-rebalance, each Redis call that blocks the
+    # polling thread also holds up the join, which kafka-python drives from poll.)
+    wait_until(lambda: scorer.health.ready_check()[0], "the scorer to hold its partitions")
     published_before = reg.latest()
 
     during = chats("r", 0, 300)

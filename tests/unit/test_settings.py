@@ -122,3 +122,21 @@ def test_redis_clients_fail_fast() -> None:
     client = make_redis(Settings(redis_url="redis://h:6379/0", redis_retries=2))
     retry = client.get_retry()
     assert retry is not None and retry._retries == 2  # redis-py's default is 10
+
+
+def test_redis_breaker_backs_off_and_resets() -> None:
+    from worker.redis_store import Breaker
+
+    b = Breaker(cooldown_s=0.05, max_cooldown_s=0.1)
+    assert b.ready()
+    b.trip()
+    assert not b.ready()
+    b.trip()
+    b.trip()  # capped at max_cooldown_s
+    assert b.failures == 3 and not b.ready()
+    import time
+
+    time.sleep(0.12)
+    assert b.ready()
+    b.reset()
+    assert b.failures == 0 and b.ready()
