@@ -233,3 +233,21 @@ def test_span_pooling_equals_the_masked_reference(layout: str) -> None:
     max_ref = hidden.masked_fill(~keep, float("-inf")).amax(2)
     torch.testing.assert_close(masked_mean(hidden, mask), mean_ref)
     torch.testing.assert_close(masked_max(hidden, mask), max_ref)
+
+    # The scoring gate takes the same span path; compare with its masked formula.
+    from probes.gate import ScoringGate
+    from tests.probe_helpers import toxicity_spec
+
+    gate = ScoringGate(
+        toxicity_spec(D, layers=list(range(L))).model_copy(update={"token_pool": "gate"})
+    )
+    shift, scale = torch.randn(L, D, generator=g), torch.rand(L, D, generator=g) + 0.5
+    with torch.no_grad():
+        weights = gate.scores(zeroed, mask, shift, scale)  # [L, B, T]
+        gate_ref = (torch.einsum("lbt,lbtd->lbd", weights, zeroed) - shift[:, None]) / scale[
+            :, None
+        ]
+        got = gate(hidden, mask, shift, scale)
+    real = mask.any(dim=1)  # an empty row has no weights to compare (NaN in the reference)
+    torch.testing.assert_close(got[:, real], gate_ref[:, real])
+    assert torch.isfinite(got[:, real]).all()
