@@ -3,24 +3,40 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-__all__ = ["plot_layer_scores", "plot_layer_weights", "plot_token_weights"]
+__all__ = ["figure", "plot_layer_scores", "plot_layer_weights", "plot_token_weights"]
+
+
+@contextmanager
+def figure(path: Path, figsize: tuple[float, float]) -> Iterator[tuple[Any, Any]]:
+    """``(fig, ax)`` on the headless backend; saved to ``path`` as PNG when the block
+    completes, closed in any case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=figsize, dpi=120)
+    try:
+        yield fig, ax
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
 
 
 def plot_layer_weights(
     layers: list[int], weights: list[float], path: Path, *, title: str = ""
 ) -> Path:
     """Bar chart of the probe's layer weights (hidden-state index on x), saved as PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     entropy = -sum(w * math.log(w) for w in weights if w > 0)
     uniform = math.log(len(weights)) if len(weights) > 1 else 0.0
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.25 * len(layers) + 2), 3.2), dpi=120)
-    try:
+    with figure(path, (max(4.0, 0.25 * len(layers) + 2), 3.2)) as (_, ax):
         ax.bar(range(len(layers)), weights, color="#4472c4")
         ax.set_xticks(range(len(layers)), [str(i) for i in layers])
         if len(weights) > 1:  # the dotted line marks uniform weights
@@ -32,11 +48,6 @@ def plot_layer_weights(
             fontsize=9,
         )
         ax.tick_params(axis="x", labelsize=7)
-        fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path)
-    finally:
-        plt.close(fig)
     return path
 
 
@@ -51,13 +62,7 @@ def plot_layer_scores(
     title: str = "",
 ) -> Path:
     """Per-layer score (line, left axis) over the layer-mix weights (bars, right axis)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(5.0, 0.3 * len(layers) + 2.5), 3.4), dpi=120)
-    try:
+    with figure(path, (max(5.0, 0.3 * len(layers) + 2.5), 3.4)) as (_, ax):
         xs = range(len(layers))
         bars = ax.twinx()
         bars.bar(xs, weights, color="#c9d6ee", label="mix weight")
@@ -73,11 +78,6 @@ def plot_layer_scores(
         ax.legend(loc="upper left", fontsize=7)
         ax.tick_params(axis="x", labelsize=7)
         ax.set_title(title, fontsize=9)
-        fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path)
-    finally:
-        plt.close(fig)
     return path
 
 
@@ -85,16 +85,9 @@ def plot_token_weights(
     layers: list[int], tokens: list[str], weights: list[list[float]], path: Path, *, title: str = ""
 ) -> Path:
     """Heat map of token weights: one row per probe layer, one column per token."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     n = len(tokens)
-    fig, ax = plt.subplots(
-        figsize=(min(16.0, max(5.0, 0.22 * n + 2)), max(2.2, 0.3 * len(layers) + 1.4)), dpi=120
-    )
-    try:
+    size = (min(16.0, max(5.0, 0.22 * n + 2)), max(2.2, 0.3 * len(layers) + 1.4))
+    with figure(path, size) as (fig, ax):
         image = ax.imshow(weights, aspect="auto", cmap="Blues", interpolation="nearest")
         ax.set_yticks(range(len(layers)), [str(i) for i in layers])
         ax.set_ylabel("layer")
@@ -105,9 +98,4 @@ def plot_token_weights(
             ax.set_xlabel("token position")
         fig.colorbar(image, ax=ax, fraction=0.03, pad=0.01)
         ax.set_title(title, fontsize=9)
-        fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path)
-    finally:
-        plt.close(fig)
     return path

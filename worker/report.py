@@ -7,136 +7,115 @@ import json
 from pathlib import Path
 from typing import Any
 
-from worker.plots import plot_layer_weights
+from worker.plots import figure, plot_layer_weights
 
 __all__ = ["write_report"]
 
 
-def _plt() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig: Any, path: Path) -> str:
-    fig.tight_layout()
-    fig.savefig(path)
-    _plt().close(fig)
+def plot_prequential(fig_data: dict[str, Any], path: Path) -> str:
+    with figure(path, (7.5, 3.4)) as (_, ax):
+        curve = fig_data["curve"]
+        if curve:
+            ax.plot(
+                [c["n"] for c in curve],
+                [c["f1"] for c in curve],
+                color="#4472c4",
+                label="served F1 (last 40 labeled messages)",
+            )
+            last = 0
+            for c in curve:
+                if c["version"] > last:  # mark each newer version where it first decided
+                    ax.axvline(c["n"], color="grey", linestyle=":", linewidth=0.8)
+                    ax.text(
+                        c["n"],
+                        1.02,
+                        f"v{c['version']}",
+                        fontsize=6,
+                        rotation=90,
+                        va="bottom",
+                        ha="center",
+                    )
+                    last = c["version"]
+        pts = [p for p in fig_data["versions"] if p["f1"] is not None]
+        if pts:
+            ax2 = ax
+            ax2.plot(
+                [p["labels_seen"] for p in pts],
+                [p["f1"] for p in pts],
+                "o-",
+                color="#ed7d31",
+                markersize=3,
+                label="updater prequential F1 (window) at each version",
+            )
+            ax2.plot(
+                [p["labels_seen"] for p in pts],
+                [p["auprc"] or 0 for p in pts],
+                "s--",
+                color="#70ad47",
+                markersize=3,
+                label="updater prequential AUPRC",
+            )
+        ax.set_ylim(0, 1.1)
+        ax.set_xlabel("labeled messages so far")
+        ax.set_ylabel("score")
+        ax.legend(loc="lower right", fontsize=7, frameon=False)
+        ax.set_title("Learning over the stream (dotted lines: version changes)", fontsize=9)
     return path.name
 
 
-def plot_prequential(fig_data: dict[str, Any], path: Path) -> str:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7.5, 3.4), dpi=120)
-    curve = fig_data["curve"]
-    if curve:
-        ax.plot(
-            [c["n"] for c in curve],
-            [c["f1"] for c in curve],
-            color="#4472c4",
-            label="served F1 (last 40 labeled messages)",
-        )
-        last = 0
-        for c in curve:
-            if c["version"] > last:  # mark each newer version where it first decided
-                ax.axvline(c["n"], color="grey", linestyle=":", linewidth=0.8)
-                ax.text(
-                    c["n"],
-                    1.02,
-                    f"v{c['version']}",
-                    fontsize=6,
-                    rotation=90,
-                    va="bottom",
-                    ha="center",
-                )
-                last = c["version"]
-    pts = [p for p in fig_data["versions"] if p["f1"] is not None]
-    if pts:
-        ax2 = ax
-        ax2.plot(
-            [p["labels_seen"] for p in pts],
-            [p["f1"] for p in pts],
-            "o-",
-            color="#ed7d31",
-            markersize=3,
-            label="updater prequential F1 (window) at each version",
-        )
-        ax2.plot(
-            [p["labels_seen"] for p in pts],
-            [p["auprc"] or 0 for p in pts],
-            "s--",
-            color="#70ad47",
-            markersize=3,
-            label="updater prequential AUPRC",
-        )
-    ax.set_ylim(0, 1.1)
-    ax.set_xlabel("labeled messages so far")
-    ax.set_ylabel("score")
-    ax.legend(loc="lower right", fontsize=7, frameon=False)
-    ax.set_title("Learning over the stream (dotted lines: version changes)", fontsize=9)
-    return _save(fig, path)
-
-
 def plot_latency(fig_data: dict[str, Any], path: Path) -> str:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(5, 3), dpi=120)
-    lat = fig_data["latency_ms"]
-    if lat:
-        ax.hist(lat, bins=40, color="#4472c4")
-        for q, style in ((0.5, "--"), (0.99, ":")):
-            v = sorted(lat)[min(len(lat) - 1, int(q * len(lat)))]
-            ax.axvline(
-                v, color="black", linestyle=style, linewidth=1, label=f"p{int(q * 100)} {v:.0f} ms"
-            )
-        ax.legend(fontsize=7, frameon=False)
-    ax.set_xlabel("produce → verdict (ms)")
-    ax.set_ylabel("messages")
-    ax.set_title("Latency", fontsize=9)
-    return _save(fig, path)
+    with figure(path, (5, 3)) as (_, ax):
+        lat = fig_data["latency_ms"]
+        if lat:
+            ax.hist(lat, bins=40, color="#4472c4")
+            for q, style in ((0.5, "--"), (0.99, ":")):
+                v = sorted(lat)[min(len(lat) - 1, int(q * len(lat)))]
+                label = f"p{int(q * 100)} {v:.0f} ms"
+                ax.axvline(v, color="black", linestyle=style, linewidth=1, label=label)
+            ax.legend(fontsize=7, frameon=False)
+        ax.set_xlabel("produce → verdict (ms)")
+        ax.set_ylabel("messages")
+        ax.set_title("Latency", fontsize=9)
+    return path.name
 
 
 def plot_throughput(fig_data: dict[str, Any], path: Path) -> str:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(5, 3), dpi=120)
-    arrivals = fig_data["arrivals_s"]
-    if arrivals:
-        width = max(1.0, (arrivals[-1] - arrivals[0]) / 40)
-        bins = int(arrivals[-1] // width) + 1
-        counts = [0] * bins
-        for t in arrivals:
-            counts[int(t // width)] += 1
-        ax.bar(
-            [i * width for i in range(bins)],
-            [c / width for c in counts],
-            width=width,
-            align="edge",
-            color="#4472c4",
-        )
-    ax.set_xlabel("seconds since start")
-    ax.set_ylabel("verdicts / s")
-    ax.set_title("Throughput", fontsize=9)
-    return _save(fig, path)
+    with figure(path, (5, 3)) as (_, ax):
+        arrivals = fig_data["arrivals_s"]
+        if arrivals:
+            width = max(1.0, (arrivals[-1] - arrivals[0]) / 40)
+            bins = int(arrivals[-1] // width) + 1
+            counts = [0] * bins
+            for t in arrivals:
+                counts[int(t // width)] += 1
+            ax.bar(
+                [i * width for i in range(bins)],
+                [c / width for c in counts],
+                width=width,
+                align="edge",
+                color="#4472c4",
+            )
+        ax.set_xlabel("seconds since start")
+        ax.set_ylabel("verdicts / s")
+        ax.set_title("Throughput", fontsize=9)
+    return path.name
 
 
 def plot_confusion(fig_data: dict[str, Any], path: Path) -> str:
-    plt = _plt()
     labels, m = fig_data["labels_order"], fig_data["confusion"]
-    fig, ax = plt.subplots(figsize=(1.2 * len(labels) + 2.2, 1.1 * len(labels) + 1.6), dpi=120)
-    ax.imshow(m, cmap="Blues")
-    top = max((v for row in m for v in row), default=0)
-    for i, row in enumerate(m):
-        for j, v in enumerate(row):
-            color = "white" if v > top / 2 else "black"  # readable on dark cells
-            ax.text(j, i, str(v), ha="center", va="center", fontsize=9, color=color)
-    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
-    ax.set_yticks(range(len(labels)), labels, fontsize=8)
-    ax.set_xlabel("served decision")
-    ax.set_ylabel("human label")
-    ax.set_title("Confusion on labeled messages", fontsize=9)
-    return _save(fig, path)
+    with figure(path, (1.2 * len(labels) + 2.2, 1.1 * len(labels) + 1.6)) as (_, ax):
+        ax.imshow(m, cmap="Blues")
+        top = max((v for row in m for v in row), default=0)
+        for i, row in enumerate(m):
+            for j, v in enumerate(row):
+                color = "white" if v > top / 2 else "black"  # readable on dark cells
+                ax.text(j, i, str(v), ha="center", va="center", fontsize=9, color=color)
+        ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
+        ax.set_yticks(range(len(labels)), labels, fontsize=8)
+        ax.set_xlabel("served decision")
+        ax.set_ylabel("human label")
+        ax.set_title("Confusion on labeled messages", fontsize=9)
+    return path.name
 
 
 _TABLE_KEYS = [
