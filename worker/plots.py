@@ -44,8 +44,8 @@ def plot_layer_weights(
         ax.set_xlabel("hidden-state index (0 = embeddings)")
         ax.set_ylabel("layer weight")
         ax.set_title(
-            f"{title}  entropy {entropy:.2f} / {uniform:.2f} nats (dotted: uniform)".strip(),
-            fontsize=9,
+            f"{title}\nentropy {entropy:.2f} of {uniform:.2f} nats (dotted line: uniform)".strip(),
+            fontsize=8,
         )
         ax.tick_params(axis="x", labelsize=7)
     return path

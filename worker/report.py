@@ -66,14 +66,17 @@ def plot_prequential(fig_data: dict[str, Any], path: Path) -> str:
 def plot_latency(fig_data: dict[str, Any], path: Path) -> str:
     with figure(path, (5, 3)) as (_, ax):
         lat = fig_data["latency_ms"]
+        # Seconds once a backlog makes milliseconds unreadable on the axis.
+        unit, div = ("s", 1000.0) if lat and max(lat) > 10_000 else ("ms", 1.0)
         if lat:
-            ax.hist(lat, bins=40, color="#4472c4")
+            values = sorted(v / div for v in lat)
+            ax.hist(values, bins=40, color="#4472c4")
             for q, style in ((0.5, "--"), (0.99, ":")):
-                v = sorted(lat)[min(len(lat) - 1, int(q * len(lat)))]
-                label = f"p{int(q * 100)} {v:.0f} ms"
+                v = values[min(len(values) - 1, int(q * len(values)))]
+                label = f"p{int(q * 100)} {v:.0f} {unit}"
                 ax.axvline(v, color="black", linestyle=style, linewidth=1, label=label)
-            ax.legend(fontsize=7, frameon=False)
-        ax.set_xlabel("produce → verdict (ms)")
+            ax.legend(fontsize=7, framealpha=0.9)
+        ax.set_xlabel(f"produce → verdict ({unit})")
         ax.set_ylabel("messages")
         ax.set_title("Latency", fontsize=9)
     return path.name
