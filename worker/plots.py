@@ -71,7 +71,7 @@ def plot_layer_scores(
         ax.patch.set_visible(False)
         ax.plot(xs, scores, marker="o", color="#c0392b", label=f"{score_label}, layer alone")
         ax.axhline(final, color="#c0392b", linestyle=":", linewidth=1, label="mixed (verdict)")
-        ax.set_ylim(0, 1)
+        ax.set_ylim(-0.03, 1.05)  # points at 0 or 1 stay visible
         ax.set_xticks(list(xs), [str(i) for i in layers])
         ax.set_xlabel("hidden-state index (0 = embeddings)")
         ax.set_ylabel(score_label)
