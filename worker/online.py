@@ -99,6 +99,12 @@ class Prequential:
             self.targets.append(t.cpu())
         self.seen += len(probs)
 
+    def window(self) -> tuple[Tensor, Tensor] | None:
+        """``(probs [N, C], targets)`` of the window, or None while it is empty."""
+        if not self.probs:
+            return None
+        return torch.stack(list(self.probs)), torch.stack(list(self.targets))
+
     def report(self) -> dict[str, float]:
         """Flat metrics for a manifest / Prometheus: f1, auprc, accuracy, per-class f1."""
         if len(self.probs) < 2:

@@ -151,6 +151,7 @@ class Settings(BaseSettings):
         None, description="ProbeSpec JSON to start from zero with (default: a toxicity probe)."
     )
     entropy_alarm: Annotated[float, Field(ge=0)] = 0.5
+    calibrate_min_positives: Annotated[int, Field(ge=0)] = 20
 
     # --- Rollout (see worker/rollout.py; evaluated by the active updater) ---------
     # auto_live: new versions go live at once. canary: new versions are candidates; the

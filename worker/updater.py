@@ -40,6 +40,7 @@ from safetensors.torch import save as st_save
 from probes.checkpoint import checkpoint_to_bytes, load_checkpoint, probe_from_bytes
 from probes.errors import CheckpointError
 from probes.learner import Learner
+from probes.metrics import choose_thresholds
 from probes.pooling import SUMMARIES
 from probes.probe import Probe, build_probe
 from schemas import HumanLabel, ProbeSpec, TrainingCounters
@@ -513,6 +514,7 @@ class Updater:
         if probe is None or learner is None or self.prequential is None or self.loop is None:
             return None
         start = time.perf_counter()
+        self._calibrate()
         metrics = self.prequential.report()
         metrics["layer_entropy"] = probe.layer_entropy()
         try:
@@ -566,6 +568,28 @@ class Updater:
             metrics.get("prequential_f1", float("nan")),
         )
         return version
+
+    def _calibrate(self) -> None:
+        """Flag thresholds that maximize F1 on the prequential window: the online
+        counterpart of ``fit`` choosing them on validation. Each label's threshold moves only
+        once the window holds ``calibrate_min_positives`` of its positives (0: never)."""
+        need = self.settings.calibrate_min_positives
+        window = self.prequential.window() if self.prequential is not None else None
+        if not need or window is None or self.probe is None:
+            return
+        probs, targets = window
+        spec = self.probe.spec
+        if spec.task == "multiclass":
+            positives = {lab: int((targets == spec.labels.index(lab)).sum()) for lab in spec.labels}
+        else:
+            positives = {lab: int(targets[:, j].sum()) for j, lab in enumerate(spec.labels)}
+        chosen = {
+            label: t
+            for label, t in choose_thresholds(spec, probs, targets).items()
+            if positives[label] >= need
+        }
+        if chosen:
+            self.probe.set_thresholds({**spec.thresholds, **chosen})
 
     def _publishable(self) -> Probe:
         if self.probe is None:

@@ -121,6 +121,9 @@ def test_labels_become_versions_that_scorers_serve_and_that_learn(
     manifest = registry.manifest(last)
     assert manifest.parent is not None and manifest.counters.labels_seen >= 320
     assert manifest.metrics["prequential_n"] > 0 and "prequential_f1" in manifest.metrics
+    # The flag threshold was calibrated on the prequential window (plenty of positives).
+    assert set(manifest.spec.thresholds) == {"toxic"}
+    assert 0.0 <= manifest.spec.thresholds["toxic"] <= 1.0
     assert all(e.actor == "updater-a" for _, e in registry.history(100) if e.kind == "published")
 
 
