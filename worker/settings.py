@@ -129,7 +129,7 @@ class Settings(BaseSettings):
     train_probe: str | None = Field(
         None, description="Probe the updater trains (default: first of probes)."
     )
-    learn_lr: Annotated[float, Field(gt=0, le=1)] = 1e-4
+    learn_lr: Annotated[float, Field(gt=0, le=1)] = 3e-4
     learn_weight_decay: Annotated[float, Field(ge=0)] = 0.01
     learn_batch_size: Annotated[int, Field(ge=1, le=1024)] = 32
     learn_steps_per_batch: Annotated[int, Field(ge=1, le=100)] = 2

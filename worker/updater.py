@@ -426,8 +426,12 @@ class Updater:
         bs = self.settings.learn_batch_size
         for start in range(0, len(new), bs):
             fresh = new[start : start + bs]
+            # At least as many replayed (class-balanced) examples as fresh ones: a full
+            # batch of fresh labels must not crowd the replay out, or a skewed stream
+            # (ToxicChat: 7 % toxic) teaches mostly its majority class.
+            extra = max(bs - len(fresh), len(fresh))
             for _ in range(self.settings.learn_steps_per_batch):
-                batch = fresh + replay.sample(bs - len(fresh))
+                batch = fresh + replay.sample(extra)
                 hidden, mask, targets = collate(batch)
                 loss = learner.learn_many(hidden, mask, targets)
                 self.metrics.steps.inc()
