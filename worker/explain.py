@@ -115,10 +115,13 @@ def cached_text(client: Any, keys: Keys, message_id: str) -> str:
 
 
 def verify(
-    source: ProbeSource, extractor: HiddenStateExtractor
+    source: ProbeSource, extractor: HiddenStateExtractor, signing_key: bytes | None = None
 ) -> tuple[Probe, CheckpointManifest]:
-    """The probe, verified as a scorer would (raises ``probes.IncompatibleCheckpoint`` etc.)."""
-    probe, manifest = probe_from_bytes(source.blob, source.manifest_json, extractor.fingerprint)
+    """The probe, verified as a scorer would: hash, LLM fingerprint and, with a key, the
+    HMAC signature (raises ``probes.IncompatibleCheckpoint`` etc.)."""
+    probe, manifest = probe_from_bytes(
+        source.blob, source.manifest_json, extractor.fingerprint, signing_key=signing_key
+    )
     return probe.float().eval(), manifest
 
 

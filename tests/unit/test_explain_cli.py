@@ -172,6 +172,16 @@ def test_clear_errors(capsys, workspace: Path, argv: list[str], message: str) ->
     assert message in err and "Traceback" not in err, err
 
 
+def test_a_configured_key_refuses_an_unsigned_checkpoint(
+    capsys, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PROBEGUARD_CHECKPOINT_HMAC_KEY", "k" * 32)
+    capsys.readouterr()
+    assert main(["explain", *args(workspace), TEXT]) == 1
+    err = capsys.readouterr().err
+    assert "unsigned" in err and "k" * 32 not in err, err
+
+
 def test_registry_needs_redis(capsys, workspace: Path) -> None:
     assert main(["explain", "--model", str(workspace / "tiny-llama-0-own"), TEXT]) == 1
     assert "no Redis configured" in capsys.readouterr().err

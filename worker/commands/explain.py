@@ -86,7 +86,7 @@ def _run(args: argparse.Namespace) -> int:
         batch_size=1,
         max_chunks=settings.max_chunks,
     )
-    probe, manifest = verify(source, extractor)
+    probe, manifest = verify(source, extractor, settings.signing_key)
     opts = ExplainOptions(
         top_k=args.top_k,
         lens_every=args.lens_every,
