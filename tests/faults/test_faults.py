@@ -335,17 +335,19 @@ def _generate(strategy: st.SearchStrategy[bytes], n: int) -> list[bytes]:
 def test_fuzzed_payloads_on_every_input_topic_are_dead_lettered_never_a_crash(
     stack: Stack, threads: list[Threaded]
 ) -> None:
+    # Generate first: hypothesis warns when other threads (the Kafka clients') touch the
+    # global `random` module while it draws.
+    base_chat = json.loads(chat("fz-chat", "a perfectly ordinary message"))
+    base_label = json.loads(label(1, prefix="fz-label"))
+    chat_in = _generate(_payloads(base_chat), 1000)
+    label_in = _generate(_payloads(base_label), 1000)
+    assert len(chat_in) >= 1000 and len(label_in) >= 1000
     s = fast(stack.settings)
     reg = registry(s)
     scorer, updater = roles(s, threads)
     publish_probe(reg, scorer.extractor.fingerprint)
     wait_until(lambda: scorer.watcher.versions()["toxicity"]["live"] is not None, "a probe")
     wait_until(lambda: updater.probe is not None, "the updater to resume")
-    base_chat = json.loads(chat("fz-chat", "a perfectly ordinary message"))
-    base_label = json.loads(label(1, prefix="fz-label"))
-    chat_in = _generate(_payloads(base_chat), 1000)
-    label_in = _generate(_payloads(base_label), 1000)
-    assert len(chat_in) >= 1000 and len(label_in) >= 1000
     seen_before = updater.counters.labels_seen
     produce_raw(s, s.topic_chat, [(f"fz-c-{i}".encode(), p) for i, p in enumerate(chat_in)])
     produce_raw(s, s.topic_labels, [(f"fz-l-{i}".encode(), p) for i, p in enumerate(label_in)])
