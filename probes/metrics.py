@@ -77,18 +77,21 @@ def _truth(spec: ProbeSpec, targets: Tensor) -> np.ndarray:
     return targets.numpy() > 0.5
 
 
-def choose_thresholds(spec: ProbeSpec, probs: Tensor, targets: Tensor) -> dict[str, float]:
+def choose_thresholds(
+    spec: ProbeSpec, probs: Tensor, targets: Tensor, *, min_positives: int = 1
+) -> dict[str, float]:
     """Per-label thresholds that maximize F1 on this split.
 
     Multiclass: one for each flag label (none without flag labels: arg-max).
-    Multilabel: one for every label that has a positive on this split.
+    Multilabel: one for every label. A label gets a threshold only when this split holds
+    at least ``min_positives`` of its positives.
     """
     truth, p = _truth(spec, targets), probs.double().numpy()
     wanted = spec.flag_labels if spec.task == "multiclass" else spec.labels
     out: dict[str, float] = {}
     for label in wanted:
         j = spec.labels.index(label)
-        if truth[:, j].any():
+        if min_positives > 0 and int(truth[:, j].sum()) >= min_positives:
             out[label] = min(1.0, max(0.0, best_f1_threshold(truth[:, j], p[:, j])[0]))
     return out
 

@@ -107,9 +107,10 @@ class Prequential:
 
     def report(self) -> dict[str, float]:
         """Flat metrics for a manifest / Prometheus: f1, auprc, accuracy, per-class f1."""
-        if len(self.probs) < 2:
+        window = self.window()
+        if window is None or len(self.probs) < 2:
             return {}
-        rep = evaluate(self.spec, torch.stack(list(self.probs)), torch.stack(list(self.targets)))
+        rep = evaluate(self.spec, *window)
         out = {
             "prequential_f1": rep["f1"],
             "prequential_auprc": rep["auprc"],

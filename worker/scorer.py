@@ -133,7 +133,7 @@ class Scorer:
         )
         # One breaker for every best-effort Redis call: after a failure, batches skip Redis
         # for a few seconds rather than each waiting on a socket timeout.
-        self.redis_breaker = Breaker(cooldown_s=5.0)
+        self.redis_breaker = Breaker()
         registries = {n: Registry(redis_client, self.keys, n) for n in settings.probe_names}
         self.watcher = ProbeWatcher(
             registries,

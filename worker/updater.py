@@ -581,17 +581,8 @@ class Updater:
         window = self.prequential.window() if self.prequential is not None else None
         if not need or window is None or self.probe is None:
             return
-        probs, targets = window
         spec = self.probe.spec
-        if spec.task == "multiclass":
-            positives = {lab: int((targets == spec.labels.index(lab)).sum()) for lab in spec.labels}
-        else:
-            positives = {lab: int(targets[:, j].sum()) for j, lab in enumerate(spec.labels)}
-        chosen = {
-            label: t
-            for label, t in choose_thresholds(spec, probs, targets).items()
-            if positives[label] >= need
-        }
+        chosen = choose_thresholds(spec, *window, min_positives=need)
         if chosen:
             self.probe.set_thresholds({**spec.thresholds, **chosen})
 
