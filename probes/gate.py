@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from probes.pooling import real_spans
+from probes.pooling import per_span, real_spans
 from probes.registry import TokenPoolModule, register_token_pool
 from schemas import ProbeSpec
 
@@ -36,11 +36,15 @@ class ScoringGate(TokenPoolModule):
         self.weight = nn.Parameter(torch.randn(L, D) / math.sqrt(D))  # [L, D]
         self.bias = nn.Parameter(torch.zeros(L))  # [L]
 
+    def _on_raw_states(self, shift: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+        """Gate weight ``[L, D]`` and bias ``[L]`` for raw states:
+        w · (h - shift) / scale == (w / scale) · h - (w / scale) · shift, one pass over h."""
+        w = self.weight / scale
+        return w, self.bias - (w * shift).sum(dim=-1)
+
     def scores(self, hidden: Tensor, mask: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
         """Token weights ``[L, B, T]`` (each row sums to 1 over real tokens) for raw states."""
-        # w · (h - shift) / scale == (w / scale) · h - (w / scale) · shift: one pass over h.
-        w = self.weight / scale  # [L, D]
-        b = self.bias - (w * shift).sum(dim=-1)  # [L]
+        w, b = self._on_raw_states(shift, scale)
         raw = torch.einsum("lbtd,ld->lbt", hidden, w) + b[:, None, None]
         raw = torch.tanh(raw).masked_fill(~mask[None], float("-inf"))  # [L, B, T]
         return torch.softmax(raw, dim=-1)
@@ -67,16 +71,11 @@ class ScoringGate(TokenPoolModule):
         self, hidden: Tensor, spans: list[tuple[int, int]], shift: Tensor, scale: Tensor
     ) -> Tensor:
         """The same pooling row by row over each row's real tokens: no padded copy of
-        ``hidden`` (~6x faster than masking on CPU), padding never read."""
-        w = (self.weight / scale)[:, :, None]  # [L, D, 1]
-        b = (self.bias - (self.weight / scale * shift).sum(dim=-1))[:, None]  # [L, 1]
-        L, _, _, D = hidden.shape
-        rows = []
-        for i, (start, end) in enumerate(spans):
-            if end == start:  # no real token: nothing to weigh
-                rows.append(hidden.new_zeros(L, D))
-                continue
-            x = hidden[:, i, start:end]  # [L, n, D]
-            a = torch.softmax(torch.tanh(torch.bmm(x, w).squeeze(-1) + b), dim=-1)  # [L, n]
-            rows.append(torch.bmm(a[:, None, :], x).squeeze(1))  # [L, D]
-        return torch.stack(rows, dim=1)  # [L, B, D]
+        ``hidden`` (~4-6x faster than masking on CPU), padding never read."""
+        w, b = self._on_raw_states(shift, scale)
+
+        def attend(x: Tensor) -> Tensor:  # [L, n, D] -> [L, D]
+            a = torch.softmax(torch.tanh(torch.bmm(x, w[:, :, None]).squeeze(-1) + b[:, None]), -1)
+            return torch.bmm(a[:, None, :], x).squeeze(1)
+
+        return per_span(hidden, spans, attend, empty=0.0)  # no real token: nothing to weigh

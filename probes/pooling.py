@@ -30,6 +30,7 @@ __all__ = [
     "last_token",
     "masked_max",
     "masked_mean",
+    "per_span",
     "real_spans",
     "real_token_index",
 ]
@@ -53,10 +54,15 @@ def real_spans(mask: Tensor) -> list[tuple[int, int]] | None:
     return [(f, f + n) for f, n in zip(first.tolist(), counts.tolist(), strict=True)]
 
 
-def _per_span(
-    hidden: Tensor, spans: list[tuple[int, int]], reduce: Callable[[Tensor], Tensor], empty: float
+def per_span(
+    hidden: Tensor,
+    spans: list[tuple[int, int]],
+    reduce: Callable[[Tensor], Tensor],
+    *,
+    empty: float,
 ) -> Tensor:
-    """``reduce`` over each row's real tokens: ``[L, B, T, D]`` -> ``[L, B, D]``."""
+    """``reduce`` (``[L, n, D]`` -> ``[L, D]``) over each row's real tokens:
+    ``[L, B, T, D]`` -> ``[L, B, D]``; a row without real tokens gets ``empty``."""
     L, _, _, D = hidden.shape
     rows = [
         reduce(hidden[:, b, s:e])
@@ -71,7 +77,7 @@ def masked_mean(hidden: Tensor, mask: Tensor) -> Tensor:
     """Mean over real tokens: ``[L, B, T, D]``, ``[B, T]`` -> ``[L, B, D]``."""
     spans = real_spans(mask)
     if spans is not None:
-        return _per_span(hidden, spans, lambda x: x.mean(dim=1), 0.0)
+        return per_span(hidden, spans, lambda x: x.mean(dim=1), empty=0.0)
     keep = mask[None, :, :, None]  # [1, B, T, 1]
     total = hidden.masked_fill(~keep, 0.0).sum(dim=2)  # [L, B, D]
     count = mask.sum(dim=1).clamp(min=1).to(hidden.dtype)  # [B]
@@ -97,7 +103,7 @@ def masked_max(hidden: Tensor, mask: Tensor) -> Tensor:
     """Per-dimension maximum over real tokens: ``[L, B, T, D]``, ``[B, T]`` -> ``[L, B, D]``."""
     spans = real_spans(mask)
     if spans is not None:
-        return _per_span(hidden, spans, lambda x: x.amax(dim=1), float("-inf"))
+        return per_span(hidden, spans, lambda x: x.amax(dim=1), empty=float("-inf"))
     return hidden.masked_fill(~mask[None, :, :, None], float("-inf")).amax(dim=2)
 
 
