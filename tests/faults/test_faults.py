@@ -141,8 +141,9 @@ def test_broker_paused_for_15s_everything_recovers_without_restart(
 ) -> None:
     s = fast(stack.settings)
     _, updater = roles(s, threads)
+    reg = registry(s)
     produce_raw(s, s.topic_labels, labels(0, 64))
-    wait_until(lambda: registry(s).stages().live is not None, "a first version")
+    wait_until(lambda: reg.stages().live is not None, "a first version")
     backlog = chats("b", 0, 1000)
     produce_raw(s, s.topic_chat, backlog)
     with Tally(s) as tally:
@@ -160,9 +161,9 @@ def test_broker_paused_for_15s_everything_recovers_without_restart(
     alive(threads)
     missing = out.missing(keys)
     assert not missing, f"{len(missing)} missing, e.g. {sorted(missing)[:5]}"
-    latest = registry(s).latest()
+    latest = reg.latest()
     assert latest is not None
-    assert registry(s).manifest(latest).counters.labels_seen >= 128
+    assert reg.manifest(latest).counters.labels_seen >= 128
     record(
         Row(
             f"broker SIGSTOP {OUTAGE_S:.0f} s (scorer + updater)",
