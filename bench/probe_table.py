@@ -42,7 +42,7 @@ from probes.cache import HiddenStateCache
 from probes.train import FitConfig, FitResult
 from schemas import LayerMix, TokenPool
 from worker.commands._common import dir_size
-from worker.offline import ProbeOptions, save_fit, train_probe
+from worker.offline.fit_eval import ProbeOptions, save_fit, train_probe
 
 CONFIGS: dict[str, tuple[TokenPool, LayerMix]] = {
     "mean-best": ("mean", "single"),

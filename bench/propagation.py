@@ -70,14 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     from probes.probe import build_probe
     from schemas import ChatMessage, ProbeSpec, utcnow
     from worker.embedded import EmbeddedBroker, EmbeddedRedis
-    from worker.evidence import EvidenceStore
-    from worker.extract import HiddenStateExtractor
-    from worker.kafka import ensure_topics, make_producer
-    from worker.redis_store import Keys, make_redis
-    from worker.registry import Registry
-    from worker.rollout import Rollout
-    from worker.scorer import Scorer
+    from worker.kafka.clients import ensure_topics, make_producer
+    from worker.llm.extract import HiddenStateExtractor
+    from worker.rollout.stages import Rollout
+    from worker.scoring.scorer import Scorer
     from worker.settings import Settings
+    from worker.store.checkpoints import Registry
+    from worker.store.evidence import EvidenceStore
+    from worker.store.redis import Keys, make_redis
 
     with EmbeddedBroker() as broker, EmbeddedRedis() as redis_server:
         settings = Settings(

@@ -96,7 +96,7 @@ class VerdictClock:
     def __init__(self, settings: Any) -> None:
         from kafka import KafkaConsumer
 
-        from worker.kafka import client_config
+        from worker.kafka.clients import client_config
 
         self.arrived: dict[bytes, float] = {}
         self.stop = threading.Event()
@@ -129,7 +129,7 @@ class VerdictClock:
 def produce(
     settings: Any, records: list[tuple[bytes, bytes]], rate: float | None
 ) -> dict[bytes, float]:
-    from worker.kafka import make_producer
+    from worker.kafka.clients import make_producer
 
     producer = make_producer(settings)
     sent: dict[bytes, float] = {}
@@ -161,12 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     from probes.probe import build_probe
     from schemas import ProbeSpec
     from worker.embedded import EmbeddedBroker, EmbeddedRedis
-    from worker.extract import HiddenStateExtractor
-    from worker.kafka import ensure_topics
-    from worker.redis_store import Keys, make_redis
-    from worker.registry import Registry
-    from worker.scorer import Scorer
+    from worker.kafka.clients import ensure_topics
+    from worker.llm.extract import HiddenStateExtractor
+    from worker.scoring.scorer import Scorer
     from worker.settings import Settings
+    from worker.store.checkpoints import Registry
+    from worker.store.redis import Keys, make_redis
 
     layers = parse_layers(args.layers)
     texts = load_texts(args.data, args.messages)

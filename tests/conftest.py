@@ -20,9 +20,9 @@ import redis
 
 from tests.process_helpers import Threaded
 from worker.embedded import EmbeddedBroker, EmbeddedRedis
-from worker.kafka import ensure_topics
-from worker.redis_store import Keys
+from worker.kafka.clients import ensure_topics
 from worker.settings import Settings
+from worker.store.redis import Keys
 
 # hypothesis is imported here, at collection, on purpose: imported late (its pytest plugin
 # does so at the terminal summary) after the Kafka client threads have run, CPython

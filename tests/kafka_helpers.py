@@ -8,7 +8,7 @@ from typing import Any
 
 from kafka import KafkaConsumer
 
-from worker.kafka import client_config, make_producer
+from worker.kafka.clients import client_config, make_producer
 from worker.settings import Settings
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from probes.checkpoint import checkpoint_to_bytes
 from probes.probe import Probe, build_probe
 from schemas import LLMFingerprint, ProbeSpec
-from worker.registry import Registry
+from worker.store.checkpoints import Registry
 
 
 def toxicity_spec(

@@ -34,7 +34,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from worker.llm import LoadedLLM, load_llm
+from worker.llm.load import LoadedLLM, load_llm
 from worker.settings import Settings
 
 __all__ = ["HIDDEN_SIZE", "NUM_LAYERS", "make_tiny_llm", "tiny_tokenizer"]

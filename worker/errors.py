@@ -16,7 +16,7 @@
     └── RolloutError         an operator's stage change was refused: an incompatible or
                              rolled-back version, a canary already on trial, a concurrent
                              change (registry errors, e.g. an unknown version, live in
-                             worker.registry and are ProbeguardErrors too)
+                             worker.store.checkpoints and are ProbeguardErrors too)
 
 Dependency errors are translated into these with ``raise ... from exc``.
 """

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from kafka import KafkaConsumer
 
-from worker.kafka import client_config
+from worker.kafka.clients import client_config
 from worker.settings import Settings
 
 

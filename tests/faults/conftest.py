@@ -10,7 +10,7 @@ import pytest
 
 from tests.process_helpers import tiny_model_dir
 from worker.embedded import EmbeddedBroker, EmbeddedRedis
-from worker.kafka import ensure_topics
+from worker.kafka.clients import ensure_topics
 from worker.settings import Settings
 
 

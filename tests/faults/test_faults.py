@@ -28,12 +28,12 @@ from tests.kafka_helpers import produce_raw
 from tests.probe_helpers import publish_probe
 from tests.process_helpers import Threaded, settings_env, spawn, wait_until
 from tests.tiny_llm import make_tiny_llm
-from worker.extract import HiddenStateExtractor
-from worker.redis_store import Keys, make_redis
-from worker.registry import Registry
-from worker.scorer import Scorer
+from worker.learning.updater import Updater
+from worker.llm.extract import HiddenStateExtractor
+from worker.scoring.scorer import Scorer
 from worker.settings import Settings
-from worker.updater import Updater
+from worker.store.checkpoints import Registry
+from worker.store.redis import Keys, make_redis
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.slow]
 

@@ -13,7 +13,7 @@ from schemas import ProbeSpec
 from tests.conftest import RedisNamespace
 from tests.tiny_llm import make_tiny_llm
 from worker.cli import main
-from worker.registry import Registry
+from worker.store.checkpoints import Registry
 
 pytestmark = pytest.mark.integration
 

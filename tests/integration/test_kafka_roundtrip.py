@@ -14,7 +14,13 @@ from kafka import KafkaConsumer
 
 from schemas import ChatMessage
 from worker.embedded import EmbeddedBroker
-from worker.kafka import client_config, consumer_lag, ensure_topics, make_consumer, make_producer
+from worker.kafka.clients import (
+    client_config,
+    consumer_lag,
+    ensure_topics,
+    make_consumer,
+    make_producer,
+)
 from worker.settings import Settings
 
 pytestmark = pytest.mark.integration

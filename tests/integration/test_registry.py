@@ -10,8 +10,8 @@ import pytest
 
 from schemas import CheckpointManifest, LLMFingerprint, ProbeSpec, utcnow
 from tests.conftest import RedisNamespace
-from worker.lease import Lease
-from worker.registry import Fenced, Registry, RegistryError, UnknownVersion
+from worker.store.checkpoints import Fenced, Registry, RegistryError, UnknownVersion
+from worker.store.lease import Lease
 
 pytestmark = pytest.mark.integration
 

@@ -27,15 +27,15 @@ from tests.kafka_helpers import drain, produce_raw
 from tests.probe_helpers import publish_probe, toxicity_spec
 from tests.process_helpers import Threaded, settings_env, wait_until
 from tests.tiny_llm import make_tiny_llm
-from worker.evidence import EvidenceStore
-from worker.extract import HiddenStateExtractor
-from worker.kafka import ensure_topics
-from worker.registry import Registry
-from worker.rollout import Rollout
-from worker.scorer import Scorer
-from worker.scoring import sticky_fraction
+from worker.kafka.clients import ensure_topics
+from worker.learning.updater import Updater
+from worker.llm.extract import HiddenStateExtractor
+from worker.rollout.stages import Rollout
+from worker.scoring.batch import sticky_fraction
+from worker.scoring.scorer import Scorer
 from worker.settings import Settings
-from worker.updater import Updater
+from worker.store.checkpoints import Registry
+from worker.store.evidence import EvidenceStore
 
 pytestmark = pytest.mark.integration
 

@@ -18,10 +18,10 @@ from schemas import (
 )
 from tests.conftest import RedisNamespace
 from worker.cli import main
-from worker.evidence import EvidenceStore
-from worker.lease import Lease
-from worker.registry import Registry, RegistryError, StagesChanged
-from worker.rollout import Policy, Rollout
+from worker.rollout.stages import Policy, Rollout
+from worker.store.checkpoints import Registry, RegistryError, StagesChanged
+from worker.store.evidence import EvidenceStore
+from worker.store.lease import Lease
 
 pytestmark = pytest.mark.integration
 

@@ -20,11 +20,11 @@ from tests.probe_helpers import publish_probe
 from tests.process_helpers import settings_env, spawn, tiny_model_dir, wait_until
 from tests.tiny_llm import make_tiny_llm
 from worker.embedded import free_port
-from worker.extract import HiddenStateExtractor
-from worker.kafka import ensure_topics
-from worker.registry import Registry
-from worker.scorer import Scorer
+from worker.kafka.clients import ensure_topics
+from worker.llm.extract import HiddenStateExtractor
+from worker.scoring.scorer import Scorer
 from worker.settings import Settings
+from worker.store.checkpoints import Registry
 
 pytestmark = pytest.mark.integration
 

@@ -14,10 +14,10 @@ from tests.kafka_helpers import produce_raw
 from tests.probe_helpers import publish_probe
 from tests.process_helpers import Threaded, wait_until
 from worker.embedded import free_port
-from worker.kafka import ensure_topics
-from worker.registry import Registry
-from worker.scorer import Scorer
+from worker.kafka.clients import ensure_topics
+from worker.scoring.scorer import Scorer
 from worker.settings import Settings
+from worker.store.checkpoints import Registry
 
 pytestmark = pytest.mark.integration
 
@@ -102,7 +102,7 @@ def test_updater_signs_what_it_publishes_and_resumes_only_from_signed(
     from tests.integration.test_updater import extractor as updater_extractor
     from tests.integration.test_updater import fast, label
     from worker.errors import ConfigError
-    from worker.updater import Updater
+    from worker.learning.updater import Updater
 
     settings = fast(signed)
     ensure_topics(settings)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.extract import HiddenStateExtractor
-from worker.llm import resolve_source
+from worker.llm.extract import HiddenStateExtractor
+from worker.llm.load import resolve_source
 from worker.settings import Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -11,9 +11,9 @@ import pytest
 
 from schemas import ChatMessage, DeadLetter
 from tests.kafka_helpers import drain, produce_raw
-from worker.kafka import ensure_topics, make_consumer, make_producer
+from worker.kafka.batch_loop import BatchLoop, Item, Outgoing
+from worker.kafka.clients import ensure_topics, make_consumer, make_producer
 from worker.settings import Settings
-from worker.stream import BatchLoop, Item, Outgoing
 
 pytestmark = pytest.mark.integration
 

@@ -13,12 +13,12 @@ from tests.conftest import RedisNamespace
 from tests.kafka_helpers import drain, produce_raw
 from tests.process_helpers import Threaded, settings_env, spawn, tiny_model_dir, wait_until
 from tests.tiny_llm import make_tiny_llm
-from worker.extract import HiddenStateExtractor
-from worker.kafka import ensure_topics
-from worker.registry import Registry
-from worker.scorer import Scorer
+from worker.kafka.clients import ensure_topics
+from worker.learning.updater import Updater
+from worker.llm.extract import HiddenStateExtractor
+from worker.scoring.scorer import Scorer
 from worker.settings import Settings
-from worker.updater import Updater
+from worker.store.checkpoints import Registry
 
 pytestmark = pytest.mark.integration
 

@@ -7,7 +7,7 @@ import random
 from pathlib import Path
 
 from tests.tiny_llm import make_tiny_llm
-from worker.extract import HiddenStateExtractor
+from worker.llm.extract import HiddenStateExtractor
 
 WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "mat", "log", "sun", "day", "blue", "green"]
 TOXIC = ["idiot", "moron", "trash", "stupid", "hate"]

@@ -12,8 +12,8 @@ from probes.cache import HiddenStateCache, shard_path
 from probes.errors import CacheError
 from probes.pooling import masked_max, masked_mean
 from tests.unit.offline_helpers import tiny_extractor, write_labeled
-from worker.cache_build import build_cache, default_token_layers
 from worker.errors import OfflineError
+from worker.offline.build_cache import build_cache, default_token_layers
 
 
 @pytest.fixture(scope="module")

@@ -26,10 +26,10 @@ from prometheus_client import CollectorRegistry
 from pydantic import AliasChoices
 
 from worker.cli import COMMANDS
-from worker.kafka import all_topics
-from worker.metrics import Health, HealthServer
+from worker.health import Health, HealthServer
+from worker.kafka.batch_loop import BatchLoop
+from worker.kafka.clients import all_topics
 from worker.settings import Settings
-from worker.stream import BatchLoop
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

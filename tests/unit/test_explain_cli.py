@@ -13,8 +13,8 @@ from probes import build_probe, save_checkpoint
 from schemas import ProbeSpec
 from tests.tiny_llm import NUM_LAYERS, make_tiny_llm
 from worker.cli import main
-from worker.extract import HiddenStateExtractor
-from worker.llm import load_llm
+from worker.llm.extract import HiddenStateExtractor
+from worker.llm.load import load_llm
 from worker.settings import Settings
 
 TEXT = "you are an idiot"
@@ -192,7 +192,7 @@ def test_rich_rendering_fits_80_columns(capsys, workspace: Path) -> None:
 
     from rich.console import Console
 
-    from worker.explain_view import print_rich
+    from worker.explain.render import print_rich
 
     report = explain_json(capsys, *args(workspace, "mha"), TEXT)
     buffer = io.StringIO()

@@ -10,8 +10,8 @@ import torch
 
 from tests.tiny_llm import HIDDEN_SIZE, NUM_LAYERS, make_tiny_llm
 from worker.errors import ExtractionError
-from worker.extract import Extraction, HiddenStateExtractor
-from worker.llm import LoadedLLM
+from worker.llm.extract import Extraction, HiddenStateExtractor
+from worker.llm.load import LoadedLLM
 
 ALL = list(range(NUM_LAYERS + 1))
 TEXTS = ["hello", "a much longer text, with punctuation!", "mid size", "x"]
@@ -303,7 +303,7 @@ def test_cuda_model_matches_cpu() -> None:
 
 
 def test_properties_and_from_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker import extract as extract_module
+    from worker.llm import extract as extract_module
     from worker.settings import Settings
 
     llm = make_tiny_llm()

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from tests.tiny_llm import make_tiny_llm
 from worker.errors import ConfigError, ExtractionInputError
-from worker.extract import HiddenStateExtractor, _truncate, clean_text
+from worker.llm.extract import HiddenStateExtractor, _truncate, clean_text
 
 ALLOWED_CONTROLS = {"\t", "\n", "\r"}
 

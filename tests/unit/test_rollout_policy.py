@@ -7,10 +7,10 @@ import math
 import pytest
 
 from schemas import CheckpointEvent, DecidedRecord, ProbeDecision, utcnow
-from worker.evidence import Confusion, Evidence
-from worker.registry import Stages, live_lineage
-from worker.rollout import Policy, Situation, decide
-from worker.scoring import sticky_fraction
+from worker.rollout.stages import Policy, Situation, decide
+from worker.scoring.batch import sticky_fraction
+from worker.store.checkpoints import Stages, live_lineage
+from worker.store.evidence import Confusion, Evidence
 
 POLICY = Policy(
     mode="canary",

@@ -6,9 +6,9 @@ import pytest
 from pydantic import ValidationError
 
 from worker.errors import ConfigError
-from worker.kafka import client_config
-from worker.redis_store import Keys, make_redis
+from worker.kafka.clients import client_config
 from worker.settings import Settings
+from worker.store.redis import Keys, make_redis
 
 
 def test_environment_with_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -125,7 +125,7 @@ def test_redis_clients_fail_fast() -> None:
 
 
 def test_redis_breaker_backs_off_and_resets() -> None:
-    from worker.redis_store import Breaker
+    from worker.store.redis import Breaker
 
     b = Breaker(cooldown_s=0.05, max_cooldown_s=0.1)
     assert b.ready()

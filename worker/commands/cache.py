@@ -67,9 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 @offline_errors
 def _build(args: argparse.Namespace) -> int:
-    from worker.cache_build import build_cache
     from worker.errors import OfflineError
-    from worker.extract import HiddenStateExtractor
+    from worker.llm.extract import HiddenStateExtractor
+    from worker.offline.build_cache import build_cache
     from worker.settings import load_settings
 
     kinds: list = [k.strip() for k in args.summaries.split(",") if k.strip()]

@@ -77,8 +77,8 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from worker.demo import DemoOptions, run_demo
-    from worker.extract import HiddenStateExtractor
+    from worker.demo.run import DemoOptions, run_demo
+    from worker.llm.extract import HiddenStateExtractor
     from worker.settings import load_settings
 
     opts = DemoOptions(

@@ -30,15 +30,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 @offline_errors
 def _run(args: argparse.Namespace) -> int:
-    from worker.offline import evaluate_on_cache, evaluate_on_rows
+    from worker.offline.fit_eval import evaluate_on_cache, evaluate_on_rows
 
     if args.cache is not None:
         from probes.cache import HiddenStateCache
 
         probe, report = evaluate_on_cache(args.checkpoint, HiddenStateCache(args.cache))
     else:
-        from worker.extract import HiddenStateExtractor
-        from worker.labeled import read_labeled
+        from worker.llm.extract import HiddenStateExtractor
+        from worker.offline.labeled import read_labeled
         from worker.settings import load_settings
 
         overrides = {} if args.batch_size is None else {"batch_size": args.batch_size}

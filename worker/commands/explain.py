@@ -1,5 +1,5 @@
 """``probeguard explain``: how one message's verdict forms (scores by layer, top tokens,
-logit lens); the work is in :mod:`worker.explain` and :mod:`probes.explain`."""
+logit lens); the work is in :mod:`worker.explain.report` and :mod:`probes.explain`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from worker.commands._common import offline_errors, print_json, settings_with
 
 if TYPE_CHECKING:
-    from worker.explain import ProbeSource
+    from worker.explain.report import ProbeSource
     from worker.settings import Settings
 
 __all__ = ["register"]
@@ -65,9 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 @offline_errors
 def _run(args: argparse.Namespace) -> int:
     from worker.errors import ExplainError, ExtractionInputError
-    from worker.explain import ExplainOptions, explain, verify
-    from worker.extract import HiddenStateExtractor, clean_text
-    from worker.llm import load_llm
+    from worker.explain.report import ExplainOptions, explain, verify
+    from worker.llm.extract import HiddenStateExtractor, clean_text
+    from worker.llm.load import load_llm
 
     if args.checkpoint is not None and (args.version is not None or args.probe is not None):
         raise ExplainError("--checkpoint names the probe itself; drop --probe/--version")
@@ -96,7 +96,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     report = explain(probe, manifest, extractor, text, source.where, opts)
     if args.html is not None:
-        from worker.explain_view import write_html
+        from worker.explain.render import write_html
 
         report["html"] = str(write_html(report, args.html))
     _show(report, as_json=args.json)
@@ -106,20 +106,20 @@ def _run(args: argparse.Namespace) -> int:
 def _text(args: argparse.Namespace, settings: Settings) -> str:
     if args.message_id is None:
         return str(args.text)
-    from worker.explain import cached_text
-    from worker.redis_store import Keys, make_redis
+    from worker.explain.report import cached_text
+    from worker.store.redis import Keys, make_redis
 
     with make_redis(settings) as client:
         return cached_text(client, Keys(settings.redis_prefix), args.message_id)
 
 
 def _source(args: argparse.Namespace, settings: Settings) -> ProbeSource:
-    from worker.explain import source_from_checkpoint, source_from_registry
+    from worker.explain.report import source_from_checkpoint, source_from_registry
 
     if args.checkpoint is not None:
         return source_from_checkpoint(args.checkpoint)
-    from worker.redis_store import Keys, make_redis
-    from worker.registry import Registry
+    from worker.store.checkpoints import Registry
+    from worker.store.redis import Keys, make_redis
 
     with make_redis(settings) as client:
         name = args.probe or settings.trained_probe
@@ -128,7 +128,7 @@ def _source(args: argparse.Namespace, settings: Settings) -> ProbeSource:
 
 
 def _show(report: dict[str, Any], *, as_json: bool) -> None:
-    from worker.explain_view import print_rich, render_plain
+    from worker.explain.render import print_rich, render_plain
 
     if as_json:
         print_json(report)

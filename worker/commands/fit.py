@@ -82,7 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from probes.cache import HiddenStateCache
     from probes.train import FitConfig
-    from worker.offline import ProbeOptions, save_fit, train_probe
+    from worker.offline.fit_eval import ProbeOptions, save_fit, train_probe
     from worker.settings import load_settings
 
     cache = HiddenStateCache(args.cache)

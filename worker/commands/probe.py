@@ -136,11 +136,11 @@ class _Ctx:
 
 
 def _ctx(args: argparse.Namespace) -> _Ctx:
-    from worker.evidence import EvidenceStore
-    from worker.redis_store import Keys, make_redis
-    from worker.registry import Registry
-    from worker.rollout import Rollout
+    from worker.rollout.stages import Rollout
     from worker.settings import load_settings
+    from worker.store.checkpoints import Registry
+    from worker.store.evidence import EvidenceStore
+    from worker.store.redis import Keys, make_redis
 
     settings = load_settings()
     client = make_redis(settings)
@@ -158,7 +158,7 @@ def _emit(obj: Any) -> None:
 
 
 def _holder(ctx: _Ctx) -> str | None:
-    from worker.lease import Lease
+    from worker.store.lease import Lease
 
     current = Lease(ctx.registry.client, ctx.registry.lease_key, "probeguard-cli").current()
     return current[1] if current else None
@@ -197,7 +197,7 @@ def _check(ctx: _Ctx, args: argparse.Namespace, version: int) -> None:
     stored = reg.get(version)  # UnknownVersion / integrity errors exit 1 with the reason
     llm = stored.manifest.llm
     if args.verify_model:
-        from worker.llm import load_llm
+        from worker.llm.load import load_llm
 
         want, against = load_llm(ctx.settings).fingerprint, f"the configured model {llm.model_id}"
     else:
@@ -236,7 +236,7 @@ def _check(ctx: _Ctx, args: argparse.Namespace, version: int) -> None:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from worker.status import gather, render_status
+    from worker.rollout.status import gather, render_status
 
     ctx = _ctx(args)
     report = gather(ctx.registry, ctx.evidence, limit=max(1, args.versions))
@@ -248,7 +248,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from worker.status import stage_of
+    from worker.rollout.status import stage_of
 
     ctx = _ctx(args)
     reg = ctx.registry
@@ -322,7 +322,7 @@ def _ev(ev: Any, auprc: float) -> dict[str, Any]:
 
 
 def _promote(args: argparse.Namespace) -> int:
-    from worker.registry import StagesChanged
+    from worker.store.checkpoints import StagesChanged
 
     ctx = _ctx(args)
     _check(ctx, args, args.version)
@@ -342,7 +342,7 @@ def _promote(args: argparse.Namespace) -> int:
 
 def _canary(args: argparse.Namespace) -> int:
     from worker.errors import RolloutError
-    from worker.registry import StagesChanged
+    from worker.store.checkpoints import StagesChanged
 
     ctx = _ctx(args)
     reg = ctx.registry
@@ -372,7 +372,7 @@ def _canary(args: argparse.Namespace) -> int:
 
 
 def _rollback(args: argparse.Namespace) -> int:
-    from worker.registry import StagesChanged
+    from worker.store.checkpoints import StagesChanged
 
     ctx = _ctx(args)
     reg = ctx.registry
@@ -412,7 +412,7 @@ def _unpin(args: argparse.Namespace) -> int:
 
 
 def _history(args: argparse.Namespace) -> int:
-    from worker.status import render_history
+    from worker.rollout.status import render_history
 
     ctx = _ctx(args)
     events = [e for _, e in ctx.registry.history(max(1, args.count) * (1 if args.all else 20))]

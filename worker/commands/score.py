@@ -40,9 +40,9 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from worker.extract import HiddenStateExtractor
-    from worker.redis_store import make_redis
-    from worker.scorer import Scorer
+    from worker.llm.extract import HiddenStateExtractor
+    from worker.scoring.scorer import Scorer
+    from worker.store.redis import make_redis
 
     settings = settings_with(
         probes=args.probes,

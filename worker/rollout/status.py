@@ -17,9 +17,9 @@ from datetime import datetime
 from typing import Any
 
 from schemas import CheckpointEvent
-from worker.evidence import Evidence, EvidenceStore
-from worker.lease import Lease
-from worker.registry import Registry, Stages, UnknownVersion
+from worker.store.checkpoints import Registry, Stages, UnknownVersion
+from worker.store.evidence import Evidence, EvidenceStore
+from worker.store.lease import Lease
 
 __all__ = ["StatusReport", "VersionRow", "gather", "render_history", "render_status", "stage_of"]
 

@@ -42,8 +42,8 @@ from collections.abc import Set
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from worker.evidence import Confusion, Evidence, EvidenceStore
-from worker.registry import Registry, RegistryError, Stages
+from worker.store.checkpoints import Registry, RegistryError, Stages
+from worker.store.evidence import Confusion, Evidence, EvidenceStore
 
 if TYPE_CHECKING:
     from worker.settings import Settings
@@ -250,7 +250,7 @@ class Rollout:
     """Stage changes of one probe, each an event with its reason and numbers.
 
     Every change is a compare-and-set against the stages read before deciding
-    (``expect``); :class:`~worker.registry.StagesChanged` means someone else changed
+    (``expect``); :class:`~worker.store.checkpoints.StagesChanged` means someone else changed
     them first.
     """
 

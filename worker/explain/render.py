@@ -1,4 +1,4 @@
-"""Showing an explanation (:func:`worker.explain.explain`'s report): 80-column plain text, a
+"""Showing an explanation (:func:`worker.explain.report.explain`'s report): 80-column plain text, a
 rich rendering for terminals, and an HTML page with PNG plots."""
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ Key layout (``K = {prefix}:{probe}``)::
     K:manifest:{v}     JSON CheckpointManifest
     K:stages           hash: live -> v, canary -> v, canary_share -> float, pinned -> 0/1
     K:events           stream of CheckpointEvent JSON (field "event")
-    K:updater_lease    "<token>|<holder>" with a TTL (see worker.lease)
+    K:updater_lease    "<token>|<holder>" with a TTL (see worker.store.lease)
     K:rolled_back      hash: version -> reason; such a version is never auto-promoted again
     K:tried            set of versions that have been canaries (the policy never retries one)
-    K:evidence:{v}     per-version evidence counters (see worker.evidence)
+    K:evidence:{v}     per-version evidence counters (see worker.store.evidence)
 
 Stage changes are one Lua script too: pointers, marks and the event together, and
 optionally only if the pointers still hold the values the caller read
@@ -39,7 +39,7 @@ from pydantic import ValidationError
 
 from schemas import CheckpointEvent, CheckpointManifest, EventKind, describe_error, utcnow
 from worker.errors import ProbeguardError
-from worker.redis_store import Keys
+from worker.store.redis import Keys
 
 __all__ = [
     "Fenced",

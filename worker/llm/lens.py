@@ -2,7 +2,7 @@
 
 The LLM's own output is ``lm_head(final_norm(h_top_block))``; the lens applies the same two
 maps to an intermediate layer's state. Hidden-state index ``num_layers`` is the model's
-``last_hidden_state``, already after the final norm (see :mod:`worker.extract`), so there
+``last_hidden_state``, already after the final norm (see :mod:`worker.llm.extract`), so there
 only the head is applied: the lens of the top layer *is* the model's next-token
 distribution. Models that scale or cap logits after the head (e.g. Gemma's soft cap) are
 shown before that step, which changes probabilities but not the ranking.
@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from worker.errors import ProbeguardError
 
 if TYPE_CHECKING:
-    from worker.llm import LoadedLLM
+    from worker.llm.load import LoadedLLM
 
 __all__ = ["LensRow", "LensUnavailable", "LogitLens", "find_final_norm"]
 

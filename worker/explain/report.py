@@ -3,7 +3,7 @@
     text -> extractor (the probe's layers + the lens layers, one pass)
          -> score by layer   (probes.explain.layer_breakdown: head on each layer alone, mix weight)
          -> top tokens       (probes.explain.token_weights, on the most heavily mixed layers)
-         -> logit lens       (worker.lens: final norm + LM head at the last real token)
+         -> logit lens       (worker.llm.lens: final norm + LM head at the last real token)
 
 The probe comes from a checkpoint directory or from the Redis registry, and is verified
 like a scorer verifies it (sha256, then the LLM fingerprint). The verdict in the report is
@@ -31,14 +31,14 @@ from probes.decision import decide
 from probes.explain import layer_breakdown, token_weights
 from probes.pooling import real_token_index
 from worker.errors import ExplainError, ExtractionInputError
-from worker.lens import LensUnavailable, LogitLens
+from worker.llm.lens import LensUnavailable, LogitLens
 
 if TYPE_CHECKING:
     from probes.probe import Probe
     from schemas import CheckpointManifest, ProbeSpec
-    from worker.extract import HiddenStateExtractor
-    from worker.redis_store import Keys
-    from worker.registry import Registry
+    from worker.llm.extract import HiddenStateExtractor
+    from worker.store.checkpoints import Registry
+    from worker.store.redis import Keys
 
 __all__ = [
     "ExplainOptions",

@@ -136,7 +136,7 @@ class BatchLoop(Generic[T]):
     ) -> BatchLoop[T]:
         """A loop on ``topic`` in ``group_id`` with a consumer and producer from ``settings``,
         decoding with ``settings.limits`` and dead-lettering to ``settings.topic_dead_letter``."""
-        from worker.kafka import make_consumer, make_producer
+        from worker.kafka.clients import make_consumer, make_producer
 
         return cls(
             consumer=make_consumer(settings, group_id, [topic]),

@@ -6,10 +6,10 @@ probe reads, every probe scores, one :class:`Verdict` per message keyed by
 message id; uncertain and audit-sampled messages go to the review topic
 (rate-limited across all scorers); message texts and how each probe decided go
 to Redis with a TTL so labels can be joined later, and every decision is added
-to its version's evidence counters (see :mod:`worker.evidence`). Offsets are
+to its version's evidence counters (see :mod:`worker.store.evidence`). Offsets are
 committed only after the broker has acknowledged everything the batch produced
-(see :mod:`worker.stream`).
-Probes hot-swap between batches (see :mod:`worker.probe_watch`).
+(see :mod:`worker.kafka.batch_loop`).
+Probes hot-swap between batches (see :mod:`worker.scoring.probe_watch`).
 """
 
 from __future__ import annotations
@@ -28,16 +28,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from probes.checkpoint import load_checkpoint
 from schemas import ChatMessage, DecidedRecord, ProbeDecision, ReviewRequest, Verdict, utcnow
 from worker.errors import ConfigError
-from worker.evidence import EvidenceStore
-from worker.extract import HiddenStateExtractor
-from worker.kafka import consumer_lag, ensure_topics
-from worker.metrics import Health, HealthServer
-from worker.probe_watch import ProbeWatcher
-from worker.redis_store import Breaker, Keys
-from worker.registry import Registry
-from worker.scoring import BatchScores, Scoring, ServedProbe, sticky_fraction
+from worker.health import Health, HealthServer
+from worker.kafka.batch_loop import BatchLoop, Item, Outgoing
+from worker.kafka.clients import consumer_lag, ensure_topics
+from worker.llm.extract import HiddenStateExtractor
+from worker.scoring.batch import BatchScores, Scoring, ServedProbe, sticky_fraction
+from worker.scoring.probe_watch import ProbeWatcher
 from worker.settings import Settings
-from worker.stream import BatchLoop, Item, Outgoing
+from worker.store.checkpoints import Registry
+from worker.store.evidence import EvidenceStore
+from worker.store.redis import Breaker, Keys
 
 __all__ = ["Scorer", "ScorerMetrics"]
 

@@ -38,7 +38,7 @@ from probes.cache import (
 from probes.errors import ProbeError
 from schemas import CacheManifest, CacheSource, LabeledText, LLMFingerprint, SummaryKind, utcnow
 from worker.errors import OfflineError
-from worker.labeled import file_sha256, read_labeled
+from worker.offline.labeled import file_sha256, read_labeled
 
 __all__ = ["ExtractorLike", "build_cache", "default_token_layers", "plan_cache"]
 
@@ -54,7 +54,7 @@ class ExtractionLike(Protocol):
 
 
 class ExtractorLike(Protocol):
-    """What the builder needs from ``worker.extract.HiddenStateExtractor``."""
+    """What the builder needs from ``worker.llm.extract.HiddenStateExtractor``."""
 
     max_tokens: int
 

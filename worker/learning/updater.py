@@ -13,7 +13,7 @@
                 label offsets committed, so a crash loses no label
     rollout  -- every label is credited to the version(s) that judged its message
                 (evidence), and between batches the rollout policy promotes, trials
-                or rolls back versions (see worker.rollout); the lease holder is the
+                or rolls back versions (see worker.rollout.stages); the lease holder is the
                 only automatic writer of stages
 
 Labels that cannot be joined, name unknown labels, or whose text the model
@@ -45,17 +45,17 @@ from probes.pooling import SUMMARIES
 from probes.probe import Probe, build_probe
 from schemas import HumanLabel, ProbeSpec, TrainingCounters
 from worker.errors import ConfigError
-from worker.evidence import EvidenceStore
-from worker.extract import HiddenStateExtractor
-from worker.kafka import ensure_topics
-from worker.lease import Lease
-from worker.metrics import Health, HealthServer
-from worker.online import Example, Prequential, ReplayBuffer, collate
-from worker.redis_store import Keys
-from worker.registry import Fenced, Registry, RegistryError, StagesChanged
-from worker.rollout import Policy, Rollout
+from worker.health import Health, HealthServer
+from worker.kafka.batch_loop import BatchLoop, Item, Outgoing, TransientError
+from worker.kafka.clients import ensure_topics
+from worker.learning.replay import Example, Prequential, ReplayBuffer, collate
+from worker.llm.extract import HiddenStateExtractor
+from worker.rollout.stages import Policy, Rollout
 from worker.settings import Settings
-from worker.stream import BatchLoop, Item, Outgoing, TransientError
+from worker.store.checkpoints import Fenced, Registry, RegistryError, StagesChanged
+from worker.store.evidence import EvidenceStore
+from worker.store.lease import Lease
+from worker.store.redis import Keys
 
 __all__ = ["Updater", "default_spec"]
 

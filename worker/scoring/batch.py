@@ -30,7 +30,7 @@ from probes.probe import Probe
 from schemas import ChatMessage, CheckpointManifest, ProbeDecision, ProbeResult, ShadowResult
 
 if TYPE_CHECKING:
-    from worker.extract import Extraction, HiddenStateExtractor
+    from worker.llm.extract import Extraction, HiddenStateExtractor
 
 __all__ = ["BatchScores", "ProbeSlot", "Scoring", "ServedProbe", "sticky_fraction"]
 

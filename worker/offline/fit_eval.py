@@ -20,8 +20,8 @@ from probes.dataset import ProbeDataset
 from probes.metrics import evaluate
 from probes.train import FitConfig, FitResult, fit, predict_dataset
 from schemas import LabeledText, LayerMix, ProbeSpec, TokenPool, TrainingCounters
-from worker.cache_build import ExtractorLike
 from worker.errors import OfflineError
+from worker.offline.build_cache import ExtractorLike
 
 __all__ = [
     "ProbeOptions",

@@ -28,14 +28,14 @@ from pydantic import SecretStr
 
 from schemas import ChatMessage, HumanLabel, LabeledText, ProbeSpec, Verdict, utcnow
 from worker.embedded import EmbeddedBroker, EmbeddedRedis
-from worker.extract import HiddenStateExtractor
-from worker.kafka import client_config, ensure_topics, make_producer
-from worker.labeled import read_labeled
-from worker.redis_store import Keys, make_redis
-from worker.registry import Registry
-from worker.scorer import Scorer
+from worker.kafka.clients import client_config, ensure_topics, make_producer
+from worker.learning.updater import Updater
+from worker.llm.extract import HiddenStateExtractor
+from worker.offline.labeled import read_labeled
+from worker.scoring.scorer import Scorer
 from worker.settings import Settings
-from worker.updater import Updater
+from worker.store.checkpoints import Registry
+from worker.store.redis import Keys, make_redis
 
 __all__ = ["DemoOptions", "DemoRun", "default_data", "run_demo"]
 
@@ -325,8 +325,8 @@ def run_demo(
 ) -> tuple[dict[str, Any], Path]:
     """Run the demo to the end (or ``interrupted``/timeout); write the report. Returns
     the figures and the report page."""
-    from worker.live import LiveView
-    from worker.report import write_report
+    from worker.demo.live_view import LiveView
+    from worker.demo.report import write_report
 
     interrupted = interrupted or threading.Event()
     demo = DemoRun(settings, opts, extractor)

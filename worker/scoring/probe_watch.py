@@ -24,9 +24,9 @@ import torch
 from probes.checkpoint import probe_from_bytes
 from probes.errors import CheckpointError
 from schemas import LLMFingerprint
-from worker.redis_store import Breaker
-from worker.registry import Registry, RegistryError
-from worker.scoring import ProbeSlot, ServedProbe
+from worker.scoring.batch import ProbeSlot, ServedProbe
+from worker.store.checkpoints import Registry, RegistryError
+from worker.store.redis import Breaker
 
 __all__ = ["ProbeWatcher"]
 

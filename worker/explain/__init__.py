@@ -1,0 +1,1 @@
+"""How a verdict forms: the per-layer report and its terminal/HTML rendering."""

@@ -1,0 +1,1 @@
+"""Kafka plumbing: client factories and the at-least-once batch loop every role runs."""

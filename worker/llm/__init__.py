@@ -1,0 +1,5 @@
+"""The frozen LLM: everything that imports transformers.
+
+Loading and fingerprints (``load``), hidden-state extraction (``extract``) and the
+logit lens (``lens``).
+"""

@@ -1,0 +1,1 @@
+"""Offline work on labeled files: reading them, building hidden-state caches, fit and eval."""

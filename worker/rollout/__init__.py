@@ -1,0 +1,4 @@
+"""Probe versions in production.
+
+The pure promotion/rollback policy, stage operations and status views.
+"""

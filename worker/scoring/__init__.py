@@ -1,0 +1,1 @@
+"""Chat messages to verdicts: the batch scoring engine, the probe watcher and the scorer role."""
