@@ -245,14 +245,14 @@ def test_bad_checkpoints_are_refused_counted_and_scoring_continues(
 
     def corrupted_blob() -> int:
         v = publish_probe(reg, fp, seed=2, set_live=False)
-        reg.client.set(reg.key("ckpt", v), b"\x00garbage\x00")
+        reg.client.set(reg.keys.ckpt(reg.probe, v), b"\x00garbage\x00")
         return v
 
     def wrong_hash() -> int:
         v = publish_probe(reg, fp, seed=3, set_live=False)
         m = CheckpointManifest.decode(reg.get(v).manifest_json)
         bad = m.model_copy(update={"tensors_sha256": hashlib.sha256(b"other").hexdigest()})
-        reg.client.set(reg.key("manifest", v), bad.encode())
+        reg.client.set(reg.keys.manifest(reg.probe, v), bad.encode())
         return v
 
     def other_model() -> int:

@@ -74,11 +74,11 @@ def test_corruption_is_detected(registry: Registry, redis_ns: RedisNamespace) ->
     with pytest.raises(RegistryError, match="sha256"):
         registry.publish(blob + b"x", manifest)
     registry.publish(blob, manifest)
-    redis_ns.client.set(registry.key("ckpt", v), b"flipped" + blob)
+    redis_ns.client.set(registry.keys.ckpt(registry.probe, v), b"flipped" + blob)
     with pytest.raises(RegistryError, match="sha256"):
         registry.get(v)
-    redis_ns.client.set(registry.key("ckpt", v), blob)
-    redis_ns.client.set(registry.key("manifest", v), b'{"probe": "tox"}')
+    redis_ns.client.set(registry.keys.ckpt(registry.probe, v), blob)
+    redis_ns.client.set(registry.keys.manifest(registry.probe, v), b'{"probe": "tox"}')
     with pytest.raises(RegistryError, match="bad manifest"):
         registry.get(v)
 
@@ -157,7 +157,7 @@ def test_prune_keeps_live_and_canary(registry: Registry, redis_ns: RedisNamespac
     registry.set_stages("canary", set_fields={"canary": vs[1]}, version=vs[1])
     assert registry.prune(keep=2) == vs[2:4]
     assert registry.versions() == [vs[0], vs[1], vs[4], vs[5]]
-    assert redis_ns.client.exists(registry.key("ckpt", vs[2])) == 0
+    assert redis_ns.client.exists(registry.keys.ckpt(registry.probe, vs[2])) == 0
 
 
 def test_versions_strictly_increase_under_concurrency(registry: Registry) -> None:

@@ -120,11 +120,11 @@ def test_prune_keeps_the_rollback_target_and_drops_evidence(
 ) -> None:
     vs = [publish(registry, live=True) for _ in range(6)]
     for v in vs:
-        redis_ns.client.hset(evidence.key("tox", v), "n", 1)
+        redis_ns.client.hset(evidence.keys.evidence("tox", v), "n", 1)
     assert registry.prune(keep=2) == vs[:3]  # vs[3] is the live before vs[5]'s predecessor
     assert registry.versions() == vs[3:]
-    assert not redis_ns.client.exists(evidence.key("tox", vs[0]))
-    assert redis_ns.client.exists(evidence.key("tox", vs[3]))
+    assert not redis_ns.client.exists(evidence.keys.evidence("tox", vs[0]))
+    assert redis_ns.client.exists(evidence.keys.evidence("tox", vs[3]))
 
 
 def test_evidence_counts_scored_and_labeled_once(
@@ -139,7 +139,7 @@ def test_evidence_counts_scored_and_labeled_once(
     pipe = redis_ns.client.pipeline()
     evidence.add_scored(pipe, "tox", [(d, 10.0) for d in decisions])
     for i, d in enumerate(decisions):
-        pipe.set(evidence.decided_key(f"m{i}"), DecidedRecord(p={"tox": d}).encode())
+        pipe.set(evidence.keys.decided(f"m{i}"), DecidedRecord(p={"tox": d}).encode())
     pipe.execute()
     truths = [("m0", True), ("m1", True), ("m2", False), ("nowhere", True)]
     assert evidence.record_labels("tox", truths) == 3
@@ -164,12 +164,12 @@ def test_policy_run_by_the_controller(
     v1 = publish(registry)
     assert rollout.evaluate(policy).action == "promote"  # nothing live: first goes live
     v2 = publish(registry)
-    redis_ns.client.hset(evidence.key("tox", v2), "n", 999)  # stale numbers from before
+    redis_ns.client.hset(evidence.keys.evidence("tox", v2), "n", 999)  # stale numbers from before
     d = rollout.evaluate(policy)
     assert (d.action, d.version) == ("start_canary", v2)
     assert evidence.read("tox", v2).messages == 0  # a trial starts from fresh evidence
-    redis_ns.client.hset(evidence.key("tox", v2), mapping={"n": 50, "flags": 50})
-    redis_ns.client.hset(evidence.key("tox", v2), mapping={"bl_n": 100, "bl_flags": 10})
+    redis_ns.client.hset(evidence.keys.evidence("tox", v2), mapping={"n": 50, "flags": 50})
+    redis_ns.client.hset(evidence.keys.evidence("tox", v2), mapping={"bl_n": 100, "bl_flags": 10})
     d = rollout.evaluate(policy)
     assert d.action == "rollback" and "flag rate" in d.reason
     st = registry.stages()

@@ -163,7 +163,7 @@ def test_hot_swap_and_refusal_of_bad_checkpoints(
     wait_until(lambda: v_bad in scorer.watcher.refused["toxicity"], "v_bad refused")
     # A corrupted blob: published fine, then flipped in Redis before any scorer loads it.
     v_corrupt = publish_probe(registry, fp, seed=3, set_live=False)
-    redis_ns.client.set(registry.key("ckpt", v_corrupt), b"garbage")
+    redis_ns.client.set(registry.keys.ckpt(registry.probe, v_corrupt), b"garbage")
     registry.promote(v_corrupt)
     wait_until(lambda: v_corrupt in scorer.watcher.refused["toxicity"], "v_corrupt refused")
     produce_raw(settings, settings.topic_chat, [(None, chat(i)) for i in range(10, 20)])

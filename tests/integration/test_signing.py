@@ -68,7 +68,7 @@ def test_scorer_with_a_key_refuses_unsigned_and_wrongly_signed_versions(
         manifest = CheckpointManifest.decode(registry.get(version).manifest_json)
         forged = manifest.model_copy(update={"metrics": {"val_f1": 0.99}})
         assert forged.signature == manifest.signature is not None
-        redis_ns.client.set(registry.key("manifest", version), forged.encode())
+        redis_ns.client.set(registry.keys.manifest(registry.probe, version), forged.encode())
 
     # Someone with Redis write access but without the key pushes each of these live in turn.
     attempts = [

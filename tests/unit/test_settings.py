@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -89,7 +91,7 @@ def test_redis_tls_and_missing_url() -> None:
 
 def test_keys_are_namespaced() -> None:
     keys = Keys("pg")
-    assert keys.probe("toxicity", "manifest", 3) == "pg:toxicity:manifest:3"
+    assert keys.manifest("toxicity", 3) == "pg:toxicity:manifest:3"
     assert keys.text("m-1") == "pg:text:m-1"
     assert keys.pattern() == "pg:*"
     with pytest.raises(ConfigError):
@@ -140,3 +142,25 @@ def test_redis_breaker_backs_off_and_resets() -> None:
     assert b.ready()
     b.reset()
     assert b.failures == 0 and b.ready()
+
+
+def test_keys_docstring_table_lists_every_key() -> None:
+    """The `Keys` docstring is the layout table, and it lists every key a method builds."""
+    import inspect
+    import re
+
+    keys = Keys("P")
+    table = (Keys.__doc__ or "").replace("``K:", "``P:{}:")
+    documented = {re.sub(r"\{\w*\}", "{}", k) for k in re.findall(r"``(P:\S+)``", table)}
+    methods = [
+        name
+        for name, fn in inspect.getmembers(Keys, inspect.isfunction)
+        if not name.startswith("_") and name not in ("pattern", "per_version")
+    ]
+    assert len(methods) >= 16
+    for name in methods:
+        method = getattr(keys, name)
+        key = method(*["{}"] * len(inspect.signature(method).parameters))
+        assert key in documented, f"Keys.{name}() builds {key}, missing from the table"
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert "worker/store/redis.py" in readme and "`Keys`" in readme

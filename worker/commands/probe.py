@@ -178,7 +178,7 @@ def _changed(ctx: _Ctx, exc: Exception) -> Exception:
 def _note_policy(ctx: _Ctx) -> None:
     """Warn (stderr) when an updater's automatic rollout may change stages again."""
     holder = _holder(ctx)
-    raw = ctx.registry.client.hgetall(ctx.registry.key("policy"))
+    raw = ctx.registry.client.hgetall(ctx.registry.keys.policy(ctx.registry.probe))
     mode = raw.get(b"mode", b"").decode()
     if holder and mode in ("canary", "auto_live") and not ctx.registry.stages().pinned:
         print(

@@ -604,12 +604,12 @@ class Updater:
             if exp_avg is not None:
                 state[name] = exp_avg.detach().cpu().contiguous()
         if state:
-            self.redis.set(self.registry.key("optim", version), st_save(state))
+            self.redis.set(self.registry.keys.optim(self.registry.probe, version), st_save(state))
 
     def _load_optimizer(self, version: int) -> None:
         if self.learner is None or self.probe is None:
             return
-        raw = self.redis.get(self.registry.key("optim", version))
+        raw = self.redis.get(self.registry.keys.optim(self.registry.probe, version))
         if raw is None:
             return
         state = st_load(raw)  # safetensors: no pickle

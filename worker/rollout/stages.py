@@ -284,7 +284,7 @@ class Rollout:
         decision = decide(policy, sit)
         self.apply(decision, sit.stages, share=policy.canary_share)
         self.registry.client.hset(
-            self.registry.key("policy"),
+            self.registry.keys.policy(self.registry.probe),
             mapping={
                 "mode": policy.mode,
                 "holder": self.actor,
@@ -351,8 +351,8 @@ class Rollout:
             expect=_pointers(st),
             mark_tried=[version],
             reset=[
-                self.evidence.key(self.probe, version),
-                self.evidence.pairs_key(self.probe, version),
+                self.registry.keys.evidence(self.probe, version),
+                self.registry.keys.pairs(self.probe, version),
             ],
         )
 

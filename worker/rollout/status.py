@@ -126,7 +126,8 @@ def gather(
         )
     holder = Lease(registry.client, registry.lease_key, "probeguard-cli").current()
     policy = {
-        k.decode(): v.decode() for k, v in registry.client.hgetall(registry.key("policy")).items()
+        k.decode(): v.decode()
+        for k, v in registry.client.hgetall(registry.keys.policy(registry.probe)).items()
     }
     changes = [e for _, e in registry.history(50) if e.kind != "published"]
     return StatusReport(

@@ -113,11 +113,11 @@ class ProbeWatcher:
         if not self._cursors:
             return True
         client: Any = next(iter(self.registries.values())).client
-        streams = {r.key("events"): self._cursors[n] for n, r in self.registries.items()}
+        streams = {r.keys.events(r.probe): self._cursors[n] for n, r in self.registries.items()}
         reply = client.xread(streams, count=100)
         if not reply:
             return False
-        by_key = {r.key("events"): n for n, r in self.registries.items()}
+        by_key = {r.keys.events(r.probe): n for n, r in self.registries.items()}
         for stream, entries in reply:
             name = by_key[stream.decode()]
             self._cursors[name] = entries[-1][0].decode()

@@ -292,7 +292,7 @@ class Scorer:
             return 0  # Redis is failing: without the shared budget, hold reviews back
         limit = self.settings.review_max_per_window
         window = self.settings.review_window_s
-        key = self.keys("review_budget", int(time.time() // window))
+        key = self.keys.review_budget(int(time.time() // window))
         try:
             pipe = self.redis.pipeline(transaction=True)
             pipe.incrby(key, wanted)
@@ -329,7 +329,7 @@ class Scorer:
                 pipe.set(self.keys.text(msg.message_id), msg.text.encode(), ex=ttl)
                 if by_pos.get(pos):
                     record = DecidedRecord(p=by_pos[pos]).encode()
-                    pipe.set(self.evidence.decided_key(msg.message_id), record, ex=ttl)
+                    pipe.set(self.keys.decided(msg.message_id), record, ex=ttl)
             for probe, decisions in by_probe.items():
                 self.evidence.add_scored(pipe, probe, decisions)
             pipe.execute()

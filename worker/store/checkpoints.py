@@ -1,17 +1,6 @@
 """The checkpoint registry in Redis: versions, blobs, manifests, stages, events.
 
-Key layout (``K = {prefix}:{probe}``)::
-
-    K:next_version     INCR -> version numbers, strictly increasing
-    K:versions         sorted set of published versions (the visibility marker)
-    K:ckpt:{v}         safetensors bytes
-    K:manifest:{v}     JSON CheckpointManifest
-    K:stages           hash: live -> v, canary -> v, canary_share -> float, pinned -> 0/1
-    K:events           stream of CheckpointEvent JSON (field "event")
-    K:updater_lease    "<token>|<holder>" with a TTL (see worker.store.lease)
-    K:rolled_back      hash: version -> reason; such a version is never auto-promoted again
-    K:tried            set of versions that have been canaries (the policy never retries one)
-    K:evidence:{v}     per-version evidence counters (see worker.store.evidence)
+The keys it reads and writes are listed in :class:`worker.store.redis.Keys`.
 
 Stage changes are one Lua script too: pointers, marks and the event together, and
 optionally only if the pointers still hold the values the caller read
@@ -152,18 +141,15 @@ class Registry:
         self._publish = client.register_script(_PUBLISH)
         self._set_stages = client.register_script(_SET_STAGES)
 
-    def key(self, *parts: str | int) -> str:
-        return self.keys.probe(self.probe, *parts)
-
     @property
     def lease_key(self) -> str:
-        return self.key("updater_lease")
+        return self.keys.updater_lease(self.probe)
 
     # --- writing ---------------------------------------------------------
 
     def allocate_version(self) -> int:
         """A fresh version number (never reused, even if it is never published)."""
-        return int(self.client.incr(self.key("next_version")))
+        return int(self.client.incr(self.keys.next_version(self.probe)))
 
     def publish(
         self,
@@ -203,11 +189,11 @@ class Registry:
         try:
             self._publish(
                 keys=[
-                    self.key("versions"),
-                    self.key("ckpt", v),
-                    self.key("manifest", v),
-                    self.key("events"),
-                    self.key("stages"),
+                    self.keys.versions(self.probe),
+                    self.keys.ckpt(self.probe, v),
+                    self.keys.manifest(self.probe, v),
+                    self.keys.events(self.probe),
+                    self.keys.stages(self.probe),
                     self.lease_key,
                 ],
                 args=[
@@ -260,11 +246,11 @@ class Registry:
         try:
             self._set_stages(
                 keys=[
-                    self.key("versions"),
-                    self.key("stages"),
-                    self.key("events"),
-                    self.key("rolled_back"),
-                    self.key("tried"),
+                    self.keys.versions(self.probe),
+                    self.keys.stages(self.probe),
+                    self.keys.events(self.probe),
+                    self.keys.rolled_back(self.probe),
+                    self.keys.tried(self.probe),
                     *reset,
                 ],
                 args=[
@@ -329,14 +315,10 @@ class Registry:
         doomed = [v for v in old if v not in protected]
         if doomed:
             pipe = self.client.pipeline(transaction=True)
-            pipe.zrem(self.key("versions"), *doomed)
+            pipe.zrem(self.keys.versions(self.probe), *doomed)
             for v in doomed:
                 pipe.delete(
-                    self.key("ckpt", v),
-                    self.key("manifest", v),
-                    self.key("evidence", v),
-                    self.key("pairs", v),
-                    self.key("optim", v),
+                    *self.keys.per_version(self.probe, v),
                 )
             pipe.execute()
         return doomed
@@ -344,14 +326,17 @@ class Registry:
     # --- reading ---------------------------------------------------------
 
     def versions(self) -> list[int]:
-        return [int(v) for v in self.client.zrange(self.key("versions"), 0, -1)]
+        return [int(v) for v in self.client.zrange(self.keys.versions(self.probe), 0, -1)]
 
     def latest(self) -> int | None:
-        newest = self.client.zrange(self.key("versions"), -1, -1)
+        newest = self.client.zrange(self.keys.versions(self.probe), -1, -1)
         return int(newest[0]) if newest else None
 
     def stages(self) -> Stages:
-        raw = {k.decode(): v.decode() for k, v in self.client.hgetall(self.key("stages")).items()}
+        raw = {
+            k.decode(): v.decode()
+            for k, v in self.client.hgetall(self.keys.stages(self.probe)).items()
+        }
         return Stages(
             live=int(raw["live"]) if "live" in raw else None,
             canary=int(raw["canary"]) if "canary" in raw else None,
@@ -361,19 +346,19 @@ class Registry:
 
     def rolled_back(self) -> dict[int, str]:
         """Versions judged bad, with the reason; the policy never promotes one of them."""
-        raw = self.client.hgetall(self.key("rolled_back"))
+        raw = self.client.hgetall(self.keys.rolled_back(self.probe))
         return {int(k): v.decode() for k, v in raw.items()}
 
     def tried(self) -> set[int]:
         """Versions that have been canaries (or live): the policy never starts them again."""
-        return {int(v) for v in self.client.smembers(self.key("tried"))}
+        return {int(v) for v in self.client.smembers(self.keys.tried(self.probe))}
 
     def lineage(self, count: int = EVENTS_MAXLEN) -> list[int]:
         """Versions that were live, oldest first, the current last (:func:`live_lineage`)."""
         return live_lineage(e for _, e in self.history(count))
 
     def manifest(self, version: int) -> CheckpointManifest:
-        raw = self.client.get(self.key("manifest", version))
+        raw = self.client.get(self.keys.manifest(self.probe, version))
         if raw is None:
             raise UnknownVersion(f"{self.probe} has no version {version}")
         return self._decode_manifest(raw, where=f"v{version}")
@@ -381,8 +366,8 @@ class Registry:
     def get(self, version: int) -> StoredCheckpoint:
         """Blob and manifest of ``version``, with the blob's sha256 verified."""
         pipe = self.client.pipeline(transaction=True)
-        pipe.get(self.key("ckpt", version))
-        pipe.get(self.key("manifest", version))
+        pipe.get(self.keys.ckpt(self.probe, version))
+        pipe.get(self.keys.manifest(self.probe, version))
         blob, manifest_json = pipe.execute()
         if blob is None or manifest_json is None:
             raise UnknownVersion(f"{self.probe} has no version {version}")
@@ -398,7 +383,9 @@ class Registry:
 
         Unparseable entries are skipped: an event is a hint, stages are the truth.
         """
-        reply = self.client.xread({self.key("events"): after}, count=count, block=block_ms)
+        reply = self.client.xread(
+            {self.keys.events(self.probe): after}, count=count, block=block_ms
+        )
         out: list[tuple[str, CheckpointEvent]] = []
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
@@ -410,7 +397,7 @@ class Registry:
 
     def history(self, count: int = 50) -> list[tuple[str, CheckpointEvent]]:
         """The newest ``count`` events, oldest first."""
-        entries = self.client.xrevrange(self.key("events"), count=count)
+        entries = self.client.xrevrange(self.keys.events(self.probe), count=count)
         out = []
         for entry_id, fields in reversed(entries):
             try:
@@ -421,7 +408,7 @@ class Registry:
 
     def last_event_id(self) -> str:
         """Id of the newest event, or ``"0-0"`` when there is none (a cursor for :meth:`events`)."""
-        newest = self.client.xrevrange(self.key("events"), count=1)
+        newest = self.client.xrevrange(self.keys.events(self.probe), count=1)
         return newest[0][0].decode() if newest else "0-0"
 
     # --- helpers ---------------------------------------------------------

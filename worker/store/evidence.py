@@ -6,13 +6,9 @@ The rollout policy (:mod:`worker.rollout.stages`) decides on these numbers, and
 ``probeguard probe status`` shows them. Writing is best-effort: callers catch
 Redis errors, so a Redis hiccup costs evidence, never a batch.
 
-Keys (``K = {prefix}:{probe}``)::
-
-    K:evidence:{v}      hash of counters, fields below (HINCRBY, shared by all scorers)
-    K:pairs:{v}         list of "flag_score truth" (newest first, at most ``pairs_max``)
-    K:labeled:{mid}     marker (TTL): this message's label was credited already
-
-Hash fields of ``K:evidence:{v}``:
+Keys: ``evidence``, ``pairs``, ``labeled`` and ``decided`` in
+:class:`worker.store.redis.Keys`. ``pairs`` is a list of "flag_score truth" (newest
+first, at most ``pairs_max``). Hash fields of ``evidence``:
 
 ==============  ==============================================================
 ``n``           messages the version decided
@@ -164,15 +160,6 @@ class EvidenceStore:
         self.pairs_max = pairs_max
         self.marker_ttl_s = marker_ttl_s
 
-    def key(self, probe: str, version: int) -> str:
-        return self.keys.probe(probe, "evidence", version)
-
-    def pairs_key(self, probe: str, version: int) -> str:
-        return self.keys.probe(probe, "pairs", version)
-
-    def decided_key(self, message_id: str) -> str:
-        return self.keys("decided", message_id)
-
     # --- scorers -------------------------------------------------------------
 
     def add_scored(
@@ -199,7 +186,7 @@ class EvidenceStore:
                 shadow["sh_flags"] += d.sf
                 shadow["sh_agree"] += d.sf == d.f
         for version, fields in sums.items():
-            key = self.key(probe, version)
+            key = self.keys.evidence(probe, version)
             for name, amount in fields.items():
                 if name == "lat_ms":
                     pipe.hincrbyfloat(key, name, round(amount, 3))
@@ -208,8 +195,8 @@ class EvidenceStore:
 
     def record_refusal(self, probe: str, version: int, reason: str) -> None:
         pipe = self.client.pipeline(transaction=False)
-        pipe.hincrby(self.key(probe, version), "errors", 1)
-        pipe.hset(self.key(probe, version), "error", reason[:500])
+        pipe.hincrby(self.keys.evidence(probe, version), "errors", 1)
+        pipe.hset(self.keys.evidence(probe, version), "error", reason[:500])
         pipe.execute()
 
     # --- the updater ---------------------------------------------------------
@@ -223,7 +210,7 @@ class EvidenceStore:
         """
         if not labeled:
             return 0
-        raw = self.client.mget([self.decided_key(mid) for mid, _ in labeled])
+        raw = self.client.mget([self.keys.decided(mid) for mid, _ in labeled])
         found: list[tuple[str, bool, ProbeDecision]] = []
         for (mid, truth), blob in zip(labeled, raw, strict=True):
             if blob is None:
@@ -238,7 +225,7 @@ class EvidenceStore:
             return 0
         pipe = self.client.pipeline(transaction=False)
         for mid, _, _ in found:
-            pipe.set(self.keys.probe(probe, "labeled", mid), 1, nx=True, ex=self.marker_ttl_s)
+            pipe.set(self.keys.labeled(probe, mid), 1, nx=True, ex=self.marker_ttl_s)
         fresh = [f for f, new in zip(found, pipe.execute(), strict=True) if new]
         counts: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         pairs: dict[int, list[str]] = defaultdict(list)
@@ -256,24 +243,24 @@ class EvidenceStore:
         pipe = self.client.pipeline(transaction=False)
         for version, fields in counts.items():
             for name, amount in fields.items():
-                pipe.hincrby(self.key(probe, version), name, amount)
+                pipe.hincrby(self.keys.evidence(probe, version), name, amount)
         if self.pairs_max:
             for version, items in pairs.items():
-                pipe.lpush(self.pairs_key(probe, version), *items)
-                pipe.ltrim(self.pairs_key(probe, version), 0, self.pairs_max - 1)
+                pipe.lpush(self.keys.pairs(probe, version), *items)
+                pipe.ltrim(self.keys.pairs(probe, version), 0, self.pairs_max - 1)
         pipe.execute()
         return len(fresh)
 
     # --- reading -------------------------------------------------------------
 
     def read(self, probe: str, version: int) -> Evidence:
-        return Evidence.from_hash(version, self.client.hgetall(self.key(probe, version)))
+        return Evidence.from_hash(version, self.client.hgetall(self.keys.evidence(probe, version)))
 
     def read_many(self, probe: str, versions: Iterable[int]) -> dict[int, Evidence]:
         versions = list(versions)
         pipe = self.client.pipeline(transaction=False)
         for v in versions:
-            pipe.hgetall(self.key(probe, v))
+            pipe.hgetall(self.keys.evidence(probe, v))
         return {
             v: Evidence.from_hash(v, raw) for v, raw in zip(versions, pipe.execute(), strict=True)
         }
@@ -284,7 +271,7 @@ class EvidenceStore:
 
         from probes.metrics import average_precision  # torch: only when asked (CLI start-up)
 
-        raw = self.client.lrange(self.pairs_key(probe, version), 0, -1)
+        raw = self.client.lrange(self.keys.pairs(probe, version), 0, -1)
         if not raw:
             return math.nan
         rows = np.array([[float(x) for x in _text(r).split()] for r in raw])  # [N, 2]

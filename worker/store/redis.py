@@ -23,7 +23,7 @@ def make_redis(settings: Settings, url: str | None = None, **overrides: Any) -> 
     """A client for ``url`` (default: ``settings.redis_url``).
 
     RESP2 is used on purpose: redis-py's RESP3 parser is ~8x slower on
-    megabyte-sized values such as checkpoint blobs (see BROKER-NOTES).
+    megabyte-sized values such as checkpoint blobs (measured with redis-py 5-7).
     ``rediss://`` URLs use TLS, with ``settings.redis_ssl_ca_certs`` when set.
     """
     if url is None:
@@ -53,25 +53,111 @@ def make_redis(settings: Settings, url: str | None = None, **overrides: Any) -> 
 
 
 class Keys:
-    """Builds namespaced Redis keys (layout in DESIGN.md)."""
+    """The Redis key layout: every key probeguard writes, defined here and nowhere else.
+
+    ``P = {prefix}`` (``settings.redis_prefix``, so deployments and test runs can share a
+    server) and ``K = P:{probe}``:
+
+    ===========================  =======  ==========================================================
+    key                          type     what (writer)
+    ===========================  =======  ==========================================================
+    ``K:next_version``           string   INCR -> version numbers, never reused (updater)
+    ``K:versions``               zset     published versions; the visibility marker (updater)
+    ``K:ckpt:{v}``               string   safetensors bytes of version v (updater)
+    ``K:manifest:{v}``           string   JSON ``CheckpointManifest`` (updater)
+    ``K:optim:{v}``              string   safetensors Lion state published with v (updater)
+    ``K:stages``                 hash     live, canary, canary_share, pinned (updater, operators)
+    ``K:events``                 stream   ``CheckpointEvent`` JSON, field "event" (stage changes)
+    ``K:rolled_back``            hash     version -> reason; never auto-promoted again
+    ``K:tried``                  set      versions that have been canaries
+    ``K:policy``                 hash     who last changed stages by hand, the rollout mode
+    ``K:updater_lease``          string   ``"<token>|<holder>"`` with a TTL (``store.lease``)
+    ``K:updater_lease:token``    string   INCR -> fencing tokens
+    ``K:evidence:{v}``           hash     canary/live evidence counters (``store.evidence``)
+    ``K:pairs:{v}``              list     "flag_score truth" per labeled message (evidence)
+    ``K:labeled:{message_id}``   string   label already credited to evidence (TTL)
+    ``P:text:{message_id}``      string   message text for label joins (scorers; TTL)
+    ``P:decided:{message_id}``   string   which version decided a message (scorers; TTL)
+    ``P:review_budget:{window}`` string   review requests sent in a time window (scorers; TTL)
+    ===========================  =======  ==========================================================
+    """
 
     def __init__(self, prefix: str) -> None:
         if not prefix or any(c.isspace() for c in prefix):
             raise ConfigError(f"invalid Redis key prefix {prefix!r}")
         self.prefix = prefix
 
-    def __call__(self, *parts: str | int) -> str:
+    def _join(self, *parts: str | int) -> str:
         return ":".join([self.prefix, *(str(p) for p in parts)])
-
-    def probe(self, probe: str, *parts: str | int) -> str:
-        return self(probe, *parts)
-
-    def text(self, message_id: str) -> str:
-        return self("text", message_id)
 
     def pattern(self) -> str:
         """A SCAN pattern matching every key under this prefix."""
         return f"{self.prefix}:*"
+
+    # --- per probe -----------------------------------------------------------------------
+
+    def next_version(self, probe: str) -> str:
+        return self._join(probe, "next_version")
+
+    def versions(self, probe: str) -> str:
+        return self._join(probe, "versions")
+
+    def ckpt(self, probe: str, version: int) -> str:
+        return self._join(probe, "ckpt", version)
+
+    def manifest(self, probe: str, version: int) -> str:
+        return self._join(probe, "manifest", version)
+
+    def optim(self, probe: str, version: int) -> str:
+        return self._join(probe, "optim", version)
+
+    def stages(self, probe: str) -> str:
+        return self._join(probe, "stages")
+
+    def events(self, probe: str) -> str:
+        return self._join(probe, "events")
+
+    def rolled_back(self, probe: str) -> str:
+        return self._join(probe, "rolled_back")
+
+    def tried(self, probe: str) -> str:
+        return self._join(probe, "tried")
+
+    def policy(self, probe: str) -> str:
+        return self._join(probe, "policy")
+
+    def updater_lease(self, probe: str) -> str:
+        return self._join(probe, "updater_lease")
+
+    def evidence(self, probe: str, version: int) -> str:
+        return self._join(probe, "evidence", version)
+
+    def pairs(self, probe: str, version: int) -> str:
+        return self._join(probe, "pairs", version)
+
+    def labeled(self, probe: str, message_id: str) -> str:
+        return self._join(probe, "labeled", message_id)
+
+    def per_version(self, probe: str, version: int) -> list[str]:
+        """Every key that belongs to one version (what retention deletes with it)."""
+        return [
+            self.ckpt(probe, version),
+            self.manifest(probe, version),
+            self.optim(probe, version),
+            self.evidence(probe, version),
+            self.pairs(probe, version),
+        ]
+
+    # --- per message and deployment-wide --------------------------------------------------
+
+    def text(self, message_id: str) -> str:
+        return self._join("text", message_id)
+
+    def decided(self, message_id: str) -> str:
+        return self._join("decided", message_id)
+
+    def review_budget(self, window: int) -> str:
+        return self._join("review_budget", window)
 
 
 class Breaker:
