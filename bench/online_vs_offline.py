@@ -193,11 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         producer.close()
         t0 = time.perf_counter()
         last = t0
-        while updater.counters.labels_seen < len(train_ds) or updater.unpublished:
+        while updater.labels_seen < len(train_ds) or updater.unpublished:
             time.sleep(1.0)
             if time.perf_counter() - last > 30:
                 last = time.perf_counter()
-                log(f"  online: {updater.counters.labels_seen}/{len(train_ds)} labels learned")
+                log(f"  online: {updater.labels_seen}/{len(train_ds)} labels learned")
             if time.perf_counter() - t0 > 7200:
                 raise SystemExit("online learning did not finish in 2 hours")
         online_s = time.perf_counter() - t0
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             (m.counters.labels_seen, m.metrics.get("prequential_f1"))
             for m in (updater.registry.manifest(v) for v in updater.registry.versions())
         ]
-        online = updater.probe
+        online = updater.learner.probe if updater.learner else None
         assert online is not None
         on_probs = online.predict_proba_many(val_ds.summaries.float())
         on_rep = evaluate(online.spec, on_probs, val_ds.targets)

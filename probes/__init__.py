@@ -8,6 +8,8 @@ Public surface::
     checkpoint_to_bytes / probe_from_bytes          # the two blobs the registry stores
     save_checkpoint / load_checkpoint               # the same on disk
     Learner                                         # learn_many / predict_proba_many (Lion)
+    encode_target(s)(spec, label names)             # label names -> targets (fit and online)
+    spread_layers(num_layers, n)                    # the default layer choice
 """
 
 from probes.checkpoint import (
@@ -18,9 +20,11 @@ from probes.checkpoint import (
 )
 from probes.decision import Decision, decide
 from probes.errors import CacheError, CheckpointError, IncompatibleCheckpoint, ProbeError
+from probes.layer_mix import spread_layers
 from probes.learner import Learner
 from probes.probe import Probe, build_probe, weight_entropy
 from probes.registry import LAYER_MIXES, TOKEN_POOLS, probe_kinds
+from probes.targets import encode_target, encode_targets
 
 __all__ = [
     "LAYER_MIXES",
@@ -35,9 +39,12 @@ __all__ = [
     "build_probe",
     "checkpoint_to_bytes",
     "decide",
+    "encode_target",
+    "encode_targets",
     "load_checkpoint",
     "probe_from_bytes",
     "probe_kinds",
     "save_checkpoint",
+    "spread_layers",
     "weight_entropy",
 ]

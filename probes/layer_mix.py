@@ -19,7 +19,13 @@ from torch import Tensor, nn
 from probes.registry import LayerMixModule, register_layer_mix
 from schemas import ProbeSpec
 
-__all__ = ["LayerGate", "ScalarMix", "SingleLayer"]
+__all__ = ["LayerGate", "ScalarMix", "SingleLayer", "spread_layers"]
+
+
+def spread_layers(num_layers: int, n: int = 6) -> list[int]:
+    """``n`` layers spread evenly over a model of ``num_layers`` (index 0, the embeddings,
+    excluded; the last layer included): e.g. 30 layers -> ``[5, 10, 15, 20, 25, 30]``."""
+    return sorted({max(1, round(num_layers * k / n)) for k in range(1, n + 1)})
 
 
 @register_layer_mix("single")

@@ -12,6 +12,7 @@ decision (the moderation outcome); otherwise the macro average over classes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,14 @@ from torch import Tensor
 from probes.decision import decide
 from schemas import ProbeSpec
 
-__all__ = ["average_precision", "best_f1_threshold", "choose_thresholds", "evaluate"]
+__all__ = [
+    "average_precision",
+    "best_f1_threshold",
+    "choose_thresholds",
+    "evaluate",
+    "percentile",
+    "precision_recall_f1",
+]
 
 
 def _ranked(y: np.ndarray, score: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -62,7 +70,8 @@ def best_f1_threshold(y: np.ndarray, score: np.ndarray) -> tuple[float, float]:
     return float((s[i] + lower) / 2), float(f1[i])
 
 
-def _prf(tp: float, fp: float, fn: float) -> tuple[float, float, float]:
+def precision_recall_f1(tp: float, fp: float, fn: float) -> tuple[float, float, float]:
+    """Precision, recall and F1 from counts; 0.0 where a ratio is undefined."""
     p = tp / (tp + fp) if tp + fp else 0.0
     r = tp / (tp + fn) if tp + fn else 0.0
     f = 2 * p * r / (p + r) if p + r else 0.0
@@ -119,7 +128,7 @@ def evaluate(spec: ProbeSpec, probs: Tensor, targets: Tensor) -> dict[str, Any]:
         tp = float((pred[:, j] & truth[:, j]).sum())
         fp = float((pred[:, j] & ~truth[:, j]).sum())
         fn = float((~pred[:, j] & truth[:, j]).sum())
-        prec, rec, f1 = _prf(tp, fp, fn)
+        prec, rec, f1 = precision_recall_f1(tp, fp, fn)
         per_class[label] = {
             "precision": prec,
             "recall": rec,
@@ -140,12 +149,12 @@ def evaluate(spec: ProbeSpec, probs: Tensor, targets: Tensor) -> dict[str, Any]:
     }
     if spec.task == "multilabel":
         tp, fp = float((pred & truth).sum()), float((pred & ~truth).sum())
-        report["micro_f1"] = _prf(tp, fp, float((~pred & truth).sum()))[2]
+        report["micro_f1"] = precision_recall_f1(tp, fp, float((~pred & truth).sum()))[2]
     if spec.flag_labels:
         flag_idx = [spec.labels.index(label) for label in spec.flag_labels]
         y_flag = np.asarray(truth[:, flag_idx].any(axis=1))
         fl = decision.flagged.numpy()
-        prec, rec, f1 = _prf(
+        prec, rec, f1 = precision_recall_f1(
             float((fl & y_flag).sum()), float((fl & ~y_flag).sum()), float((~fl & y_flag).sum())
         )
         report["flagged"] = {
@@ -183,3 +192,11 @@ def _confusion(spec: ProbeSpec, truth: np.ndarray, pred: np.ndarray, predicted: 
             [int((t & ~q).sum()), int((t & q).sum())],
         ]
     return {"labels": list(spec.labels), "per_label": per_label}
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-quantile (0..1) of ``values`` by the nearest-rank rule; NaN when empty."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

@@ -74,7 +74,7 @@ def roles(settings: Settings, threads: list[Threaded]) -> tuple[Scorer, Updater]
 
 
 def learned_and_published(updater: Updater, n: int) -> bool:
-    return updater.counters.labels_seen >= n and updater.unpublished == 0
+    return updater.labels_seen >= n and updater.unpublished == 0
 
 
 # --- SIGKILL --------------------------------------------------------------------------
@@ -348,8 +348,8 @@ def test_fuzzed_payloads_on_every_input_topic_are_dead_lettered_never_a_crash(
     scorer, updater = roles(s, threads)
     publish_probe(reg, scorer.extractor.fingerprint)
     wait_until(lambda: scorer.watcher.versions()["toxicity"]["live"] is not None, "a probe")
-    wait_until(lambda: updater.probe is not None, "the updater to resume")
-    seen_before = updater.counters.labels_seen
+    wait_until(lambda: updater.learner is not None, "the updater to resume")
+    seen_before = updater.labels_seen
     produce_raw(s, s.topic_chat, [(f"fz-c-{i}".encode(), p) for i, p in enumerate(chat_in)])
     produce_raw(s, s.topic_labels, [(f"fz-l-{i}".encode(), p) for i, p in enumerate(label_in)])
     sentinel = chats("after", 0, 10)
@@ -358,7 +358,7 @@ def test_fuzzed_payloads_on_every_input_topic_are_dead_lettered_never_a_crash(
     def accounted(o: Any) -> bool:
         chat_out = sum(c for k, c in o.verdicts.items() if not k.startswith("after-"))
         chat_out += o.dead_by_topic[s.topic_chat]
-        label_out = o.dead_by_topic[s.topic_labels] + updater.counters.labels_seen - seen_before
+        label_out = o.dead_by_topic[s.topic_labels] + updater.labels_seen - seen_before
         return chat_out >= len(chat_in) and label_out >= len(label_in)
 
     with Tally(s) as tally:
@@ -367,7 +367,7 @@ def test_fuzzed_payloads_on_every_input_topic_are_dead_lettered_never_a_crash(
     alive(threads)
     assert {f"after-{i}" for i in range(10)} <= set(out.verdicts)  # still scoring after
     chat_verdicts = sum(c for k, c in out.verdicts.items() if not k.startswith("after-"))
-    learned = updater.counters.labels_seen - seen_before
+    learned = updater.labels_seen - seen_before
     for topic, n_in, accepted in (
         (s.topic_chat, len(chat_in), chat_verdicts),
         (s.topic_labels, len(label_in), learned),

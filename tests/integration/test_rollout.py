@@ -232,7 +232,7 @@ def test_refused_canary_is_rolled_back_as_an_error(
     scorer = start_scorer(settings, ex, redis_ns, threads, 1)
     wait_until(lambda: serving(scorer)["live"] == v1, "the scorer to serve live")
     updater = start_updater(settings, ex, redis_ns, threads)
-    wait_until(lambda: updater.probe is not None, "the updater to resume from v1")
+    wait_until(lambda: updater.learner is not None, "the updater to resume from v1")
     other = fp.model_copy(update={"model_id": "some-other-llm"})
     v2 = publish_probe(registry, other, probe=probes["good2"], set_live=False)
     wait_until(lambda: v2 in registry.rolled_back(), "the rollback of a refused canary")

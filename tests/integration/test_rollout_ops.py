@@ -178,7 +178,7 @@ def test_policy_run_by_the_controller(
     assert event.kind == "rolled_back" and event.details["stage"] == "canary"
     assert event.details["canary_flag_rate"] > 0.9 and event.reason == d.reason
     assert rollout.evaluate(policy).action == "none"  # v2 is never tried again
-    policy_state = redis_ns.client.hgetall(registry.key("policy"))
+    policy_state = redis_ns.client.hgetall(registry.keys.policy(registry.probe))
     assert policy_state[b"mode"] == b"canary" and policy_state[b"holder"] == b"test"
 
 
@@ -255,6 +255,8 @@ def test_cli_status_and_show(cli, registry: Registry, redis_ns: RedisNamespace) 
     code, out, _ = cli("show", str(v2), "--json")
     assert json.loads(out)["manifest"]["version"] == v2
     # An operator change while an updater runs an automatic policy comes with a note.
-    redis_ns.client.hset(registry.key("policy"), mapping={"mode": "canary", "holder": "u"})
+    redis_ns.client.hset(
+        registry.keys.policy(registry.probe), mapping={"mode": "canary", "holder": "u"}
+    )
     code, _, err = cli("rollback", "--canary")
     assert code == 0 and "may change stages after this" in err

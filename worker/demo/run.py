@@ -26,6 +26,8 @@ from typing import Any
 from kafka import KafkaConsumer
 from pydantic import SecretStr
 
+from probes import spread_layers
+from probes.metrics import percentile, precision_recall_f1
 from schemas import ChatMessage, HumanLabel, LabeledText, ProbeSpec, Verdict, utcnow
 from worker.embedded import EmbeddedBroker, EmbeddedRedis
 from worker.kafka.clients import client_config, ensure_topics, make_producer
@@ -104,12 +106,11 @@ def demo_spec(
     """A scoring-gate probe over six spread layers for the labels found in ``rows``."""
     labels = sorted({r.label for r in rows if r.label})
     flags = flag_labels or [lb for lb in labels if lb in FLAG_WORDS] or labels[-1:]
-    layers = sorted({max(1, round(num_layers * k / 6)) for k in range(1, 7)})
     return ProbeSpec(
         name=name,
         token_pool="gate",
         layer_mix="scalar_mix",
-        layers=layers,
+        layers=spread_layers(num_layers),
         hidden_size=hidden_size,
         task="multiclass",
         labels=labels,
@@ -365,7 +366,7 @@ def _settle(demo: DemoRun, interrupted: threading.Event, timeout_s: float = 30.0
     deadline = time.monotonic() + timeout_s
     upd = demo.updater
     while upd is not None and not interrupted.is_set() and time.monotonic() < deadline:
-        learned = upd.counters.labels_seen + len(upd.warmup)
+        learned = upd.learner.counters.labels_seen if upd.learner else 0
         if learned >= demo.obs.labels_sent - demo.obs.dead_letters and upd.unpublished == 0:
             return
         time.sleep(0.2)
@@ -374,18 +375,12 @@ def _settle(demo: DemoRun, interrupted: threading.Event, timeout_s: float = 30.0
 # --- figures ------------------------------------------------------------------
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
 def _f1(pairs: list[tuple[bool, bool]]) -> float:
+    """F1 of ``(flagged, truly flag)`` pairs."""
     tp = sum(1 for p, t in pairs if p and t)
     fp = sum(1 for p, t in pairs if p and not t)
     fn = sum(1 for p, t in pairs if not p and t)
-    return 2 * tp / (2 * tp + fp + fn) if tp else 0.0
+    return precision_recall_f1(tp, fp, fn)[2]
 
 
 def snapshot(run: DemoRun) -> dict[str, Any]:
@@ -399,20 +394,21 @@ def snapshot(run: DemoRun) -> dict[str, Any]:
     recent = [t for t in arrivals if t >= time.time() - 10]
     upd, scorer = run.updater, run.scorer
     versions = scorer.watcher.versions().get("demo", {}) if scorer else {}
-    preq = upd.prequential.report() if upd and upd.prequential else {}
+    learning = upd.learner.snapshot() if upd and upd.learner else {}
+    preq = learning.get("prequential", {})
     return {
         "elapsed_s": time.time() - run.started,
         "total": run.total,
         "sent": sent,
         "scored": scored,
         "msg_per_s": len(recent) / 10.0,
-        "p50_ms": _pct(lat[-200:], 0.5),
-        "p99_ms": _pct(lat[-200:], 0.99),
+        "p50_ms": percentile(lat[-200:], 0.5),
+        "p99_ms": percentile(lat[-200:], 0.99),
         "live": versions.get("live"),
         "canary": versions.get("canary"),
         "prequential_f1": preq.get("prequential_f1"),
         "labels_sent": labels,
-        "labels_learned": upd.counters.labels_seen if upd else 0,
+        "labels_learned": learning.get("labels_seen", 0),
         "dead_letters": dead,
         "reviews": reviews,
     }
@@ -426,7 +422,8 @@ def final_figures(run: DemoRun) -> dict[str, Any]:
         # Scored order (verdict arrival): a backlog is not scored in the order it was sent.
         order = sorted(verdicts, key=lambda m: verdicts[m][0])
         sent, truth = dict(obs.sent), dict(obs.truth)
-    spec = run.updater.probe.spec if run.updater and run.updater.probe else None
+    learner = run.updater.learner if run.updater else None
+    spec = learner.probe.spec if learner else None
     flags = set(spec.flag_labels) if spec else set()
     served: list[dict[str, Any]] = []
     for mid in order:
@@ -471,8 +468,8 @@ def final_figures(run: DemoRun) -> dict[str, Any]:
         "elapsed_s": round(time.time() - run.started, 1),
         "latency_ms": lat,
         "arrivals_s": arrivals,
-        "p50_ms": round(_pct(lat, 0.5), 1),
-        "p99_ms": round(_pct(lat, 0.99), 1),
+        "p50_ms": round(percentile(lat, 0.5), 1),
+        "p99_ms": round(percentile(lat, 0.99), 1),
         "served": served,
         "curve": curve,
         "labels_order": labels,
@@ -503,10 +500,8 @@ def _version_points(run: DemoRun) -> list[dict[str, Any]]:
 
 
 def _layer_weights(run: DemoRun) -> dict[str, Any]:
-    upd = run.updater
-    if upd is None or upd.probe is None:
+    learner = run.updater.learner if run.updater else None
+    if learner is None:
         return {}
-    return {
-        "layers": list(upd.probe.layers),
-        "weights": [float(w) for w in upd.probe.layer_weights().tolist()],
-    }
+    snap = learner.snapshot()
+    return {"layers": snap["layers"], "weights": snap["layer_weights"]}

@@ -23,9 +23,7 @@ cannot read go to the dead-letter topic. A fresh probe first collects
 
 from __future__ import annotations
 
-import copy
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,18 +35,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from probes import ProbeError, build_probe, encode_target, spread_layers
 from probes.checkpoint import checkpoint_to_bytes, load_checkpoint, probe_from_bytes
 from probes.errors import CheckpointError
-from probes.learner import Learner
-from probes.metrics import choose_thresholds
-from probes.pooling import SUMMARIES
-from probes.probe import Probe, build_probe
 from schemas import HumanLabel, ProbeSpec, TrainingCounters
 from worker.errors import ConfigError
-from worker.health import Health, HealthServer
 from worker.kafka.batch_loop import BatchLoop, Item, Outgoing, TransientError
 from worker.kafka.clients import ensure_topics
-from worker.learning.replay import Example, Prequential, ReplayBuffer, collate
+from worker.kafka.runtime import RoleRuntime
+from worker.learning.online_learner import LearningConfig, OnlineLearner
 from worker.llm.extract import HiddenStateExtractor
 from worker.rollout.stages import Policy, Rollout
 from worker.settings import Settings
@@ -64,12 +59,11 @@ log = logging.getLogger(__name__)
 
 def default_spec(name: str, num_layers: int, hidden_size: int) -> ProbeSpec:
     """The from-zero probe: binary toxicity, mean pooling, scalar mix over six spread layers."""
-    layers = sorted({max(1, round(num_layers * k / 6)) for k in range(1, 7)})
     return ProbeSpec(
         name=name,
         token_pool="mean",
         layer_mix="scalar_mix",
-        layers=layers,
+        layers=spread_layers(num_layers),
         hidden_size=hidden_size,
         task="multiclass",
         labels=["non-toxic", "toxic"],
@@ -152,58 +146,60 @@ class Updater:
         self.policy = Policy.from_settings(settings)
         self._next_rollout = 0.0
         self.metrics = UpdaterMetrics()
-        self.health = Health(stale_after_s=max(60.0, settings.kafka_max_poll_interval_ms / 1000))
+        self.runtime = RoleRuntime(
+            settings, self.metrics.registry, worker_id=self.worker_id, metrics_port=metrics_port
+        )
+        self.health = self.runtime.health
         self.health.ready_check = lambda: (True, "active" if self.active else "standby")
-        port = settings.metrics_port if metrics_port is None else metrics_port
-        self._server = HealthServer(self.metrics.registry, self.health, port) if port else None
-        self._stop = threading.Event()
-        self.loop: BatchLoop[HumanLabel] | None = None
         self.active = False
-        # Learning state, set by _resume().
-        self.probe: Probe | None = None
-        self.learner: Learner | None = None
-        self.ema: dict[str, torch.Tensor] | None = None
+        # Set by _resume() when the lease is ours: the learning core, and what it
+        # continues from (the version it resumed from, then the last one it published).
+        self.learner: OnlineLearner | None = None
         self.parent: int | None = None
-        self.counters = TrainingCounters()
-        self.replay: ReplayBuffer | None = None
-        self.prequential: Prequential | None = None
-        self.warmup: list[Example] = []
-        self.needs_stats = False
         self.unpublished = 0
         self.last_publish = time.monotonic()
         self.published: list[int] = []
+
+    @property
+    def loop(self) -> BatchLoop[HumanLabel] | None:
+        return self.runtime.loop
+
+    @property
+    def labels_seen(self) -> int:
+        """Labels learned from (warm-up included) by the probe this updater holds."""
+        return self.learner.counters.labels_seen if self.learner is not None else 0
 
     # --- lifecycle -----------------------------------------------------------
 
     def run(self) -> None:
         """Standby until the lease is ours, learn until it is lost or :meth:`stop`; repeat."""
-        if self._server is not None:
-            self._server.start()
-        try:
-            announced = False
-            while not self._stop.is_set():
-                self.health.beat()
-                if self._try_lease():
-                    self._serve()
-                    announced = False
-                elif not announced:
-                    holder = self.lease.current()
-                    log.info(
-                        "standby: the %s lease is held by %s",
-                        self.name,
-                        holder[1] if holder else "nobody (retrying)",
-                    )
-                    announced = True
-                self._stop.wait(self.settings.lease_ttl_ms / 3000)
-        finally:
-            self.lease.release()
-            if self._server is not None:
-                self._server.stop()
+        with self.runtime.serving():
+            try:
+                self._standby_or_serve()
+            finally:
+                self.lease.release()
+
+    def _standby_or_serve(self) -> None:
+        announced = False
+        stop = self.runtime.stop_event
+        while not stop.is_set():
+            self.health.beat()
+            if self._try_lease():
+                self._serve()
+                announced = False
+            elif not announced:
+                holder = self.lease.current()
+                log.info(
+                    "standby: the %s lease is held by %s",
+                    self.name,
+                    holder[1] if holder else "nobody (retrying)",
+                )
+                announced = True
+            stop.wait(self.settings.lease_ttl_ms / 3000)
 
     def stop(self) -> None:
-        self._stop.set()
-        if self.loop is not None:
-            self.loop.stop()
+        """Finish the batch in hand, publish what it learned, commit, leave the group."""
+        self.runtime.stop()
 
     def _try_lease(self) -> bool:
         try:
@@ -218,27 +214,23 @@ class Updater:
         self.metrics.lease.set(1)
         self._resume()
         ensure_topics(self.settings, [self.settings.topic_labels, self.settings.topic_dead_letter])
-        self.loop = BatchLoop.for_topic(
-            self.settings,
+        loop = self.runtime.loop_for(
             group_id=self.settings.group_updater,
             topic=self.settings.topic_labels,
             model=HumanLabel,
             handler=self.handle,
-            worker_id=self.worker_id,
+            dead_letters=self.metrics.dead_letters,
             max_batch=self.settings.learn_batch_size,
             between_batches=self._between_batches,
-            on_dead_letter=lambda kind: self.metrics.dead_letters.labels(kind).inc(),
             defer_commits=True,
         )
-        if self._stop.is_set():
-            self.loop.stop()
         try:
-            self.loop.run()
+            loop.run()
             if self.unpublished and self._holds_lease():
                 self.publish(reason="shutdown")
         finally:
-            self.loop.close()
-            self.loop = None
+            loop.close()
+            self.runtime.loop = None
             self.active = False
             self.metrics.lease.set(0)
 
@@ -255,7 +247,7 @@ class Updater:
                 )
             except CheckpointError as exc:
                 raise ConfigError(f"cannot resume {self.name} from v{latest}: {exc}") from exc
-            self.parent, self.counters = latest, manifest.counters
+            self.parent, counters = latest, manifest.counters
             source = f"v{latest}"
         elif self.settings.seed_checkpoint is not None:
             probe, manifest = load_checkpoint(
@@ -265,21 +257,25 @@ class Updater:
                 raise ConfigError(
                     f"seed checkpoint is for probe {manifest.probe!r}, not {self.name!r}"
                 )
-            self.parent, self.counters = None, manifest.counters
+            self.parent, counters = None, manifest.counters
             source = f"seed checkpoint {self.settings.seed_checkpoint}"
         else:
             spec = self._seed_spec()
             probe = build_probe(spec, seed=0)
-            self.parent, self.counters = None, TrainingCounters()
+            self.parent, counters = None, TrainingCounters()
             source = "zero"
-        self._start_learning(probe, fresh=source == "zero")
+        self.learner = OnlineLearner(
+            probe,
+            LearningConfig.from_settings(self.settings),
+            counters=counters,
+            fresh=source == "zero",
+        )
+        self.unpublished = 0
+        self.last_publish = time.monotonic()
         if latest is not None:
             self._load_optimizer(latest)
         log.info(
-            "resumed %s from %s (%d labels seen so far)",
-            self.name,
-            source,
-            self.counters.labels_seen,
+            "resumed %s from %s (%d labels seen so far)", self.name, source, counters.labels_seen
         )
 
     def _seed_spec(self) -> ProbeSpec:
@@ -296,32 +292,11 @@ class Updater:
             )
         return spec
 
-    def _start_learning(self, probe: Probe, *, fresh: bool) -> None:
-        s = self.settings
-        probe.train()
-        self.probe = probe
-        self.learner = Learner(probe, lr=s.learn_lr, weight_decay=s.learn_weight_decay)
-        self.learner.steps = self.counters.steps
-        buckets = len(probe.spec.labels) + (1 if probe.spec.task == "multilabel" else 0)
-        self.replay = ReplayBuffer(s.replay_size, buckets)
-        self.prequential = Prequential(probe.spec, s.prequential_window)
-        self.ema = (
-            {k: v.detach().clone() for k, v in probe.state_dict().items()}
-            if s.ema_decay is not None
-            else None
-        )
-        self.needs_stats = fresh
-        self.warmup = []
-        self.unpublished = 0
-        self.last_publish = time.monotonic()
-
     # --- the batch -----------------------------------------------------------
 
     def handle(self, items: list[Item[HumanLabel]]) -> Sequence[Outgoing]:
-        probe, learner, loop = self.probe, self.learner, self.loop
-        if probe is None or learner is None or loop is None or self.prequential is None:
-            raise RuntimeError("handle() called before resume")
-        spec = probe.spec
+        learner = self._learner()
+        spec = learner.probe.spec
         dead: list[Outgoing] = []
         texts = self._join_texts([i.value for i in items])
         ready: list[tuple[Item[HumanLabel], str, torch.Tensor, int]] = []
@@ -333,31 +308,34 @@ class Updater:
                     )
                 )
                 continue
-            target = _target(spec, item.value)
-            if isinstance(target, str):
-                dead.append(self._reject(item, "unknown_label", target))
+            try:
+                target, bucket = encode_target(spec, item.value.all_labels)
+            except ProbeError as exc:
+                dead.append(self._reject(item, "unknown_label", str(exc)))
                 continue
-            ready.append((item, text, *target))
+            ready.append((item, text, target, bucket))
         self._credit(spec, [r[0].value for r in ready])
         if not ready:
             return dead
-        ex = self.extractor.extract([t for _, t, _, _ in ready], probe.layers)
+        ex = self.extractor.extract([t for _, t, _, _ in ready], learner.probe.layers)
         for pos, reason in ex.errors.items():
             dead.append(self._reject(ready[pos][0], "unscorable", reason))
         if not ex.index:
             return dead
         targets = torch.stack([ready[pos][2] for pos in ex.index])
         buckets = [ready[pos][3] for pos in ex.index]
-        hidden = ex.hidden.float()  # [L, B, T, D]
-        mask = ex.mask
-        # Test, then train: the prequential score comes from the probe before this step.
-        self.prequential.add(learner.predict_proba_many(hidden, mask), targets)
-        new = self._examples(hidden, mask, targets, buckets)
-        self._learn(new)
-        self.counters = _count(self.counters, spec, targets, len(new), learner.steps)
-        self.unpublished += len(new)
-        self.metrics.labels.inc(len(new))
+        steps = learner.learn(ex.hidden.float(), ex.mask, targets, buckets)  # [L, B, T, D]
+        if steps:
+            self.metrics.steps.inc(steps)
+            self.metrics.loss.set(learner.last_loss or 0.0)
+        self.unpublished += len(buckets)
+        self.metrics.labels.inc(len(buckets))
         return dead
+
+    def _learner(self) -> OnlineLearner:
+        if self.learner is None or self.loop is None:
+            raise RuntimeError("the updater handles labels only while it holds the lease")
+        return self.learner
 
     def _credit(self, spec: ProbeSpec, labels: list[HumanLabel]) -> None:
         """Evidence: each label against the flag decision of the version(s) that judged it.
@@ -394,74 +372,6 @@ class Updater:
             item.topic, item.partition, item.offset, item.key, item.value.encode(), kind, why
         )
 
-    def _examples(
-        self, hidden: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, buckets: list[int]
-    ) -> list[Example]:
-        probe = self.probe
-        if probe is None:
-            raise RuntimeError("no probe")
-        if probe.separable:
-            with torch.no_grad():
-                raw = SUMMARIES[probe.spec.token_pool](hidden, mask)  # [L, B, D], unnormalized
-                pooled = raw.half()
-            return [
-                Example(pooled[:, b].clone(), targets[b], buckets[b]) for b in range(len(buckets))
-            ]
-        out = []
-        for b in range(len(buckets)):
-            real = mask[b].nonzero().flatten()
-            out.append(Example(hidden[:, b, real].half().clone(), targets[b], buckets[b]))
-        return out
-
-    def _learn(self, new: list[Example]) -> None:
-        probe, learner, replay = self.probe, self.learner, self.replay
-        if probe is None or learner is None or replay is None:
-            raise RuntimeError("no learner")
-        if self.needs_stats:  # a fresh probe: fix the input normalization first
-            self.warmup.extend(new)
-            if len(self.warmup) < self.settings.stats_warmup:
-                return
-            self._set_stats(self.warmup)
-            self.needs_stats, new, self.warmup = False, self.warmup, []
-        bs = self.settings.learn_batch_size
-        for start in range(0, len(new), bs):
-            fresh = new[start : start + bs]
-            # At least as many replayed (class-balanced) examples as fresh ones: a full
-            # batch of fresh labels must not crowd the replay out, or a skewed stream
-            # (ToxicChat: 7 % toxic) teaches mostly its majority class.
-            extra = max(bs - len(fresh), len(fresh))
-            for _ in range(self.settings.learn_steps_per_batch):
-                batch = fresh + replay.sample(extra)
-                hidden, mask, targets = collate(batch)
-                loss = learner.learn_many(hidden, mask, targets)
-                self.metrics.steps.inc()
-                self.metrics.loss.set(loss)
-                self._update_ema()
-            replay.add(fresh)
-
-    def _set_stats(self, examples: list[Example]) -> None:
-        probe = self.probe
-        if probe is None:
-            raise RuntimeError("no probe")
-        if examples[0].x.dim() == 2:
-            data = torch.stack([e.x.float() for e in examples])  # [N, L, D]
-        else:
-            data = torch.cat([e.x.float().transpose(0, 1) for e in examples])  # [N_tok, L, D]
-        mean, std = data.mean(dim=0), data.std(dim=0)
-        probe.set_input_stats(mean, torch.where(std > 1e-6, std, torch.ones_like(std)))
-        log.info("input normalization fixed from %d examples", len(examples))
-
-    def _update_ema(self) -> None:
-        if self.ema is None or self.probe is None or self.settings.ema_decay is None:
-            return
-        d = self.settings.ema_decay
-        with torch.no_grad():
-            for k, v in self.probe.state_dict().items():
-                if v.is_floating_point():
-                    self.ema[k].mul_(d).add_(v, alpha=1 - d)
-                else:
-                    self.ema[k].copy_(v)
-
     # --- between batches: lease and publishing ------------------------------
 
     def _between_batches(self) -> None:
@@ -476,7 +386,7 @@ class Updater:
             self.unpublished > 0
             and time.monotonic() - self.last_publish >= self.settings.publish_every_s
         )
-        if (due_labels or due_time) and not self.needs_stats:
+        if (due_labels or due_time) and not self._learner().warming_up:
             self.publish(reason=f"{self.unpublished} new labels")
         self._rollout_tick()
 
@@ -514,21 +424,20 @@ class Updater:
 
     def publish(self, *, reason: str = "") -> int | None:
         """Publish the current weights as a new version; commit the labels they reflect."""
-        probe, learner = self.probe, self.learner
-        if probe is None or learner is None or self.prequential is None or self.loop is None:
+        learner, loop = self.learner, self.loop
+        if learner is None or loop is None:
             return None
         start = time.perf_counter()
-        self._calibrate()
-        metrics = self.prequential.report()
-        metrics["layer_entropy"] = probe.layer_entropy()
+        learner.calibrate()
+        metrics = learner.metrics()
         try:
             version = self.registry.allocate_version()
             blob, manifest = checkpoint_to_bytes(
-                self._publishable(),
+                learner.publishable(),
                 llm=self.extractor.fingerprint,
                 version=version,
                 parent=self.parent,
-                counters=self.counters,
+                counters=learner.counters,
                 metrics=metrics,
                 signing_key=self.settings.signing_key,
             )
@@ -544,13 +453,13 @@ class Updater:
             self.registry.prune(self.settings.keep_versions)
         except Fenced as exc:
             log.error("%s; stopping (another updater holds the lease)", exc)
-            self.loop.stop()
+            loop.stop()
             return None
         except (RegistryError, redis.RedisError, OSError) as exc:
             log.warning("publishing failed (%s); will retry", exc)
             self.last_publish = time.monotonic()
             return None
-        self.loop.commit_pending()  # only now: the labels are in a published version
+        loop.commit_pending()  # only now: the labels are in a published version
         self.parent = version
         self.unpublished = 0
         self.last_publish = time.monotonic()
@@ -573,80 +482,14 @@ class Updater:
         )
         return version
 
-    def _calibrate(self) -> None:
-        """Flag thresholds that maximize F1 on the prequential window: the online
-        counterpart of ``fit`` choosing them on validation. Each label's threshold moves only
-        once the window holds ``calibrate_min_positives`` of its positives (0: never)."""
-        need = self.settings.calibrate_min_positives
-        window = self.prequential.window() if self.prequential is not None else None
-        if not need or window is None or self.probe is None:
-            return
-        spec = self.probe.spec
-        chosen = choose_thresholds(spec, *window, min_positives=need)
-        if chosen:
-            self.probe.set_thresholds({**spec.thresholds, **chosen})
-
-    def _publishable(self) -> Probe:
-        if self.probe is None:
-            raise RuntimeError("no probe")
-        if self.ema is None:
-            return self.probe
-        shadow = copy.deepcopy(self.probe)
-        shadow.load_state_dict(self.ema)
-        return shadow
-
     def _save_optimizer(self, version: int) -> None:
-        if self.learner is None or self.probe is None:
-            return
-        state = {}
-        for name, param in self.probe.named_parameters():
-            exp_avg = self.learner.optimizer.state.get(param, {}).get("exp_avg")
-            if exp_avg is not None:
-                state[name] = exp_avg.detach().cpu().contiguous()
+        state = self.learner.optimizer_state() if self.learner is not None else {}
         if state:
-            self.redis.set(self.registry.keys.optim(self.registry.probe, version), st_save(state))
+            self.redis.set(self.keys.optim(self.name, version), st_save(state))
 
     def _load_optimizer(self, version: int) -> None:
-        if self.learner is None or self.probe is None:
+        raw = self.redis.get(self.keys.optim(self.name, version))
+        if raw is None or self.learner is None:
             return
-        raw = self.redis.get(self.registry.keys.optim(self.registry.probe, version))
-        if raw is None:
-            return
-        state = st_load(raw)  # safetensors: no pickle
-        params = dict(self.probe.named_parameters())
-        for name, exp_avg in state.items():
-            param = params.get(name)
-            if param is not None and param.shape == exp_avg.shape:
-                self.learner.optimizer.state[param]["exp_avg"] = exp_avg.clone()
-        log.info("restored Lion state of v%d (%d tensors)", version, len(state))
-
-
-def _target(spec: ProbeSpec, label: HumanLabel) -> tuple[torch.Tensor, int] | str:
-    """``(target, balance bucket)`` for ``label``, or why it cannot be learned."""
-    names = label.all_labels
-    unknown = [n for n in names if n not in spec.labels]
-    if unknown:
-        return f"labels {unknown} are not among the probe's {spec.labels}"
-    if spec.task == "multiclass":
-        if len(names) != 1:
-            return f"a multiclass probe needs exactly one label, got {list(names)}"
-        idx = spec.labels.index(names[0])
-        return torch.tensor(idx), idx
-    hot = torch.zeros(len(spec.labels))
-    for n in names:
-        hot[spec.labels.index(n)] = 1.0
-    bucket = spec.labels.index(names[0]) if names else len(spec.labels)
-    return hot, bucket
-
-
-def _count(
-    counters: TrainingCounters, spec: ProbeSpec, targets: torch.Tensor, n: int, steps: int
-) -> TrainingCounters:
-    per_label = dict(counters.per_label)
-    if spec.task == "multiclass":
-        for idx in targets.tolist():
-            per_label[spec.labels[idx]] = per_label.get(spec.labels[idx], 0) + 1
-    else:
-        for j, label in enumerate(spec.labels):
-            per_label[label] = per_label.get(label, 0) + int(targets[:, j].sum())
-    return TrainingCounters(labels_seen=counters.labels_seen + n, steps=steps, per_label=per_label)
+        used = self.learner.load_optimizer_state(st_load(raw))  # safetensors: no pickle
+        log.info("restored Lion state of v%d (%d tensors)", version, used)

@@ -14,7 +14,14 @@ from typing import Any, Literal
 
 import torch
 
-from probes import Probe, build_probe, load_checkpoint, save_checkpoint
+from probes import (
+    Probe,
+    ProbeError,
+    build_probe,
+    encode_targets,
+    load_checkpoint,
+    save_checkpoint,
+)
 from probes.cache import HiddenStateCache, features_for
 from probes.dataset import ProbeDataset
 from probes.metrics import evaluate
@@ -210,27 +217,15 @@ def evaluate_on_cache(checkpoint: Path, cache: HiddenStateCache) -> tuple[Probe,
 
 
 def _targets(probe: Probe, rows: Sequence[LabeledText]) -> torch.Tensor:
-    labels = list(probe.spec.labels)
-    if probe.spec.task == "multiclass":
-        unknown = sorted({r.label or "<none>" for r in rows} - set(labels))
-        if unknown:
-            raise OfflineError(
-                f"rows carry labels {unknown} that probe {probe.spec.name!r} "
-                f"does not know: {labels}"
-            )
-        return torch.tensor([labels.index(r.label) for r in rows if r.label is not None])
-    if any(r.labels is None for r in rows):
-        raise OfflineError("a multilabel probe needs 'labels' on every row")
-    unknown = sorted({x for r in rows for x in r.labels or []} - set(labels))
-    if unknown:
-        raise OfflineError(
-            f"rows carry labels {unknown} that probe {probe.spec.name!r} does not know"
-        )
-    y = torch.zeros(len(rows), len(labels))
-    for i, r in enumerate(rows):
-        for x in r.labels or []:
-            y[i, labels.index(x)] = 1.0
-    return y
+    multiclass = probe.spec.task == "multiclass"
+    if any((r.label if multiclass else r.labels) is None for r in rows):
+        field = "label" if multiclass else "labels"
+        raise OfflineError(f"a {probe.spec.task} probe needs {field!r} on every row")
+    label_sets = [[r.label] if multiclass and r.label else list(r.labels or []) for r in rows]
+    try:
+        return encode_targets(probe.spec, label_sets)
+    except ProbeError as exc:
+        raise OfflineError(str(exc)) from exc
 
 
 def evaluate_on_rows(

@@ -15,7 +15,6 @@ Probes hot-swap between batches (see :mod:`worker.scoring.probe_watch`).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -28,9 +27,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from probes.checkpoint import load_checkpoint
 from schemas import ChatMessage, DecidedRecord, ProbeDecision, ReviewRequest, Verdict, utcnow
 from worker.errors import ConfigError
-from worker.health import Health, HealthServer
 from worker.kafka.batch_loop import BatchLoop, Item, Outgoing
 from worker.kafka.clients import consumer_lag, ensure_topics
+from worker.kafka.runtime import RoleRuntime
 from worker.llm.extract import HiddenStateExtractor
 from worker.scoring.batch import BatchScores, Scoring, ServedProbe, sticky_fraction
 from worker.scoring.probe_watch import ProbeWatcher
@@ -123,7 +122,10 @@ class Scorer:
         self.keys = Keys(settings.redis_prefix)
         self.worker_id = worker_id or settings.resolved_worker_id()
         self.metrics = ScorerMetrics()
-        self.health = Health(stale_after_s=max(60.0, settings.kafka_max_poll_interval_ms / 1000))
+        self.runtime = RoleRuntime(
+            settings, self.metrics.registry, worker_id=self.worker_id, metrics_port=metrics_port
+        )
+        self.health = self.runtime.health
         self.health.ready_check = self._ready
         self.evidence = EvidenceStore(
             redis_client,
@@ -146,55 +148,42 @@ class Scorer:
             breaker=self.redis_breaker,
         )
         self.scoring = Scoring(extractor, self.watcher.slots, shadow=settings.shadow)
-        self.loop: BatchLoop[ChatMessage] | None = None
-        self._stop = threading.Event()
-        self._server: HealthServer | None = None
-        port = settings.metrics_port if metrics_port is None else metrics_port
-        if port:  # 0 disables the endpoint
-            self._server = HealthServer(self.metrics.registry, self.health, port)
+
+    @property
+    def loop(self) -> BatchLoop[ChatMessage] | None:
+        return self.runtime.loop
 
     # --- lifecycle -----------------------------------------------------------
 
     def run(self) -> None:
         """Serve until :meth:`stop`: wait for a probe, then the batch loop; leave cleanly."""
-        if self._server is not None:
-            self._server.start()
-        try:
+        with self.runtime.serving():
             if not self._wait_for_probes():
                 return
             ensure_topics(self.settings)
-            self.loop = BatchLoop.for_topic(
-                self.settings,
+            loop = self.runtime.loop_for(
                 group_id=self.settings.group_scorer,
                 topic=self.settings.topic_chat,
                 model=ChatMessage,
                 handler=self.handle,
-                worker_id=self.worker_id,
+                dead_letters=self.metrics.dead_letters,
                 max_batch=self.settings.batch_size,
                 between_batches=self._between_batches,
-                on_dead_letter=lambda kind: self.metrics.dead_letters.labels(kind).inc(),
             )
-            if self._stop.is_set():
-                self.loop.stop()
             log.info("scoring %s as %s", self.settings.topic_chat, self.worker_id)
             try:
-                self.loop.run()
+                loop.run()
             finally:
-                self.loop.close()
-                log.info("scorer stopped after %d messages", self.loop.stats.handled)
-        finally:
-            if self._server is not None:
-                self._server.stop()
+                loop.close()
+                log.info("scorer stopped after %d messages", loop.stats.handled)
 
     def stop(self) -> None:
         """Finish the batch in hand, commit it, leave the group (safe from a signal handler)."""
-        self._stop.set()
-        if self.loop is not None:
-            self.loop.stop()
+        self.runtime.stop()
 
     @property
     def port(self) -> int | None:
-        return self._server.port if self._server else None
+        return self.runtime.port
 
     # --- the batch -----------------------------------------------------------
 
@@ -362,7 +351,7 @@ class Scorer:
     def _wait_for_probes(self) -> bool:
         bootstrap = self.settings.bootstrap_checkpoint
         last_note = 0.0
-        while not self._stop.is_set():
+        while not self.runtime.stop_event.is_set():
             self.watcher.refresh(force=True)
             if bootstrap is not None:
                 self._serve_bootstrap(bootstrap)
@@ -378,7 +367,7 @@ class Scorer:
                 )
                 last_note = time.monotonic()
             self.health.beat()  # waiting is healthy: liveness probes must not restart us
-            self._stop.wait(1.0)
+            self.runtime.stop_event.wait(1.0)
         return False
 
     def _serve_bootstrap(self, path: Path) -> None:

@@ -36,6 +36,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from probes.metrics import precision_recall_f1
 from schemas import DecidedRecord, ProbeDecision
 from worker.store.redis import Keys
 
@@ -57,11 +58,11 @@ class Confusion:
 
     @property
     def precision(self) -> float:
-        return self.tp / (self.tp + self.fp) if self.tp + self.fp else 0.0
+        return precision_recall_f1(self.tp, self.fp, self.fn)[0]
 
     @property
     def recall(self) -> float:
-        return self.tp / (self.tp + self.fn) if self.tp + self.fn else 0.0
+        return precision_recall_f1(self.tp, self.fp, self.fn)[1]
 
     @property
     def f1(self) -> float:
@@ -72,8 +73,9 @@ class Confusion:
         """
         if not self.labeled:
             return math.nan
-        denominator = 2 * self.tp + self.fp + self.fn
-        return 2 * self.tp / denominator if denominator else 1.0
+        if self.tp + self.fp + self.fn == 0:
+            return 1.0
+        return precision_recall_f1(self.tp, self.fp, self.fn)[2]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,127 @@
+"""The updater's learning core on its own: no Kafka, no Redis, no LLM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from probes import build_probe
+from schemas import TrainingCounters
+from tests.unit.probe_helpers import NUM_LAYERS, make_spec, toy_task
+from worker.learning.online_learner import LearningConfig, OnlineLearner
+
+KINDS = [("mean", "scalar_mix"), ("gate", "scalar_mix"), ("mha", "scalar_mix"), ("max", "gate")]
+
+
+def _learner(pool: str = "mean", mix: str = "scalar_mix", **config: object) -> OnlineLearner:
+    cfg = LearningConfig(**{"batch_size": 8, "stats_warmup": 16, **config})  # type: ignore[arg-type]
+    return OnlineLearner(build_probe(make_spec(pool, mix), seed=0), cfg, fresh=True)
+
+
+def _feed(learner: OnlineLearner, seed: int, n: int = 48) -> tuple[torch.Tensor, ...]:
+    hidden, mask, y = toy_task(NUM_LAYERS, "multiclass", n=n, seed=seed)
+    layers = torch.tensor(learner.probe.layers)
+    hidden = hidden[layers - 1]  # the probe's layers, [L_sel, B, T, D]
+    for start in range(0, n, 8):
+        part = slice(start, start + 8)
+        learner.learn(hidden[:, part], mask[part], y[part], y[part].tolist())
+    return hidden, mask, y
+
+
+def test_fresh_probe_warms_up_before_its_first_step() -> None:
+    learner = _learner()
+    hidden, mask, y = toy_task(NUM_LAYERS, "multiclass", n=8)
+    hidden = hidden[torch.tensor(learner.probe.layers) - 1]
+    assert learner.learn(hidden, mask, y, y.tolist()) == 0
+    assert learner.warming_up and learner.learner.steps == 0
+    assert torch.equal(learner.probe.scale, torch.ones_like(learner.probe.scale))
+    # The second batch completes the warm-up: normalization fixed, all 16 examples learned.
+    steps = learner.learn(hidden, mask, y, y.tolist())
+    assert steps == 2 * 2  # two mini-batches of 8, two Lion steps each
+    assert not learner.warming_up
+    assert not torch.equal(learner.probe.scale, torch.ones_like(learner.probe.scale))
+    assert learner.counters.labels_seen == 16 and learner.counters.steps == 4
+
+
+def test_resumed_probe_learns_at_once_and_counts_per_label() -> None:
+    probe = build_probe(make_spec("mean", "scalar_mix"), seed=0)
+    learner = OnlineLearner(
+        probe,
+        LearningConfig(batch_size=8),
+        counters=TrainingCounters(labels_seen=5, steps=7, per_label={"ok": 5}),
+    )
+    hidden, mask, y = toy_task(NUM_LAYERS, "multiclass", n=8)
+    hidden = hidden[torch.tensor(probe.layers) - 1]
+    assert learner.learn(hidden, mask, y, y.tolist()) == 2
+    c = learner.counters
+    assert c.labels_seen == 13 and c.steps == 9
+    assert sum(c.per_label.values()) == 13
+    assert c.per_label["ok"] == 5 + int((y == 0).sum())
+
+
+@pytest.mark.parametrize(("pool", "mix"), KINDS)
+def test_every_kind_learns_the_toy_task_online(pool: str, mix: str) -> None:
+    learner = _learner(pool, mix, lr=3e-3)
+    for seed in range(1, 7):
+        _feed(learner, seed)
+    hidden, mask, y = toy_task(NUM_LAYERS, "multiclass", n=96, seed=50)
+    hidden = hidden[torch.tensor(learner.probe.layers) - 1]
+    accuracy = (learner.probe.predict_proba_many(hidden, mask).argmax(-1) == y).float().mean()
+    assert accuracy > 0.8, f"{pool}/{mix}: accuracy {accuracy:.2f} on held-out toy data"
+    report = learner.metrics()
+    assert 0.0 <= report["prequential_f1"] <= 1.0 and "layer_entropy" in report
+
+
+def test_replay_keeps_summaries_for_separable_pools_and_tokens_otherwise() -> None:
+    for pool, dims in (("mean", 2), ("gate", 3)):
+        learner = _learner(pool, stats_warmup=1)
+        _feed(learner, seed=1, n=8)
+        example = learner.replay.sample(1)[0]
+        assert example.x.dim() == dims and example.x.dtype == torch.float16
+
+
+def test_optimizer_state_round_trips_into_a_new_learner() -> None:
+    a = _learner(stats_warmup=1)
+    _feed(a, seed=1)
+    state = a.optimizer_state()
+    assert state and all(t.device.type == "cpu" for t in state.values())
+    b = OnlineLearner(
+        build_probe(make_spec("mean", "scalar_mix"), seed=0), LearningConfig(), fresh=False
+    )
+    assert b.load_optimizer_state({**state, "no.such.param": torch.zeros(3)}) == len(state)
+    assert set(b.optimizer_state()) == set(state)
+    for name, t in b.optimizer_state().items():
+        assert torch.equal(t, state[name])
+
+
+def test_ema_is_what_gets_published() -> None:
+    learner = _learner(stats_warmup=1, ema_decay=0.9)
+    _feed(learner, seed=1)
+    shadow = learner.publishable()
+    assert shadow is not learner.probe
+    w = dict(learner.probe.named_parameters())
+    changed = [n for n, p in shadow.named_parameters() if not torch.equal(p, w[n])]
+    assert changed, "the EMA shadow should lag the live weights"
+    plain = _learner(stats_warmup=1)
+    assert plain.publishable() is plain.probe
+
+
+def test_calibrate_moves_the_flag_threshold_only_with_enough_positives() -> None:
+    strict = _learner(stats_warmup=1, calibrate_min_positives=10_000)
+    _feed(strict, seed=1)
+    strict.calibrate()
+    assert strict.probe.spec.thresholds == {}
+    eager = _learner(stats_warmup=1, calibrate_min_positives=3)
+    _feed(eager, seed=1)
+    eager.calibrate()
+    assert set(eager.probe.spec.thresholds) == {"toxic"}
+
+
+def test_snapshot_is_plain_data() -> None:
+    learner = _learner()
+    _feed(learner, seed=1, n=8)
+    snap = learner.snapshot()
+    assert snap["warming_up"] and snap["warmup_examples"] == 8 and snap["steps"] == 0
+    assert snap["layers"] == list(learner.probe.layers)
+    assert len(snap["layer_weights"]) == len(snap["layers"])
+    assert not any(isinstance(v, torch.Tensor) for v in snap.values())

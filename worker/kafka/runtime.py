@@ -1,0 +1,93 @@
+"""What every long-running role shares: health, the metrics server, stop, its batch loop.
+
+The scorer and the updater compose one :class:`RoleRuntime` rather than each building
+the same scaffolding: a :class:`~worker.health.Health` whose liveness goes stale after a
+Kafka poll interval, a ``/metrics`` + ``/healthz`` + ``/readyz`` server on
+``metrics_port`` (0 disables it), a stop event that is safe to set from a signal
+handler, and the factory of the role's :class:`~worker.kafka.batch_loop.BatchLoop`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from prometheus_client import CollectorRegistry, Counter
+
+from schemas.base import WireModel
+from worker.health import Health, HealthServer
+from worker.kafka.batch_loop import BatchLoop, Item, Outgoing
+
+__all__ = ["RoleRuntime"]
+
+T = TypeVar("T", bound=WireModel)
+
+
+class RoleRuntime:
+    def __init__(
+        self,
+        settings: Any,
+        metrics: CollectorRegistry,
+        *,
+        worker_id: str,
+        metrics_port: int | None = None,
+    ) -> None:
+        self.settings = settings
+        self.worker_id = worker_id
+        # A loop that has not come back from a poll for longer than Kafka allows is dead.
+        self.health = Health(stale_after_s=max(60.0, settings.kafka_max_poll_interval_ms / 1000))
+        port = settings.metrics_port if metrics_port is None else metrics_port
+        self.server = HealthServer(metrics, self.health, port) if port else None
+        self.stop_event = threading.Event()
+        self.loop: BatchLoop[Any] | None = None
+
+    @property
+    def port(self) -> int | None:
+        """The metrics server's port (None when disabled)."""
+        return self.server.port if self.server is not None else None
+
+    @contextmanager
+    def serving(self) -> Iterator[None]:
+        """The metrics server runs for the duration of the block."""
+        if self.server is not None:
+            self.server.start()
+        try:
+            yield
+        finally:
+            if self.server is not None:
+                self.server.stop()
+
+    def loop_for(
+        self,
+        *,
+        group_id: str,
+        topic: str,
+        model: type[T],
+        handler: Callable[[list[Item[T]]], Sequence[Outgoing]],
+        dead_letters: Counter,
+        **options: Any,
+    ) -> BatchLoop[T]:
+        """The role's batch loop on ``topic``; dead letters count into ``dead_letters``
+        (labelled by kind). A stop requested before the loop existed stops it at once."""
+        loop = BatchLoop.for_topic(
+            self.settings,
+            group_id=group_id,
+            topic=topic,
+            model=model,
+            handler=handler,
+            worker_id=self.worker_id,
+            on_dead_letter=lambda kind: dead_letters.labels(kind).inc(),
+            **options,
+        )
+        self.loop = loop
+        if self.stop_event.is_set():
+            loop.stop()
+        return loop
+
+    def stop(self) -> None:
+        """Finish the batch in hand, commit it, leave the group (safe from a signal handler)."""
+        self.stop_event.set()
+        if self.loop is not None:
+            self.loop.stop()

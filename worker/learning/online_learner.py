@@ -1,0 +1,254 @@
+"""The updater's learning core: a probe learning from a stream of labeled hidden states.
+
+No Kafka, no Redis, no LLM: hidden states and targets in, a publishable probe out.
+Per batch (:meth:`OnlineLearner.learn`):
+
+    test   -- score the batch with the probe as it is (windowed prequential metrics)
+    warm   -- a fresh probe first collects ``stats_warmup`` examples and fixes its input
+              normalization from them; nothing is learned before that
+    train  -- Lion steps on the new examples plus a class-balanced replay sample
+              (at least as many replayed as new); EMA of the weights when configured
+
+At publish time :meth:`calibrate` moves flag thresholds to the F1-best point of the
+prequential window, :meth:`publishable` gives the probe to publish (the EMA shadow
+when configured), and :meth:`optimizer_state` the Lion momentum to publish beside it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from probes.learner import Learner
+from probes.metrics import choose_thresholds
+from probes.pooling import SUMMARIES
+from probes.probe import Probe
+from schemas import TrainingCounters
+from worker.learning.replay import Example, Prequential, ReplayBuffer, collate
+
+__all__ = ["LearningConfig", "OnlineLearner"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LearningConfig:
+    lr: float = 3e-4  # Lion learning rate (its step size is fixed: lr · sign)
+    weight_decay: float = 0.01
+    batch_size: int = 32  # new examples per step; at least as many replayed join them
+    steps_per_batch: int = 2  # Lion steps on each mini-batch
+    replay_size: int = 1024  # class-balanced memory, examples
+    prequential_window: int = 500  # test-then-train window, examples
+    stats_warmup: int = 64  # a fresh probe's normalization comes from this many examples
+    ema_decay: float | None = None  # publish an EMA of the weights (None: the weights)
+    calibrate_min_positives: int = 20  # positives a label needs before its threshold moves
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> LearningConfig:
+        return cls(
+            lr=settings.learn_lr,
+            weight_decay=settings.learn_weight_decay,
+            batch_size=settings.learn_batch_size,
+            steps_per_batch=settings.learn_steps_per_batch,
+            replay_size=settings.replay_size,
+            prequential_window=settings.prequential_window,
+            stats_warmup=settings.stats_warmup,
+            ema_decay=settings.ema_decay,
+            calibrate_min_positives=settings.calibrate_min_positives,
+        )
+
+
+class OnlineLearner:
+    """One probe, its Lion optimizer, replay buffer, prequential window and counters.
+
+    ``fresh=True`` (a probe built from zero) holds back learning until ``stats_warmup``
+    examples have fixed the input normalization; a resumed probe learns at once.
+    """
+
+    def __init__(
+        self,
+        probe: Probe,
+        config: LearningConfig,
+        *,
+        counters: TrainingCounters | None = None,
+        fresh: bool = False,
+    ) -> None:
+        probe.train()
+        self.probe = probe
+        self.config = config
+        self.counters = counters or TrainingCounters()
+        self.learner = Learner(probe, lr=config.lr, weight_decay=config.weight_decay)
+        self.learner.steps = self.counters.steps
+        spec = probe.spec
+        self.replay = ReplayBuffer(
+            config.replay_size, len(spec.labels) + (1 if spec.task == "multilabel" else 0)
+        )
+        self.prequential = Prequential(spec, config.prequential_window)
+        self.ema = (
+            {k: v.detach().clone() for k, v in probe.state_dict().items()}
+            if config.ema_decay is not None
+            else None
+        )
+        self.warmup: list[Example] | None = [] if fresh else None
+        self.last_loss: float | None = None
+
+    @property
+    def warming_up(self) -> bool:
+        """True while a fresh probe still collects examples for its normalization."""
+        return self.warmup is not None
+
+    # --- learning --------------------------------------------------------------------------
+
+    def learn(self, hidden: Tensor, mask: Tensor, targets: Tensor, buckets: list[int]) -> int:
+        """Test, then train on one batch: ``hidden [L, B, T, D]``, ``mask [B, T]``,
+        ``targets [B]`` or ``[B, C]``, one balance bucket per row. Returns the Lion steps
+        taken (0 while warming up)."""
+        # Test, then train: the prequential score comes from the probe before this step.
+        self.prequential.add(self.learner.predict_proba_many(hidden, mask), targets)
+        new = self._examples(hidden, mask, targets, buckets)
+        steps_before = self.learner.steps
+        if self.warmup is not None:
+            self.warmup.extend(new)
+            if len(self.warmup) < self.config.stats_warmup:
+                new = []
+            else:
+                self._set_stats(self.warmup)
+                new, self.warmup = self.warmup, None
+        self._train(new)
+        self._count(targets)
+        return self.learner.steps - steps_before
+
+    def _examples(
+        self, hidden: Tensor, mask: Tensor, targets: Tensor, buckets: list[int]
+    ) -> list[Example]:
+        """What replay keeps: raw summaries ``[L, D]`` for separable pools, else the real
+        tokens ``[L, T, D]``; fp16 either way."""
+        if self.probe.separable:
+            with torch.no_grad():
+                raw = SUMMARIES[self.probe.spec.token_pool](hidden, mask)  # [L, B, D]
+                pooled = raw.half()
+            return [
+                Example(pooled[:, b].clone(), targets[b], bucket)
+                for b, bucket in enumerate(buckets)
+            ]
+        out = []
+        for b, bucket in enumerate(buckets):
+            real = mask[b].nonzero().flatten()
+            out.append(Example(hidden[:, b, real].half().clone(), targets[b], bucket))
+        return out
+
+    def _train(self, new: list[Example]) -> None:
+        bs = self.config.batch_size
+        for start in range(0, len(new), bs):
+            fresh = new[start : start + bs]
+            # At least as many replayed (class-balanced) examples as fresh ones: a full
+            # batch of fresh labels must not crowd the replay out, or a skewed stream
+            # (ToxicChat: 7 % toxic) teaches mostly its majority class.
+            extra = max(bs - len(fresh), len(fresh))
+            for _ in range(self.config.steps_per_batch):
+                hidden, mask, targets = collate(fresh + self.replay.sample(extra))
+                self.last_loss = self.learner.learn_many(hidden, mask, targets)
+                self._update_ema()
+            self.replay.add(fresh)
+
+    def _set_stats(self, examples: list[Example]) -> None:
+        if examples[0].x.dim() == 2:
+            data = torch.stack([e.x.float() for e in examples])  # [N, L, D]
+        else:
+            data = torch.cat([e.x.float().transpose(0, 1) for e in examples])  # [N_tok, L, D]
+        mean, std = data.mean(dim=0), data.std(dim=0)
+        self.probe.set_input_stats(mean, torch.where(std > 1e-6, std, torch.ones_like(std)))
+        log.info("input normalization fixed from %d examples", len(examples))
+
+    def _update_ema(self) -> None:
+        d = self.config.ema_decay
+        if self.ema is None or d is None:
+            return
+        with torch.no_grad():
+            for k, v in self.probe.state_dict().items():
+                if v.is_floating_point():
+                    self.ema[k].mul_(d).add_(v, alpha=1 - d)
+                else:
+                    self.ema[k].copy_(v)
+
+    def _count(self, targets: Tensor) -> None:
+        spec, c = self.probe.spec, self.counters
+        per_label = dict(c.per_label)
+        if spec.task == "multiclass":
+            for idx in targets.tolist():
+                per_label[spec.labels[idx]] = per_label.get(spec.labels[idx], 0) + 1
+        else:
+            for j, label in enumerate(spec.labels):
+                per_label[label] = per_label.get(label, 0) + int(targets[:, j].sum())
+        self.counters = TrainingCounters(
+            labels_seen=c.labels_seen + int(targets.shape[0]),
+            steps=self.learner.steps,
+            per_label=per_label,
+        )
+
+    # --- publishing ------------------------------------------------------------------------
+
+    def calibrate(self) -> None:
+        """Flag thresholds that maximize F1 on the prequential window: the online
+        counterpart of ``fit`` choosing them on validation. Each label's threshold moves
+        only once the window holds ``calibrate_min_positives`` of its positives (0: never)."""
+        need = self.config.calibrate_min_positives
+        window = self.prequential.window()
+        if not need or window is None:
+            return
+        spec = self.probe.spec
+        chosen = choose_thresholds(spec, *window, min_positives=need)
+        if chosen:
+            self.probe.set_thresholds({**spec.thresholds, **chosen})
+
+    def metrics(self) -> dict[str, float]:
+        """Prequential metrics and the layer-weight entropy, for the manifest."""
+        return {**self.prequential.report(), "layer_entropy": self.probe.layer_entropy()}
+
+    def publishable(self) -> Probe:
+        """The probe to publish: the EMA of the weights when configured, else the probe."""
+        if self.ema is None:
+            return self.probe
+        shadow = copy.deepcopy(self.probe)
+        shadow.load_state_dict(self.ema)
+        return shadow
+
+    def optimizer_state(self) -> dict[str, Tensor]:
+        """Lion's momentum per parameter name (safetensors-ready, on the CPU)."""
+        state = {}
+        for name, param in self.probe.named_parameters():
+            exp_avg = self.learner.optimizer.state.get(param, {}).get("exp_avg")
+            if exp_avg is not None:
+                state[name] = exp_avg.detach().cpu().contiguous()
+        return state
+
+    def load_optimizer_state(self, state: dict[str, Tensor]) -> int:
+        """Restore momentum saved by :meth:`optimizer_state`; returns the tensors used
+        (names or shapes that no longer match are skipped)."""
+        params = dict(self.probe.named_parameters())
+        used = 0
+        for name, exp_avg in state.items():
+            param = params.get(name)
+            if param is not None and param.shape == exp_avg.shape:
+                self.learner.optimizer.state[param]["exp_avg"] = exp_avg.to(param.device).clone()
+                used += 1
+        return used
+
+    def snapshot(self) -> dict[str, Any]:
+        """Cheap figures for views and reports (no tensors)."""
+        return {
+            "labels_seen": self.counters.labels_seen,
+            "steps": self.learner.steps,
+            "warming_up": self.warming_up,
+            "warmup_examples": len(self.warmup or []),
+            "last_loss": self.last_loss,
+            "prequential": self.prequential.report(),
+            "layers": list(self.probe.layers),
+            "layer_weights": [float(w) for w in self.probe.layer_weights().tolist()],
+            "layer_entropy": self.probe.layer_entropy(),
+        }
