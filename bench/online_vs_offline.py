@@ -4,7 +4,7 @@ One run on the embedded broker and Redis with the default LLM (or --model):
 
 1. Extract the train and validation texts once (mean summaries of the layers of the
    updater's default probe) -- the offline features.
-2. Offline: ``probes.train.fit`` on train, early stopping and threshold on validation.
+2. Offline: ``probes.fit.fit`` on train, early stopping and threshold on validation.
 3. Online: every train row becomes a ``HumanLabel`` (with its text) on the labels topic;
    one ``Updater`` (from zero, default settings unless overridden) learns from the stream,
    test-then-train, publishing versions as it goes.
@@ -122,9 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
+    from probes.fit import FitConfig, fit
     from probes.metrics import evaluate
     from probes.probe import build_probe
-    from probes.train import FitConfig, fit
     from schemas import HumanLabel, utcnow
     from worker.embedded import EmbeddedBroker, EmbeddedRedis
     from worker.kafka.clients import ensure_topics, make_producer

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from probes.cache import HiddenStateCache
-from probes.train import FitConfig, FitResult
+from probes.fit import FitConfig, FitResult
 from schemas import LayerMix, TokenPool
 from worker.commands._common import dir_size
 from worker.offline.fit_eval import ProbeOptions, save_fit, train_probe
@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--balance", choices=["weights", "sampler", "none"], default="weights")
     p.add_argument("--d-inner", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -94,13 +94,13 @@ def fit_one(
     """Fit one probe; its summary row and the full result."""
     flags = None if args.flag_labels is None else args.flag_labels.split(",")
     opts = ProbeOptions(
-        pool=pool,
-        mix=mix,
+        token_pool=pool,
+        layer_mix=mix,
         layers=layers,
         target=args.target,
         flag_labels=flags,
         d_inner=args.d_inner,
-        num_heads=args.heads,
+        num_heads=args.num_heads,
         dropout=args.dropout,
     )
     config = FitConfig(

@@ -9,7 +9,7 @@ version is published before the clock starts: only the stage change is timed.
 Starts the embedded broker and Redis, ``--scorers`` scorers in one consumer group (threads
 in this process sharing one extractor; each follows the registry on its own), then
 publishes ``--publishes`` versions one after another. For each, the time from the end of
-``Registry.publish`` until all scorers report the new live version (checked every 2 ms).
+``CheckpointRegistry.publish`` until all scorers report the new live version (checked every 2 ms).
 Scorers pick up changes between batches, so the figure includes up to one poll wait
 (``--poll-wait-ms``) when idle, or one batch under load (``--load`` msg/s of chat traffic).
 
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker.rollout.stages import Rollout
     from worker.scoring.scorer import Scorer
     from worker.settings import Settings
-    from worker.store.checkpoints import Registry
+    from worker.store.checkpoints import CheckpointRegistry
     from worker.store.evidence import EvidenceStore
     from worker.store.redis import Keys, make_redis
 
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             extractor = HiddenStateExtractor.from_settings(settings)
         client = make_redis(settings)
-        registry = Registry(client, Keys(settings.redis_prefix), "toxicity")
+        registry = CheckpointRegistry(client, Keys(settings.redis_prefix), "toxicity")
         spec = ProbeSpec(
             name="toxicity",
             token_pool="mean",

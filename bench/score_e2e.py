@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker.llm.extract import HiddenStateExtractor
     from worker.scoring.scorer import Scorer
     from worker.settings import Settings
-    from worker.store.checkpoints import Registry
+    from worker.store.checkpoints import CheckpointRegistry
     from worker.store.redis import Keys, make_redis
 
     layers = parse_layers(args.layers)
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             flag_labels=["toxic"],
         )
         client = make_redis(settings)
-        registry = Registry(client, Keys(settings.redis_prefix), "toxicity")
+        registry = CheckpointRegistry(client, Keys(settings.redis_prefix), "toxicity")
         version = registry.allocate_version()
         blob, manifest = checkpoint_to_bytes(
             build_probe(spec, seed=0), llm=extractor.fingerprint, version=version

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 # Imported for their registration side effect.
 from probes import gate, layer_mix, mha, pooling  # noqa: F401
 from probes.errors import ProbeError
-from probes.registry import LAYER_MIXES, TOKEN_POOLS, LayerMixModule, TokenPoolModule
+from probes.kinds import LAYER_MIXES, TOKEN_POOLS, LayerMixModule, TokenPoolModule
 from schemas import ProbeSpec
 
 __all__ = ["Probe", "build_probe", "weight_entropy"]

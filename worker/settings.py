@@ -174,7 +174,7 @@ class Settings(BaseSettings):
     worker_id: str | None = Field(None, description="Defaults to hostname-pid.")
 
     @model_validator(mode="after")
-    def _security_consistent(self) -> Settings:
+    def _consistent(self) -> Settings:
         sasl = self.kafka_security_protocol.startswith("SASL")
         if sasl and not (self.kafka_sasl_mechanism and self.kafka_sasl_username):
             raise ValueError(
@@ -202,7 +202,7 @@ class Settings(BaseSettings):
         return [p.strip() for p in self.probes.split(",") if p.strip()]
 
     @property
-    def trained_probe(self) -> str:
+    def probe_to_train(self) -> str:
         return self.train_probe or self.probe_names[0]
 
     @property

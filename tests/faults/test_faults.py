@@ -25,14 +25,14 @@ from tests.faults.accounting import Row, Tally, record
 from tests.faults.conftest import Stack
 from tests.integration.test_updater import chat, fast, label
 from tests.kafka_helpers import produce_raw
-from tests.probe_helpers import publish_probe
 from tests.process_helpers import Threaded, settings_env, spawn, wait_until
+from tests.registry_helpers import publish_probe
 from tests.tiny_llm import make_tiny_llm
 from worker.learning.updater import Updater
 from worker.llm.extract import HiddenStateExtractor
 from worker.scoring.scorer import Scorer
 from worker.settings import Settings
-from worker.store.checkpoints import Registry
+from worker.store.checkpoints import CheckpointRegistry
 from worker.store.redis import Keys, make_redis
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.slow]
@@ -44,8 +44,8 @@ def extractor() -> HiddenStateExtractor:
     return HiddenStateExtractor(make_tiny_llm(), max_tokens=64, batch_size=16)
 
 
-def registry(settings: Settings) -> Registry:
-    return Registry(make_redis(settings), Keys(settings.redis_prefix), "toxicity")
+def registry(settings: Settings) -> CheckpointRegistry:
+    return CheckpointRegistry(make_redis(settings), Keys(settings.redis_prefix), "toxicity")
 
 
 def chats(prefix: str, start: int, stop: int) -> list[tuple[bytes, bytes]]:

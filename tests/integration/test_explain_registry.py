@@ -13,7 +13,7 @@ from schemas import ProbeSpec
 from tests.conftest import RedisNamespace
 from tests.tiny_llm import make_tiny_llm
 from worker.cli import main
-from worker.store.checkpoints import Registry
+from worker.store.checkpoints import CheckpointRegistry
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +34,7 @@ def published(tmp_path: Path, redis_ns: RedisNamespace, monkeypatch: pytest.Monk
         labels=["ok", "toxic"],
         flag_labels=["toxic"],
     )
-    registry = Registry(redis_ns.client, redis_ns.keys, "toxicity")
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
     version = registry.allocate_version()
     blob, manifest = checkpoint_to_bytes(
         build_probe(spec, seed=0), llm=llm.fingerprint, version=version

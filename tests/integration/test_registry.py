@@ -10,7 +10,7 @@ import pytest
 
 from schemas import CheckpointManifest, LLMFingerprint, ProbeSpec, utcnow
 from tests.conftest import RedisNamespace
-from worker.store.checkpoints import Fenced, Registry, RegistryError, UnknownVersion
+from worker.store.checkpoints import CheckpointRegistry, Fenced, RegistryError, UnknownVersion
 from worker.store.lease import Lease
 
 pytestmark = pytest.mark.integration
@@ -45,11 +45,11 @@ def checkpoint(version: int, payload: bytes = b"tensors", parent: int | None = N
 
 
 @pytest.fixture
-def registry(redis_ns: RedisNamespace) -> Registry:
-    return Registry(redis_ns.client, redis_ns.keys, "tox")
+def registry(redis_ns: RedisNamespace) -> CheckpointRegistry:
+    return CheckpointRegistry(redis_ns.client, redis_ns.keys, "tox")
 
 
-def test_publish_get_and_visibility(registry: Registry) -> None:
+def test_publish_get_and_visibility(registry: CheckpointRegistry) -> None:
     assert registry.versions() == [] and registry.latest() is None
     v1 = registry.allocate_version()
     v2 = registry.allocate_version()
@@ -68,7 +68,7 @@ def test_publish_get_and_visibility(registry: Registry) -> None:
     assert event.kind == "published" and event.version == v2 and event.reason == "first"
 
 
-def test_corruption_is_detected(registry: Registry, redis_ns: RedisNamespace) -> None:
+def test_corruption_is_detected(registry: CheckpointRegistry, redis_ns: RedisNamespace) -> None:
     v = registry.allocate_version()
     blob, manifest = checkpoint(v)
     with pytest.raises(RegistryError, match="sha256"):
@@ -83,7 +83,9 @@ def test_corruption_is_detected(registry: Registry, redis_ns: RedisNamespace) ->
         registry.get(v)
 
 
-def test_fencing_rejects_a_stale_holder(registry: Registry, redis_ns: RedisNamespace) -> None:
+def test_fencing_rejects_a_stale_holder(
+    registry: CheckpointRegistry, redis_ns: RedisNamespace
+) -> None:
     a = Lease(redis_ns.client, registry.lease_key, holder="updater-a", ttl_ms=300)
     b = Lease(redis_ns.client, registry.lease_key, holder="updater-b", ttl_ms=5000)
     token_a = a.acquire()
@@ -104,7 +106,7 @@ def test_fencing_rejects_a_stale_holder(registry: Registry, redis_ns: RedisNames
     assert b.current() is None
 
 
-def test_stage_changes_are_events(registry: Registry) -> None:
+def test_stage_changes_are_events(registry: CheckpointRegistry) -> None:
     versions = []
     for _ in range(3):
         v = registry.allocate_version()
@@ -131,7 +133,7 @@ def test_stage_changes_are_events(registry: Registry) -> None:
     assert [e.kind for _, e in registry.history(2)] == ["promoted", "promoted"]
 
 
-def test_blocking_event_read_wakes_on_publish(registry: Registry) -> None:
+def test_blocking_event_read_wakes_on_publish(registry: CheckpointRegistry) -> None:
     cursor = registry.last_event_id()
     got: list[int | None] = []
 
@@ -147,7 +149,9 @@ def test_blocking_event_read_wakes_on_publish(registry: Registry) -> None:
     assert got == [v]
 
 
-def test_prune_keeps_live_and_canary(registry: Registry, redis_ns: RedisNamespace) -> None:
+def test_prune_keeps_live_and_canary(
+    registry: CheckpointRegistry, redis_ns: RedisNamespace
+) -> None:
     vs = []
     for _ in range(6):
         v = registry.allocate_version()
@@ -160,7 +164,7 @@ def test_prune_keeps_live_and_canary(registry: Registry, redis_ns: RedisNamespac
     assert redis_ns.client.exists(registry.keys.ckpt(registry.probe, vs[2])) == 0
 
 
-def test_versions_strictly_increase_under_concurrency(registry: Registry) -> None:
+def test_versions_strictly_increase_under_concurrency(registry: CheckpointRegistry) -> None:
     seen: list[int] = []
     lock = threading.Lock()
 

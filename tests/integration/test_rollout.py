@@ -24,8 +24,8 @@ from probes.probe import Probe, build_probe
 from schemas import Verdict
 from tests.conftest import RedisNamespace
 from tests.kafka_helpers import drain, produce_raw
-from tests.probe_helpers import publish_probe, toxicity_spec
 from tests.process_helpers import Threaded, settings_env, wait_until
+from tests.registry_helpers import publish_probe, toxicity_spec
 from tests.tiny_llm import make_tiny_llm
 from worker.kafka.clients import ensure_topics
 from worker.learning.updater import Updater
@@ -34,7 +34,7 @@ from worker.rollout.stages import Rollout
 from worker.scoring.batch import sticky_fraction
 from worker.scoring.scorer import Scorer
 from worker.settings import Settings
-from worker.store.checkpoints import Registry
+from worker.store.checkpoints import CheckpointRegistry
 from worker.store.evidence import EvidenceStore
 
 pytestmark = pytest.mark.integration
@@ -185,7 +185,7 @@ def test_flag_everything_canary_is_rolled_back_while_live_keeps_serving(
         rollback_flag_rate_factor=1.5,
     )
     ensure_topics(settings)
-    registry = Registry(redis_ns.client, redis_ns.keys, "toxicity")
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
     fp = ex.fingerprint
     v1 = publish_probe(registry, fp, probe=probes["good"])
     v2 = publish_probe(registry, fp, probe=probes["flag_all"], set_live=False)
@@ -226,7 +226,7 @@ def test_refused_canary_is_rolled_back_as_an_error(
 ) -> None:
     settings = tuned(settings)
     ensure_topics(settings)
-    registry = Registry(redis_ns.client, redis_ns.keys, "toxicity")
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
     fp = ex.fingerprint
     v1 = publish_probe(registry, fp, probe=probes["good"])
     scorer = start_scorer(settings, ex, redis_ns, threads, 1)
@@ -252,7 +252,7 @@ def test_labels_roll_back_a_flipped_canary_and_promote_a_good_one(
         promote_min_labels=30,
     )
     ensure_topics(settings)
-    registry = Registry(redis_ns.client, redis_ns.keys, "toxicity")
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
     evidence = EvidenceStore(redis_ns.client, redis_ns.keys)
     fp = ex.fingerprint
     v1 = publish_probe(registry, fp, probe=probes["good"])
@@ -292,7 +292,7 @@ def test_shadow_mode_never_changes_a_decision(
 ) -> None:
     settings = tuned(settings, shadow=True, rollout="manual")
     ensure_topics(settings)
-    registry = Registry(redis_ns.client, redis_ns.keys, "toxicity")
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
     evidence = EvidenceStore(redis_ns.client, redis_ns.keys)
     v1 = publish_probe(registry, ex.fingerprint, probe=probes["good"])
     v2 = publish_probe(registry, ex.fingerprint, probe=probes["flipped"], set_live=False)
@@ -325,7 +325,7 @@ def test_sticky_split_and_cli_rollback_on_every_scorer(
 ) -> None:
     settings = tuned(settings, rollout="manual", stage_check_interval_s=5.0)
     ensure_topics(settings)
-    registry = Registry(redis_ns.client, redis_ns.keys, "toxicity")
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
     fp = ex.fingerprint
     v1 = publish_probe(registry, fp, probe=probes["good"])
     v2 = publish_probe(registry, fp, probe=probes["good2"], set_live=False)

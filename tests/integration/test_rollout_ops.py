@@ -18,8 +18,9 @@ from schemas import (
 )
 from tests.conftest import RedisNamespace
 from worker.cli import main
-from worker.rollout.stages import Policy, Rollout
-from worker.store.checkpoints import Registry, RegistryError, StagesChanged
+from worker.rollout.policy import Policy
+from worker.rollout.stages import Rollout
+from worker.store.checkpoints import CheckpointRegistry, RegistryError, StagesChanged
 from worker.store.evidence import EvidenceStore
 from worker.store.lease import Lease
 
@@ -41,7 +42,7 @@ SPEC = ProbeSpec(
 )
 
 
-def publish(registry: Registry, *, live: bool = False, fp: LLMFingerprint = FP) -> int:
+def publish(registry: CheckpointRegistry, *, live: bool = False, fp: LLMFingerprint = FP) -> int:
     v = registry.allocate_version()
     blob = b"tensors" + str(v).encode()
     manifest = CheckpointManifest(
@@ -57,8 +58,8 @@ def publish(registry: Registry, *, live: bool = False, fp: LLMFingerprint = FP) 
 
 
 @pytest.fixture
-def registry(redis_ns: RedisNamespace) -> Registry:
-    return Registry(redis_ns.client, redis_ns.keys, "tox")
+def registry(redis_ns: RedisNamespace) -> CheckpointRegistry:
+    return CheckpointRegistry(redis_ns.client, redis_ns.keys, "tox")
 
 
 @pytest.fixture
@@ -67,11 +68,13 @@ def evidence(redis_ns: RedisNamespace) -> EvidenceStore:
 
 
 @pytest.fixture
-def rollout(registry: Registry, evidence: EvidenceStore) -> Rollout:
+def rollout(registry: CheckpointRegistry, evidence: EvidenceStore) -> Rollout:
     return Rollout(registry, evidence, actor="test")
 
 
-def test_compare_and_set_refuses_a_stale_view(registry: Registry, rollout: Rollout) -> None:
+def test_compare_and_set_refuses_a_stale_view(
+    registry: CheckpointRegistry, rollout: Rollout
+) -> None:
     v1, v2, v3 = (publish(registry, live=i == 0) for i in range(3))
     seen = registry.stages()
     rollout.start_canary(v2, 0.2, reason="operator")
@@ -84,7 +87,9 @@ def test_compare_and_set_refuses_a_stale_view(registry: Registry, rollout: Rollo
     assert kinds.count("canary") == 1  # the refused change left no event
 
 
-def test_pinned_probe_ignores_publish_to_live(registry: Registry, rollout: Rollout) -> None:
+def test_pinned_probe_ignores_publish_to_live(
+    registry: CheckpointRegistry, rollout: Rollout
+) -> None:
     v1 = publish(registry, live=True)
     rollout.pin(reason="freeze")
     v2 = publish(registry, live=True)
@@ -97,7 +102,9 @@ def test_pinned_probe_ignores_publish_to_live(registry: Registry, rollout: Rollo
     assert registry.history(1)[0][1].previous == v1  # published-live events name the previous
 
 
-def test_live_rollback_walks_back_the_lineage(registry: Registry, rollout: Rollout) -> None:
+def test_live_rollback_walks_back_the_lineage(
+    registry: CheckpointRegistry, rollout: Rollout
+) -> None:
     v1 = publish(registry, live=True)
     v2 = publish(registry)
     rollout.promote(v2, reason="manual")
@@ -116,7 +123,7 @@ def test_live_rollback_walks_back_the_lineage(registry: Registry, rollout: Rollo
 
 
 def test_prune_keeps_the_rollback_target_and_drops_evidence(
-    registry: Registry, evidence: EvidenceStore, redis_ns: RedisNamespace
+    registry: CheckpointRegistry, evidence: EvidenceStore, redis_ns: RedisNamespace
 ) -> None:
     vs = [publish(registry, live=True) for _ in range(6)]
     for v in vs:
@@ -128,7 +135,7 @@ def test_prune_keeps_the_rollback_target_and_drops_evidence(
 
 
 def test_evidence_counts_scored_and_labeled_once(
-    registry: Registry, evidence: EvidenceStore, redis_ns: RedisNamespace
+    registry: CheckpointRegistry, evidence: EvidenceStore, redis_ns: RedisNamespace
 ) -> None:
     live, canary = 3, 5
     decisions = [
@@ -158,7 +165,10 @@ def test_evidence_counts_scored_and_labeled_once(
 
 
 def test_policy_run_by_the_controller(
-    registry: Registry, rollout: Rollout, evidence: EvidenceStore, redis_ns: RedisNamespace
+    registry: CheckpointRegistry,
+    rollout: Rollout,
+    evidence: EvidenceStore,
+    redis_ns: RedisNamespace,
 ) -> None:
     policy = Policy(mode="canary", canary_share=0.3, rollback_min_messages=10)
     v1 = publish(registry)
@@ -199,7 +209,7 @@ def cli(redis_ns: RedisNamespace, monkeypatch: pytest.MonkeyPatch, capsys: pytes
     return run
 
 
-def test_cli_changes_and_explains_refusals(cli, registry: Registry, evidence) -> None:
+def test_cli_changes_and_explains_refusals(cli, registry: CheckpointRegistry, evidence) -> None:
     v1 = publish(registry, live=True)
     v2, v3 = publish(registry), publish(registry)
     v_other = publish(registry, fp=OTHER_FP)
@@ -235,7 +245,7 @@ def test_cli_changes_and_explains_refusals(cli, registry: Registry, evidence) ->
     assert kinds == ["canary", "rolled_back", "promoted", "rolled_back", "unpinned"]
 
 
-def test_cli_status_and_show(cli, registry: Registry, redis_ns: RedisNamespace) -> None:
+def test_cli_status_and_show(cli, registry: CheckpointRegistry, redis_ns: RedisNamespace) -> None:
     v1 = publish(registry, live=True)
     v2 = publish(registry)
     assert cli("canary", str(v2), "--share", "0.1")[0] == 0

@@ -16,15 +16,15 @@ import pytest
 from schemas import DeadLetter, ReviewRequest, Verdict
 from tests.conftest import RedisNamespace
 from tests.kafka_helpers import drain, produce_raw
-from tests.probe_helpers import publish_probe
 from tests.process_helpers import settings_env, spawn, tiny_model_dir, wait_until
+from tests.registry_helpers import publish_probe
 from tests.tiny_llm import make_tiny_llm
 from worker.embedded import free_port
 from worker.kafka.clients import ensure_topics
 from worker.llm.extract import HiddenStateExtractor
 from worker.scoring.scorer import Scorer
 from worker.settings import Settings
-from worker.store.checkpoints import Registry
+from worker.store.checkpoints import CheckpointRegistry
 
 pytestmark = pytest.mark.integration
 
@@ -92,7 +92,7 @@ def test_two_scorers_one_verdict_per_message(
 ) -> None:
     ensure_topics(settings)
     fp = extractor(settings).fingerprint
-    version = publish_probe(Registry(redis_ns.client, redis_ns.keys, "toxicity"), fp)
+    version = publish_probe(CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity"), fp)
     for _ in range(2):
         start(settings, redis_ns, scorers, worker_id=None)
     n = 120
@@ -114,7 +114,8 @@ def test_poison_messages_are_dead_lettered_and_the_rest_scored(
 ) -> None:
     ensure_topics(settings)
     publish_probe(
-        Registry(redis_ns.client, redis_ns.keys, "toxicity"), extractor(settings).fingerprint
+        CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity"),
+        extractor(settings).fingerprint,
     )
     poison = [
         b"not json",
@@ -150,7 +151,7 @@ def test_hot_swap_and_refusal_of_bad_checkpoints(
 ) -> None:
     settings = settings.model_copy(update={"stage_check_interval_s": 0.5})
     ensure_topics(settings)
-    registry = Registry(redis_ns.client, redis_ns.keys, "toxicity")
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
     fp = extractor(settings).fingerprint
     v1 = publish_probe(registry, fp, seed=1)
     scorer = start(settings, redis_ns, scorers)
@@ -200,7 +201,8 @@ def test_metrics_and_health_endpoints(
     assert info.value.code == 503
     assert urllib.request.urlopen(f"{url}/healthz", timeout=5).status == 200
     publish_probe(
-        Registry(redis_ns.client, redis_ns.keys, "toxicity"), extractor(settings).fingerprint
+        CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity"),
+        extractor(settings).fingerprint,
     )
     produce_raw(settings, settings.topic_chat, [(None, chat(i)) for i in range(5)])
     verdicts(settings, 5)
@@ -223,7 +225,7 @@ def test_sigkill_mid_stream_loses_nothing_and_sigterm_exits_zero(
 ) -> None:
     ensure_topics(settings)
     model_dir, llm = tiny_model_dir(tmp_path)  # saved to disk so a subprocess can load it
-    publish_probe(Registry(redis_ns.client, redis_ns.keys, "toxicity"), llm.fingerprint)
+    publish_probe(CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity"), llm.fingerprint)
     n = 400
     produce_raw(settings, settings.topic_chat, [(f"m-{i}".encode(), chat(i)) for i in range(n)])
     log = tmp_path / "scorer.log"
@@ -259,7 +261,8 @@ def test_review_queue_is_rate_limited(
     )
     ensure_topics(settings)
     publish_probe(
-        Registry(redis_ns.client, redis_ns.keys, "toxicity"), extractor(settings).fingerprint
+        CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity"),
+        extractor(settings).fingerprint,
     )
     start(settings, redis_ns, scorers)
     produce_raw(settings, settings.topic_chat, [(None, chat(i)) for i in range(30)])

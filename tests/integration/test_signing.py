@@ -11,13 +11,13 @@ from schemas import CheckpointManifest
 from tests.conftest import RedisNamespace
 from tests.integration.test_scorer import chat, extractor, verdicts
 from tests.kafka_helpers import produce_raw
-from tests.probe_helpers import publish_probe
 from tests.process_helpers import Threaded, wait_until
+from tests.registry_helpers import publish_probe
 from worker.embedded import free_port
 from worker.kafka.clients import ensure_topics
 from worker.scoring.scorer import Scorer
 from worker.settings import Settings
-from worker.store.checkpoints import Registry
+from worker.store.checkpoints import CheckpointRegistry
 
 pytestmark = pytest.mark.integration
 
@@ -56,7 +56,7 @@ def _refused_count(port: int) -> float:
 def test_scorer_with_a_key_refuses_unsigned_and_wrongly_signed_versions(
     signed: Settings, redis_ns: RedisNamespace, running: Scorer
 ) -> None:
-    registry = Registry(redis_ns.client, redis_ns.keys, "toxicity")
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
     fp = running.extractor.fingerprint
     key = signed.signing_key
     assert key is not None
@@ -106,7 +106,7 @@ def test_updater_signs_what_it_publishes_and_resumes_only_from_signed(
 
     settings = fast(signed)
     ensure_topics(settings)
-    registry = Registry(redis_ns.client, redis_ns.keys, "toxicity")
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
     updater = Updater(settings, updater_extractor(), redis_ns.client, worker_id="u-signed")
     runner = Threaded(updater.run, updater.stop)
     produce_raw(settings, settings.topic_labels, [(None, label(i)) for i in range(32)])

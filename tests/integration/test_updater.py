@@ -18,7 +18,7 @@ from worker.learning.updater import Updater
 from worker.llm.extract import HiddenStateExtractor
 from worker.scoring.scorer import Scorer
 from worker.settings import Settings
-from worker.store.checkpoints import Registry
+from worker.store.checkpoints import CheckpointRegistry
 
 pytestmark = pytest.mark.integration
 
@@ -96,7 +96,7 @@ def test_labels_become_versions_that_scorers_serve_and_that_learn(
 ) -> None:
     settings = fast(settings)
     ensure_topics(settings)
-    registry = Registry(redis_ns.client, redis_ns.keys, "toxicity")
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
     updater = Updater(settings, extractor(), redis_ns.client, worker_id="updater-a")
     threads.append(Threaded(updater.run, updater.stop))
     scorer = Scorer(settings, extractor(), redis_ns.client, worker_id="scorer-1")
@@ -189,7 +189,7 @@ def test_sigkill_and_restart_resumes_without_losing_labels(
         learn_batch_size=16,
         lease_ttl_ms=2000,
     )
-    registry = Registry(redis_ns.client, redis_ns.keys, "toxicity")
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
     log = tmp_path / "updater.log"
     n = 400
     produce_raw(settings, settings.topic_labels, [(None, label(i)) for i in range(n)])
@@ -235,7 +235,7 @@ def test_two_updaters_one_writer_and_failover(
         learn_batch_size=16,
         lease_ttl_ms=2000,
     )
-    registry = Registry(redis_ns.client, redis_ns.keys, "toxicity")
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
     procs = {
         name: spawn("train", {**env, "PROBEGUARD_WORKER_ID": name}, tmp_path / f"{name}.log")
         for name in ("upd-a", "upd-b")

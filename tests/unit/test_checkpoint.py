@@ -19,7 +19,7 @@ from probes import (
 )
 from probes.checkpoint import MANIFEST_FILE, TENSORS_FILE
 from schemas import CheckpointManifest, TrainingCounters
-from tests.unit.probe_helpers import FINGERPRINT, make_spec
+from tests.unit.synthetic import FINGERPRINT, make_spec
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from probes import decide
-from tests.unit.probe_helpers import make_spec
+from tests.unit.synthetic import make_spec
 
 
 def test_multiclass_argmax_without_thresholds() -> None:

@@ -12,7 +12,7 @@ from probes import build_probe, probe_kinds
 from probes.explain import layer_breakdown, token_weights
 from probes.probe import Probe
 from tests.tiny_llm import NUM_LAYERS, make_tiny_llm, tiny_model, tiny_tokenizer
-from tests.unit.probe_helpers import make_spec, random_batch
+from tests.unit.synthetic import make_spec, random_batch
 from worker.llm.extract import HiddenStateExtractor
 from worker.llm.lens import LensUnavailable, LogitLens
 from worker.llm.load import LoadedLLM, load_llm

@@ -69,7 +69,7 @@ def test_fit_then_eval(capsys, caches, workspace, probe, mix, target) -> None:
         str(caches[0]),
         "--val-cache",
         str(caches[1]),
-        "--probe",
+        "--pool",
         probe,
         "--layer-mix",
         mix,
@@ -116,7 +116,7 @@ def test_fit_then_eval(capsys, caches, workspace, probe, mix, target) -> None:
 
 def test_eval_refuses_another_llm(capsys, caches, workspace, monkeypatch) -> None:
     ckpt = workspace / "ckpt-last"
-    argv = ["fit", "--cache", str(caches[0]), "--val-cache", str(caches[1]), "--probe", "last"]
+    argv = ["fit", "--cache", str(caches[0]), "--val-cache", str(caches[1]), "--pool", "last"]
     assert main([*argv, "--out", str(ckpt), "--epochs", "1"]) == 0
     other = workspace / "other"
     other.mkdir(exist_ok=True)
@@ -128,14 +128,26 @@ def test_eval_refuses_another_llm(capsys, caches, workspace, monkeypatch) -> Non
     assert "was trained on another LLM" in err and "source_sha256: checkpoint" in err
 
 
+def test_fit_old_flag_spellings_still_work_with_a_warning(capsys, caches, workspace) -> None:
+    argv = ["fit", "--cache", str(caches[0]), "--probe", "mha", "--heads", "2", "--epochs", "1"]
+    assert main([*argv, "--out", str(workspace / "old"), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "--probe is deprecated; use --pool" in err and "--heads is deprecated" in err
+    assert json.loads(out.strip().splitlines()[-1])["token_pool"] == "mha"
+    spec = json.loads((workspace / "old" / "manifest.json").read_text())["spec"]
+    assert spec["num_heads"] == 2
+    with pytest.raises(SystemExit, match="--pool is required"):
+        main(["fit", "--cache", str(caches[0]), "--out", str(workspace / "none")])
+
+
 def test_fit_errors_are_clear(capsys, caches, workspace) -> None:
-    argv = ["fit", "--cache", str(caches[0]), "--probe", "mean", "--layer-mix", "single"]
+    argv = ["fit", "--cache", str(caches[0]), "--pool", "mean", "--layer-mix", "single"]
     assert main([*argv, "--out", str(workspace / "x")]) == 1
     assert "needs --layers with exactly one layer" in capsys.readouterr().err
-    argv = ["fit", "--cache", str(caches[0]), "--probe", "gate", "--layers", "0"]
+    argv = ["fit", "--cache", str(caches[0]), "--pool", "gate", "--layers", "0"]
     assert main([*argv, "--out", str(workspace / "x")]) == 1
     assert "layers [0] are missing" in capsys.readouterr().err
-    assert main(["fit", "--cache", str(workspace / "nope"), "--probe", "gate", "--out", "x"]) == 1
+    assert main(["fit", "--cache", str(workspace / "nope"), "--pool", "gate", "--out", "x"]) == 1
     assert "is not a cache" in capsys.readouterr().err
 
 

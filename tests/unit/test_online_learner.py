@@ -7,7 +7,7 @@ import torch
 
 from probes import build_probe
 from schemas import TrainingCounters
-from tests.unit.probe_helpers import NUM_LAYERS, make_spec, toy_task
+from tests.unit.synthetic import NUM_LAYERS, make_spec, toy_task
 from worker.learning.online_learner import LearningConfig, OnlineLearner
 
 KINDS = [("mean", "scalar_mix"), ("gate", "scalar_mix"), ("mha", "scalar_mix"), ("max", "gate")]

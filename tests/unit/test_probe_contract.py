@@ -22,7 +22,7 @@ from probes.learner import Learner
 from probes.pooling import SUMMARIES
 from schemas import ProbeSpec
 from schemas.probe import LayerMix, TokenPool
-from tests.unit.probe_helpers import FINGERPRINT, make_spec, random_batch, toy_task
+from tests.unit.synthetic import FINGERPRINT, make_spec, random_batch, toy_task
 
 KINDS = [(p, m, t) for p, m in probe_kinds() for t in ("multiclass", "multilabel")]
 IDS = [f"{p}-{m}-{t}" for p, m, t in KINDS]
@@ -236,7 +236,7 @@ def test_span_pooling_equals_the_masked_reference(layout: str) -> None:
 
     # The scoring gate takes the same span path; compare with its masked formula.
     from probes.gate import ScoringGate
-    from tests.probe_helpers import toxicity_spec
+    from tests.registry_helpers import toxicity_spec
 
     gate = ScoringGate(
         toxicity_spec(D, layers=list(range(L))).model_copy(update={"token_pool": "gate"})

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from schemas import CheckpointEvent, DecidedRecord, ProbeDecision, utcnow
-from worker.rollout.stages import Policy, Situation, decide
+from worker.rollout.policy import Policy, Situation, next_action
 from worker.scoring.batch import sticky_fraction
 from worker.store.checkpoints import Stages, live_lineage
 from worker.store.evidence import Confusion, Evidence
@@ -55,7 +55,7 @@ GOOD_LIVE = ev(1, messages=1000, flags=300, labels=conf(200, 0.9))
 
 def test_newest_candidate_becomes_canary_older_ones_are_superseded() -> None:
     sit = Situation(stages=Stages(live=2), versions=(1, 2, 3, 4, 5), tried=frozenset({1, 2}))
-    d = decide(POLICY, sit)
+    d = next_action(POLICY, sit)
     assert (d.action, d.version) == ("start_canary", 5)
     assert d.numbers["superseded"] == 2 and d.numbers["share"] == 0.1
 
@@ -67,13 +67,13 @@ def test_rolled_back_and_tried_versions_are_never_started_again() -> None:
         rolled_back=frozenset({4}),
         tried=frozenset({1, 2, 3}),
     )
-    assert decide(POLICY, sit).action == "none"
+    assert next_action(POLICY, sit).action == "none"
     older = Situation(stages=Stages(live=5), versions=(3, 4, 5))
-    assert decide(POLICY, older).action == "none"  # older than live: not candidates
+    assert next_action(POLICY, older).action == "none"  # older than live: not candidates
 
 
 def test_first_version_goes_live_untried() -> None:
-    d = decide(POLICY, Situation(stages=Stages(), versions=(1, 2)))
+    d = next_action(POLICY, Situation(stages=Stages(), versions=(1, 2)))
     assert (d.action, d.version) == ("promote", 2)
     assert "nothing is live" in d.reason
 
@@ -81,29 +81,29 @@ def test_first_version_goes_live_untried() -> None:
 @pytest.mark.parametrize("mode", ["auto_live", "manual"])
 def test_only_canary_mode_starts_trials(mode: str) -> None:
     policy = Policy(**{**vars(POLICY), "mode": mode})
-    assert decide(policy, Situation(stages=Stages(live=1), versions=(1, 2))).action == "none"
-    assert decide(policy, Situation(stages=Stages(), versions=(1,))).action == "none"
+    assert next_action(policy, Situation(stages=Stages(live=1), versions=(1, 2))).action == "none"
+    assert next_action(policy, Situation(stages=Stages(), versions=(1,))).action == "none"
 
 
 def test_pinned_and_manual_freeze_everything() -> None:
     bad = ev(2, errors=3, last_error="sha256 mismatch")
     pinned = on_trial(bad)
     pinned = Situation(**{**vars(pinned), "stages": Stages(live=1, canary=2, pinned=True)})
-    d = decide(POLICY, pinned)
+    d = next_action(POLICY, pinned)
     assert d.action == "none" and "pinned" in d.reason
-    assert decide(Policy(**{**vars(POLICY), "mode": "manual"}), on_trial(bad)).action == "none"
+    assert next_action(Policy(**{**vars(POLICY), "mode": "manual"}), on_trial(bad)).action == "none"
 
 
 def test_auto_live_mode_still_judges_an_operator_canary() -> None:
     policy = Policy(**{**vars(POLICY), "mode": "auto_live"})
-    assert decide(policy, on_trial(ev(2, errors=1, last_error="x"))).action == "rollback"
+    assert next_action(policy, on_trial(ev(2, errors=1, last_error="x"))).action == "rollback"
 
 
 # --- rollback ------------------------------------------------------------------------
 
 
 def test_refused_by_a_scorer_is_rolled_back_with_the_reason() -> None:
-    d = decide(POLICY, on_trial(ev(2, errors=2, last_error="s1: fingerprint differs")))
+    d = next_action(POLICY, on_trial(ev(2, errors=2, last_error="s1: fingerprint differs")))
     assert (d.action, d.version) == ("rollback", 2)
     assert "refused by 2 scorer(s)" in d.reason and "fingerprint differs" in d.reason
     assert d.numbers["errors"] == 2
@@ -111,35 +111,35 @@ def test_refused_by_a_scorer_is_rolled_back_with_the_reason() -> None:
 
 def test_flag_rate_departure_rolls_back_after_enough_messages() -> None:
     flags_all = ev(2, messages=150, flags=150, baseline_messages=1000, baseline_flags=300)
-    d = decide(POLICY, on_trial(flags_all, GOOD_LIVE))
+    d = next_action(POLICY, on_trial(flags_all, GOOD_LIVE))
     assert d.action == "rollback" and "flag rate" in d.reason and "k=2" in d.reason
     assert d.numbers["flag_rate_factor"] > 2 and d.numbers["canary_messages"] == 150
     # The same rates on too few messages: keep collecting.
     few = ev(2, messages=99, flags=99, baseline_messages=1000, baseline_flags=300)
-    assert decide(POLICY, on_trial(few, GOOD_LIVE)).action == "none"
+    assert next_action(POLICY, on_trial(few, GOOD_LIVE)).action == "none"
 
 
 def test_flag_rate_departure_downwards_counts_too_and_zero_rates_are_sane() -> None:
     never = ev(2, messages=500, flags=0, baseline_messages=500, baseline_flags=200)
-    assert decide(POLICY, on_trial(never, GOOD_LIVE)).action == "rollback"
+    assert next_action(POLICY, on_trial(never, GOOD_LIVE)).action == "rollback"
     both_zero = ev(2, messages=500, flags=0, baseline_messages=500, baseline_flags=0)
-    assert decide(POLICY, on_trial(both_zero, GOOD_LIVE)).action == "none"
+    assert next_action(POLICY, on_trial(both_zero, GOOD_LIVE)).action == "none"
 
 
 def test_flag_rate_uses_shadow_counts_and_falls_back_to_live_overall() -> None:
     shadowed = ev(2, shadow_messages=400, shadow_flags=400)  # no trial baseline recorded
-    d = decide(POLICY, on_trial(shadowed, GOOD_LIVE))
+    d = next_action(POLICY, on_trial(shadowed, GOOD_LIVE))
     assert d.action == "rollback" and d.numbers["live_messages"] == 1000
 
 
 def test_f1_worse_by_more_than_delta_rolls_back_early() -> None:
     flipped = ev(2, messages=100, flags=30, labels=conf(40, 0.1), baseline_labels=conf(300, 0.9))
-    d = decide(POLICY, on_trial(flipped, GOOD_LIVE))
+    d = next_action(POLICY, on_trial(flipped, GOOD_LIVE))
     assert d.action == "rollback" and "δ=0.05" in d.reason
     assert d.numbers["canary_f1"] < 0.2 and d.numbers["live_f1"] > 0.85
     # Fewer than rollback_min_labels: wait.
     early = ev(2, labels=conf(20, 0.1), baseline_labels=conf(300, 0.9))
-    d = decide(POLICY, on_trial(early, GOOD_LIVE))
+    d = next_action(POLICY, on_trial(early, GOOD_LIVE))
     assert d.action == "none" and "collecting evidence" in d.reason
 
 
@@ -148,37 +148,37 @@ def test_f1_worse_by_more_than_delta_rolls_back_early() -> None:
 
 def test_promoted_after_enough_labels_within_epsilon() -> None:
     good = ev(2, messages=100, flags=30, labels=conf(100, 0.9), baseline_labels=conf(300, 0.91))
-    d = decide(POLICY, on_trial(good, GOOD_LIVE))
+    d = next_action(POLICY, on_trial(good, GOOD_LIVE))
     assert (d.action, d.version) == ("promote", 2)
     assert "ε=0.02" in d.reason and d.numbers["canary_labels"] == 100
     not_yet = ev(2, labels=conf(99, 0.95), baseline_labels=conf(300, 0.9))
-    d = decide(POLICY, on_trial(not_yet, GOOD_LIVE))
+    d = next_action(POLICY, on_trial(not_yet, GOOD_LIVE))
     assert d.action == "none" and "99/100" in d.reason
 
 
 def test_between_epsilon_and_delta_the_trial_ends_without_a_verdict() -> None:
     meh = ev(2, labels=conf(100, 0.86), baseline_labels=conf(300, 0.9))
-    d = decide(POLICY, on_trial(meh, GOOD_LIVE))
+    d = next_action(POLICY, on_trial(meh, GOOD_LIVE))
     assert d.action == "clear" and "without promotion" in d.reason
 
 
 def test_a_rolled_back_version_is_never_promoted_automatically() -> None:
     good = ev(2, labels=conf(200, 0.95), baseline_labels=conf(300, 0.9))
-    d = decide(POLICY, on_trial(good, GOOD_LIVE, rolled_back=frozenset({2})))
+    d = next_action(POLICY, on_trial(good, GOOD_LIVE, rolled_back=frozenset({2})))
     assert d.action == "none" and "only an operator" in d.reason
 
 
 def test_waits_for_live_labels_and_falls_back_to_live_overall() -> None:
     good = ev(2, labels=conf(200, 0.95))
-    assert decide(POLICY, on_trial(good, ev(1))).action == "none"  # live has no labels at all
-    d = decide(POLICY, on_trial(good, GOOD_LIVE))  # no trial baseline: live's whole life
+    assert next_action(POLICY, on_trial(good, ev(1))).action == "none"  # live has no labels at all
+    d = next_action(POLICY, on_trial(good, GOOD_LIVE))  # no trial baseline: live's whole life
     assert d.action == "promote" and d.numbers["live_labels"] == 200
 
 
 def test_all_negative_labels_with_no_flags_count_as_perfect() -> None:
     clean = Confusion(tn=150)
     assert clean.f1 == 1.0 and math.isnan(Confusion().f1)
-    d = decide(POLICY, on_trial(ev(2, labels=clean, baseline_labels=clean), GOOD_LIVE))
+    d = next_action(POLICY, on_trial(ev(2, labels=clean, baseline_labels=clean), GOOD_LIVE))
     assert d.action == "promote"
 
 

@@ -7,10 +7,10 @@ import torch
 
 from probes import ProbeError, build_probe
 from probes.dataset import ProbeDataset
+from probes.fit import FitConfig, class_weights, fit, predict_dataset
 from probes.pooling import masked_mean
-from probes.train import FitConfig, class_weights, fit, predict_dataset
 from schemas import ProbeSpec
-from tests.unit.probe_helpers import D, toy_task
+from tests.unit.synthetic import D, toy_task
 
 
 def token_dataset(task: str = "multiclass", n: int = 96, seed: int = 1) -> ProbeDataset:

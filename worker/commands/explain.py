@@ -118,12 +118,12 @@ def _source(args: argparse.Namespace, settings: Settings) -> ProbeSource:
 
     if args.checkpoint is not None:
         return source_from_checkpoint(args.checkpoint)
-    from worker.store.checkpoints import Registry
+    from worker.store.checkpoints import CheckpointRegistry
     from worker.store.redis import Keys, make_redis
 
     with make_redis(settings) as client:
-        name = args.probe or settings.trained_probe
-        registry = Registry(client, Keys(settings.redis_prefix), name)
+        name = args.probe or settings.probe_to_train
+        registry = CheckpointRegistry(client, Keys(settings.redis_prefix), name)
         return source_from_registry(registry, args.stage, args.version)
 
 

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from worker.commands._common import layer_list, offline_errors, print_json
 
-POOLS = ("mean", "max", "first", "last", "gate", "mha")
-MIXES = ("single", "scalar_mix", "gate")
-
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from probes import LAYER_MIXES, TOKEN_POOLS
+    from probes.fit import FitConfig
+
+    d = FitConfig()
     p = sub.add_parser(
         "fit",
         help="train a probe offline on a hidden-state cache; write a checkpoint",
@@ -28,8 +30,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--val-fraction", type=float, default=0.1, help="held out when no --val-cache")
     p.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
-    p.add_argument("--probe", choices=POOLS, required=True, help="token pooling kind")
-    p.add_argument("--layer-mix", choices=MIXES, default="scalar_mix", help="default: scalar_mix")
+    p.add_argument("--pool", choices=sorted(TOKEN_POOLS), help="token pooling kind (required)")
+    p.add_argument("--probe", dest="pool_deprecated", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--layer-mix", choices=sorted(LAYER_MIXES), default="scalar_mix", help="default: scalar_mix"
+    )
     p.add_argument(
         "--layers",
         type=layer_list,
@@ -49,23 +54,28 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="comma-separated labels that flag a message (default: the minority class of a "
         "binary task, every label of a multilabel task, none otherwise)",
     )
-    p.add_argument("--name", default=None, help="probe name (default: <probe>-<layer-mix>)")
-    p.add_argument("--epochs", type=int, default=40, help="maximum epochs (default 40)")
-    p.add_argument("--patience", type=int, default=6, help="early-stopping patience in epochs")
-    p.add_argument("--lr", type=float, default=3e-4, help="Lion learning rate (default 3e-4)")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="decoupled (default 0.1)")
+    p.add_argument("--name", default=None, help="probe name (default: <pool>-<layer-mix>)")
+    p.add_argument("--epochs", type=int, default=d.max_epochs, help="maximum epochs (%(default)s)")
+    p.add_argument(
+        "--patience", type=int, default=d.patience, help="early-stopping patience in epochs"
+    )
+    p.add_argument("--lr", type=float, default=d.lr, help="Lion learning rate (%(default)s)")
+    p.add_argument(
+        "--weight-decay", type=float, default=d.weight_decay, help="decoupled (%(default)s)"
+    )
     p.add_argument(
         "--layer-lr-scale",
         type=float,
-        default=30.0,
-        help="learning-rate multiplier of the layer-mix scalars (default 30)",
+        default=d.layer_lr_scale,
+        help="learning-rate multiplier of the layer-mix scalars (%(default)s)",
     )
-    p.add_argument("--batch-size", type=int, default=64, help="mini-batch size, <= 256")
-    p.add_argument("--balance", choices=["weights", "sampler", "none"], default="weights")
-    p.add_argument("--monitor", choices=["auprc", "f1", "loss"], default="auprc")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="mini-batch size, <= 256")
+    p.add_argument("--balance", choices=["weights", "sampler", "none"], default=d.balance)
+    p.add_argument("--monitor", choices=["auprc", "f1", "loss"], default=d.monitor)
+    p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--d-inner", type=int, default=64, help="MHA inner size (default 64)")
-    p.add_argument("--heads", type=int, default=4, help="MHA heads (default 4)")
+    p.add_argument("--num-heads", type=int, default=4, help="MHA heads (default 4)")
+    p.add_argument("--heads", type=int, dest="heads_deprecated", help=argparse.SUPPRESS)
     p.add_argument("--no-layer-norm", action="store_true", help="MHA without input LayerNorm")
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--no-standardize", action="store_true", help="skip input standardization")
@@ -81,22 +91,23 @@ def register(sub: argparse._SubParsersAction) -> None:
 @offline_errors
 def _run(args: argparse.Namespace) -> int:
     from probes.cache import HiddenStateCache
-    from probes.train import FitConfig
+    from probes.fit import FitConfig
     from worker.offline.fit_eval import ProbeOptions, save_fit, train_probe
     from worker.settings import load_settings
 
+    _apply_deprecated(args)
     cache = HiddenStateCache(args.cache)
     val_cache = HiddenStateCache(args.val_cache) if args.val_cache else None
     flags = None if args.flag_labels is None else [x for x in args.flag_labels.split(",") if x]
     opts = ProbeOptions(
-        pool=args.probe,
-        mix=args.layer_mix,
+        token_pool=args.pool,
+        layer_mix=args.layer_mix,
         layers=args.layers,
         target=args.target,
         flag_labels=flags,
         name=args.name,
         d_inner=args.d_inner,
-        num_heads=args.heads,
+        num_heads=args.num_heads,
         layer_norm=not args.no_layer_norm,
         dropout=args.dropout,
     )
@@ -119,8 +130,8 @@ def _run(args: argparse.Namespace) -> int:
     summary = {
         "checkpoint": str(args.out),
         "probe": result.probe.spec.name,
-        "token_pool": opts.pool,
-        "layer_mix": opts.mix,
+        "token_pool": opts.token_pool,
+        "layer_mix": opts.layer_mix,
         "layers": list(result.probe.layers),
         "parameters": result.probe.num_parameters(),
         "epochs": result.epochs,
@@ -150,3 +161,20 @@ def _run(args: argparse.Namespace) -> int:
             f"{result.best_epoch}/{result.epochs}, {summary['train_seconds']} s -> {args.out}"
         )
     return 0
+
+
+def _apply_deprecated(args: argparse.Namespace) -> None:
+    """Honour ``--probe`` and ``--heads``, the old spellings kept for one release with a
+    warning (CHANGELOG, Changed); require a pool."""
+    from probes import TOKEN_POOLS
+
+    if args.pool_deprecated is not None:
+        print("probeguard fit: --probe is deprecated; use --pool", file=sys.stderr)
+        if args.pool_deprecated not in TOKEN_POOLS:
+            raise SystemExit(f"probeguard fit: unknown pool {args.pool_deprecated!r}")
+        args.pool = args.pool or args.pool_deprecated
+    if args.heads_deprecated is not None:
+        print("probeguard fit: --heads is deprecated; use --num-heads", file=sys.stderr)
+        args.num_heads = args.heads_deprecated
+    if args.pool is None:
+        raise SystemExit(f"probeguard fit: --pool is required (one of {sorted(TOKEN_POOLS)})")

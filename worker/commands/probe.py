@@ -138,14 +138,14 @@ class _Ctx:
 def _ctx(args: argparse.Namespace) -> _Ctx:
     from worker.rollout.stages import Rollout
     from worker.settings import load_settings
-    from worker.store.checkpoints import Registry
+    from worker.store.checkpoints import CheckpointRegistry
     from worker.store.evidence import EvidenceStore
     from worker.store.redis import Keys, make_redis
 
     settings = load_settings()
     client = make_redis(settings)
     keys = Keys(settings.redis_prefix)
-    registry = Registry(client, keys, args.probe or settings.trained_probe)
+    registry = CheckpointRegistry(client, keys, args.probe or settings.probe_to_train)
     evidence = EvidenceStore(client, keys, pairs_max=settings.evidence_pairs)
     actor = getattr(args, "actor", "probeguard-cli")
     return _Ctx(settings, registry, evidence, Rollout(registry, evidence, actor=actor))

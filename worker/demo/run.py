@@ -36,7 +36,7 @@ from worker.llm.extract import HiddenStateExtractor
 from worker.offline.labeled import read_labeled
 from worker.scoring.scorer import Scorer
 from worker.settings import Settings
-from worker.store.checkpoints import Registry
+from worker.store.checkpoints import CheckpointRegistry
 from worker.store.redis import Keys, make_redis
 
 __all__ = ["DemoOptions", "DemoRun", "default_data", "run_demo"]
@@ -134,7 +134,7 @@ class DemoRun:
         self.run_id = uuid.uuid4().hex[:8]
         self.scorer: Scorer | None = None
         self.updater: Updater | None = None
-        self.registry: Registry | None = None
+        self.registry: CheckpointRegistry | None = None
         self.settings: Settings | None = None
         self.replay_done = threading.Event()
         self.total = len(self.rows) * opts.repeat
@@ -196,7 +196,7 @@ class DemoRun:
         self.settings = settings
         ensure_topics(settings, partitions=2)
         client = make_redis(settings)
-        self.registry = Registry(client, Keys(settings.redis_prefix), "demo")
+        self.registry = CheckpointRegistry(client, Keys(settings.redis_prefix), "demo")
         self.updater = Updater(settings, self.extractor, make_redis(settings), worker_id="updater")
         self.scorer = Scorer(settings, self.extractor, make_redis(settings), worker_id="scorer")
         threads = [

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from probes.probe import Probe
     from schemas import CheckpointManifest, ProbeSpec
     from worker.llm.extract import HiddenStateExtractor
-    from worker.store.checkpoints import Registry
+    from worker.store.checkpoints import CheckpointRegistry
     from worker.store.redis import Keys
 
 __all__ = [
@@ -84,7 +84,9 @@ def source_from_checkpoint(path: Path) -> ProbeSource:
     return ProbeSource(blob, manifest, f"checkpoint {directory}")
 
 
-def source_from_registry(registry: Registry, stage: str, version: int | None) -> ProbeSource:
+def source_from_registry(
+    registry: CheckpointRegistry, stage: str, version: int | None
+) -> ProbeSource:
     """``version``, else the version at ``stage`` (``live`` or ``canary``)."""
     if version is None:
         stages = registry.stages()

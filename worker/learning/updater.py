@@ -45,9 +45,10 @@ from worker.kafka.clients import ensure_topics
 from worker.kafka.runtime import RoleRuntime
 from worker.learning.online_learner import LearningConfig, OnlineLearner
 from worker.llm.extract import HiddenStateExtractor
-from worker.rollout.stages import Policy, Rollout
+from worker.rollout.policy import Policy
+from worker.rollout.stages import Rollout
 from worker.settings import Settings
-from worker.store.checkpoints import Fenced, Registry, RegistryError, StagesChanged
+from worker.store.checkpoints import CheckpointRegistry, Fenced, RegistryError, StagesChanged
 from worker.store.evidence import EvidenceStore
 from worker.store.lease import Lease
 from worker.store.redis import Keys
@@ -130,9 +131,9 @@ class Updater:
         self.extractor = extractor
         self.redis: Any = redis_client
         self.keys = Keys(settings.redis_prefix)
-        self.name = settings.trained_probe
+        self.name = settings.probe_to_train
         self.worker_id = worker_id or settings.resolved_worker_id()
-        self.registry = Registry(redis_client, self.keys, self.name)
+        self.registry = CheckpointRegistry(redis_client, self.keys, self.name)
         self.lease = Lease(
             redis_client, self.registry.lease_key, self.worker_id, settings.lease_ttl_ms
         )

@@ -24,8 +24,8 @@ from probes import (
 )
 from probes.cache import HiddenStateCache, features_for
 from probes.dataset import ProbeDataset
+from probes.fit import FitConfig, FitResult, fit, predict_dataset
 from probes.metrics import evaluate
-from probes.train import FitConfig, FitResult, fit, predict_dataset
 from schemas import LabeledText, LayerMix, ProbeSpec, TokenPool, TrainingCounters
 from worker.errors import OfflineError
 from worker.offline.build_cache import ExtractorLike
@@ -47,8 +47,8 @@ Target = Literal["label", "labels"]
 class ProbeOptions:
     """Architecture choices of ``fit`` (everything a ProbeSpec needs besides the data)."""
 
-    pool: TokenPool
-    mix: LayerMix = "scalar_mix"
+    token_pool: TokenPool
+    layer_mix: LayerMix = "scalar_mix"
     layers: list[int] | None = None  # None: every layer the cache holds for this pool
     target: Target = "label"
     flag_labels: list[str] | None = None  # None: see default_flag_labels
@@ -73,12 +73,14 @@ def _layers_for(cache: HiddenStateCache, opts: ProbeOptions) -> list[int]:
     m = cache.manifest
     if opts.layers is not None:
         return opts.layers
-    if opts.mix == "single":
+    if opts.layer_mix == "single":
         raise OfflineError("layer_mix 'single' needs --layers with exactly one layer")
-    summary_ok = opts.pool in m.summaries
+    summary_ok = opts.token_pool in m.summaries
     layers = m.summary_layers if summary_ok else m.token_layers
     if not layers:
-        raise OfflineError(f"cache {cache.directory} stores no layers usable by pool {opts.pool!r}")
+        raise OfflineError(
+            f"cache {cache.directory} stores no layers usable by pool {opts.token_pool!r}"
+        )
     return list(layers)
 
 
@@ -112,24 +114,24 @@ def train_probe(
     val_cache: HiddenStateCache | None = None,
     val_fraction: float = 0.1,
 ) -> FitResult:
-    """Build a probe for ``opts``, load its features and fit it (see :func:`probes.train.fit`)."""
+    """Build a probe for ``opts``, load its features and fit it (see :func:`probes.fit.fit`)."""
     layers = _layers_for(cache, opts)
-    data = load_split(cache, opts.pool, layers, opts.target)
+    data = load_split(cache, opts.token_pool, layers, opts.target)
     if val_cache is not None:
         if val_cache.manifest.llm != cache.manifest.llm:
             raise OfflineError(
                 "the validation cache was built with another LLM than the training cache"
             )
         train = data
-        val = load_split(val_cache, opts.pool, layers, opts.target).relabel(train.labels)
+        val = load_split(val_cache, opts.token_pool, layers, opts.target).relabel(train.labels)
     else:
         train, val = _split(data, val_fraction, config.seed)
     flags = default_flag_labels(train) if opts.flag_labels is None else opts.flag_labels
     try:
         spec = ProbeSpec(
-            name=opts.name or f"{opts.pool}-{opts.mix}".replace("_", "-"),
-            token_pool=opts.pool,
-            layer_mix=opts.mix,
+            name=opts.name or f"{opts.token_pool}-{opts.layer_mix}".replace("_", "-"),
+            token_pool=opts.token_pool,
+            layer_mix=opts.layer_mix,
             layers=layers,
             hidden_size=cache.manifest.llm.hidden_size,
             task="multiclass" if opts.target == "label" else "multilabel",

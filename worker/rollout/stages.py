@@ -1,248 +1,28 @@
-"""Canary rollout: the automatic policy (a pure function) and the stage changes it makes.
+"""Stage changes of a probe: the rollout policy applied, and the operator's own.
 
-    candidate --(newest, none on trial)--> canary --(enough labels, F1 holds)--> live
-                                              \\--(errors | flag rate | F1 worse)--> rolled back
-                                              \\--(enough labels, neither)-------> cleared
-
-:func:`decide` looks only at numbers (:class:`Situation`) and returns a
-:class:`Decision`; :class:`Rollout` reads the registry and the evidence, applies
-decisions as compare-and-set stage changes (an operator's concurrent change wins
-and the policy looks again next time), and offers the same operations to the
-operator CLI. The active updater evaluates the policy between batches, so there
-is one automatic writer per probe.
-
-The rules, in order (all thresholds are settings, see :class:`Policy`):
-
-1. pinned, or mode ``manual``: no automatic change at all.
-2. no canary on trial: in mode ``canary`` the newest published version that is newer
-   than live, never tried and never rolled back becomes the canary at
-   ``canary_share`` (older candidates are superseded); when nothing is live yet it
-   goes live at once (there is nothing to compare it with).
-3. a canary on trial (in modes ``canary`` and ``auto_live``, where an operator may
-   start one) is **rolled back** when a scorer refused to load it; when its flag
-   rate departs from live's by more than a factor ``k`` (both over at least
-   ``rollback_min_messages`` messages; rates smoothed as ``(flags+1)/(n+2)`` so zero
-   rates compare sanely); when its F1 on at least ``rollback_min_labels`` labels is
-   worse than live's by more than ``δ``. It is **promoted** once it has
-   ``promote_min_labels`` labels and its F1 is at least live's − ``ε``; with that many
-   labels and F1 between the two, the trial ends without a verdict (**cleared**) so
-   the next candidate gets its turn. A version that was rolled back is never
-   promoted automatically, even if an operator trials it again.
-
-Live's numbers for the comparison come from the same period: the live decisions
-made while this canary was on trial (``bl_*`` evidence); when those are too few
-(e.g. a canary share of 1.0), from live's whole life.
+Every change is a compare-and-set on the stage pointers with an event carrying its
+reason and numbers (see :mod:`worker.rollout.policy` for the rules).
 """
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Set
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
-from worker.store.checkpoints import Registry, RegistryError, Stages
-from worker.store.evidence import Confusion, Evidence, EvidenceStore
+from worker.rollout.policy import (
+    Number,
+    Policy,
+    RolloutDecision,
+    Situation,
+    next_action,
+)
+from worker.store.checkpoints import CheckpointRegistry, RegistryError, Stages
+from worker.store.evidence import EvidenceStore
 
 if TYPE_CHECKING:
-    from worker.settings import Settings
+    pass
 
-__all__ = ["Decision", "Mode", "Policy", "Rollout", "Situation", "decide"]
-
-Mode = Literal["auto_live", "canary", "manual"]
-Action = Literal["none", "start_canary", "promote", "rollback", "clear"]
-Number = float | int | str | bool | None
-
-
-@dataclass(frozen=True)
-class Policy:
-    """The thresholds of the automatic rollout (``PROBEGUARD_*`` settings of the same name)."""
-
-    mode: Mode = "canary"
-    canary_share: float = 0.1
-    promote_min_labels: int = 200
-    promote_epsilon: float = 0.02  # ε: promote when canary F1 >= live F1 - ε
-    rollback_delta: float = 0.05  # δ: roll back when canary F1 < live F1 - δ
-    rollback_min_labels: int = 50
-    rollback_flag_rate_factor: float = 2.0  # k
-    rollback_min_messages: int = 200
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> Policy:
-        return cls(
-            mode=settings.rollout_mode,
-            canary_share=settings.canary_share,
-            promote_min_labels=settings.promote_min_labels,
-            promote_epsilon=settings.promote_epsilon,
-            rollback_delta=settings.rollback_delta,
-            rollback_min_labels=settings.rollback_min_labels,
-            rollback_flag_rate_factor=settings.rollback_flag_rate_factor,
-            rollback_min_messages=settings.rollback_min_messages,
-        )
-
-
-@dataclass(frozen=True)
-class Situation:
-    """Everything the policy looks at."""
-
-    stages: Stages
-    versions: tuple[int, ...] = ()
-    rolled_back: Set[int] = frozenset()
-    tried: Set[int] = frozenset()
-    live: Evidence | None = None
-    canary: Evidence | None = None
-
-
-@dataclass(frozen=True)
-class Decision:
-    action: Action
-    version: int | None = None  # the version the action is about
-    reason: str = ""
-    numbers: dict[str, Number] = field(default_factory=dict)  # recorded in the event
-
-
-def decide(policy: Policy, situation: Situation) -> Decision:
-    """What the automatic rollout does next (see the module docstring for the rules)."""
-    st = situation.stages
-    if st.pinned:
-        return Decision("none", reason="pinned: automatic changes are frozen")
-    if policy.mode == "manual":
-        return Decision("none", reason="rollout mode is manual")
-    if st.canary is None:
-        return _next_candidate(policy, situation)
-    if st.live is None:
-        return Decision("none", st.canary, "a canary without a live version: waiting")
-    return _judge_canary(policy, situation, st.canary)
-
-
-def _next_candidate(policy: Policy, sit: Situation) -> Decision:
-    if policy.mode != "canary":
-        return Decision("none", reason="no canary on trial")
-    live = sit.stages.live
-    fresh = [
-        v
-        for v in sit.versions
-        if v not in sit.rolled_back and v not in sit.tried and (live is None or v > live)
-    ]
-    if not fresh:
-        return Decision("none", reason="no canary on trial and no new candidate")
-    newest = max(fresh)
-    numbers: dict[str, Number] = {"superseded": len(fresh) - 1}
-    if live is None:
-        return Decision(
-            "promote", newest, "nothing is live yet: the first version goes live untried", numbers
-        )
-    numbers["share"] = policy.canary_share
-    return Decision(
-        "start_canary",
-        newest,
-        f"newest candidate v{newest} on trial for {policy.canary_share:.0%} of conversations",
-        numbers,
-    )
-
-
-def _judge_canary(policy: Policy, sit: Situation, version: int) -> Decision:
-    c = sit.canary or Evidence(version)
-    live = sit.live
-    if c.errors:
-        return Decision(
-            "rollback",
-            version,
-            f"refused by {c.errors} scorer(s): {c.last_error}"[:1000],
-            {"errors": c.errors},
-        )
-    numbers: dict[str, Number] = {
-        "canary_messages": c.scored,
-        "canary_flag_rate": _round(c.flag_rate),
-        "canary_labels": c.labels.labeled,
-        "canary_f1": _round(c.labels.f1),
-    }
-    rate = _baseline_rate(live, c, policy.rollback_min_messages)
-    if rate is not None and c.scored >= policy.rollback_min_messages:
-        live_rate, live_n = rate
-        canary_rate = _smoothed(c.scored_flags, c.scored)
-        factor = max(canary_rate / live_rate, live_rate / canary_rate)
-        numbers |= {"live_messages": live_n, "live_flag_rate": _round(live_rate)}
-        numbers |= {"flag_rate_factor": _round(factor), "k": policy.rollback_flag_rate_factor}
-        if factor > policy.rollback_flag_rate_factor:
-            return Decision(
-                "rollback",
-                version,
-                f"flag rate {canary_rate:.3f} vs live {live_rate:.3f}: departs by a factor "
-                f"{factor:.2f} > k={policy.rollback_flag_rate_factor:g} "
-                f"({c.scored} vs {live_n} messages)",
-                numbers,
-            )
-    basis = _baseline_labels(live, c, policy.rollback_min_labels)
-    labels = c.labels.labeled
-    if basis is None:
-        return Decision(
-            "none", version, f"collecting evidence: live has too few labels yet ({labels})", numbers
-        )
-    live_f1, canary_f1 = basis.f1, c.labels.f1
-    gap = live_f1 - canary_f1 if labels else math.nan
-    numbers |= {"live_labels": basis.labeled, "live_f1": _round(live_f1), "f1_gap": _round(gap)}
-    on = f"F1 {canary_f1:.3f} vs live {live_f1:.3f} on {labels} vs {basis.labeled} labels"
-    if labels >= policy.rollback_min_labels and gap > policy.rollback_delta:
-        numbers["delta"] = policy.rollback_delta
-        return Decision(
-            "rollback",
-            version,
-            f"{on}: worse by {gap:.3f} > δ={policy.rollback_delta:g}",
-            numbers,
-        )
-    if labels < policy.promote_min_labels:
-        return Decision(
-            "none", version, f"collecting evidence: {labels}/{policy.promote_min_labels} labels"
-        )
-    numbers["epsilon"] = policy.promote_epsilon
-    if gap > policy.promote_epsilon:
-        return Decision(
-            "clear",
-            version,
-            f"{on}: not within ε={policy.promote_epsilon:g} of live, not worse than "
-            f"δ={policy.rollback_delta:g}; trial ends without promotion",
-            numbers,
-        )
-    if version in sit.rolled_back:
-        return Decision(
-            "none",
-            version,
-            f"{on}: would be promoted, but v{version} was rolled back before; "
-            "only an operator can promote it",
-            numbers,
-        )
-    return Decision(
-        "promote", version, f"{on}: within ε={policy.promote_epsilon:g} of live", numbers
-    )
-
-
-def _smoothed(flags: int, n: int) -> float:
-    return (flags + 1) / (n + 2)
-
-
-def _baseline_rate(live: Evidence | None, c: Evidence, minimum: int) -> tuple[float, int] | None:
-    """Live's smoothed flag rate during the trial, else over its life; None if too few."""
-    if c.baseline_messages >= minimum:
-        return _smoothed(c.baseline_flags, c.baseline_messages), c.baseline_messages
-    if live is not None and live.messages >= minimum:
-        return _smoothed(live.flags, live.messages), live.messages
-    return None
-
-
-def _baseline_labels(live: Evidence | None, c: Evidence, minimum: int) -> Confusion | None:
-    if c.baseline_labels.labeled >= minimum:
-        return c.baseline_labels
-    if live is not None and live.labels.labeled >= minimum:
-        return live.labels
-    return None
-
-
-def _round(x: float) -> float | None:
-    return None if math.isnan(x) else round(x, 4)
-
-
+__all__ = ["Rollout"]
 # --- applying decisions, and the operator's stage changes ---------------------------
 
 
@@ -254,7 +34,9 @@ class Rollout:
     them first.
     """
 
-    def __init__(self, registry: Registry, evidence: EvidenceStore, *, actor: str) -> None:
+    def __init__(
+        self, registry: CheckpointRegistry, evidence: EvidenceStore, *, actor: str
+    ) -> None:
         self.registry = registry
         self.evidence = evidence
         self.actor = actor
@@ -278,10 +60,10 @@ class Rollout:
             canary=ev.get(st.canary) if st.canary is not None else None,
         )
 
-    def evaluate(self, policy: Policy) -> Decision:
+    def evaluate(self, policy: Policy) -> RolloutDecision:
         """Decide and apply; records the outcome for ``probeguard probe status``."""
         sit = self.situation()
-        decision = decide(policy, sit)
+        decision = next_action(policy, sit)
         self.apply(decision, sit.stages, share=policy.canary_share)
         self.registry.client.hset(
             self.registry.keys.policy(self.registry.probe),
@@ -294,7 +76,7 @@ class Rollout:
         )
         return decision
 
-    def apply(self, decision: Decision, expect: Stages, *, share: float) -> None:
+    def apply(self, decision: RolloutDecision, expect: Stages, *, share: float) -> None:
         v, why, numbers = decision.version, decision.reason, decision.numbers
         if decision.action == "none" or v is None:
             return

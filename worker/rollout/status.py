@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from schemas import CheckpointEvent
-from worker.store.checkpoints import Registry, Stages, UnknownVersion
+from worker.store.checkpoints import CheckpointRegistry, Stages, UnknownVersion
 from worker.store.evidence import Evidence, EvidenceStore
 from worker.store.lease import Lease
 
@@ -97,7 +97,7 @@ def stage_of(version: int, st: Stages, rolled_back: set[int], tried: set[int]) -
 
 
 def gather(
-    registry: Registry, evidence: EvidenceStore, *, limit: int = 8, auprc: bool = True
+    registry: CheckpointRegistry, evidence: EvidenceStore, *, limit: int = 8, auprc: bool = True
 ) -> StatusReport:
     """The newest ``limit`` versions, plus live and canary wherever they are."""
     st = registry.stages()

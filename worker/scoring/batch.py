@@ -32,7 +32,7 @@ from schemas import ChatMessage, CheckpointManifest, ProbeDecision, ProbeResult,
 if TYPE_CHECKING:
     from worker.llm.extract import Extraction, HiddenStateExtractor
 
-__all__ = ["BatchScores", "ProbeSlot", "Scoring", "ServedProbe", "sticky_fraction"]
+__all__ = ["BatchScorer", "BatchScores", "ProbeSlot", "ServedProbe", "sticky_fraction"]
 
 
 def sticky_fraction(key: str, salt: str = "") -> float:
@@ -77,7 +77,7 @@ class BatchScores:
     decisions: dict[tuple[int, str], ProbeDecision] = field(default_factory=dict)
 
 
-class Scoring:
+class BatchScorer:
     """Scores messages with every slot that has a live probe."""
 
     def __init__(

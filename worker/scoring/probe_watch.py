@@ -25,7 +25,7 @@ from probes.checkpoint import probe_from_bytes
 from probes.errors import CheckpointError
 from schemas import LLMFingerprint
 from worker.scoring.batch import ProbeSlot, ServedProbe
-from worker.store.checkpoints import Registry, RegistryError
+from worker.store.checkpoints import CheckpointRegistry, RegistryError
 from worker.store.redis import Breaker
 
 __all__ = ["ProbeWatcher"]
@@ -38,7 +38,7 @@ class ProbeWatcher:
 
     def __init__(
         self,
-        registries: dict[str, Registry],
+        registries: dict[str, CheckpointRegistry],
         fingerprint: LLMFingerprint,
         *,
         device: torch.device | str = "cpu",
@@ -123,7 +123,7 @@ class ProbeWatcher:
             self._cursors[name] = entries[-1][0].decode()
         return True
 
-    def _sync(self, name: str, registry: Registry) -> bool:
+    def _sync(self, name: str, registry: CheckpointRegistry) -> bool:
         stages = registry.stages()
         slot = self.slots[name]
         changed = False
@@ -152,7 +152,7 @@ class ProbeWatcher:
             changed = True
         return changed
 
-    def _load(self, name: str, registry: Registry, version: int) -> ServedProbe | None:
+    def _load(self, name: str, registry: CheckpointRegistry, version: int) -> ServedProbe | None:
         if version in self.refused[name]:
             return None
         try:

@@ -31,10 +31,10 @@ from worker.kafka.batch_loop import BatchLoop, Item, Outgoing
 from worker.kafka.clients import consumer_lag, ensure_topics
 from worker.kafka.runtime import RoleRuntime
 from worker.llm.extract import HiddenStateExtractor
-from worker.scoring.batch import BatchScores, Scoring, ServedProbe, sticky_fraction
+from worker.scoring.batch import BatchScorer, BatchScores, ServedProbe, sticky_fraction
 from worker.scoring.probe_watch import ProbeWatcher
 from worker.settings import Settings
-from worker.store.checkpoints import Registry
+from worker.store.checkpoints import CheckpointRegistry
 from worker.store.evidence import EvidenceStore
 from worker.store.redis import Breaker, Keys
 
@@ -136,7 +136,9 @@ class Scorer:
         # One breaker for every best-effort Redis call: after a failure, batches skip Redis
         # for a few seconds rather than each waiting on a socket timeout.
         self.redis_breaker = Breaker()
-        registries = {n: Registry(redis_client, self.keys, n) for n in settings.probe_names}
+        registries = {
+            n: CheckpointRegistry(redis_client, self.keys, n) for n in settings.probe_names
+        }
         self.watcher = ProbeWatcher(
             registries,
             extractor.fingerprint,
@@ -147,7 +149,7 @@ class Scorer:
             on_refused=self._refused,
             breaker=self.redis_breaker,
         )
-        self.scoring = Scoring(extractor, self.watcher.slots, shadow=settings.shadow)
+        self.scoring = BatchScorer(extractor, self.watcher.slots, shadow=settings.shadow)
 
     @property
     def loop(self) -> BatchLoop[ChatMessage] | None:

@@ -31,8 +31,8 @@ from worker.errors import ProbeguardError
 from worker.store.redis import Keys
 
 __all__ = [
+    "CheckpointRegistry",
     "Fenced",
-    "Registry",
     "RegistryError",
     "Stages",
     "StagesChanged",
@@ -130,7 +130,7 @@ return redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', 'event', ARGV[4]
 """
 
 
-class Registry:
+class CheckpointRegistry:
     """Versioned checkpoints of one probe."""
 
     def __init__(self, client: redis.Redis, keys: Keys, probe: str) -> None:

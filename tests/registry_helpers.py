@@ -5,7 +5,7 @@ from __future__ import annotations
 from probes.checkpoint import checkpoint_to_bytes
 from probes.probe import Probe, build_probe
 from schemas import LLMFingerprint, ProbeSpec
-from worker.store.checkpoints import Registry
+from worker.store.checkpoints import CheckpointRegistry
 
 
 def toxicity_spec(
@@ -24,7 +24,7 @@ def toxicity_spec(
 
 
 def publish_probe(
-    registry: Registry,
+    registry: CheckpointRegistry,
     fingerprint: LLMFingerprint,
     *,
     seed: int = 0,
