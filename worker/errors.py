@@ -13,10 +13,16 @@
     │                        incomplete cache, a refused checkpoint (wraps probes.ProbeError)
     ├── ExplainError         `probeguard explain` cannot explain: an empty text, no live
     │                        version, no cached text for a message id
+    ├── LensUnavailable      the model lacks what the logit lens needs (LM head, final norm)
+    ├── TransientError       a dependency (e.g. Redis) is down: the batch loop rewinds the
+    │                        batch and retries it after a backoff, never dead-letters it
+    ├── RegistryError        the checkpoint registry refused an operation
+    │   ├── UnknownVersion   the version was never published (or has been pruned)
+    │   ├── Fenced           the writer's fencing token is not the lease holder's
+    │   └── StagesChanged    a compare-and-set stage change found the pointers changed
     └── RolloutError         an operator's stage change was refused: an incompatible or
                              rolled-back version, a canary already on trial, a concurrent
-                             change (registry errors, e.g. an unknown version, live in
-                             worker.store.checkpoints and are ProbeguardErrors too)
+                             change
 
 Dependency errors are translated into these with ``raise ... from exc``.
 """
@@ -28,12 +34,18 @@ __all__ = [
     "ExplainError",
     "ExtractionError",
     "ExtractionInputError",
+    "Fenced",
     "KafkaSetupError",
+    "LensUnavailable",
     "ModelLoadError",
     "OfflineError",
     "ProbeguardError",
+    "RegistryError",
     "RolloutError",
     "StackError",
+    "StagesChanged",
+    "TransientError",
+    "UnknownVersion",
 ]
 
 
@@ -83,3 +95,28 @@ class ExplainError(ProbeguardError):
 
 class RolloutError(ProbeguardError):
     """A stage change was refused; the message says why and what to do instead."""
+
+
+class LensUnavailable(ProbeguardError):
+    """The loaded model lacks what the logit lens needs (an LM head, a final norm)."""
+
+
+class TransientError(ProbeguardError):
+    """Raised by a handler when a dependency is down (e.g. Redis): the batch is rewound
+    and retried after a backoff, as often as it takes, and never dead-lettered."""
+
+
+class RegistryError(ProbeguardError):
+    """The registry refused an operation or holds something unusable."""
+
+
+class UnknownVersion(RegistryError):
+    """The version was never published (or has been pruned)."""
+
+
+class Fenced(RegistryError):
+    """The writer's fencing token is not the current lease holder's."""
+
+
+class StagesChanged(RegistryError):
+    """A compare-and-set stage change found the pointers changed since they were read."""

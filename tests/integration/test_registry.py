@@ -10,7 +10,8 @@ import pytest
 
 from schemas import CheckpointManifest, LLMFingerprint, ProbeSpec, utcnow
 from tests.conftest import RedisNamespace
-from worker.store.checkpoints import CheckpointRegistry, Fenced, RegistryError, UnknownVersion
+from worker.errors import Fenced, RegistryError, UnknownVersion
+from worker.store.checkpoints import CheckpointRegistry
 from worker.store.lease import Lease
 
 pytestmark = pytest.mark.integration

@@ -18,9 +18,10 @@ from schemas import (
 )
 from tests.conftest import RedisNamespace
 from worker.cli import main
+from worker.errors import RegistryError, StagesChanged
 from worker.rollout.policy import Policy
 from worker.rollout.stages import Rollout
-from worker.store.checkpoints import CheckpointRegistry, RegistryError, StagesChanged
+from worker.store.checkpoints import CheckpointRegistry
 from worker.store.evidence import EvidenceStore
 from worker.store.lease import Lease
 

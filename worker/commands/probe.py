@@ -322,7 +322,7 @@ def _ev(ev: Any, auprc: float) -> dict[str, Any]:
 
 
 def _promote(args: argparse.Namespace) -> int:
-    from worker.store.checkpoints import StagesChanged
+    from worker.errors import StagesChanged
 
     ctx = _ctx(args)
     _check(ctx, args, args.version)
@@ -341,8 +341,7 @@ def _promote(args: argparse.Namespace) -> int:
 
 
 def _canary(args: argparse.Namespace) -> int:
-    from worker.errors import RolloutError
-    from worker.store.checkpoints import StagesChanged
+    from worker.errors import RolloutError, StagesChanged
 
     ctx = _ctx(args)
     reg = ctx.registry
@@ -372,7 +371,7 @@ def _canary(args: argparse.Namespace) -> int:
 
 
 def _rollback(args: argparse.Namespace) -> int:
-    from worker.store.checkpoints import StagesChanged
+    from worker.errors import StagesChanged
 
     ctx = _ctx(args)
     reg = ctx.registry

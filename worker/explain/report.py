@@ -30,8 +30,8 @@ from probes.checkpoint import MANIFEST_FILE, TENSORS_FILE, probe_from_bytes
 from probes.decision import decide
 from probes.explain import layer_breakdown, token_weights
 from probes.pooling import real_token_index
-from worker.errors import ExplainError, ExtractionInputError
-from worker.llm.lens import LensUnavailable, LogitLens
+from worker.errors import ExplainError, ExtractionInputError, LensUnavailable
+from worker.llm.lens import LogitLens
 
 if TYPE_CHECKING:
     from probes.probe import Probe

@@ -32,17 +32,13 @@ from kafka.structs import OffsetAndMetadata
 from pydantic import ValidationError
 
 from schemas import DeadLetter, DeadLetterKind, WireModel, describe_error, utcnow
+from worker.errors import TransientError
 
-__all__ = ["BatchLoop", "Item", "LoopStats", "Outgoing", "TransientError"]
+__all__ = ["BatchLoop", "Item", "LoopStats", "Outgoing"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T", bound=WireModel)
-
-
-class TransientError(Exception):
-    """Raised by a handler when a dependency is down (e.g. Redis): the batch is rewound
-    and retried after a backoff, as often as it takes, and never dead-lettered."""
 
 
 @dataclass(frozen=True)

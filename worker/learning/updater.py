@@ -39,8 +39,8 @@ from probes import ProbeError, build_probe, encode_target, spread_layers
 from probes.checkpoint import checkpoint_to_bytes, load_checkpoint, probe_from_bytes
 from probes.errors import CheckpointError
 from schemas import HumanLabel, ProbeSpec, TrainingCounters
-from worker.errors import ConfigError
-from worker.kafka.batch_loop import BatchLoop, Item, Outgoing, TransientError
+from worker.errors import ConfigError, Fenced, RegistryError, StagesChanged, TransientError
+from worker.kafka.batch_loop import BatchLoop, Item, Outgoing
 from worker.kafka.clients import ensure_topics
 from worker.kafka.runtime import RoleRuntime
 from worker.learning.online_learner import LearningConfig, OnlineLearner
@@ -48,7 +48,7 @@ from worker.llm.extract import HiddenStateExtractor
 from worker.rollout.policy import Policy
 from worker.rollout.stages import Rollout
 from worker.settings import Settings
-from worker.store.checkpoints import CheckpointRegistry, Fenced, RegistryError, StagesChanged
+from worker.store.checkpoints import CheckpointRegistry
 from worker.store.evidence import EvidenceStore
 from worker.store.lease import Lease
 from worker.store.redis import Keys

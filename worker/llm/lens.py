@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from worker.errors import ProbeguardError
+from worker.errors import LensUnavailable
 
 if TYPE_CHECKING:
     from worker.llm.load import LoadedLLM
 
-__all__ = ["LensRow", "LensUnavailable", "LogitLens", "find_final_norm"]
+__all__ = ["LensRow", "LogitLens", "find_final_norm"]
 
 # Attribute paths of the final norm on the base model, by architecture family:
 # Llama/Qwen/Mistral/Gemma "norm", GPT-2/Falcon/Bloom "ln_f", GPT-NeoX "final_layer_norm",
@@ -43,10 +43,6 @@ _FINAL_NORMS = (
     "norm_f",
     "decoder.final_layer_norm",
 )
-
-
-class LensUnavailable(ProbeguardError):
-    """The loaded model lacks what the logit lens needs (an LM head, a final norm)."""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from worker.errors import RegistryError
 from worker.rollout.policy import (
     Number,
     Policy,
@@ -16,7 +17,7 @@ from worker.rollout.policy import (
     Situation,
     next_action,
 )
-from worker.store.checkpoints import CheckpointRegistry, RegistryError, Stages
+from worker.store.checkpoints import CheckpointRegistry, Stages
 from worker.store.evidence import EvidenceStore
 
 if TYPE_CHECKING:

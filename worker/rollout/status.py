@@ -17,7 +17,8 @@ from datetime import datetime
 from typing import Any
 
 from schemas import CheckpointEvent
-from worker.store.checkpoints import CheckpointRegistry, Stages, UnknownVersion
+from worker.errors import UnknownVersion
+from worker.store.checkpoints import CheckpointRegistry, Stages
 from worker.store.evidence import Evidence, EvidenceStore
 from worker.store.lease import Lease
 

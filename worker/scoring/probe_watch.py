@@ -24,8 +24,9 @@ import torch
 from probes.checkpoint import probe_from_bytes
 from probes.errors import CheckpointError
 from schemas import LLMFingerprint
+from worker.errors import RegistryError
 from worker.scoring.batch import ProbeSlot, ServedProbe
-from worker.store.checkpoints import CheckpointRegistry, RegistryError
+from worker.store.checkpoints import CheckpointRegistry
 from worker.store.redis import Breaker
 
 __all__ = ["ProbeWatcher"]

@@ -27,37 +27,12 @@ import redis
 from pydantic import ValidationError
 
 from schemas import CheckpointEvent, CheckpointManifest, EventKind, describe_error, utcnow
-from worker.errors import ProbeguardError
+from worker.errors import Fenced, RegistryError, StagesChanged, UnknownVersion
 from worker.store.redis import Keys
 
-__all__ = [
-    "CheckpointRegistry",
-    "Fenced",
-    "RegistryError",
-    "Stages",
-    "StagesChanged",
-    "StoredCheckpoint",
-    "UnknownVersion",
-    "live_lineage",
-]
+__all__ = ["CheckpointRegistry", "Stages", "StoredCheckpoint", "live_lineage"]
 
 EVENTS_MAXLEN = 10_000
-
-
-class RegistryError(ProbeguardError):
-    """The registry refused an operation or holds something unusable."""
-
-
-class UnknownVersion(RegistryError):
-    """The version was never published (or has been pruned)."""
-
-
-class Fenced(RegistryError):
-    """The writer's fencing token is not the current lease holder's."""
-
-
-class StagesChanged(RegistryError):
-    """A compare-and-set stage change found the pointers changed since they were read."""
 
 
 @dataclass(frozen=True)
