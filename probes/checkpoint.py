@@ -98,15 +98,6 @@ def checkpoint_to_bytes(
     return blob, manifest.encode()
 
 
-def _fingerprint_diff(got: LLMFingerprint, want: LLMFingerprint) -> str:
-    diffs = []
-    for field in type(want).model_fields:
-        a, b = getattr(got, field), getattr(want, field)
-        if a != b:
-            diffs.append(f"{field}: checkpoint {a!r} vs this LLM {b!r}")
-    return "; ".join(diffs)
-
-
 def _check_tensors(probe: Probe, tensors: dict[str, torch.Tensor], name: str) -> None:
     expected = {k: tuple(v.shape) for k, v in probe.state_dict().items()}
     missing = sorted(set(expected) - set(tensors))
@@ -159,7 +150,7 @@ def probe_from_bytes(
     if expected_fingerprint is not None and manifest.llm != expected_fingerprint:
         raise IncompatibleCheckpoint(
             f"checkpoint {name!r} was trained on another LLM: "
-            f"{_fingerprint_diff(manifest.llm, expected_fingerprint)}"
+            f"{manifest.llm.diff(expected_fingerprint, mine='checkpoint', theirs='this LLM')}"
         )
     try:
         tensors = st_load(tensor_bytes)

@@ -97,6 +97,14 @@ class LLMFingerprint(WireModel):
     def digest(self) -> str:
         return hashlib.sha256(self.encode()).hexdigest()[:16]
 
+    def diff(self, other: LLMFingerprint, *, mine: str = "this", theirs: str = "that") -> str:
+        """The fields that differ, e.g. ``"num_layers: this 30 vs that 24"``; "" when equal."""
+        return "; ".join(
+            f"{name}: {mine} {getattr(self, name)!r} vs {theirs} {getattr(other, name)!r}"
+            for name in type(self).model_fields
+            if getattr(self, name) != getattr(other, name)
+        )
+
 
 class TrainingCounters(WireModel):
     labels_seen: Annotated[int, Field(ge=0)] = 0

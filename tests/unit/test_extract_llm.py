@@ -17,15 +17,13 @@ from tests.tiny_llm import make_tiny_llm, tiny_model, tiny_tokenizer
 from worker.errors import ConfigError, ModelLoadError
 from worker.llm import load as llm_module
 from worker.llm.extract import HiddenStateExtractor
+from worker.llm.fingerprint import file_sha256, tokenizer_sha256, weights_sha256
 from worker.llm.load import (
     LoadedLLM,
-    file_sha256,
     find_layer_stack,
     load_llm,
     resolve_device,
     resolve_source,
-    tokenizer_sha256,
-    weights_sha256,
 )
 from worker.settings import Settings
 

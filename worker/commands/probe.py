@@ -18,12 +18,10 @@ against it instead (slow, authoritative, and the way through a model migration).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pwd
 import socket
 import sys
-import textwrap
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,45 +189,13 @@ def _note_policy(ctx: _Ctx) -> None:
 
 def _check(ctx: _Ctx, args: argparse.Namespace, version: int) -> None:
     """Refuse versions that do not exist, do not fit the model, or are known bad."""
-    from worker.errors import RolloutError
-
-    reg = ctx.registry
-    stored = reg.get(version)  # UnknownVersion / integrity errors exit 1 with the reason
-    llm = stored.manifest.llm
+    model = None
     if args.verify_model:
         from worker.llm.load import load_llm
 
-        want, against = load_llm(ctx.settings).fingerprint, f"the configured model {llm.model_id}"
-    else:
-        live = reg.stages().live
-        if live is None or live == version:
-            want, against = None, ""
-        else:
-            want, against = reg.manifest(live).llm, f"live v{live}"
-    if want is not None and llm != want:
-        diffs = [
-            f"{f}: {getattr(llm, f)!r} vs {getattr(want, f)!r}"
-            for f in type(want).model_fields
-            if getattr(llm, f) != getattr(want, f)
-        ]
-        raise RolloutError(
-            f"{reg.probe} v{version} is incompatible with {against}: it was trained on "
-            f"another LLM ({'; '.join(diffs)}); scorers would refuse it "
-            "(--verify-model checks against the configured model instead)"
-        )
-    if args.force:
-        return
-    bad = reg.rolled_back()
-    if version in bad:
-        raise RolloutError(
-            f"{reg.probe} v{version} was rolled back ({bad[version]}); --force to use it anyway"
-        )
-    ev = ctx.evidence.read(reg.probe, version)
-    if ev.errors:
-        raise RolloutError(
-            f"{reg.probe} v{version} was refused by {ev.errors} scorer(s) ({ev.last_error}); "
-            "--force to use it anyway"
-        )
+        model = load_llm(ctx.settings).fingerprint
+    hint = "" if model else " (--verify-model checks against the configured model instead)"
+    ctx.rollout.check_usable(version, model=model, force=args.force, hint=hint)
 
 
 # --- actions -----------------------------------------------------------------------------
@@ -248,77 +214,15 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from worker.rollout.status import stage_of
+    from worker.rollout.status import gather_version, render_version
 
     ctx = _ctx(args)
-    reg = ctx.registry
-    m = reg.manifest(args.version)
-    st = reg.stages()
-    stage = stage_of(args.version, st, set(reg.rolled_back()), reg.tried())
-    ev = ctx.evidence.read(reg.probe, args.version)
-    auprc = ctx.evidence.auprc(reg.probe, args.version)
+    detail = gather_version(ctx.registry, ctx.evidence, args.version)
     if args.json:
-        _emit({"stage": stage, "manifest": json.loads(m.encode()), "evidence": _ev(ev, auprc)})
-        return 0
-    spec = m.spec
-    fields = [
-        ("version", f"{m.version} ({stage})" + (f", parent {m.parent}" if m.parent else "")),
-        ("created", m.created_at.isoformat(timespec="seconds")),
-        ("probe", f"{spec.token_pool} pooling, {spec.layer_mix} over layers {spec.layers}"),
-        ("task", f"{spec.task}: {', '.join(spec.labels)}; flags {spec.flag_labels or '-'}"),
-        ("thresholds", ", ".join(f"{k}={v:g}" for k, v in spec.thresholds.items()) or "-"),
-        (
-            "LLM",
-            f"{m.llm.model_id} ({m.llm.num_layers} layers, d={m.llm.hidden_size}), "
-            f"fingerprint {m.llm.digest}",
-        ),
-        ("tensors", f"sha256 {m.tensors_sha256[:16]}…" + (", signed" if m.signature else "")),
-        ("trained on", f"{m.counters.labels_seen} labels, {m.counters.steps} steps"),
-    ]
-    metrics = {k: v for k, v in m.metrics.items() if "/" not in k}
-    if metrics:
-        fields.append(("metrics", ", ".join(f"{k}={v:.3g}" for k, v in sorted(metrics.items()))))
-    fields.append(
-        (
-            "evidence",
-            f"{ev.scored} msgs, flag rate {_fmt(ev.flag_rate)}, {ev.labels.labeled} labels, "
-            f"F1 {_fmt(ev.labels.f1)}, AUPRC {_fmt(auprc)}, {ev.errors} refusal(s)",
-        )
-    )
-    if ev.last_error:
-        fields.append(("refused", ev.last_error))
-    bad = reg.rolled_back()
-    if args.version in bad:
-        fields.append(("rolled back", bad[args.version]))
-    for key, value in fields:
-        lines = textwrap.wrap(value, 66) or [""]
-        print(f"{key:<12}  {lines[0]}")
-        for more in lines[1:]:
-            print(f"{'':<12}  {more}")
+        _emit(detail.as_dict())
+    else:
+        print(render_version(detail))
     return 0
-
-
-def _fmt(x: float) -> str:
-    return "-" if x != x else f"{x:.3f}"  # NaN (no data yet) as "-"
-
-
-def _ev(ev: Any, auprc: float) -> dict[str, Any]:
-    return {
-        "messages": ev.messages,
-        "flags": ev.flags,
-        "shadow_messages": ev.shadow_messages,
-        "shadow_flags": ev.shadow_flags,
-        "shadow_agree": ev.shadow_agree,
-        "baseline_messages": ev.baseline_messages,
-        "baseline_flags": ev.baseline_flags,
-        "confusion": vars(ev.labels),
-        "baseline_confusion": vars(ev.baseline_labels),
-        "f1": ev.labels.f1,
-        "auprc": auprc,
-        "latency_ms": ev.latency_ms,
-        "errors": ev.errors,
-        "last_error": ev.last_error or None,
-    }
 
 
 def _promote(args: argparse.Namespace) -> int:

@@ -1,5 +1,5 @@
 """The frozen LLM: locate it, load it (a GGUF is dequantized once, then cached), freeze it,
-fingerprint it.
+fingerprint it (the hashes are in :mod:`worker.llm.fingerprint`).
 
 Sources, from ``Settings.model``:
 
@@ -32,14 +32,12 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
 import os
 import shutil
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,6 +47,7 @@ from torch import nn
 
 from schemas import LLMFingerprint
 from worker.errors import ConfigError, ModelLoadError
+from worker.llm.fingerprint import state_dict_sha256, tokenizer_sha256, weights_sha256
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -62,8 +61,6 @@ __all__ = [
     "load_llm",
     "resolve_device",
     "resolve_source",
-    "tokenizer_sha256",
-    "weights_sha256",
 ]
 
 log = logging.getLogger(__name__)
@@ -504,76 +501,3 @@ def find_layer_stack(model: nn.Module) -> nn.ModuleList:
         f"cannot find the {expected} transformer blocks of {type(model).__name__}: "
         "only decoder LLMs and BERT-style encoders with one layer list are supported"
     )
-
-
-def tokenizer_sha256(tokenizer: PreTrainedTokenizerBase) -> str:
-    """Hash of everything that decides token ids: vocab, merges, normalizer, special tokens.
-
-    Padding and truncation settings are left out: they do not change any real token.
-    """
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        spec = json.loads(backend.to_str())
-        spec.pop("padding", None)
-        spec.pop("truncation", None)
-    else:  # a tokenizer without a Rust backend: its vocab and special tokens
-        spec = {
-            "class": type(tokenizer).__name__,
-            "vocab": sorted(tokenizer.get_vocab().items()),
-            "special": sorted(tokenizer.all_special_tokens),
-        }
-    canonical = json.dumps(spec, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def state_dict_sha256(model: nn.Module) -> str:
-    """Hash of the parameter names, dtypes, shapes and bytes, in name order."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
-        digest.update(flat.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def weights_sha256(files: Iterable[Path], *, memo_dir: Path | None = None) -> str:
-    """sha256 of the one weight file, or of the ``sha256sum``-style listing of several.
-
-    The listing is ``"{sha256}  {file name}\\n"`` per file, sorted by name, so the value can be
-    reproduced with ``sha256sum *.safetensors | sha256sum``.
-    """
-    files = sorted(files, key=lambda p: p.name)
-    if not files:
-        raise ModelLoadError("no weight files to hash")
-    sums = [file_sha256(f, memo_dir=memo_dir) for f in files]
-    if len(files) == 1:
-        return sums[0]
-    listing = "".join(f"{s}  {f.name}\n" for s, f in zip(sums, files, strict=True))
-    return hashlib.sha256(listing.encode()).hexdigest()
-
-
-def file_sha256(path: Path, *, memo_dir: Path | None = None) -> str:
-    """sha256 of a file's bytes, memoised in ``memo_dir`` by real path, size and mtime."""
-    real = path.resolve()
-    try:
-        stat = real.stat()
-    except OSError as exc:
-        raise ModelLoadError(f"cannot read weight file {path}: {exc}") from exc
-    key = hashlib.sha256(f"{real}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
-    memo = memo_dir / key if memo_dir is not None else None
-    if memo is not None and memo.is_file():
-        cached = memo.read_text().strip()
-        if len(cached) == 64:
-            return cached
-    digest = hashlib.sha256()
-    with real.open("rb") as fh:
-        while chunk := fh.read(1 << 22):
-            digest.update(chunk)
-    value = digest.hexdigest()
-    if memo is not None:
-        try:
-            memo.parent.mkdir(parents=True, exist_ok=True)
-            memo.write_text(value)
-        except OSError as exc:
-            log.debug("cannot memoise the hash of %s: %s", path, exc)
-    return value

@@ -38,7 +38,8 @@ from probes.cache import (
 from probes.errors import ProbeError
 from schemas import CacheManifest, CacheSource, LabeledText, LLMFingerprint, SummaryKind, utcnow
 from worker.errors import OfflineError
-from worker.offline.labeled import file_sha256, read_labeled
+from worker.llm.fingerprint import file_sha256
+from worker.offline.labeled import read_labeled
 
 __all__ = ["ExtractorLike", "build_cache", "default_token_layers", "plan_cache"]
 

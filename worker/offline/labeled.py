@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -10,7 +9,7 @@ from pydantic import ValidationError
 from schemas import LabeledText, describe_error
 from worker.errors import OfflineError
 
-__all__ = ["file_sha256", "read_labeled"]
+__all__ = ["read_labeled"]
 
 
 def read_labeled(path: Path) -> list[LabeledText]:
@@ -40,11 +39,3 @@ def read_labeled(path: Path) -> list[LabeledText]:
     if not rows:
         raise OfflineError(f"{path} holds no rows")
     return rows
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

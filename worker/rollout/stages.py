@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from worker.errors import RegistryError
+from schemas import LLMFingerprint
+from worker.errors import RegistryError, RolloutError
 from worker.rollout.policy import (
     Number,
     Policy,
@@ -225,6 +226,48 @@ class Rollout:
             mark_rolled_back={st.live: reason[:500] or "rolled back"},
         )
         return target
+
+    def check_usable(
+        self,
+        version: int,
+        *,
+        model: LLMFingerprint | None = None,
+        force: bool = False,
+        hint: str = "",
+    ) -> None:
+        """Refuse (:class:`RolloutError`) a version an operator should not put on a stage:
+        one that does not exist or fails integrity (:class:`UnknownVersion`, …), one trained
+        on another LLM than ``model`` (default: live's LLM), and unless ``force`` one that
+        was rolled back or that a scorer refused to load. ``hint`` ends the
+        incompatibility message (what the caller can do instead)."""
+        reg = self.registry
+        llm = reg.get(version).manifest.llm
+        want: LLMFingerprint | None
+        if model is not None:
+            want, against = model, f"the configured model {model.model_id}"
+        else:
+            live = reg.stages().live
+            want = None if live is None or live == version else reg.manifest(live).llm
+            against = f"live v{live}"
+        if want is not None and llm != want:
+            raise RolloutError(
+                f"{reg.probe} v{version} is incompatible with {against}: it was trained on "
+                f"another LLM ({llm.diff(want, mine='v' + str(version), theirs=against)}); "
+                f"scorers would refuse it{hint}"
+            )
+        if force:
+            return
+        bad = reg.rolled_back()
+        if version in bad:
+            raise RolloutError(
+                f"{reg.probe} v{version} was rolled back ({bad[version]}); --force to use it anyway"
+            )
+        ev = self.evidence.read(reg.probe, version)
+        if ev.errors:
+            raise RolloutError(
+                f"{reg.probe} v{version} was refused by {ev.errors} scorer(s) ({ev.last_error}); "
+                "--force to use it anyway"
+            )
 
     def pin(self, *, reason: str) -> None:
         self.registry.set_stages(

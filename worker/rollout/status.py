@@ -9,6 +9,7 @@ superseded candidates).
 
 from __future__ import annotations
 
+import json
 import math
 import textwrap
 import time
@@ -16,13 +17,23 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from schemas import CheckpointEvent
+from schemas import CheckpointEvent, CheckpointManifest
 from worker.errors import UnknownVersion
 from worker.store.checkpoints import CheckpointRegistry, Stages
 from worker.store.evidence import Evidence, EvidenceStore
 from worker.store.lease import Lease
 
-__all__ = ["StatusReport", "VersionRow", "gather", "render_history", "render_status", "stage_of"]
+__all__ = [
+    "StatusReport",
+    "VersionDetail",
+    "VersionRow",
+    "gather",
+    "gather_version",
+    "render_history",
+    "render_status",
+    "render_version",
+    "stage_of",
+]
 
 WIDTH = 80
 
@@ -50,6 +61,11 @@ class VersionRow:
             "f1": _num(e.labels.f1),
             "auprc": _num(self.auprc),
             "agreement": _num(e.agreement),
+            "shadow_flags": e.shadow_flags,
+            "shadow_agree": e.shadow_agree,
+            "baseline_messages": e.baseline_messages,
+            "baseline_flags": e.baseline_flags,
+            "baseline_confusion": vars(e.baseline_labels),
             "errors": e.errors,
             "last_error": e.last_error or None,
             "confusion": vars(e.labels),
@@ -143,7 +159,86 @@ def gather(
     )
 
 
+@dataclass(frozen=True)
+class VersionDetail:
+    """One version in full (``probeguard probe show``): its manifest, stage and evidence."""
+
+    manifest: CheckpointManifest
+    row: VersionRow
+    share: float
+    rolled_back_reason: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.row.stage,
+            "manifest": json.loads(self.manifest.encode()),
+            "evidence": self.row.as_dict(self.share),
+        }
+
+
+def gather_version(
+    registry: CheckpointRegistry, evidence: EvidenceStore, version: int
+) -> VersionDetail:
+    m = registry.manifest(version)  # UnknownVersion when it was never published
+    st = registry.stages()
+    bad = registry.rolled_back()
+    row = VersionRow(
+        version=version,
+        stage=stage_of(version, st, set(bad), registry.tried()),
+        evidence=evidence.read(registry.probe, version),
+        auprc=evidence.auprc(registry.probe, version),
+        created_at=m.created_at,
+        labels_seen=m.counters.labels_seen,
+    )
+    return VersionDetail(m, row, st.canary_share, bad.get(version))
+
+
 # --- rendering ---------------------------------------------------------------------
+
+
+def render_version(detail: VersionDetail) -> str:
+    """``key  value`` lines, values wrapped to fit 80 columns."""
+    m, ev, spec = detail.manifest, detail.row.evidence, detail.manifest.spec
+    parent = f", parent {m.parent}" if m.parent else ""
+    fields = [
+        ("version", f"{m.version} ({detail.row.stage}){parent}"),
+        ("created", m.created_at.isoformat(timespec="seconds")),
+        ("probe", f"{spec.token_pool} pooling, {spec.layer_mix} over layers {spec.layers}"),
+        ("task", f"{spec.task}: {', '.join(spec.labels)}; flags {spec.flag_labels or '-'}"),
+        ("thresholds", ", ".join(f"{k}={v:g}" for k, v in spec.thresholds.items()) or "-"),
+        (
+            "LLM",
+            f"{m.llm.model_id} ({m.llm.num_layers} layers, d={m.llm.hidden_size}), "
+            f"fingerprint {m.llm.digest}",
+        ),
+        ("tensors", f"sha256 {m.tensors_sha256[:16]}…" + (", signed" if m.signature else "")),
+        ("trained on", f"{m.counters.labels_seen} labels, {m.counters.steps} steps"),
+    ]
+    metrics = {k: v for k, v in m.metrics.items() if "/" not in k}
+    if metrics:
+        fields.append(("metrics", ", ".join(f"{k}={v:.3g}" for k, v in sorted(metrics.items()))))
+    fields.append(
+        (
+            "evidence",
+            f"{ev.scored} msgs, flag rate {_fmt(ev.flag_rate)}, {ev.labels.labeled} labels, "
+            f"F1 {_fmt(ev.labels.f1)}, AUPRC {_fmt(detail.row.auprc)}, {ev.errors} refusal(s)",
+        )
+    )
+    if ev.last_error:
+        fields.append(("refused", ev.last_error))
+    if detail.rolled_back_reason:
+        fields.append(("rolled back", detail.rolled_back_reason))
+    lines = []
+    for key, value in fields:
+        wrapped = textwrap.wrap(value, 66) or [""]
+        lines.append(f"{key:<12}  {wrapped[0]}")
+        lines += [f"{'':<12}  {more}" for more in wrapped[1:]]
+    return "\n".join(lines)
+
+
+def _fmt(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.3f}"  # NaN (no data yet) as "-"
+
 
 _COLUMNS = (  # (title, width); right-aligned except the stage
     ("v", 5),
