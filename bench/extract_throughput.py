@@ -42,8 +42,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 TARGETS = {"extract_vs_bare_min": 0.95, "early_exit_speedup_min": 1.7, "rss_16x256_mb_max": 1536}
 

@@ -31,10 +31,6 @@ import time
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -58,7 +54,7 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def features(extractor, rows, layers, labels, batch):  # type: ignore[no-untyped-def]
+def features(extractor, rows, layers, labels, batch):
     import torch
 
     from probes.dataset import ProbeDataset
@@ -87,7 +83,7 @@ def features(extractor, rows, layers, labels, batch):  # type: ignore[no-untyped
     )
 
 
-def save_features(path: Path, train, val) -> None:  # type: ignore[no-untyped-def]
+def save_features(path: Path, train, val) -> None:
     import torch
 
     torch.save(
@@ -99,7 +95,7 @@ def save_features(path: Path, train, val) -> None:  # type: ignore[no-untyped-de
     )
 
 
-def load_features(path: Path, layers, labels):  # type: ignore[no-untyped-def]
+def load_features(path: Path, layers, labels):
     import torch
 
     from probes.dataset import ProbeDataset

@@ -30,11 +30,8 @@ import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from probes.metrics import percentile
 
 TARGET_P99_MS = 500.0
 
@@ -57,11 +54,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="stage change to time (default: %(default)s)",
     )
     return p.parse_args(argv)
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,11 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "load_msg_s": args.load,
         "poll_wait_ms": args.poll_wait_ms,
-        "p50_ms": round(pct(delays, 0.5), 1),
-        "p99_ms": round(pct(delays, 0.99), 1),
+        "p50_ms": round(percentile(delays, 0.5), 1),
+        "p99_ms": round(percentile(delays, 0.99), 1),
         "max_ms": round(max(delays), 1),
         "target_p99_ms": TARGET_P99_MS,
-        "meets": pct(delays, 0.99) < TARGET_P99_MS,
+        "meets": percentile(delays, 0.99) < TARGET_P99_MS,
     }
     print(
         f"{args.change} -> all {args.scorers} scorers serving: p50 {result['p50_ms']} ms, "

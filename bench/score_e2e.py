@@ -32,9 +32,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from probes.metrics import percentile
 
 TARGETS = {"ratio_min": 0.90, "probe_ms_per_message_max": 1.0}
 
@@ -146,11 +144,6 @@ def produce(
     return sent
 
 
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
@@ -234,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
             lat = [1000 * (clock.arrived[k] - t) for k, t in sent_paced.items()]
             paced = {
                 "rate_msg_s": round(rate, 2),
-                "p50_ms": round(pct(lat, 0.5), 1),
-                "p99_ms": round(pct(lat, 0.99), 1),
+                "p50_ms": round(percentile(lat, 0.5), 1),
+                "p99_ms": round(percentile(lat, 0.99), 1),
                 "mean_ms": round(statistics.mean(lat), 1),
             }
         backlog_lat = [1000 * (clock.arrived[k] - t) for k, t in sent.items()]
@@ -262,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         "e2e_msg_s": round(backlog_rate, 2),
         "ratio_e2e_to_bare": round(backlog_rate / bare, 3),
         "backlog_latency_ms": {
-            "p50": round(pct(backlog_lat, 0.5), 1),
-            "p99": round(pct(backlog_lat, 0.99), 1),
+            "p50": round(percentile(backlog_lat, 0.5), 1),
+            "p99": round(percentile(backlog_lat, 0.99), 1),
         },
         "paced_latency_ms": paced,
         "probe_ms_per_message": round(probe_ms, 4),

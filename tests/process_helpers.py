@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -25,6 +26,10 @@ _PASS_THROUGH = (
     "group_scorer",
     "group_updater",
 )
+
+
+if TYPE_CHECKING:
+    from worker.llm.load import LoadedLLM
 
 
 def settings_env(settings: Settings, model_dir: Path, **extra: object) -> dict[str, str]:
@@ -53,7 +58,7 @@ def spawn(command: str, env: dict[str, str], log: Path) -> subprocess.Popen[byte
         )
 
 
-def tiny_model_dir(tmp_path: Path) -> tuple[Path, object]:
+def tiny_model_dir(tmp_path: Path) -> tuple[Path, LoadedLLM]:
     """Save the tiny LLM under ``tmp_path``; returns its directory and the loaded LLM."""
     from tests.tiny_llm import make_tiny_llm
 

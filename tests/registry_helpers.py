@@ -42,3 +42,9 @@ def publish_probe(
     )
     registry.publish(blob, manifest, set_live=set_live)
     return version
+
+
+def num(value: object) -> float:
+    """A number from an event's or decision's ``details`` (typed there as any JSON scalar)."""
+    assert isinstance(value, int | float) and not isinstance(value, bool), value
+    return float(value)

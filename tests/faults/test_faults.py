@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import signal
 import subprocess
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from schemas import CheckpointManifest
-from tests.faults.accounting import Row, Tally, record
+from tests.faults.accounting import Outcome, Row, Tally, record
 from tests.faults.conftest import Stack
 from tests.integration.test_updater import chat, fast, label
 from tests.kafka_helpers import produce_raw
@@ -101,7 +103,7 @@ def test_sigkill_a_scorer_mid_batch_twice_during_a_2000_message_stream(
     try:
         with Tally(s) as tally:
             for victim, after in ((0, 300), (1, 1000)):
-                tally.wait(lambda o, a=after: sum(o.verdicts.values()) >= a, 240, f"{after}")
+                tally.wait(partial(_scored_at_least, after), 240, f"{after}")
                 procs[victim].send_signal(signal.SIGKILL)  # mid-batch: it is busy scoring
                 procs[victim].wait(10)
                 procs[victim] = spawn("score", env, logs[victim])
@@ -266,7 +268,8 @@ def test_bad_checkpoints_are_refused_counted_and_scoring_continues(
         sent += batch
         bad = make()
         reg.promote(bad)
-        wait_until(lambda b=bad: b in scorer.watcher.refused["toxicity"], f"v{bad} refused")
+        refused_now = scorer.watcher.refused["toxicity"]
+        wait_until(partial(operator.contains, refused_now, bad), f"v{bad} refused")
     refused = scorer.metrics.registry.get_sample_value(
         "probeguard_scorer_checkpoints_refused_total", {"probe": "toxicity"}
     )
@@ -384,3 +387,7 @@ def test_fuzzed_payloads_on_every_input_topic_are_dead_lettered_never_a_crash(
                 "accepted = valid by chance (verdicts / labels learned); no crash",
             )
         )
+
+
+def _scored_at_least(n: int, o: Outcome) -> bool:
+    return sum(o.verdicts.values()) >= n

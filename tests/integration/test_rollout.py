@@ -25,7 +25,7 @@ from schemas import Verdict
 from tests.conftest import RedisNamespace
 from tests.kafka_helpers import drain, produce_raw
 from tests.process_helpers import Threaded, settings_env, wait_until
-from tests.registry_helpers import publish_probe, toxicity_spec
+from tests.registry_helpers import num, publish_probe, toxicity_spec
 from tests.tiny_llm import make_tiny_llm
 from worker.kafka.clients import ensure_topics
 from worker.learning.updater import Updater
@@ -273,14 +273,14 @@ def test_labels_roll_back_a_flipped_canary_and_promote_a_good_one(
     trial("f", v2, lambda: v2 in registry.rolled_back(), "the flipped canary's rollback")
     event = next(e for _, e in reversed(registry.history(20)) if e.kind == "rolled_back")
     assert event.version == v2 and "F1" in event.reason and "δ=0.05" in event.reason
-    assert event.details["canary_f1"] < 0.2 and event.details["live_f1"] > 0.9
+    assert num(event.details["canary_f1"]) < 0.2 and num(event.details["live_f1"]) > 0.9
     assert registry.stages().live == v1
 
     v3 = publish_probe(registry, fp, probe=probes["good2"], set_live=False)
     trial("g", v3, lambda: registry.stages().live == v3, "the good canary's promotion")
     event = next(e for _, e in reversed(registry.history(20)) if e.kind == "promoted")
     assert event.version == v3 and event.previous == v1 and "within ε=0.02" in event.reason
-    assert event.details["canary_labels"] >= 30 and event.details["canary_f1"] > 0.9
+    assert num(event.details["canary_labels"]) >= 30 and num(event.details["canary_f1"]) > 0.9
     ev3 = evidence.read("toxicity", v3)
     assert ev3.labels.labeled >= 30 and ev3.baseline_labels.labeled > 0
     assert v3 not in registry.rolled_back() and registry.stages().canary is None

@@ -17,6 +17,7 @@ from schemas import (
     utcnow,
 )
 from tests.conftest import RedisNamespace
+from tests.registry_helpers import num
 from worker.cli import main
 from worker.errors import RegistryError, StagesChanged
 from worker.rollout.policy import Policy
@@ -187,7 +188,7 @@ def test_policy_run_by_the_controller(
     assert (st.live, st.canary) == (v1, None) and v2 in registry.rolled_back()
     event = registry.history(1)[0][1]
     assert event.kind == "rolled_back" and event.details["stage"] == "canary"
-    assert event.details["canary_flag_rate"] > 0.9 and event.reason == d.reason
+    assert num(event.details["canary_flag_rate"]) > 0.9 and event.reason == d.reason
     assert rollout.evaluate(policy).action == "none"  # v2 is never tried again
     policy_state = redis_ns.client.hgetall(registry.keys.policy(registry.probe))
     assert policy_state[b"mode"] == b"canary" and policy_state[b"holder"] == b"test"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import operator
 import urllib.request
 from collections.abc import Iterator
+from functools import partial
 
 import pytest
 
@@ -81,7 +83,8 @@ def test_scorer_with_a_key_refuses_unsigned_and_wrongly_signed_versions(
         if n == 2:
             forge_metrics(bad)
             registry.promote(bad)
-        wait_until(lambda b=bad: b in running.watcher.refused["toxicity"], f"v{bad} refused")
+        refused_now = running.watcher.refused["toxicity"]
+        wait_until(partial(operator.contains, refused_now, bad), f"v{bad} refused")
     assert running.watcher.versions()["toxicity"]["live"] == v1
     assert _refused_count(signed.metrics_port) == 3
 

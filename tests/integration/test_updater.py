@@ -202,8 +202,8 @@ def test_sigkill_and_restart_resumes_without_losing_labels(
         proc = spawn("train", env, log)  # waits out the dead holder's lease, then resumes
         wait_until(
             lambda: (
-                registry.latest() is not None
-                and registry.manifest(registry.latest()).counters.labels_seen >= n
+                (latest := registry.latest()) is not None
+                and registry.manifest(latest).counters.labels_seen >= n
             ),
             "every label reflected in a published version",
             180,

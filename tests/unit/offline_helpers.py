@@ -20,12 +20,12 @@ def write_labeled(path: Path, n: int, *, seed: int = 0, multilabel: bool = True)
         for i in range(n):
             toxic = rng.random() < 0.35
             words = rng.choices(WORDS, k=rng.randint(3, 12))
-            cats = []
+            cats: list[str] = []
             if toxic:
                 for _ in range(rng.randint(1, 3)):
                     words.insert(rng.randrange(len(words) + 1), rng.choice(TOXIC))
                 cats = ["insult"] + (["hate"] if "hate" in words else [])
-            row = {
+            row: dict[str, str | list[str]] = {
                 "id": f"r{seed}-{i}",
                 "text": " ".join(words),
                 "label": "toxic" if toxic else "ok",

@@ -43,8 +43,9 @@ def test_layout_targets_and_summaries(tmp_path, extractor) -> None:
     assert multi.targets[:, 1].tolist() == [float(r["label"] == "toxic") for r in rows]
     # Summaries were taken in fp32 before the cast; recomputing them from fp16 tokens agrees.
     hidden, mask, _ = tokens.batch(torch.arange(len(tokens)))
+    assert mask is not None
     for kind, pool in (("mean", masked_mean), ("max", masked_max)):
-        summary = cache.dataset(kind, [2, 4], "label").summaries.float()  # type: ignore[union-attr]
+        summary = cache.dataset(kind, [2, 4], "label").summaries.float()  # type: ignore[arg-type, union-attr]
         torch.testing.assert_close(summary, pool(hidden, mask), atol=2e-2, rtol=1e-2)
     # Lengths are the extractor's token counts: <s> + one per character, cut at max_tokens.
     assert tokens.lengths.tolist() == [min(64, len(r["text"]) + 1) for r in rows]

@@ -215,7 +215,9 @@ def test_load_llm_keeps_the_head_only_when_asked(tmp_path: Path) -> None:
 def test_load_llm_with_a_tied_head(tmp_path: Path) -> None:
     llm = make_tiny_llm(tmp_path, lm_head="tied")
     assert llm.lm_head is not None
-    assert llm.lm_head.weight.data_ptr() == llm.model.embed_tokens.weight.data_ptr()  # type: ignore[union-attr]
+    head, embed = llm.lm_head.weight, llm.model.get_input_embeddings().weight
+    assert isinstance(head, torch.Tensor) and isinstance(embed, torch.Tensor)
+    assert head.data_ptr() == embed.data_ptr()
     LogitLens(llm)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import get_args
 
 import pytest
 import torch
@@ -29,8 +30,8 @@ IDS = [f"{p}-{m}-{t}" for p, m, t in KINDS]
 
 
 def test_registry_covers_the_spec_vocabulary() -> None:
-    assert set(TOKEN_POOLS) == set(TokenPool.__args__)
-    assert set(LAYER_MIXES) == set(LayerMix.__args__)
+    assert set(TOKEN_POOLS) == set(get_args(TokenPool))
+    assert set(LAYER_MIXES) == set(get_args(LayerMix))
 
 
 @pytest.fixture(params=KINDS, ids=IDS)

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from schemas import CheckpointEvent, DecidedRecord, ProbeDecision, utcnow
+from tests.registry_helpers import num
 from worker.rollout.policy import Policy, Situation, next_action
 from worker.scoring.batch import sticky_fraction
 from worker.store.checkpoints import Stages, live_lineage
@@ -113,7 +114,7 @@ def test_flag_rate_departure_rolls_back_after_enough_messages() -> None:
     flags_all = ev(2, messages=150, flags=150, baseline_messages=1000, baseline_flags=300)
     d = next_action(POLICY, on_trial(flags_all, GOOD_LIVE))
     assert d.action == "rollback" and "flag rate" in d.reason and "k=2" in d.reason
-    assert d.numbers["flag_rate_factor"] > 2 and d.numbers["canary_messages"] == 150
+    assert num(d.numbers["flag_rate_factor"]) > 2 and d.numbers["canary_messages"] == 150
     # The same rates on too few messages: keep collecting.
     few = ev(2, messages=99, flags=99, baseline_messages=1000, baseline_flags=300)
     assert next_action(POLICY, on_trial(few, GOOD_LIVE)).action == "none"
@@ -136,7 +137,7 @@ def test_f1_worse_by_more_than_delta_rolls_back_early() -> None:
     flipped = ev(2, messages=100, flags=30, labels=conf(40, 0.1), baseline_labels=conf(300, 0.9))
     d = next_action(POLICY, on_trial(flipped, GOOD_LIVE))
     assert d.action == "rollback" and "δ=0.05" in d.reason
-    assert d.numbers["canary_f1"] < 0.2 and d.numbers["live_f1"] > 0.85
+    assert num(d.numbers["canary_f1"]) < 0.2 and num(d.numbers["live_f1"]) > 0.85
     # Fewer than rollback_min_labels: wait.
     early = ev(2, labels=conf(20, 0.1), baseline_labels=conf(300, 0.9))
     d = next_action(POLICY, on_trial(early, GOOD_LIVE))

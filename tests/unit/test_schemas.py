@@ -259,23 +259,25 @@ def test_verdict_id_and_decision_must_agree_with_results() -> None:
 
 def test_manifest_cross_checks() -> None:
     ok = VALID[CheckpointManifest]
-    for bad, needle in [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"parent": 2}, "parent"),
         ({"probe": "other"}, "spec.name"),
         ({"spec": {**SPEC, "hidden_size": 32}}, "hidden size"),
         ({"spec": {**SPEC, "layers": [4, 31]}}, "beyond"),
-    ]:
+    ]
+    for bad, needle in cases:
         with pytest.raises(ValidationError, match=needle):
             CheckpointManifest.decode(json.dumps({**ok, **bad}))
 
 
 def test_spec_rules() -> None:
-    for bad, needle in [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"layers": [8, 4]}, "strictly increasing"),
         ({"layer_mix": "single"}, "exactly one layer"),
         ({"flag_labels": ["hate"]}, "unknown labels"),
         ({"token_pool": "mha", "d_inner": 30, "num_heads": 4}, "divisible"),
-    ]:
+    ]
+    for bad, needle in cases:
         with pytest.raises(ValidationError, match=needle):
             ProbeSpec.decode(json.dumps({**SPEC, **bad}))
 

@@ -40,10 +40,10 @@ return 0
 
 
 class Lease:
-    """A renewable, fenced lease.
+    """A renewable, fenced lease (needs a Redis, so an example rather than a doctest)::
 
-    >>> lease = Lease(client, "pg:tox:updater_lease", holder="updater-a", ttl_ms=10_000)
-    >>> token = lease.acquire()   # None while another holder has it   # doctest: +SKIP
+    lease = Lease(client, keys.updater_lease("tox"), holder="updater-a", ttl_ms=10_000)
+    token = lease.acquire()  # None while another holder has it
     """
 
     def __init__(self, client: redis.Redis, key: str, holder: str, ttl_ms: int = 10_000) -> None:
