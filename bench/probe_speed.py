@@ -1,8 +1,8 @@
 """Probe time per message: the scorer's probes on a batch of hidden states, without the LLM.
 
-The question: does scoring a message with a pooling or gate probe cost under 1 ms on CPU
-(issue 5's target), and what did reading only each row's real tokens (``real_spans``)
-buy over masking a copy of the whole ``[L, B, T, D]`` tensor? Both paths are timed in the
+The question: does scoring a message with a pooling or gate probe cost under 1 ms on CPU,
+and what did reading only each row's real tokens (``real_spans``) buy over masking a copy
+of the whole ``[L, B, T, D]`` tensor? Both paths are timed in the
 same run, on the same tensors, for the default probe's 6 layers and for all 31 layers of
 SmolLM2 (d=576), batch 16 padded to 256 tokens, with real-token counts drawn uniformly
 from ``--min-tokens``..256 (ToxicChat messages average ~100 SmolLM2 tokens).

@@ -75,3 +75,11 @@ def test_json_logs_and_secrets_stay_secret(capsys: pytest.CaptureFixture[str]) -
     entry = json.loads(line)
     assert entry["level"] == "INFO" and entry["logger"] == "probeguard.test"
     assert "hunter2" not in line and "**********" in line
+
+
+def test_python_dash_m_worker_runs_the_cli() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "worker", "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("probeguard ")

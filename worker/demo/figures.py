@@ -1,0 +1,149 @@
+"""The demo's numbers: live figures for the terminal view, final ones for the report.
+
+Everything here reads what the demo observed on the topics (verdicts, labels sent) and
+what the updater's learner and the registry hold; nothing changes state.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from probes.metrics import percentile, precision_recall_f1
+
+if TYPE_CHECKING:
+    from worker.demo.run import DemoRun
+
+__all__ = ["final_figures", "snapshot"]
+
+
+def _f1(pairs: list[tuple[bool, bool]]) -> float:
+    """F1 of ``(flagged, truly flag)`` pairs."""
+    tp = sum(1 for p, t in pairs if p and t)
+    fp = sum(1 for p, t in pairs if p and not t)
+    fn = sum(1 for p, t in pairs if not p and t)
+    return precision_recall_f1(tp, fp, fn)[2]
+
+
+def snapshot(run: DemoRun) -> dict[str, Any]:
+    """Live figures (cheap; called by the live view twice a second)."""
+    obs = run.obs
+    with obs.lock:
+        sent, scored = len(obs.sent), len(obs.verdicts)
+        lat = [1000 * (t - obs.sent[m]) for m, (t, _) in obs.verdicts.items() if m in obs.sent]
+        arrivals = sorted(t for t, _ in obs.verdicts.values())
+        reviews, dead, labels = obs.reviews, obs.dead_letters, obs.labels_sent
+    recent = [t for t in arrivals if t >= time.time() - 10]
+    upd, scorer = run.updater, run.scorer
+    versions = scorer.watcher.versions().get("demo", {}) if scorer else {}
+    learning = upd.learner.snapshot() if upd and upd.learner else {}
+    preq = learning.get("prequential", {})
+    return {
+        "elapsed_s": time.time() - run.started,
+        "total": run.total,
+        "sent": sent,
+        "scored": scored,
+        "msg_per_s": len(recent) / 10.0,
+        "p50_ms": percentile(lat[-200:], 0.5),
+        "p99_ms": percentile(lat[-200:], 0.99),
+        "live": versions.get("live"),
+        "canary": versions.get("canary"),
+        "prequential_f1": preq.get("prequential_f1"),
+        "labels_sent": labels,
+        "labels_learned": learning.get("labels_seen", 0),
+        "dead_letters": dead,
+        "reviews": reviews,
+    }
+
+
+def final_figures(run: DemoRun) -> dict[str, Any]:
+    """Everything the report shows, from what was observed and the registry."""
+    obs = run.obs
+    with obs.lock:
+        verdicts = dict(obs.verdicts)
+        # Scored order (verdict arrival): a backlog is not scored in the order it was sent.
+        order = sorted(verdicts, key=lambda m: verdicts[m][0])
+        sent, truth = dict(obs.sent), dict(obs.truth)
+    learner = run.updater.learner if run.updater else None
+    spec = learner.probe.spec if learner else None
+    flags = set(spec.flag_labels) if spec else set()
+    served: list[dict[str, Any]] = []
+    for mid in order:
+        if mid in truth and mid in verdicts:
+            res = verdicts[mid][1].results[0]
+            served.append(
+                {
+                    "t": sent[mid] - run.started,
+                    "version": res.version,
+                    "pred": res.predicted[0] if res.predicted else "",
+                    "truth": truth[mid],
+                    "flagged": res.flagged,
+                    "flag_true": truth[mid] in flags,
+                }
+            )
+    window = 40
+    curve = [
+        {
+            "n": i + 1,
+            "version": s["version"],
+            "f1": _f1(
+                [(x["flagged"], x["flag_true"]) for x in served[max(0, i - window + 1) : i + 1]]
+            ),
+        }
+        for i, s in enumerate(served)
+    ]
+    labels = spec.labels if spec else sorted({s["truth"] for s in served})
+    confusion = [
+        [sum(1 for s in served if s["truth"] == a and s["pred"] == b) for b in labels]
+        for a in labels
+    ]
+    lat = [1000 * (t - sent[m]) for m, (t, _) in verdicts.items() if m in sent]
+    arrivals = sorted(t - run.started for t, _ in verdicts.values())
+    half = served[len(served) // 2 :]
+    return {
+        "run_id": run.run_id,
+        "messages": run.total,
+        "verdicts": len(verdicts),
+        "dead_letters": obs.dead_letters,
+        "reviews": obs.reviews,
+        "labels": obs.labels_sent,
+        "elapsed_s": round(time.time() - run.started, 1),
+        "latency_ms": lat,
+        "arrivals_s": arrivals,
+        "p50_ms": round(percentile(lat, 0.5), 1),
+        "p99_ms": round(percentile(lat, 0.99), 1),
+        "served": served,
+        "curve": curve,
+        "labels_order": labels,
+        "confusion": confusion,
+        "served_f1_all": round(_f1([(s["flagged"], s["flag_true"]) for s in served]), 4),
+        "served_f1_second_half": round(_f1([(s["flagged"], s["flag_true"]) for s in half]), 4),
+        "versions": _version_points(run),
+        "layer_weights": _layer_weights(run),
+    }
+
+
+def _version_points(run: DemoRun) -> list[dict[str, Any]]:
+    if run.registry is None:
+        return []
+    points = []
+    for v in run.registry.versions():
+        m = run.registry.manifest(v)
+        points.append(
+            {
+                "version": v,
+                "labels_seen": m.counters.labels_seen,
+                "f1": m.metrics.get("prequential_f1"),
+                "auprc": m.metrics.get("prequential_auprc"),
+                "entropy": m.metrics.get("layer_entropy"),
+            }
+        )
+    return points
+
+
+def _layer_weights(run: DemoRun) -> dict[str, Any]:
+    learner = run.updater.learner if run.updater else None
+    if learner is None:
+        return {}
+    snap = learner.snapshot()
+    return {"layers": snap["layers"], "weights": snap["layer_weights"]}
