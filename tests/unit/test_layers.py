@@ -123,3 +123,21 @@ def test_the_check_catches_an_upward_import(tmp_path: Path, monkeypatch) -> None
     monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", tmp_path)
     assert len(layer_violations("worker")) == 2
     assert len(layer_violations("probes")) == 2
+
+
+def test_every_name_in_all_exists() -> None:
+    """``__all__`` is the public surface: a stale entry (a renamed or moved name) fails."""
+    import importlib
+    import pkgutil
+
+    stale = []
+    for package in ("schemas", "probes", "worker"):
+        root = importlib.import_module(package)
+        for info in pkgutil.walk_packages(root.__path__, f"{package}."):
+            if info.name.endswith("__main__"):
+                continue
+            module = importlib.import_module(info.name)
+            stale += [
+                f"{info.name}.{n}" for n in getattr(module, "__all__", []) if not hasattr(module, n)
+            ]
+    assert stale == []

@@ -13,8 +13,9 @@ from worker.commands._common import layer_list, offline_errors, print_json
 def register(sub: argparse._SubParsersAction) -> None:
     from probes import LAYER_MIXES, TOKEN_POOLS
     from probes.fit import FitConfig
+    from worker.offline.fit_eval import ProbeOptions
 
-    d = FitConfig()
+    d, o = FitConfig(), ProbeOptions(token_pool="mha")
     p = sub.add_parser(
         "fit",
         help="train a probe offline on a hidden-state cache; write a checkpoint",
@@ -73,11 +74,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--balance", choices=["weights", "sampler", "none"], default=d.balance)
     p.add_argument("--monitor", choices=["auprc", "f1", "loss"], default=d.monitor)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--d-inner", type=int, default=64, help="MHA inner size (default 64)")
-    p.add_argument("--num-heads", type=int, default=4, help="MHA heads (default 4)")
+    p.add_argument("--d-inner", type=int, default=o.d_inner, help="MHA inner size (%(default)s)")
+    p.add_argument("--num-heads", type=int, default=o.num_heads, help="MHA heads (%(default)s)")
     p.add_argument("--heads", type=int, dest="heads_deprecated", help=argparse.SUPPRESS)
     p.add_argument("--no-layer-norm", action="store_true", help="MHA without input LayerNorm")
-    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--dropout", type=float, default=o.dropout)
     p.add_argument("--no-standardize", action="store_true", help="skip input standardization")
     p.add_argument(
         "--grad-checkpointing",
