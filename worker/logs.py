@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from datetime import UTC, datetime
+from typing import Any, TextIO
 
-__all__ = ["JsonFormatter", "configure_logging"]
+__all__ = ["JsonFormatter", "StderrHandler", "configure_logging"]
 
 
 class JsonFormatter(logging.Formatter):
@@ -24,8 +26,25 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
+class StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time of each record.
+
+    A plain ``StreamHandler`` keeps the stream it was created with; when that stream is
+    replaced and closed (a test's captured stderr, a redirected CLI run), every later
+    record from a background thread fails with "I/O operation on closed file".
+    """
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:  # StreamHandler.__init__ assigns it
+        pass
+
+
 def configure_logging(level: str = "INFO", *, json_lines: bool = False) -> None:
-    handler = logging.StreamHandler()
+    handler = StderrHandler()
     handler.setFormatter(
         JsonFormatter()
         if json_lines

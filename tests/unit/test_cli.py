@@ -83,3 +83,24 @@ def test_python_dash_m_worker_runs_the_cli() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("probeguard ")
+
+
+def test_log_lines_follow_stderr_when_it_is_replaced(capsys: pytest.CaptureFixture[str]) -> None:
+    """A handler bound to a stream that was since closed made background threads fail."""
+    import io
+    import logging
+
+    from worker.logs import configure_logging
+
+    old = sys.stderr
+    try:
+        sys.stderr = first = io.StringIO()
+        configure_logging("INFO")
+        first.close()
+        sys.stderr = second = io.StringIO()
+        logging.getLogger("probeguard.test").info("after the swap")
+        assert "Logging error" not in second.getvalue()
+        assert second.getvalue().rstrip().endswith("after the swap")
+    finally:
+        sys.stderr = old
+        logging.getLogger().handlers.clear()
