@@ -95,7 +95,14 @@ class Settings(BaseSettings):
     cache_dir: Path = Field(default_factory=_default_cache_dir)
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?|mps|auto)$")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    batch_size: PositiveInt = 16
+    batch_size: PositiveInt = Field(
+        16, description="Messages per poll (scorer) and at most this many texts per forward pass."
+    )
+    batch_tokens: PositiveInt | None = Field(
+        None,
+        description="Padded tokens per forward pass (texts x longest text); a length-sorted "
+        "batch is cut there. None: batch_size texts per pass.",
+    )
     max_tokens: Annotated[int, Field(ge=8, le=131_072)] = 256
     truncation: Literal["head", "head_tail"] = "head"
     # Texts longer than max_tokens: 1 = truncate (see `truncation`); N > 1 = encode up

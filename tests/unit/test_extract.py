@@ -159,6 +159,29 @@ def test_length_bucketing_sorts_micro_batches() -> None:
     assert bucketed.index == [0, 1, 2, 3, 4]
 
 
+def test_token_budget_cuts_micro_batches_and_results_do_not_depend_on_it() -> None:
+    llm = make_tiny_llm()
+    texts = ["b" * 30, "a" * 2, "c" * 5, "d" * 28, "e" * 1, "f" * 3, "g" * 4]
+    widths: list[tuple[int, int]] = []
+    handle = llm.layer_stack[0].register_forward_pre_hook(
+        lambda _m, args: widths.append(tuple(args[0].shape[:2]))
+    )
+    try:
+        budgeted = extractor(llm, batch_size=16, batch_tokens=24).extract(texts, layers=[1, 3])
+    finally:
+        handle.remove()
+    # Longest first, +1 for <s>: 31 alone (over budget on its own), 29 alone, then
+    # 6, 5, 4, 3 (4 x 6 = 24 fits), then 2 alone as 5 x 6 > 24 started a new micro-batch.
+    assert widths == [(1, 31), (1, 29), (4, 6), (1, 2)]
+    assert sum(b * t for b, t in widths) < 7 * 31  # the padded tokens one batch would run
+    one_batch = extractor(llm, batch_size=16).extract(texts, layers=[1, 3])
+    one_by_one = extractor(llm, batch_size=1).extract(texts, layers=[1, 3])
+    torch.testing.assert_close(budgeted.hidden, one_batch.hidden)
+    torch.testing.assert_close(budgeted.hidden, one_by_one.hidden)
+    torch.testing.assert_close(budgeted.mask, one_batch.mask)
+    assert budgeted.index == list(range(7))
+
+
 def test_truncation_head_and_head_tail() -> None:
     llm = make_tiny_llm()
     text = "".join(chr(ord("a") + i % 26) for i in range(100))
@@ -308,9 +331,12 @@ def test_properties_and_from_settings(monkeypatch: pytest.MonkeyPatch) -> None:
 
     llm = make_tiny_llm()
     monkeypatch.setattr(extract_module, "load_llm", lambda settings: llm)
-    settings = Settings(max_tokens=48, truncation="head_tail", batch_size=3, max_chunks=2)
+    settings = Settings(
+        max_tokens=48, truncation="head_tail", batch_size=3, batch_tokens=96, max_chunks=2
+    )
     ex = HiddenStateExtractor.from_settings(settings)
     assert (ex.max_tokens, ex.truncation, ex.batch_size, ex.max_chunks) == (48, "head_tail", 3, 2)
+    assert ex.batch_tokens == 96
     assert (ex.num_layers, ex.hidden_size) == (NUM_LAYERS, HIDDEN_SIZE)
     assert ex.fingerprint == llm.fingerprint
 

@@ -27,11 +27,14 @@ How a text becomes tokens:
    mean over chunks, max = max over chunks, gate/attention over all chunks' tokens).
    Beyond ``max_chunks`` chunks the truncation rule applies first.
 
-Batching: the pieces of all texts are sorted by length and run in micro-batches of
-``batch_size``, so short texts are not padded to long ones. Position ids come from the
-attention mask, so a text's hidden states do not depend on its batch or the padding side
-(within floating-point tolerance). Each output row holds its text's tokens contiguously,
-padded on the tokenizer's ``padding_side``; padded positions are zero and ``mask`` False.
+Batching: the pieces of all texts are sorted by length (longest first) and cut into
+micro-batches of at most ``batch_size`` pieces and at most ``batch_tokens`` padded tokens
+(pieces × the longest piece in the micro-batch), so short texts are not padded to long
+ones and a long text runs alone rather than inflating a batch of short ones. Position ids
+come from the attention mask, so a text's hidden states do not depend on its batch or the
+padding side (within floating-point tolerance). Each output row holds its text's tokens
+contiguously, padded on the tokenizer's ``padding_side``; padded positions are zero and
+``mask`` False.
 
 Example::
 
@@ -119,17 +122,22 @@ class HiddenStateExtractor:
         max_tokens: int,
         truncation: Truncation = "head",
         batch_size: int = 16,
+        batch_tokens: int | None = None,
         max_chunks: int = 1,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         if truncation not in ("head", "head_tail"):
             raise ConfigError(f"truncation must be 'head' or 'head_tail', not {truncation!r}")
-        if batch_size < 1 or max_chunks < 1:
-            raise ConfigError(f"batch_size={batch_size}, max_chunks={max_chunks}: must be >= 1")
+        if batch_size < 1 or max_chunks < 1 or (batch_tokens is not None and batch_tokens < 1):
+            raise ConfigError(
+                f"batch_size={batch_size}, batch_tokens={batch_tokens}, max_chunks={max_chunks}: "
+                "must be >= 1"
+            )
         self.llm = llm
         self.truncation: Truncation = truncation
         self.batch_size = batch_size
+        self.batch_tokens = batch_tokens  # None: no token budget, batch_size pieces per pass
         self.max_chunks = max_chunks
         self.max_tokens = max_tokens
         self.device = torch.device(device) if device is not None else llm.device
@@ -156,6 +164,7 @@ class HiddenStateExtractor:
             max_tokens=settings.max_tokens,
             truncation=settings.truncation,
             batch_size=settings.batch_size,
+            batch_tokens=settings.batch_tokens,
             max_chunks=settings.max_chunks,
         )
 
@@ -303,8 +312,22 @@ class HiddenStateExtractor:
         return [content[a:b] for a, b in itertools.pairwise(bounds)]
 
     def _micro_batches(self, pieces: list[_Piece]) -> list[list[_Piece]]:
+        """Longest first; a micro-batch closes at ``batch_size`` pieces or when one more
+        would pad it past ``batch_tokens`` (its width is its first, longest piece)."""
         ordered = sorted(pieces, key=lambda p: -len(p.ids))  # stable: equal lengths keep order
-        return [ordered[i : i + self.batch_size] for i in range(0, len(ordered), self.batch_size)]
+        budget = self.batch_tokens
+        batches: list[list[_Piece]] = []
+        for piece in ordered:
+            current = batches[-1] if batches else None
+            if (
+                current is None
+                or len(current) >= self.batch_size
+                or (budget is not None and len(current[0].ids) * (len(current) + 1) > budget)
+            ):
+                batches.append([piece])
+            else:
+                current.append(piece)
+        return batches
 
     # --- running the model ----------------------------------------------------------------
 
