@@ -29,6 +29,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 BASELINE = "w16/b16"
 
@@ -125,13 +126,13 @@ def main(argv: list[str] | None = None) -> int:
             )
     finally:
         hook.remove()
-    rows = []
-    for name, (w, cap, budget) in configs.items():
-        row = {
+    rows: list[dict[str, Any]] = []
+    for name, (window, cap, tokens) in configs.items():
+        result: dict[str, Any] = {
             "config": name,
-            "window": w,
+            "window": window,
             "batch_size": cap,
-            "batch_tokens": budget,
+            "batch_tokens": tokens,
             "msg_per_s": round(done / wall[name], 2),
             "msg_per_cpu_s": round(done / cpu[name], 2),
             "speedup_wall": round(wall[BASELINE] / wall[name], 2),
@@ -139,11 +140,11 @@ def main(argv: list[str] | None = None) -> int:
             "padding_share": round(1 - real_tokens / max(1, run_tokens[name]), 3),
             "max_abs_diff": max_diff[name],
         }
-        rows.append(row)
+        rows.append(result)
         print(
-            f"{name:12} {row['msg_per_s']:6.1f} msg/s  x{row['speedup_wall']:.2f} wall  "
-            f"x{row['speedup_cpu']:.2f} cpu  padding {row['padding_share']:.0%}  "
-            f"max |diff| {row['max_abs_diff']:.1e}"
+            f"{name:12} {result['msg_per_s']:6.1f} msg/s  x{result['speedup_wall']:.2f} wall  "
+            f"x{result['speedup_cpu']:.2f} cpu  padding {result['padding_share']:.0%}  "
+            f"max |diff| {result['max_abs_diff']:.1e}"
         )
     print(
         json.dumps(
