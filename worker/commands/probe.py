@@ -144,7 +144,7 @@ def _ctx(args: argparse.Namespace) -> _Ctx:
     client = make_redis(settings)
     keys = Keys(settings.redis_prefix)
     registry = CheckpointRegistry(client, keys, args.probe or settings.probe_to_train)
-    evidence = EvidenceStore(client, keys, pairs_max=settings.evidence_pairs)
+    evidence = EvidenceStore.from_settings(client, settings)
     actor = getattr(args, "actor", "probeguard-cli")
     return _Ctx(settings, registry, evidence, Rollout(registry, evidence, actor=actor))
 

@@ -137,12 +137,7 @@ class Updater:
         self.lease = Lease(
             redis_client, self.registry.lease_key, self.worker_id, settings.lease_ttl_ms
         )
-        self.evidence = EvidenceStore(
-            redis_client,
-            self.keys,
-            pairs_max=settings.evidence_pairs,
-            marker_ttl_s=settings.text_cache_ttl_s,
-        )
+        self.evidence = EvidenceStore.from_settings(redis_client, settings)
         self.rollout = Rollout(self.registry, self.evidence, actor=self.worker_id)
         self.policy = Policy.from_settings(settings)
         self._next_rollout = 0.0

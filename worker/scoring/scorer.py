@@ -127,12 +127,7 @@ class Scorer:
         )
         self.health = self.runtime.health
         self.health.ready_check = self._ready
-        self.evidence = EvidenceStore(
-            redis_client,
-            self.keys,
-            pairs_max=settings.evidence_pairs,
-            marker_ttl_s=settings.text_cache_ttl_s,
-        )
+        self.evidence = EvidenceStore.from_settings(redis_client, settings)
         # One breaker for every best-effort Redis call: after a failure, batches skip Redis
         # for a few seconds rather than each waiting on a socket timeout.
         self.redis_breaker = Breaker()

@@ -162,6 +162,16 @@ class EvidenceStore:
         self.pairs_max = pairs_max
         self.marker_ttl_s = marker_ttl_s
 
+    @classmethod
+    def from_settings(cls, client: Any, settings: Any) -> EvidenceStore:
+        """Under ``settings.redis_prefix``; label markers live as long as cached texts."""
+        return cls(
+            client,
+            Keys(settings.redis_prefix),
+            pairs_max=settings.evidence_pairs,
+            marker_ttl_s=settings.text_cache_ttl_s,
+        )
+
     # --- scorers -------------------------------------------------------------
 
     def add_scored(
