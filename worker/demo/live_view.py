@@ -49,6 +49,8 @@ class LiveView:
         self.every_s = every_s
         self._live: Any = None
         self._last_log = 0.0
+        self._rerouted: list[tuple[logging.StreamHandler[Any], Any]] = []
+        self._streams_before = (sys.stderr, sys.stdout)  # before Live replaces them
 
     def __enter__(self) -> LiveView:
         if self.tty:
@@ -56,6 +58,7 @@ class LiveView:
 
             self._live = Live(self._table(), refresh_per_second=2, transient=False)
             self._live.__enter__()
+            self._reroute_logs()
         return self
 
     def update(self) -> None:
@@ -71,14 +74,39 @@ class LiveView:
     def __exit__(self, *exc: object) -> None:
         if self._live is not None:
             self._live.update(self._table())
+            self._restore_logs()
             self._live.__exit__(None, None, None)
 
+    def _reroute_logs(self) -> None:
+        """Send log lines through the live display, which prints them above the frame.
+
+        A handler writing to the terminal directly moves the cursor behind rich's back:
+        the next refresh then redraws too few lines up, so every refresh left a partial
+        frame behind, interleaved with the log lines (issue 16). While ``Live`` runs,
+        ``sys.stderr``/``sys.stdout`` are its proxies; pointing the handlers at them keeps
+        every line and the frame in place.
+        """
+        terminals = {sys.__stderr__, sys.__stdout__, *self._streams_before}
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream in terminals:
+                proxy = sys.stderr if handler.stream is not sys.__stdout__ else sys.stdout
+                self._rerouted.append((handler, handler.setStream(proxy)))
+
+    def _restore_logs(self) -> None:
+        for handler, stream in self._rerouted:
+            handler.setStream(stream)
+        self._rerouted.clear()
+
     def _table(self) -> Any:
+        from rich import get_console
         from rich.table import Table
 
-        table = Table(title="probeguard demo", width=78, show_header=False, box=None)
-        table.add_column("what", style="bold", width=11)
-        table.add_column("value", width=65, overflow="fold")
+        # Never wider than the terminal: a wider frame wraps, and a wrapped frame is taller
+        # than rich thinks, so it cannot be redrawn in place either.
+        width = max(20, min(78, get_console().width))
+        table = Table(title="probeguard demo", width=width, show_header=False, box=None)
+        table.add_column("what", style="bold", width=11, no_wrap=True)
+        table.add_column("value", overflow="fold")
         for name, value in rows(self.snapshot()):
             table.add_row(name, value)
         return table

@@ -1,0 +1,95 @@
+"""The demo's live view redraws in place on a real terminal (tmux), with log lines above it."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+
+SCRIPT = textwrap.dedent(
+    """
+    import logging, threading, time
+    from worker.logs import configure_logging
+    from worker.demo.live_view import LiveView
+
+    configure_logging("INFO")
+    log = logging.getLogger("worker.demo.test")
+    n = [0]
+
+    def snap():
+        n[0] += 1
+        return {"scored": n[0], "total": 40, "sent": n[0], "msg_per_s": 3.0, "p50_ms": 100.0,
+                "p99_ms": 300.0, "live": 3, "canary": None, "prequential_f1": 0.5,
+                "labels_learned": 4, "labels_sent": 9, "reviews": 1, "dead_letters": 0,
+                "elapsed_s": n[0] / 2}
+
+    def chatter():
+        for i in range(5):
+            time.sleep(0.4)
+            log.info("log line %d while the view runs", i)
+
+    t = threading.Thread(target=chatter)
+    t.start()
+    with LiveView(snap, tty=True) as view:
+        for _ in range(8):
+            view.update()
+            time.sleep(0.3)
+        t.join()
+        view.update()
+    print("FINISHED")
+    """
+)
+
+
+def _screen(session: str) -> str:
+    out = subprocess.run(
+        ["tmux", "capture-pane", "-p", "-S", "-500", "-t", session],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+@pytest.mark.parametrize("size", [(110, 40), (80, 24), (60, 15)])
+def test_frame_is_redrawn_in_place_with_logs_above(tmp_path: Path, size: tuple[int, int]) -> None:
+    script = tmp_path / "view.py"
+    script.write_text(SCRIPT)
+    session = f"pgtest-{uuid.uuid4().hex[:8]}"
+    width, height = size
+    # Without COLUMNS/LINES (pytest exports them): rich must see the pane's real size.
+    command = (
+        f"cd {ROOT} && env -u COLUMNS -u LINES PYTHONPATH={ROOT} {sys.executable} {script}; "
+        "sleep 60"
+    )
+    subprocess.run(
+        ["tmux", "new-session", "-d", "-s", session, "-x", str(width), "-y", str(height), command],
+        check=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        screen = ""
+        while "FINISHED" not in screen and time.monotonic() < deadline:
+            time.sleep(0.3)
+            screen = _screen(session)
+        assert "FINISHED" in screen, screen
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], check=False)
+    # One frame, whatever the refreshes: before the fix, every refresh after a log line
+    # left a partial frame ("probeguard demo / replay ...") behind.
+    assert screen.count("probeguard demo") == 1, screen
+    assert screen.count("throughput") == 1, screen
+    joined = screen.replace("\n", " ")
+    for i in range(5):  # every log line kept, none overwritten by a redraw
+        assert f"line {i} while" in joined, screen
+    assert screen.index("log line 4") < screen.index("probeguard demo"), "logs go above the frame"
+    assert max(len(line) for line in screen.splitlines()) <= width
