@@ -130,11 +130,11 @@ class _Ctx:
     settings: Any
     registry: Any
     evidence: Any
-    rollout: Any
+    operator: Any
 
 
 def _ctx(args: argparse.Namespace) -> _Ctx:
-    from worker.rollout.stages import Rollout
+    from worker.rollout.operator import Operator
     from worker.settings import load_settings
     from worker.store.checkpoints import CheckpointRegistry
     from worker.store.evidence import EvidenceStore
@@ -146,7 +146,7 @@ def _ctx(args: argparse.Namespace) -> _Ctx:
     registry = CheckpointRegistry(client, keys, args.probe or settings.probe_to_train)
     evidence = EvidenceStore.from_settings(client, settings)
     actor = getattr(args, "actor", "probeguard-cli")
-    return _Ctx(settings, registry, evidence, Rollout(registry, evidence, actor=actor))
+    return _Ctx(settings, registry, evidence, Operator(registry, evidence, actor=actor))
 
 
 def _emit(obj: Any) -> None:
@@ -155,47 +155,22 @@ def _emit(obj: Any) -> None:
     print_json(obj)
 
 
-def _holder(ctx: _Ctx) -> str | None:
-    from worker.store.lease import Lease
-
-    current = Lease(ctx.registry.client, ctx.registry.lease_key, "probeguard-cli").current()
-    return current[1] if current else None
-
-
-def _changed(ctx: _Ctx, exc: Exception) -> Exception:
-    from worker.errors import RolloutError
-
-    holder = _holder(ctx)
-    who = f"updater {holder} holds the lease and may have acted" if holder else "someone else"
-    return RolloutError(
-        f"{ctx.registry.probe}: the stages changed while this command ran ({who}): {exc}; "
-        "check `probeguard probe status` and retry"
-    )
-
-
 def _note_policy(ctx: _Ctx) -> None:
     """Warn (stderr) when an updater's automatic rollout may change stages again."""
-    holder = _holder(ctx)
-    raw = ctx.registry.client.hgetall(ctx.registry.keys.policy(ctx.registry.probe))
-    mode = raw.get(b"mode", b"").decode()
-    if holder and mode in ("canary", "auto_live") and not ctx.registry.stages().pinned:
-        print(
-            f"note: updater {holder} holds the {ctx.registry.probe} lease and runs the "
-            f"{mode!r} rollout policy; it may change stages after this "
-            "(`probeguard probe pin` freezes it)",
-            file=sys.stderr,
-        )
+    note = ctx.operator.policy_note()
+    if note:
+        print(f"note: {note}", file=sys.stderr)
 
 
-def _check(ctx: _Ctx, args: argparse.Namespace, version: int) -> None:
-    """Refuse versions that do not exist, do not fit the model, or are known bad."""
-    model = None
-    if args.verify_model:
-        from worker.llm.load import load_llm
+def _model(ctx: _Ctx, args: argparse.Namespace) -> tuple[Any, str]:
+    """--verify-model: the configured LLM's fingerprint (slow, loaded only after the
+    version is known to exist); else None: checked against live's."""
+    if not args.verify_model:
+        return None, " (--verify-model checks against the configured model instead)"
+    from worker.llm.load import load_llm
 
-        model = load_llm(ctx.settings).fingerprint
-    hint = "" if model else " (--verify-model checks against the configured model instead)"
-    ctx.rollout.check_usable(version, model=model, force=args.force, hint=hint)
+    ctx.registry.manifest(args.version)  # an unknown version fails before the slow load
+    return load_llm(ctx.settings).fingerprint, ""
 
 
 # --- actions -----------------------------------------------------------------------------
@@ -226,91 +201,42 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _promote(args: argparse.Namespace) -> int:
-    from worker.errors import StagesChanged
-
     ctx = _ctx(args)
-    _check(ctx, args, args.version)
-    st = ctx.registry.stages()
-    if st.live == args.version:
-        print(f"{ctx.registry.probe}: v{args.version} is already live")
-        return 0
-    try:
-        ctx.rollout.promote(args.version, reason=args.reason or "operator promote", expect=st)
-    except StagesChanged as exc:
-        raise _changed(ctx, exc) from None
-    was = f" (was v{st.live})" if st.live is not None else ""
-    print(f"{ctx.registry.probe}: v{args.version} is live{was}")
+    model, hint = _model(ctx, args)
+    said = ctx.operator.promote(
+        args.version, reason=args.reason, force=args.force, fingerprint=model, hint=hint
+    )
+    print(said)
     _note_policy(ctx)
     return 0
 
 
 def _canary(args: argparse.Namespace) -> int:
-    from worker.errors import RolloutError, StagesChanged
-
     ctx = _ctx(args)
-    reg = ctx.registry
     share = ctx.settings.canary_share if args.share is None else args.share
-    if not 0.0 < share <= 1.0:
-        raise RolloutError(f"--share must be in (0, 1], got {share}")
-    _check(ctx, args, args.version)
-    st = reg.stages()
-    if st.live == args.version:
-        raise RolloutError(f"{reg.probe} v{args.version} is live already; nothing to trial")
-    if st.canary is not None and st.canary != args.version and not args.force:
-        holder = _holder(ctx)
-        by = f"; updater {holder} holds the lease and runs the rollout policy" if holder else ""
-        raise RolloutError(
-            f"{reg.probe} already has canary v{st.canary} on trial{by}. End it first "
-            "(`probeguard probe rollback --canary`) or pass --force to replace it"
-        )
-    try:
-        ctx.rollout.start_canary(
-            args.version, share, reason=args.reason or "operator canary", expect=st
-        )
-    except StagesChanged as exc:
-        raise _changed(ctx, exc) from None
-    print(f"{reg.probe}: v{args.version} is the canary for {share:.0%} of conversations")
+    model, hint = _model(ctx, args)
+    said = ctx.operator.canary(
+        args.version, share, reason=args.reason, force=args.force, fingerprint=model, hint=hint
+    )
+    print(said)
     _note_policy(ctx)
     return 0
 
 
 def _rollback(args: argparse.Namespace) -> int:
-    from worker.errors import StagesChanged
-
     ctx = _ctx(args)
-    reg = ctx.registry
-    st = reg.stages()
-    try:
-        if args.canary:
-            v = ctx.rollout.rollback_canary(
-                reason=args.reason or "operator rollback of the canary", expect=st
-            )
-            print(f"{reg.probe}: canary v{v} rolled back; live stays v{st.live}")
-            _note_policy(ctx)
-            return 0
-        restored = ctx.rollout.rollback_live(
-            reason=args.reason or "operator rollback", pin=not args.no_pin, expect=st
-        )
-    except StagesChanged as exc:
-        raise _changed(ctx, exc) from None
-    print(f"{reg.probe}: v{restored} is live again; v{st.live} rolled back")
-    if not args.no_pin:
-        print(f"{reg.probe} is pinned: `probeguard probe unpin` resumes automatic rollout")
+    print(ctx.operator.rollback(canary=args.canary, pin=not args.no_pin, reason=args.reason))
     _note_policy(ctx)
     return 0
 
 
 def _pin(args: argparse.Namespace) -> int:
-    ctx = _ctx(args)
-    ctx.rollout.pin(reason=args.reason or "operator pin")
-    print(f"{ctx.registry.probe}: pinned; no automatic stage changes until `unpin`")
+    print(_ctx(args).operator.pin(reason=args.reason))
     return 0
 
 
 def _unpin(args: argparse.Namespace) -> int:
-    ctx = _ctx(args)
-    ctx.rollout.unpin(reason=args.reason or "operator unpin")
-    print(f"{ctx.registry.probe}: unpinned; automatic rollout resumes")
+    print(_ctx(args).operator.unpin(reason=args.reason))
     return 0
 
 
