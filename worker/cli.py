@@ -32,6 +32,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("fit", "train a probe offline on a hidden-state cache; write a checkpoint"),
     ("eval", "evaluate a checkpoint on a labeled file or a cache"),
     ("explain", "show how a probe's verdict on one message forms, layer by layer"),
+    ("console", "the web console: review queue, probe rollout, explanations"),
 ]
 
 

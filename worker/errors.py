@@ -20,9 +20,12 @@
     │   ├── UnknownVersion   the version was never published (or has been pruned)
     │   ├── Fenced           the writer's fencing token is not the lease holder's
     │   └── StagesChanged    a compare-and-set stage change found the pointers changed
-    └── RolloutError         an operator's stage change was refused: an incompatible or
-                             rolled-back version, a canary already on trial, a concurrent
-                             change
+    ├── RolloutError         an operator's stage change was refused: an incompatible or
+    │                        rolled-back version, a canary already on trial, a concurrent
+    │                        change
+    └── ReviewError          a console reviewer's answer was refused: not their item (the
+                             claim timed out), a label the probe does not have, nothing
+                             left to undo
 
 Dependency errors are translated into these with ``raise ... from exc``.
 """
@@ -41,6 +44,7 @@ __all__ = [
     "OfflineError",
     "ProbeguardError",
     "RegistryError",
+    "ReviewError",
     "RolloutError",
     "StackError",
     "StagesChanged",
@@ -120,3 +124,7 @@ class Fenced(RegistryError):
 
 class StagesChanged(RegistryError):
     """A compare-and-set stage change found the pointers changed since they were read."""
+
+
+class ReviewError(ProbeguardError):
+    """A review answer, skip or undo was refused; the message tells the reviewer why."""

@@ -65,6 +65,7 @@ class Settings(BaseSettings):
 
     group_scorer: str = "probeguard-scorer"
     group_updater: str = "probeguard-updater"
+    group_console: str = "probeguard-console"
 
     # --- Redis -----------------------------------------------------------
     redis_url: SecretStr | None = Field(
@@ -177,6 +178,24 @@ class Settings(BaseSettings):
     rollout_check_interval_s: Annotated[float, Field(gt=0)] = 2.0
     evidence_pairs: Annotated[int, Field(ge=0, le=100_000)] = 2000
 
+    # --- Console (web: review queue, probes, explain; worker/console) ---------------
+    console_host: str = "127.0.0.1"
+    console_port: Annotated[int, Field(ge=0, le=65535)] = 8300
+    # "name:role:hash" entries, comma-separated; role reviewer or operator; hash from
+    # `probeguard console hash-password` (scrypt). A secret: it holds password hashes.
+    console_users: SecretStr | None = Field(
+        None, description="name:role:scrypt-hash,... (probeguard console hash-password)"
+    )
+    console_secret_key: SecretStr | None = Field(
+        None, description="Signs session cookies (>= 16 bytes). Unset: random per process."
+    )
+    console_secure_cookies: bool = False  # set behind TLS: cookies only over https
+    console_session_ttl_s: Annotated[int, Field(ge=60)] = 12 * 3600
+    console_claim_ttl_s: Annotated[int, Field(ge=5, le=86_400)] = 60
+    console_undo_s: Annotated[float, Field(ge=0.0, le=600.0)] = 10.0
+    console_max_items: Annotated[int, Field(ge=1, le=100_000)] = 1000
+    console_explain: bool = True  # load the LLM to explain queued items and the explain page
+
     # --- Process identity -----------------------------------------------
     worker_id: str | None = Field(None, description="Defaults to hostname-pid.")
 
@@ -200,6 +219,9 @@ class Settings(BaseSettings):
         key = self.checkpoint_hmac_key
         if key is not None and len(key.get_secret_value().encode()) < 16:
             raise ValueError("checkpoint_hmac_key must be at least 16 bytes")
+        secret = self.console_secret_key
+        if secret is not None and len(secret.get_secret_value().encode()) < 16:
+            raise ValueError("console_secret_key must be at least 16 bytes")
         if self.kafka_heartbeat_interval_ms * 3 > self.kafka_session_timeout_ms:
             raise ValueError("kafka_heartbeat_interval_ms should be at most a third of the session")
         return self

@@ -68,6 +68,15 @@ def register(sub: Any) -> None:
         "--keep", action="store_true", help="leave the embedded broker and Redis running afterwards"
     )
     p.add_argument(
+        "--console",
+        action="store_true",
+        help="also serve the web console (label the review queue live, watch the probe); "
+        "it stays up after the replay until Ctrl-C",
+    )
+    p.add_argument(
+        "--console-port", type=int, help="console port (default: PROBEGUARD_CONSOLE_PORT, 8300)"
+    )
+    p.add_argument(
         "--timeout-s",
         type=float,
         default=1800,
@@ -92,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
         keep=args.keep,
         timeout_s=args.timeout_s,
         flag_labels=args.flag_labels.split(",") if args.flag_labels else None,
+        console=args.console,
+        console_port=args.console_port,
     )
     settings = load_settings()
     interrupted = threading.Event()
@@ -107,4 +118,6 @@ def run(args: argparse.Namespace) -> int:
         f"(second half {figures['served_f1_second_half']:.3f})  "
         f"p50 {figures['p50_ms']} ms  p99 {figures['p99_ms']} ms"
     )
+    if args.console and figures.get("replay_complete"):
+        return 0  # with the console, Ctrl-C after the replay is the normal end
     return 130 if interrupted.is_set() else 0

@@ -73,6 +73,8 @@ class DemoOptions:
     keep: bool = False
     flag_labels: list[str] | None = None
     timeout_s: float = 1800.0
+    console: bool = False  # serve the web console beside the replay (until Ctrl-C)
+    console_port: int | None = None
 
 
 @dataclass
@@ -177,6 +179,7 @@ class DemoRun:
                 "topic_dead_letter": f"{tag}.dead-letter",
                 "group_scorer": f"{tag}-scorer",
                 "group_updater": f"{tag}-updater",
+                "group_console": f"{tag}-console",
                 "probes": "demo",
                 "train_probe": "demo",
                 "stats_warmup": min(24, max(4, len(self.rows) // 5)),
@@ -346,7 +349,12 @@ def run_demo(
             opts.rate or "max",
             100 * opts.label_share,
         )
+        if opts.console:  # a person labels beside the replayed labels: queue more to review
+            configured = configured.model_copy(
+                update={"review_audit_share": max(configured.review_audit_share, 0.15)}
+            )
         threads = demo.start_roles(configured, spec_path)
+        console = start_console(demo, opts) if opts.console else None
         deadline = time.monotonic() + opts.timeout_s
         try:
             with LiveView(lambda: snapshot(demo), tty=tty) as view:
@@ -355,10 +363,40 @@ def run_demo(
                     time.sleep(0.5)
                 _settle(demo, interrupted)
                 view.update()
+                if console is not None and not interrupted.is_set():
+                    log.info("replay done; the console stays up at %s until Ctrl-C", console.url)
+                    while not interrupted.wait(0.5):
+                        view.update()
         finally:
+            if console is not None:
+                console.stop()
             demo.shutdown(threads)
         figures = final_figures(demo)
+        figures["replay_complete"] = demo.finished()
     return figures, write_report(figures, opts.out)
+
+
+def start_console(demo: DemoRun, opts: DemoOptions) -> Any:
+    """The web console on the demo's broker, Redis and LLM. Without configured users, one
+    operator ``demo`` with a one-time password, printed here once (never logged)."""
+    import secrets
+
+    from worker.console.auth import User, hash_password
+    from worker.console.server import ConsoleServer
+
+    settings = demo.settings
+    assert settings is not None
+    if opts.console_port is not None:
+        settings = settings.model_copy(update={"console_port": opts.console_port})
+    users = None
+    password = ""
+    if settings.console_users is None:
+        password = secrets.token_urlsafe(12)
+        users = {"demo": User("demo", "operator", hash_password(password))}
+    server = ConsoleServer(settings, extractor=demo.extractor, users=users).start()
+    who = f"user demo, password {password}" if password else "users from PROBEGUARD_CONSOLE_USERS"
+    print(f"console: {server.url} ({who})", flush=True)
+    return server
 
 
 def _settle(demo: DemoRun, interrupted: threading.Event, timeout_s: float = 30.0) -> None:

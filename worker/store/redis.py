@@ -79,6 +79,11 @@ class Keys:
     ``P:text:{message_id}``      string   message text for label joins (scorers; TTL)
     ``P:decided:{message_id}``   string   which version decided a message (scorers; TTL)
     ``P:review_budget:{window}`` string   review requests sent in a time window (scorers; TTL)
+    ``P:review:claim:{item}``    string   a console reviewer's claim on a review item
+                                          (``probe:message_id``), with a TTL; ``done|<who>``
+                                          once its label was acknowledged (console)
+    ``P:review:answers``         zset     ``reviewer<US>item`` by answer time, last hour
+                                          (console: per-reviewer rates)
     ===========================  =======  ==========================================================
     """
 
@@ -158,6 +163,12 @@ class Keys:
 
     def review_budget(self, window: int) -> str:
         return self._join("review_budget", window)
+
+    def review_claim(self, item: str) -> str:
+        return self._join("review", "claim", item)
+
+    def review_answers(self) -> str:
+        return self._join("review", "answers")
 
 
 class Breaker:

@@ -1,0 +1,158 @@
+"""The Probes page in a real browser: evidence and plots; operators' confirmed changes."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from probes.checkpoint import checkpoint_to_bytes
+from probes.probe import build_probe
+from schemas import Verdict
+from tests.browser.conftest import Stack, sign_in
+from tests.kafka_helpers import drain, produce_raw
+from tests.probe_helpers import publish_probe, toxicity_spec
+from tests.process_helpers import wait_until
+from tests.tiny_llm import make_tiny_llm
+from worker.llm.extract import HiddenStateExtractor
+from worker.scoring.scorer import Scorer
+from worker.store.redis import make_redis
+
+pytestmark = [pytest.mark.browser, pytest.mark.integration]
+
+
+def publish_with_metrics(stack: Stack, fp: Any, f1: float, auprc: float, seed: int) -> int:
+    probe = build_probe(toxicity_spec(fp.hidden_size), seed=seed)
+    v = stack.registry.allocate_version()
+    blob, manifest = checkpoint_to_bytes(
+        probe,
+        llm=fp,
+        version=v,
+        metrics={"prequential_f1": f1, "prequential_auprc": auprc, "layer_entropy": 0.6},
+    )
+    stack.registry.publish(blob, manifest, set_live=True)
+    return v
+
+
+@pytest.fixture
+def scorer(stack: Stack) -> Iterator[Scorer]:
+    s = stack.settings.model_copy(update={"metrics_port": 0, "stage_check_interval_s": 0.5})
+    extractor = HiddenStateExtractor(make_tiny_llm(), max_tokens=64, batch_size=8)
+    scorer = Scorer(s, extractor, make_redis(s), metrics_port=0)
+    thread = threading.Thread(target=scorer.run, daemon=True)
+    thread.start()
+    yield scorer
+    scorer.stop()
+    thread.join(30)
+
+
+def chat(mid: str) -> bytes:
+    return json.dumps(
+        {
+            "message_id": mid,
+            "conversation_id": "c",
+            "text": "hello there",
+            "created_at": "2026-11-30T12:00:00Z",
+        }
+    ).encode()
+
+
+def test_operator_rollback_from_the_page_reaches_the_scorers(
+    stack: Stack, new_page: Callable[[], Any], scorer: Scorer, tiny_extractor: Any
+) -> None:
+    s = stack.settings
+    v1 = stack.registry.stages().live
+    v2 = publish_probe(stack.registry, tiny_extractor.fingerprint, seed=2)
+    wait_until(
+        lambda: scorer.watcher.versions().get("toxicity", {}).get("live") == v2,
+        "the scorer to serve v2",
+    )
+    page = new_page()
+    sign_in(page, stack.url, "otto", "/probes")
+    assert page.inner_text("#live") == f"v{v2}"
+    with page.expect_navigation():
+        page.click("#rollback")
+    assert f"Roll back live v{v2}" in page.inner_text("main")  # asked first, nothing changed
+    assert stack.registry.stages().live == v2
+    page.fill("input[name=reason]", "F1 dropped after <b>v2</b>")
+    with page.expect_navigation():
+        page.click("#confirm")
+    assert f"v{v1} is live again" in page.inner_text(".flash")
+    assert stack.registry.stages().live == v1 and stack.registry.stages().pinned
+
+    wait_until(
+        lambda: scorer.watcher.versions()["toxicity"]["live"] == v1,
+        "the scorer to serve the restored version",
+        timeout_s=15,
+    )
+    produce_raw(s, s.topic_chat, [(b"after-rollback", chat("after-rollback"))])
+    mine = b"after-rollback"
+    records = drain(s, s.topic_verdicts, lambda rs: any(r.key == mine for r in rs))
+    verdict = next(Verdict.decode(r.value) for r in records if r.key == mine)
+    assert verdict.results[0].version == v1
+
+    history = page.inner_text("table.history")
+    assert "rolled_back" in history and "otto (console)" in history
+    assert "F1 dropped after <b>v2</b>" in history  # the reason, as text
+
+
+def test_changes_are_compare_and_set_and_refusals_are_shown(
+    stack: Stack, new_page: Callable[[], Any], tiny_extractor: Any
+) -> None:
+    fp = tiny_extractor.fingerprint
+    v2 = publish_probe(stack.registry, fp, seed=2, set_live=False)
+    v3 = publish_probe(stack.registry, fp, seed=4, set_live=False)
+    other = fp.model_copy(update={"tokenizer_sha256": "f" * 64})
+    v_other = publish_probe(stack.registry, other, seed=3, set_live=False)
+    page = new_page()
+    sign_in(page, stack.url, "otto", "/probes")
+
+    def change(action: str, version: int) -> None:
+        row = page.locator("table.versions tr", has=page.locator(f"td:text-is('{version}')"))
+        with page.expect_navigation():
+            row.get_by_role("button", name=f"{action}…").click()
+        with page.expect_navigation():
+            page.click("#confirm")
+
+    change("Canary", v_other)
+    assert "incompatible with live" in page.inner_text(".flash.error")
+    assert stack.registry.stages().canary is None
+
+    # The page shows the stages as they were; someone changes them before the click.
+    row = page.locator("table.versions tr", has=page.locator(f"td:text-is('{v2}')"))
+    with page.expect_navigation():
+        row.get_by_role("button", name="Promote…").click()
+    stack.registry.promote(
+        v3, reason="meanwhile", actor="updater-x", expect=stack.registry.stages()
+    )
+    with page.expect_navigation():
+        page.click("#confirm")
+    assert "stages changed" in page.inner_text(".flash.error")
+    assert stack.registry.stages().live == v3
+
+    page.goto(stack.url + "/probes")
+    change("Promote", v2)  # now from what the page shows: allowed
+    assert f"v{v2} is live" in page.inner_text(".flash")
+    events = [e for _, e in stack.registry.history(50) if e.kind == "promoted"]
+    assert events[-1].actor == "otto (console)" and events[-1].version == v2
+
+
+def test_plots_and_evidence_render(
+    stack: Stack, new_page: Callable[[], Any], tiny_extractor: Any
+) -> None:
+    fp = tiny_extractor.fingerprint
+    for i, (f1, auprc) in enumerate([(0.5, 0.55), (0.62, 0.6), (0.7, 0.74)]):
+        publish_with_metrics(stack, fp, f1, auprc, seed=10 + i)
+    page = new_page()
+    sign_in(page, stack.url, "rita", "/probes")
+    charts = page.locator("figure.chart")
+    assert charts.count() == 4
+    metrics = charts.nth(0)
+    assert metrics.locator("polyline").count() == 2  # F1 and AUPRC
+    assert metrics.locator("circle").count() == 2 * 3  # the first version had no metrics
+    weights = charts.nth(1)
+    assert weights.locator("rect.bar").count() == 2  # the tiny probe reads two layers
+    assert "entropy" in weights.inner_text()

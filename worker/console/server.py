@@ -1,0 +1,140 @@
+"""Serve the console: :class:`ConsoleServer` builds the app from settings and runs it
+with uvicorn on a thread (``probeguard console`` blocks on it; the demo and the tests
+run it beside other work).
+
+Example::
+
+    with ConsoleServer(settings) as server:   # review queue consuming, LLM loading
+        print(server.url)                     # http://127.0.0.1:8300
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
+
+from worker.console.app import Console, create_app
+from worker.console.auth import User, parse_users
+from worker.console.explainer import Explainer, SpecCache
+from worker.console.queue import ReviewQueue
+from worker.errors import ConfigError, StackError
+from worker.kafka.clients import ensure_topics
+from worker.settings import Settings
+from worker.store.redis import Keys, make_redis
+
+if TYPE_CHECKING:
+    from worker.llm.extract import HiddenStateExtractor
+
+__all__ = ["ConsoleServer"]
+
+log = logging.getLogger(__name__)
+
+
+class ConsoleServer:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        extractor: HiddenStateExtractor | None = None,
+        users: dict[str, User] | None = None,
+        secret_key: bytes | None = None,
+        review: bool = True,
+        worker_id: str = "console",
+    ) -> None:
+        if users is None:
+            raw = settings.console_users
+            users = parse_users(None if raw is None else raw.get_secret_value())
+        if not users:
+            raise ConfigError(
+                "the console has no users: set PROBEGUARD_CONSOLE_USERS "
+                "(`probeguard console user NAME --role operator` prints an entry)"
+            )
+        self.settings = settings
+        client = make_redis(settings)
+        keys = Keys(settings.redis_prefix)
+        queue = (
+            ReviewQueue(settings, client, spec_of=SpecCache(client, keys), worker_id=worker_id)
+            if review
+            else None
+        )
+        explainer = Explainer(
+            settings, client, extractor=extractor, enabled=settings.console_explain
+        )
+        self.console = Console(settings, users, client, queue, explainer)
+        self.app = create_app(self.console, secret_key=secret_key)
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self.port = settings.console_port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.settings.console_host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> ConsoleServer:
+        s = self.settings
+        queue = self.console.queue
+        if queue is not None:
+            ensure_topics(s, [s.topic_review, s.topic_labels, s.topic_dead_letter])
+            queue.start()
+        if self.console.explainer.enabled:
+            threading.Thread(
+                target=self.console.explainer.warm_up, name="console-llm", daemon=True
+            ).start()
+        config = uvicorn.Config(
+            self.app,
+            host=s.console_host,
+            port=s.console_port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            server_header=False,
+        )
+        server = uvicorn.Server(config)
+        self._server = server
+        self._thread = threading.Thread(target=server.run, name="console-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise StackError(
+                    f"the console could not listen on {s.console_host}:{s.console_port} "
+                    "(port in use? set PROBEGUARD_CONSOLE_PORT)"
+                )
+            time.sleep(0.05)
+        self.port = _bound_port(server) or s.console_port
+        log.info("console at %s", self.url)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(10)
+        if self.console.queue is not None:
+            self.console.queue.stop()
+        self.console.client.close()
+
+    def wait(self) -> None:
+        """Block until the server stops (SIGINT/SIGTERM handled by the caller)."""
+        while self._thread is not None and self._thread.is_alive():
+            self._thread.join(0.5)
+
+    def __enter__(self) -> ConsoleServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _bound_port(server: uvicorn.Server) -> int | None:
+    """The port actually bound (``PROBEGUARD_CONSOLE_PORT=0`` picks a free one)."""
+    servers: Any = getattr(server, "servers", [])
+    for srv in servers:
+        for sock in srv.sockets:
+            return int(sock.getsockname()[1])
+    return None

@@ -1,0 +1,182 @@
+"""The console's web plumbing: security headers, sessions, the signed-in user, CSRF.
+
+- Every response carries a strict Content-Security-Policy: scripts and styles only from
+  ``/static`` (no inline script or style anywhere), no frames, forms post only here.
+- Sessions are signed cookies (``HttpOnly``, ``SameSite=Strict``; ``Secure`` with
+  ``PROBEGUARD_CONSOLE_SECURE_COOKIES``). The session names the user and a digest of
+  their password hash: changing a password (or removing a user) ends their sessions.
+- Every state change (each POST) must carry the session's CSRF token, as a form field
+  ``csrf`` or an ``X-CSRF-Token`` header, and must not come from another origin.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import jinja2
+from fastapi import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from worker.console.auth import Permission, User
+
+__all__ = [
+    "CSP",
+    "Forbidden",
+    "NotSignedIn",
+    "SecurityHeaders",
+    "check_csrf",
+    "csrf_token",
+    "signed_in",
+    "templates",
+]
+
+HERE = Path(__file__).parent
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; font-src 'self'; form-action 'self'; frame-ancestors 'none'; "
+    "base-uri 'none'"
+)
+_HEADERS = [
+    (b"content-security-policy", CSP.encode()),
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    # Not no-referrer: with it, browsers send "Origin: null" on same-site form posts.
+    (b"referrer-policy", b"same-origin"),
+    (b"cross-origin-opener-policy", b"same-origin"),
+    (b"permissions-policy", b"camera=(), microphone=(), geolocation=()"),
+]
+
+
+class SecurityHeaders:
+    """Adds the headers above to every response; pages are never cached."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        static = scope.get("path", "").startswith("/static/")
+
+        async def with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                headers += _HEADERS
+                if not static:
+                    headers.append((b"cache-control", b"no-store"))
+                message["headers"] = headers
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
+def templates() -> jinja2.Environment:
+    """Autoescaping everywhere: every value from Kafka, Redis or a form is text."""
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(HERE / "templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["num"] = _num
+    env.filters["pct"] = _pct
+    return env
+
+
+def _num(v: Any, fmt: str = ".3f") -> str:
+    if v is None or (isinstance(v, float) and v != v):
+        return "–"
+    return format(v, fmt)
+
+
+def _pct(v: Any) -> str:
+    if v is None or (isinstance(v, float) and v != v):
+        return "–"
+    return f"{100 * v:.1f}%"
+
+
+# --- who is signed in ---------------------------------------------------------------
+
+
+class NotSignedIn(Exception):
+    """No valid session: pages redirect to the login form, everything else gets 401."""
+
+
+class Forbidden(Exception):
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+@dataclass(frozen=True)
+class Session:
+    user: User
+    csrf: str
+
+
+def hash_digest(user: User) -> str:
+    return hashlib.sha256(user.password_hash.encode()).hexdigest()[:16]
+
+
+def signed_in(request: Request, users: dict[str, User]) -> User:
+    """The session's user, still configured and with the same password; else NotSignedIn."""
+    name = request.session.get("user")
+    user = users.get(name) if isinstance(name, str) else None
+    digest = request.session.get("pw")
+    if user is None or not isinstance(digest, str):
+        raise NotSignedIn()
+    if not hmac.compare_digest(digest, hash_digest(user)):
+        request.session.clear()
+        raise NotSignedIn()
+    return user
+
+
+def require(user: User, permission: Permission) -> None:
+    if not user.may(permission):
+        raise Forbidden(f"{user.name} is a {user.role}; this needs the operator role")
+
+
+def login_redirect(request: Request) -> str:
+    target = request.url.path
+    if request.url.query:
+        target += "?" + request.url.query
+    return "/login?next=" + quote(target, safe="")
+
+
+def safe_next(target: str | None) -> str:
+    """Only a path on this site (no scheme, no host, no '//' trick)."""
+    if not target or not target.startswith("/") or target.startswith("//") or "\\" in target:
+        return "/review"
+    return target
+
+
+# --- CSRF -------------------------------------------------------------------------------
+
+
+def csrf_token(request: Request) -> str:
+    token = request.session.get("csrf")
+    if not isinstance(token, str) or len(token) < 32:
+        token = secrets.token_urlsafe(32)
+        request.session["csrf"] = token
+    return token
+
+
+def check_csrf(request: Request, form_token: str | None) -> None:
+    """Refuse a state change without the session's token, or from another origin."""
+    origin = request.headers.get("origin")  # "null" (a sandboxed frame) is refused too
+    if origin is not None:
+        own = f"{request.url.scheme}://{request.url.netloc}"
+        if origin != own:
+            raise Forbidden(f"cross-origin request from {origin[:100]} refused")
+    want = request.session.get("csrf")
+    got = form_token or request.headers.get("x-csrf-token") or ""
+    if not isinstance(want, str) or not want or not hmac.compare_digest(want, got):
+        raise Forbidden("missing or wrong CSRF token: reload the page and try again")
