@@ -46,3 +46,15 @@ def drain(
         return records
     finally:
         consumer.close()
+
+
+def committed_total(settings: Settings, group: str, topic: str) -> int:
+    """The offsets ``group`` has committed on ``topic``, summed over its partitions."""
+    from kafka import TopicPartition
+
+    consumer = KafkaConsumer(**client_config(settings), group_id=group, enable_auto_commit=False)
+    try:
+        parts = consumer.partitions_for_topic(topic) or set()
+        return sum(consumer.committed(TopicPartition(topic, p)) or 0 for p in parts)
+    finally:
+        consumer.close()

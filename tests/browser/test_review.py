@@ -7,13 +7,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from kafka import KafkaConsumer, TopicPartition
 
 from schemas import HumanLabel
 from tests.browser.conftest import Stack, sign_in
-from tests.kafka_helpers import drain
+from tests.kafka_helpers import committed_total, drain
 from tests.process_helpers import Threaded, wait_until
-from worker.kafka.clients import client_config
 from worker.learning.updater import Updater
 from worker.llm.extract import HiddenStateExtractor
 from worker.store.redis import make_redis
@@ -28,12 +26,7 @@ def shown_id(page: Any) -> str:
 def committed(stack: Stack) -> int:
     """Offsets the console's group has committed on the review topic, summed."""
     s = stack.settings
-    consumer = KafkaConsumer(**client_config(s), group_id=s.group_console, enable_auto_commit=False)
-    try:
-        parts = consumer.partitions_for_topic(s.topic_review) or set()
-        return sum(consumer.committed(TopicPartition(s.topic_review, p)) or 0 for p in parts)
-    finally:
-        consumer.close()
+    return committed_total(s, s.group_console, s.topic_review)
 
 
 def test_twenty_labels_by_keyboard_reach_the_topic_and_the_updater(
@@ -142,6 +135,27 @@ def test_skip_hands_the_item_to_the_other_reviewer_and_undo_takes_an_answer_back
     assert got[other].label == "ok" and got[other].labeler_id == "rita"
     assert got[skipped].label == "toxic" and got[skipped].labeler_id == "rob"
     assert {first, second} == set(got)
+
+
+def test_keyboard_only_without_shortcuts(stack: Stack, new_page: Callable[[], Any]) -> None:
+    """Tab to an answer and press Enter: the page works without its key bindings too."""
+    s = stack.settings
+    (mid,) = stack.review(1)
+    page = new_page()
+    sign_in(page, stack.url, "rita")
+    page.wait_for_selector("#item")
+    for _ in range(30):
+        page.keyboard.press("Tab")
+        focused = page.evaluate("document.activeElement.value")
+        if focused == "toxic":
+            break
+    else:
+        pytest.fail("Tab never reached the 'toxic' button")
+    with page.expect_navigation():
+        page.keyboard.press("Enter")
+    (record,) = drain(s, s.topic_labels, lambda rs: len(rs) >= 1, timeout_s=20)
+    label = HumanLabel.decode(record.value)
+    assert (label.message_id, label.label) == (mid, "toxic")
 
 
 XSS = (

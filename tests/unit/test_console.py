@@ -1,0 +1,125 @@
+"""The console's pieces that need no server: users and passwords, offsets, charts, templates."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from kafka import TopicPartition
+
+from worker.cli import main
+from worker.console.auth import LoginThrottle, hash_password, parse_users
+from worker.console.charts import bar_chart, line_chart
+from worker.console.queue import OffsetTracker
+from worker.console.web import safe_next
+from worker.errors import ConfigError
+
+TEMPLATES = Path(__file__).parents[2] / "worker" / "console" / "templates"
+
+
+def test_users_roles_and_passwords() -> None:
+    a, b = hash_password("alice-password", n=2**10), hash_password("bob-password", n=2**10)
+    users = parse_users(f"alice:reviewer:{a}, bob:operator:{b}")
+    assert users["alice"].check("alice-password") and not users["alice"].check("bob-password")
+    assert users["alice"].may("label") and not users["alice"].may("change_stages")
+    assert users["bob"].may("change_stages")
+    assert a not in repr(users) and "scrypt" not in repr(users["bob"])
+    assert parse_users(None) == {} and parse_users("") == {}
+
+
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        ("alice:reviewer", "expected name:role:hash"),
+        ("alice:admin:scrypt$1024$8$1$AAAA$AAAA", "not reviewer or operator"),
+        ("alice:reviewer:hunter22", "not a scrypt hash"),
+        ("al ice:reviewer:scrypt$1024$8$1$AAAA$AAAA", "must match"),
+        ("alice:reviewer:scrypt$1000$8$1$AAAA$AAAA", "power of two"),
+        ("a:reviewer:scrypt$1024$8$1$AA$AA,a:operator:scrypt$1024$8$1$AA$AA", "appears twice"),
+    ],
+)
+def test_bad_user_entries_name_the_problem_not_the_secret(raw: str, says: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(says)) as info:
+        parse_users(raw)
+    assert "hunter22" not in str(info.value)
+
+
+def test_short_passwords_are_refused() -> None:
+    with pytest.raises(ConfigError, match="at least 8"):
+        hash_password("short")
+
+
+def test_login_throttle() -> None:
+    t = LoginThrottle(attempts=3, window_s=60)
+    for _ in range(3):
+        assert not t.blocked("eve")
+        t.failed("eve")
+    assert t.blocked("eve") and not t.blocked("alice")
+    t.succeeded("eve")
+    assert not t.blocked("eve")
+
+
+def test_offsets_commit_up_to_the_oldest_unanswered_item() -> None:
+    tp, other = TopicPartition("review", 0), TopicPartition("review", 1)
+    t = OffsetTracker()
+    for o in range(5):
+        t.seen(tp, o)
+    t.seen(other, 7)
+    assert t.committable() == {tp: 0, other: 7}
+    t.done(t.committable())
+    for o in (1, 2, 4):  # answered out of order
+        t.resolve(tp, o)
+    assert t.committable() == {}  # offset 0 still open: nothing new
+    t.resolve(tp, 0)
+    assert t.committable() == {tp: 3}
+    t.resolve(tp, 3)
+    t.resolve(other, 7)
+    assert t.committable() == {tp: 5, other: 8}
+    t.forget({tp})
+    assert tp not in t.committable()
+
+
+def test_charts_are_numbers_in_the_viewbox() -> None:
+    chart = line_chart([1, 2, 5], {"F1": [0.2, None, 0.9], "AUPRC": [0.5, 0.6, 0.7]})
+    assert not chart.empty and len(chart.series) == 2
+    assert len(chart.series[0].dots) == 2  # the missing value leaves a gap
+    for s in chart.series:
+        for x, y, _ in s.dots:
+            assert 0 <= x <= chart.width and 0 <= y <= chart.height
+    assert line_chart([], {}).empty and line_chart([1], {"a": [None]}).empty
+    bars = bar_chart([("4", 0.7), ("8", 0.3), ("12", float("nan"))])
+    assert len(bars.bars) == 2 and bars.bars[0].h > bars.bars[1].h
+    assert bar_chart([]).empty
+
+
+def test_templates_have_no_inline_script_or_style_and_no_unescaping() -> None:
+    for path in TEMPLATES.glob("*.html"):
+        text = path.read_text()
+        assert not re.search(r"<script(?![^>]*\bsrc=)", text), f"{path.name}: inline script"
+        assert "<style" not in text and " style=" not in text, f"{path.name}: inline style"
+        assert not re.search(r"\son[a-z]+=", text), f"{path.name}: inline event handler"
+        assert "|safe" not in text and "autoescape false" not in text, f"{path.name}: unescaped"
+
+
+@pytest.mark.parametrize(
+    ("target", "want"),
+    [
+        ("/probes?probe=x", "/probes?probe=x"),
+        ("https://evil.example/", "/review"),
+        ("//evil.example/", "/review"),
+        ("/\\evil.example", "/review"),
+        ("", "/review"),
+    ],
+)
+def test_login_redirects_stay_on_this_site(target: str, want: str) -> None:
+    assert safe_next(target) == want
+
+
+def test_console_without_users_says_how_to_add_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("PROBEGUARD_CONSOLE_USERS", raising=False)
+    assert main(["console", "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "PROBEGUARD_CONSOLE_USERS" in err and "probeguard console user" in err
