@@ -182,9 +182,9 @@ class Settings(BaseSettings):
     console_host: str = "127.0.0.1"
     console_port: Annotated[int, Field(ge=0, le=65535)] = 8300
     # "name:role:hash" entries, comma-separated; role reviewer or operator; hash from
-    # `probeguard console hash-password` (scrypt). A secret: it holds password hashes.
+    # `probeguard console user NAME --role R` (scrypt). A secret: it holds password hashes.
     console_users: SecretStr | None = Field(
-        None, description="name:role:scrypt-hash,... (probeguard console hash-password)"
+        None, description="name:role:scrypt-hash,... (probeguard console user NAME)"
     )
     console_secret_key: SecretStr | None = Field(
         None, description="Signs session cookies (>= 16 bytes). Unset: random per process."

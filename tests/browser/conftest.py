@@ -20,13 +20,13 @@ import pytest
 from schemas import ReviewRequest, utcnow
 from tests.conftest import RedisNamespace
 from tests.kafka_helpers import produce_raw
-from tests.probe_helpers import publish_probe
+from tests.registry_helpers import publish_probe
 from tests.tiny_llm import make_tiny_llm
 from worker.console.auth import User, hash_password
 from worker.console.server import ConsoleServer
 from worker.llm.extract import HiddenStateExtractor
 from worker.settings import Settings
-from worker.store.checkpoints import Registry
+from worker.store.checkpoints import CheckpointRegistry
 
 FLAGS = [
     "--headless",
@@ -82,7 +82,7 @@ def users() -> dict[str, User]:
 class Stack:
     settings: Settings
     server: ConsoleServer
-    registry: Registry
+    registry: CheckpointRegistry
     url: str
 
     def review(
@@ -128,7 +128,7 @@ def stack(
     users: dict[str, User],
     tiny_extractor: HiddenStateExtractor,
 ) -> Iterator[Stack]:
-    registry = Registry(redis_ns.client, redis_ns.keys, "toxicity")
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
     publish_probe(registry, tiny_extractor.fingerprint, seed=1)
     server = ConsoleServer(
         console_settings, extractor=tiny_extractor, users=users, secret_key=b"k" * 32

@@ -14,8 +14,8 @@ from probes.probe import build_probe
 from schemas import Verdict
 from tests.browser.conftest import Stack, sign_in
 from tests.kafka_helpers import drain, produce_raw
-from tests.probe_helpers import publish_probe, toxicity_spec
 from tests.process_helpers import wait_until
+from tests.registry_helpers import publish_probe, toxicity_spec
 from tests.tiny_llm import make_tiny_llm
 from worker.llm.extract import HiddenStateExtractor
 from worker.scoring.scorer import Scorer

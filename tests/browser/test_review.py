@@ -68,7 +68,7 @@ def test_twenty_labels_by_keyboard_reach_the_topic_and_the_updater(
         assert {lb.labeler_id for lb in decoded} == {"rita"}
         assert all(lb.text for lb in decoded)
         wait_until(
-            lambda: updater.counters.labels_seen + len(updater.warmup) == 20,
+            lambda: updater.labels_seen == 20,
             "the updater to learn the 20 labels",
             timeout_s=60,
         )
@@ -193,7 +193,7 @@ def test_multilabel_probe_toggles_with_digits_and_submits_with_enter(
 ) -> None:
     from probes.probe import build_probe
     from schemas import ProbeSpec
-    from tests.probe_helpers import publish_probe
+    from tests.registry_helpers import publish_probe
 
     spec = ProbeSpec(
         name="toxicity",

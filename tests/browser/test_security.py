@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from tests.browser.conftest import Stack, sign_in
-from tests.probe_helpers import publish_probe
+from tests.registry_helpers import publish_probe
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 __all__ = ["BarChart", "LineChart", "bar_chart", "line_chart"]
 
 W, H = 560, 200  # viewBox; the SVG scales to the page width
-PAD_L, PAD_R, PAD_T, PAD_B = 44, 12, 12, 28
+PAD_L, PAD_R, PAD_T, PAD_B = 52, 12, 12, 28
 
 
 @dataclass
@@ -34,6 +34,7 @@ class LineChart:
     empty: bool
     width: int = W
     height: int = H
+    left: int = PAD_L  # where the plot area starts (y tick labels end just before it)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class BarChart:
     width: int = W
     height: int = H
     labels: list[tuple[float, str]] = field(default_factory=list)
+    left: int = PAD_L
 
 
 def _finite(v: float | None) -> bool:
@@ -66,10 +68,19 @@ def _y(v: float, lo: float, hi: float) -> float:
     return round(H - PAD_B - (v - lo) / span * (H - PAD_T - PAD_B), 1)
 
 
-def _ticks(lo: float, hi: float, fmt: str) -> list[tuple[float, str]]:
-    return [
-        (_y(lo + (hi - lo) * k / 4, lo, hi), format(lo + (hi - lo) * k / 4, fmt)) for k in range(5)
-    ]
+def _nice(hi: float) -> tuple[float, float]:
+    """A round top for the axis and its tick step (1, 2, 2.5 or 5 times a power of ten)."""
+    if not hi > 0:
+        return 1.0, 0.25
+    raw = hi / 4
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= raw * (1 - 1e-9))
+    return step * math.ceil(hi / step - 1e-9), step
+
+
+def _ticks(lo: float, hi: float, step: float, fmt: str) -> list[tuple[float, str]]:
+    n = max(1, round((hi - lo) / step))
+    return [(_y(lo + k * step, lo, hi), format(lo + k * step, fmt)) for k in range(n + 1)]
 
 
 def line_chart(
@@ -84,7 +95,13 @@ def line_chart(
     values = [v for vs in series.values() for v in vs if v is not None and _finite(v)]
     if not xs or not values:
         return LineChart([], [], [], x_label, True)
-    lo, hi = y_range or (min(0.0, min(values)), max(values) or 1.0)
+    if y_range is not None:
+        lo, hi = y_range
+        y_step = (hi - lo) / 4
+    else:
+        lo = min(0.0, min(values))
+        top, y_step = _nice(max(values) - lo)
+        hi = lo + top
     x0, x1 = min(xs), max(xs)
     span = (x1 - x0) or 1
 
@@ -101,7 +118,7 @@ def line_chart(
         out.append(Series(name, f"s{i}", " ".join(f"{x},{y}" for x, y, _ in pts), pts))
     step = max(1, len(xs) // 8)
     x_ticks = [(x_of(x), str(x)) for x in xs[::step]]
-    return LineChart(out, x_ticks, _ticks(lo, hi, fmt), x_label, False)
+    return LineChart(out, x_ticks, _ticks(lo, hi, y_step, fmt), x_label, False)
 
 
 def bar_chart(
@@ -115,13 +132,13 @@ def bar_chart(
     values = [v for _, v in items if v is not None and _finite(v)]
     if not items or not values:
         return BarChart([], [], True)
-    hi = y_max or max(values) or 1.0
+    hi, y_step = _nice(y_max or max(values))
     slot = (W - PAD_L - PAD_R) / len(items)
     bars, labels = [], []
-    step = max(1, len(items) // 12)
+    every = max(1, len(items) // 12)
     for i, (label, v) in enumerate(items):
         x = PAD_L + i * slot
-        if i % step == 0:
+        if i % every == 0:
             labels.append((round(x + slot / 2, 1), label))
         if v is None or not _finite(v):
             continue
@@ -138,4 +155,4 @@ def bar_chart(
                 css,
             )
         )
-    return BarChart(bars, _ticks(0.0, hi, fmt), False, labels=labels)
+    return BarChart(bars, _ticks(0.0, hi, y_step, fmt), False, labels=labels)

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from probes.errors import ProbeError
 from schemas import ProbeSpec
-from worker.errors import ExplainError, ProbeguardError
+from worker.errors import ExplainError, ProbeguardError, RegistryError
 from worker.explain.report import ExplainOptions, explain, source_from_registry, verify
 from worker.settings import Settings
-from worker.store.checkpoints import Registry, RegistryError
+from worker.store.checkpoints import CheckpointRegistry
 from worker.store.redis import Keys
 
 if TYPE_CHECKING:
@@ -55,8 +55,8 @@ class SpecCache:
         self._cache = _Lru(256)
         self._lock = threading.Lock()
 
-    def registry(self, probe: str) -> Registry:
-        return Registry(self.client, self.keys, probe)
+    def registry(self, probe: str) -> CheckpointRegistry:
+        return CheckpointRegistry(self.client, self.keys, probe)
 
     def __call__(self, probe: str, version: int) -> ProbeSpec | None:
         with self._lock:
@@ -159,7 +159,7 @@ class Explainer:
             if hit is not None:
                 return hit
         extractor = self._ensure()
-        registry = Registry(self.client, self.keys, probe)
+        registry = CheckpointRegistry(self.client, self.keys, probe)
         try:
             source = source_from_registry(registry, stage, version)
             key = (probe, source.where.split()[-1])
@@ -198,7 +198,7 @@ class Explainer:
             hit = self._probes.get(key)
         if hit is not None:
             return hit
-        stored = Registry(self.client, self.keys, probe).get(version)
+        stored = CheckpointRegistry(self.client, self.keys, probe).get(version)
         loaded, _ = probe_from_bytes(
             stored.blob, stored.manifest_json, None, signing_key=self.settings.signing_key
         )

@@ -21,7 +21,7 @@ from worker.console.app import console_of, flash, see_other, user_of
 from worker.console.probes_view import probe_page
 from worker.errors import ProbeguardError
 from worker.rollout.operator import Operator
-from worker.store.checkpoints import Registry, Stages
+from worker.store.checkpoints import CheckpointRegistry, Stages
 
 __all__ = ["router"]
 
@@ -56,7 +56,7 @@ def probes(request: Request, probe: str | None = None) -> HTMLResponse:
     console = console_of(request)
     user = user_of(request)
     name = _probe(request, probe)
-    registry = Registry(console.client, console.keys, name)
+    registry = CheckpointRegistry(console.client, console.keys, name)
     view = probe_page(registry, console.evidence, console.settings, console.explainer)
     return console.page(
         request,
@@ -88,7 +88,7 @@ def change(
     web.check_csrf(request, csrf)
     web.require(user, "change_stages")
     name = _probe(request, probe)
-    registry = Registry(console.client, console.keys, name)
+    registry = CheckpointRegistry(console.client, console.keys, name)
     seen = Stages(live=_version(seen_live), canary=_version(seen_canary))
     v = _version(version)
     share = console.settings.canary_share if share is None else share
@@ -117,7 +117,7 @@ def change(
 
 def _apply(
     request: Request,
-    registry: Registry,
+    registry: CheckpointRegistry,
     who: str,
     action: str,
     v: int | None,

@@ -15,10 +15,12 @@ from typing import Any
 
 from worker.console.charts import BarChart, LineChart, bar_chart, line_chart
 from worker.console.explainer import Explainer
-from worker.rollout.stages import Decision, Policy, Rollout, decide
+from worker.errors import RegistryError
+from worker.rollout.policy import Policy, RolloutDecision, next_action
+from worker.rollout.stages import Rollout
 from worker.rollout.status import StatusReport, gather
 from worker.settings import Settings
-from worker.store.checkpoints import Registry, RegistryError
+from worker.store.checkpoints import CheckpointRegistry
 from worker.store.evidence import EvidenceStore
 
 __all__ = ["ProbePage", "Progress", "probe_page"]
@@ -39,7 +41,7 @@ class Progress:
 class ProbePage:
     status: StatusReport
     policy: Policy
-    decision: Decision
+    decision: RolloutDecision
     progress: list[Progress]
     metrics_chart: LineChart
     entropy_chart: LineChart
@@ -55,7 +57,7 @@ def _num(x: float | None) -> float | None:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
 
 
-def _progress(policy: Policy, decision: Decision, canary: Any) -> list[Progress]:
+def _progress(policy: Policy, decision: RolloutDecision, canary: Any) -> list[Progress]:
     """The trial's rules as bars (see the rules in worker.rollout.stages)."""
     if canary is None:
         return []
@@ -113,7 +115,7 @@ def _progress(policy: Policy, decision: Decision, canary: Any) -> list[Progress]
 
 
 def probe_page(
-    registry: Registry,
+    registry: CheckpointRegistry,
     evidence: EvidenceStore,
     settings: Settings,
     explainer: Explainer | None,
@@ -122,7 +124,7 @@ def probe_page(
 ) -> ProbePage:
     status = gather(registry, evidence, limit=limit)
     policy = Policy.from_settings(settings)
-    decision = decide(policy, Rollout(registry, evidence, actor="console").situation())
+    decision = next_action(policy, Rollout(registry, evidence, actor="console").situation())
     canary = next((r for r in status.rows if r.stage == "canary"), None)
 
     versions = registry.versions()[-40:]
@@ -149,13 +151,14 @@ def probe_page(
         [(f"v{r.version}", _num(r.evidence.flag_rate)) for r in rows],
         y_max=max([1e-9, *(r.evidence.flag_rate for r in rows if r.evidence.scored)]),
         highlight={f"v{status.stages.live}"} if status.stages.live else None,
+        fmt=".0%",
     )
     shown = status.stages.live or (xs[-1] if xs else None)
     weights_chart, weights_error = bar_chart([]), ""
     if shown is not None and explainer is not None:
         try:
             pairs = explainer.layer_weights(registry.probe, shown)
-            weights_chart = bar_chart([(str(layer), w) for layer, w in pairs], fmt=".3f")
+            weights_chart = bar_chart([(str(layer), w) for layer, w in pairs])
         except Exception as exc:  # a broken blob must not take the page down; say why
             weights_error = f"v{shown}: {exc}"
     history = [e for _, e in registry.history(200) if e.kind != "published"][-30:][::-1]
