@@ -84,7 +84,9 @@ class LiveView:
         the next refresh then redraws too few lines up, so every refresh left a partial
         frame behind, interleaved with the log lines (issue 16). While ``Live`` runs,
         ``sys.stderr``/``sys.stdout`` are its proxies; pointing the handlers at them keeps
-        every line and the frame in place.
+        every line and the frame in place. (``worker.logs.StderrHandler`` follows
+        ``sys.stderr`` by itself; this catches handlers bound to the terminal, e.g. a
+        library's own.)
         """
         terminals = {sys.__stderr__, sys.__stdout__, *self._streams_before}
         for handler in logging.getLogger().handlers:
