@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from pydantic import SecretStr
 
 from tests.browser.conftest import Stack, sign_in
 from tests.registry_helpers import publish_probe
@@ -128,3 +129,28 @@ def test_headers_and_cookie(stack: Stack, new_page: Callable[[], Any]) -> None:
         " s.textContent = 'window.__inline = 1'; document.body.appendChild(s); }"
     )
     assert page.evaluate("window.__inline") is None
+
+
+def test_redis_down_is_a_clear_503_not_a_stack_trace(
+    console_settings: Any, users: Any, tiny_extractor: Any, new_page: Callable[[], Any]
+) -> None:
+    import socket
+
+    from worker.console.server import ConsoleServer
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    s = console_settings.model_copy(
+        update={"redis_url": SecretStr(f"redis://127.0.0.1:{port}/0"), "redis_retries": 0}
+    )
+    server = ConsoleServer(
+        s, extractor=tiny_extractor, users=users, secret_key=b"k" * 32, review=False
+    ).start()
+    try:
+        page = new_page()
+        sign_in(page, server.url, "otto", "/probes")
+        assert "Redis is unreachable" in page.inner_text("main")
+        assert "Traceback" not in page.content() and str(port) not in page.content()
+    finally:
+        server.stop()

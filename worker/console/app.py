@@ -13,11 +13,13 @@ write); :class:`worker.console.server.ConsoleServer` serves it on a thread.
 
 from __future__ import annotations
 
+import logging
 import secrets
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import jinja2
+import redis
 from fastapi import FastAPI, Form, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
@@ -33,6 +35,8 @@ from worker.store.evidence import EvidenceStore
 from worker.store.redis import Keys
 
 __all__ = ["Console", "create_app"]
+
+log = logging.getLogger(__name__)
 
 # Checked against when the user name is unknown, so a wrong name costs as long as a
 # wrong password (no user enumeration by timing).
@@ -181,6 +185,20 @@ def _auth_routes(app: FastAPI) -> None:
 
 
 def _error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(redis.RedisError)
+    def redis_down(request: Request, exc: redis.RedisError) -> Response:
+        # Not the exception text: a connection error may name the server's address.
+        log.warning("console request %s: Redis error %s", request.url.path, type(exc).__name__)
+        return console_of(request).page(
+            request,
+            "error.html",
+            status=503,
+            user=None,
+            title="Redis is unreachable",
+            message="The console cannot read or write Redis right now; nothing was changed. "
+            "Try again in a moment.",
+        )
+
     @app.exception_handler(web.NotSignedIn)
     def not_signed_in(request: Request, _exc: web.NotSignedIn) -> Response:
         wants_page = request.method == "GET" and "text/html" in request.headers.get("accept", "")

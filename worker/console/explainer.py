@@ -96,6 +96,7 @@ class Explainer:
         self._extractor = extractor
         self._load_error = ""
         self._lock = threading.Lock()  # one explanation at a time: the CPU is shared
+        self._load_lock = threading.Lock()
         self._probes = _Lru(8)
         self._reports = _Lru(256)
 
@@ -113,32 +114,47 @@ class Explainer:
     def warm_up(self) -> None:
         """Load the LLM now (call from a background thread at start-up)."""
         with contextlib.suppress(ExplainError):  # status says why
-            self._ensure()
+            self._ensure(wait=True)
 
-    def _ensure(self) -> HiddenStateExtractor:
+    def _ensure(self, *, wait: bool = False) -> HiddenStateExtractor:
+        """The extractor, loading the LLM on first use. While another thread loads it,
+        ``wait=False`` answers at once (a page must not hang for the load)."""
         if not self.enabled:
             raise ExplainError(self.status)
-        with self._lock:
+        if self._extractor is not None:
+            return self._extractor
+        if not self._load_lock.acquire(blocking=wait):
+            raise ExplainError(
+                "the LLM is still loading (the first start takes up to a minute); "
+                "explanations appear when it is ready"
+            )
+        try:
             if self._extractor is None:
                 if self._load_error:
                     raise ExplainError(self.status)
-                from worker.llm.extract import HiddenStateExtractor
-                from worker.llm.load import load_llm
-
-                s = self.settings
-                try:
-                    llm = load_llm(s, lm_head=True)
-                except ProbeguardError as exc:
-                    self._load_error = str(exc)
-                    raise ExplainError(self.status) from exc
-                self._extractor = HiddenStateExtractor(
-                    llm,
-                    max_tokens=s.max_tokens,
-                    truncation=s.truncation,
-                    batch_size=1,
-                    max_chunks=s.max_chunks,
-                )
+                self._extractor = self._load()
             return self._extractor
+        finally:
+            self._load_lock.release()
+
+    def _load(self) -> HiddenStateExtractor:
+        from worker.llm.extract import HiddenStateExtractor
+        from worker.llm.load import load_llm
+
+        s = self.settings
+        try:
+            llm = load_llm(s, lm_head=True)
+        except ProbeguardError as exc:
+            self._load_error = str(exc)
+            raise ExplainError(self.status) from exc
+        log.info("console: %s loaded for explanations", s.model)
+        return HiddenStateExtractor(
+            llm,
+            max_tokens=s.max_tokens,
+            truncation=s.truncation,
+            batch_size=1,
+            max_chunks=s.max_chunks,
+        )
 
     # --- explanations ------------------------------------------------------------
 
