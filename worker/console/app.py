@@ -60,9 +60,7 @@ class Console:
 
     def __post_init__(self) -> None:
         self.keys = Keys(self.settings.redis_prefix)
-        self.evidence = EvidenceStore(
-            self.client, self.keys, pairs_max=self.settings.evidence_pairs
-        )
+        self.evidence = EvidenceStore.from_settings(self.client, self.settings)
         self.specs = SpecCache(self.client, self.keys)
 
     def page(self, request: Request, name: str, status: int = 200, **values: Any) -> HTMLResponse:
