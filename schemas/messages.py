@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 from datetime import UTC, datetime
 from typing import Annotated, Literal
 
@@ -22,6 +23,8 @@ from schemas.base import WireModel
 from schemas.limits import Id, LabelName, Metadata, Text, check_label_count
 
 __all__ = [
+    "DEAD_LETTER_KEY_BYTES",
+    "DEAD_LETTER_PAYLOAD_BYTES",
     "ChatMessage",
     "DeadLetter",
     "DeadLetterKind",
@@ -177,22 +180,68 @@ DeadLetterKind = Literal[
     "unknown_label",  # a label the probe does not know
     "unscorable",  # valid JSON, but the model cannot read the text (e.g. control characters only)
     "processing",  # valid input the worker failed on (after retries)
+    "refused",  # the broker refused a record produced for this input (e.g. too large)
 ]
+
+# A dead letter keeps a prefix of the payload (and of the key), never all of it: whatever
+# the input, the letter stays far below the broker's 1 MiB default record limit.
+DEAD_LETTER_PAYLOAD_BYTES = 64 * 1024
+DEAD_LETTER_KEY_BYTES = 1024
+
+
+def _b64_len(n: int) -> int:
+    return 4 * ((n + 2) // 3)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 class DeadLetter(WireModel):
-    """A payload that could not be processed, with where it came from and why."""
+    """A payload that could not be processed, with where it came from and why.
+
+    ``payload_b64`` holds at most the first :data:`DEAD_LETTER_PAYLOAD_BYTES` bytes of
+    the payload; ``payload_size`` and ``payload_sha256`` describe all of it (build one
+    with :meth:`bounded`).
+    """
 
     schema_version: Literal[1] = 1
     source_topic: Annotated[str, Field(min_length=1, max_length=249)]
     source_partition: Annotated[int, Field(ge=0)]
     source_offset: Annotated[int, Field(ge=0)]
-    key_b64: str | None = None
-    payload_b64: str  # the raw bytes, base64: they may not even be UTF-8
+    key_b64: Annotated[str, Field(max_length=_b64_len(DEAD_LETTER_KEY_BYTES))] | None = None
+    # The raw bytes (a prefix), base64: they may not even be UTF-8.
+    payload_b64: Annotated[str, Field(max_length=_b64_len(DEAD_LETTER_PAYLOAD_BYTES))]
+    payload_size: Annotated[int, Field(ge=0)] | None = None  # of the whole payload
+    payload_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
     error_kind: DeadLetterKind
     error_message: Annotated[str, Field(max_length=4000)]
     worker_id: Id
     created_at: AwareDatetime
+
+    @classmethod
+    def bounded(
+        cls,
+        *,
+        payload: bytes,
+        key: bytes | None,
+        error_message: str,
+        **fields: object,
+    ) -> DeadLetter:
+        """A letter for ``payload`` of any size: a prefix, its size and its sha256."""
+        return cls(
+            key_b64=None if key is None else base64.b64encode(key[:DEAD_LETTER_KEY_BYTES]).decode(),
+            payload_b64=base64.b64encode(payload[:DEAD_LETTER_PAYLOAD_BYTES]).decode(),
+            payload_size=len(payload),
+            payload_sha256=_sha256(payload),
+            error_message=error_message[:4000],
+            **fields,  # type: ignore[arg-type]
+        )
+
+    @property
+    def truncated(self) -> bool:
+        """True when ``payload_b64`` holds only a prefix of the payload."""
+        return self.payload_size is not None and self.payload_size > DEAD_LETTER_PAYLOAD_BYTES
 
     @field_validator("payload_b64", "key_b64")
     @classmethod

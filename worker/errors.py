@@ -15,7 +15,9 @@
     │                        version, no cached text for a message id
     ├── LensUnavailable      the model lacks what the logit lens needs (LM head, final norm)
     ├── TransientError       a dependency (e.g. Redis) is down: the batch loop rewinds the
-    │                        batch and retries it after a backoff, never dead-letters it
+    │   │                    batch and retries it after a backoff, never dead-letters it
+    │   └── DeviceError      the accelerator failed (out of memory, a CUDA error): says
+    │                        nothing about the inputs
     ├── RegistryError        the checkpoint registry refused an operation
     │   ├── UnknownVersion   the version was never published (or has been pruned)
     │   ├── Fenced           the writer's fencing token is not the lease holder's
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 __all__ = [
     "ConfigError",
+    "DeviceError",
     "ExplainError",
     "ExtractionError",
     "ExtractionInputError",
@@ -108,6 +111,13 @@ class LensUnavailable(ProbeguardError):
 class TransientError(ProbeguardError):
     """Raised by a handler when a dependency is down (e.g. Redis): the batch is rewound
     and retried after a backoff, as often as it takes, and never dead-lettered."""
+
+
+class DeviceError(TransientError):
+    """The accelerator failed (out of memory, a CUDA error): the inputs are not at fault.
+
+    A sticky CUDA error (e.g. an illegal memory access) persists until the process
+    restarts: the loop then stalls and the role reports not ready."""
 
 
 class RegistryError(ProbeguardError):

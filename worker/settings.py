@@ -131,6 +131,9 @@ class Settings(BaseSettings):
     shadow: bool = False
     stage_check_interval_s: Annotated[float, Field(gt=0)] = 5.0
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 9300
+    # A role whose batch in hand has failed to complete (produce, handler, dependency)
+    # for longer than this reports not ready on /readyz.
+    stall_not_ready_s: Annotated[float, Field(gt=0)] = 30.0
     log_json: bool = False
 
     # --- Updater (online learning) -----------------------------------------

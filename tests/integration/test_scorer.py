@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from schemas import DeadLetter, ReviewRequest, Verdict
 from tests.conftest import RedisNamespace
@@ -271,3 +272,52 @@ def test_review_queue_is_rate_limited(
     assert len(reviews) == 7
     req = ReviewRequest.decode(reviews[0].value)
     assert req.reason == "uncertain" and req.text.startswith("hello number")
+
+
+def _readyz(port: int | None) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except urllib.error.URLError:
+        return 0, "not listening yet"
+
+
+def test_a_device_fault_stalls_the_scorer_visibly_and_dead_letters_nothing(
+    settings: Settings, redis_ns: RedisNamespace, scorers: list[Running]
+) -> None:
+    # Out of device memory says nothing about the messages: they wait (the batch is
+    # rewound), /readyz says the scorer cannot progress, and once the device recovers
+    # every message is scored. It used to dead-letter them all as "unscorable".
+    ensure_topics(settings)
+    settings = settings.model_copy(update={"stall_not_ready_s": 0.5})
+    publish_probe(
+        CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity"),
+        extractor(settings).fingerprint,
+    )
+    scorer = Scorer(settings, extractor(settings), redis_ns.client, metrics_port=free_port())
+    scorers.append(Running(scorer))
+    wait_until(lambda: _readyz(scorer.port)[0] == 200, "the scorer to be ready", 60)
+    healthy = scorer.extractor._run
+    faults: list[int] = []
+
+    def out_of_memory(*args: object, **kw: object) -> None:
+        faults.append(1)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    scorer.extractor._run = out_of_memory  # type: ignore[method-assign]
+    produce_raw(settings, settings.topic_chat, [(f"m-{i}".encode(), chat(i)) for i in range(6)])
+    wait_until(lambda: "stalled" in _readyz(scorer.port)[1], "/readyz to report the stall", 60)
+    assert _readyz(scorer.port)[0] == 503
+    metrics = scorer.metrics.registry
+    retries = metrics.get_sample_value(
+        "probeguard_scorer_loop_retries_total", {"reason": "transient"}
+    )
+    assert retries is not None and retries >= 1
+    scorer.extractor._run = healthy  # type: ignore[method-assign]
+    got = verdicts(settings, 6)
+    assert sorted({v.message_id for v in got}) == [f"m-{i}" for i in range(6)]
+    assert faults
+    wait_until(lambda: _readyz(scorer.port)[0] == 200, "ready again", 30)
+    assert drain(settings, settings.topic_dead_letter, lambda rs: bool(rs), 2) == []

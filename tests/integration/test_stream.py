@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import threading
 from collections.abc import Sequence
@@ -141,3 +142,117 @@ def test_failing_handler_is_retried_then_dead_lettered(settings: Settings) -> No
     (letter,) = [DeadLetter.decode(r.value) for r in dead]
     assert letter.error_kind == "processing" and "model exploded" in letter.error_message
     assert calls.count(1) == 2 + 3  # two good batches, the bad one tried three times
+
+
+def _per_partition(settings: Settings, topic: str, records: list[tuple[int, bytes, bytes]]) -> None:
+    """Produce ``(partition, key, value)`` records, with room for values near 1 MB."""
+    producer = make_producer(settings, max_request_size=2 * 1024 * 1024)
+    try:
+        futures = [producer.send(topic, key=k, value=v, partition=p) for p, k, v in records]
+        producer.flush(30)
+        for f in futures:
+            f.get(timeout=30)
+    finally:
+        producer.close()
+
+
+def test_oversized_payloads_on_every_partition_are_bounded_letters_and_no_partition_stalls(
+    settings: Settings,
+) -> None:
+    # The operator's scenario of issue 13: 900 KB of text (valid JSON, over the text limit)
+    # and 900 KB of garbage on each partition, then ordinary messages. Their letters used
+    # to exceed the producer's 1 MiB limit, and the loop rewound forever.
+    ensure_topics(
+        settings, [settings.topic_chat, settings.topic_verdicts, settings.topic_dead_letter]
+    )
+    parts = settings.topic_partitions
+    huge_json = chat(900_000, "x" * 900_000)
+    huge_garbage = b"\xff" + b"garbage " * 112_500
+    records = []
+    for p in range(parts):
+        records.append((p, f"big-{p}".encode(), huge_json))
+        records.append((p, f"junk-{p}".encode(), huge_garbage))
+    good = list(range(60))
+    records += [(i % parts, f"m-{i}".encode(), chat(i)) for i in good]
+    _per_partition(settings, settings.topic_chat, records)
+
+    def handler(items: list[Item[ChatMessage]]) -> Sequence[Outgoing]:
+        return [
+            Outgoing(settings.topic_verdicts, i.key, i.value.message_id.encode()) for i in items
+        ]
+
+    loop: BatchLoop[ChatMessage] = BatchLoop(
+        consumer=make_consumer(settings, settings.group_scorer, [settings.topic_chat]),
+        producer=make_producer(settings),
+        model=ChatMessage,
+        handler=handler,
+        dead_letter_topic=settings.topic_dead_letter,
+        worker_id="w",
+        max_batch=16,
+        backoff_s=0.2,
+    )
+    done = threading.Event()
+    t = run_loop(loop, done)
+    try:
+        out = drain(settings, settings.topic_verdicts, lambda rs: len(rs) >= len(good), 60)
+        dead = drain(settings, settings.topic_dead_letter, lambda rs: len(rs) >= 2 * parts, 30)
+    finally:
+        done.set()
+        t.join(20)
+    assert sorted(r.value.decode() for r in out) == sorted(f"m-{i}" for i in good)
+    assert len(dead) == 2 * parts
+    for r in dead:
+        assert len(r.value) < 100_000  # bounded whatever the input
+        letter = DeadLetter.decode(r.value)
+        original = huge_json if r.key.startswith(b"big-") else huge_garbage
+        assert letter.payload_size == len(original)
+        assert letter.payload_sha256 == hashlib.sha256(original).hexdigest()
+        assert original.startswith(base64.b64decode(letter.payload_b64))
+    assert loop.stats.retries == 0
+
+
+def test_an_output_the_broker_refuses_costs_its_own_input_only(settings: Settings) -> None:
+    # A verdict larger than the producer allows (MessageSizeTooLargeError) is never a
+    # reason to rewind: its input is dead-lettered as "refused", the rest is delivered
+    # once, and the offsets are committed.
+    ensure_topics(
+        settings, [settings.topic_chat, settings.topic_verdicts, settings.topic_dead_letter]
+    )
+    produce_raw(settings, settings.topic_chat, [(b"k", chat(i)) for i in range(8)])
+
+    def handler(items: list[Item[ChatMessage]]) -> Sequence[Outgoing]:
+        return [
+            Outgoing(
+                settings.topic_verdicts,
+                i.key,
+                b"x" * 2_000_000 if i.value.message_id == "m-3" else i.value.message_id.encode(),
+                source=i,
+            )
+            for i in items
+        ]
+
+    loop: BatchLoop[ChatMessage] = BatchLoop(
+        consumer=make_consumer(settings, settings.group_scorer, [settings.topic_chat]),
+        producer=make_producer(settings),
+        model=ChatMessage,
+        handler=handler,
+        dead_letter_topic=settings.topic_dead_letter,
+        worker_id="w",
+        max_batch=8,
+        backoff_s=0.2,
+    )
+    done = threading.Event()
+    t = run_loop(loop, done)
+    try:
+        dead = drain(settings, settings.topic_dead_letter, lambda rs: len(rs) >= 1, 30)
+        out = drain(settings, settings.topic_verdicts, lambda rs: len(rs) >= 7, 30)
+        # Nothing more arrives: the batch was not retried.
+        out = drain(settings, settings.topic_verdicts, lambda rs: len(rs) > 7, 3)
+    finally:
+        done.set()
+        t.join(20)
+    assert sorted(r.value for r in out) == sorted(f"m-{i}".encode() for i in range(8) if i != 3)
+    (letter,) = [DeadLetter.decode(r.value) for r in dead]
+    assert letter.error_kind == "refused" and "MessageSizeTooLarge" in letter.error_message
+    assert chat(3) == base64.b64decode(letter.payload_b64)
+    assert loop.stats.retries == 0 and loop.stats.refused == 1

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.tiny_llm import HIDDEN_SIZE, NUM_LAYERS, make_tiny_llm
-from worker.errors import ExtractionError
+from worker.errors import DeviceError, ExtractionError
 from worker.llm.extract import Extraction, HiddenStateExtractor
 from worker.llm.load import LoadedLLM
 
@@ -296,6 +296,38 @@ def test_a_failing_forward_only_fails_its_own_text(side: str) -> None:
     expected = extractor(llm).extract(["fine", "also fine"], layers=[2])
     torch.testing.assert_close(out.hidden, expected.hidden)
     assert torch.equal(out.mask, expected.mask)
+
+
+@pytest.mark.parametrize(
+    ("fault", "splits"),
+    [
+        (lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
+        (lambda: RuntimeError("CUDA error: an illegal memory access was encountered"), False),
+    ],
+    ids=["oom", "sticky-cuda-error"],
+)
+def test_device_faults_are_transient_not_a_verdict_on_the_texts(
+    fault: Callable[[], Exception], splits: bool
+) -> None:
+    # A device out of memory, or a broken CUDA context, says nothing about the texts: they
+    # must be retried (TransientError: the batch is rewound), never dead-lettered.
+    llm = make_tiny_llm()
+    calls: list[int] = []
+
+    def device_fails(_module: object, _args: object, kw: dict[str, torch.Tensor]) -> None:
+        calls.append(int(kw["input_ids"].shape[0]))
+        raise fault()
+
+    handle = llm.model.register_forward_pre_hook(device_fails, with_kwargs=True)
+    try:
+        with pytest.raises(DeviceError):
+            extractor(llm, batch_size=4).extract(["fine", "bad # text", "also fine"], layers=[2])
+    finally:
+        handle.remove()
+    if splits:
+        assert calls[0] == 3 and 1 in calls  # out of memory: smaller micro-batches first
+    else:
+        assert calls == [3]  # a sticky error: no point in trying text by text
 
 
 @pytest.mark.parametrize("layers", [[], [-1], [NUM_LAYERS + 1], [1, 1], [True], [1.0]])

@@ -1,24 +1,39 @@
 """The at-least-once batch loop shared by the scorer and the updater.
 
     poll (bounded by count and wait) -> decode each record with its schema
-      -> invalid ones become DeadLetters (with the reason and the raw bytes)
+      -> invalid ones become DeadLetters (with the reason and a bounded payload prefix)
       -> the valid ones go to the handler, which returns records to produce
       -> produce everything, wait for the broker's acknowledgements
       -> only then commit the polled offsets
 
-If producing fails, nothing is committed: the consumer seeks back to the first
-offset of the batch and the batch is retried after a backoff, so a broker
-outage delays work but loses none. A handler exception is retried the same
-way, ``max_attempts`` times, then the batch's records are dead-lettered as
-``processing`` errors and the loop moves on (one poisoned batch must not stop
-the stream). Heartbeats run on kafka-python's background thread; keep
-``max_batch`` small enough that a batch finishes well inside
-``max_poll_interval_ms``.
+Failures cost only what failed:
+
+- Producing: records the broker did not acknowledge are sent again, in place (the
+  handler does not run again, so nothing it produced or counted is repeated), after a
+  backoff, until they are acknowledged or the loop is stopped (then nothing is
+  committed and the batch is left to the next owner). A broker outage delays work but
+  loses none.
+- A record the broker *refuses* (too large, invalid: :data:`REFUSED`) is never retried:
+  the input it answered is dead-lettered as ``refused`` instead (and a dead letter that
+  is refused is replaced by one without its payload prefix), so no input can make the
+  loop rewind forever.
+- A handler exception is retried ``max_attempts`` times; then the batch is split in
+  halves and each half handled on its own, down to single records, so one bad record
+  is dead-lettered as ``processing`` and the others are handled. After :meth:`stop`, a
+  failure is not dead-lettered at all: the batch is rewound for the next owner.
+- :class:`~worker.errors.TransientError` (a dependency is down): the batch is rewound
+  and retried after a backoff, never dead-lettered.
+
+While a batch cannot be completed the loop is *stalled* (:meth:`BatchLoop.stalled_s`;
+roles report it on ``/readyz``); retries, refusals and commit failures are counted
+in :class:`LoopStats` and passed to ``on_event`` (roles export them as metrics).
+Heartbeats run on kafka-python's background thread; keep ``max_batch`` small enough
+that a batch finishes well inside ``max_poll_interval_ms``.
 """
 
 from __future__ import annotations
 
-import base64
+import contextlib
 import logging
 import threading
 import time
@@ -27,18 +42,33 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.errors import CommitFailedError, KafkaError
+from kafka.errors import (
+    CommitFailedError,
+    InvalidRecordError,
+    KafkaError,
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+)
 from kafka.structs import OffsetAndMetadata
 from pydantic import ValidationError
 
 from schemas import DeadLetter, DeadLetterKind, WireModel, describe_error, utcnow
 from worker.errors import TransientError
 
-__all__ = ["BatchLoop", "Item", "LoopStats", "Outgoing"]
+__all__ = ["REFUSED", "BatchLoop", "Item", "LoopStats", "Outgoing"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T", bound=WireModel)
+
+# Errors that say "this record will never be accepted", as opposed to "not now": retrying
+# them cannot succeed. Other errors, even non-retriable ones such as a missing ACL, are
+# about the deployment, not the record, and are retried (the loop stalls visibly).
+REFUSED: tuple[type[KafkaError], ...] = (
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    InvalidRecordError,
+)
 
 
 @dataclass(frozen=True)
@@ -51,15 +81,26 @@ class Item(Generic[T]):
     offset: int
     key: bytes | None
     timestamp_ms: int
+    raw: bytes = field(default=b"", repr=False)  # the payload as it arrived
+
+    @property
+    def payload(self) -> bytes:
+        return self.raw or self.value.encode()
 
 
 @dataclass(frozen=True)
 class Outgoing:
-    """A record the handler wants produced before the batch is committed."""
+    """A record the handler wants produced before the batch is committed.
+
+    ``source`` is the input it answers: if the broker refuses this record, that input is
+    dead-lettered as ``refused``. ``fallback`` is sent instead when it is refused.
+    """
 
     topic: str
     key: bytes | None
     value: bytes
+    source: Item[Any] | None = field(default=None, repr=False)
+    fallback: Outgoing | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -71,8 +112,14 @@ class LoopStats:
     produced: int = 0
     retries: int = 0
     commit_failures: int = 0
+    refused: int = 0  # records the broker refused (replaced by a dead letter)
+    dropped: int = 0  # refused records with nothing to replace them by (logged)
     last_batch_s: float = 0.0
     dead_letter_kinds: dict[str, int] = field(default_factory=dict)
+
+
+class _Rewind(Exception):
+    """The batch in hand is given up (to be polled again): nothing is committed."""
 
 
 class BatchLoop(Generic[T]):
@@ -95,6 +142,7 @@ class BatchLoop(Generic[T]):
         produce_timeout_s: float = 60.0,
         between_batches: Callable[[], None] | None = None,
         on_dead_letter: Callable[[str], None] | None = None,
+        on_event: Callable[[str], None] | None = None,
         defer_commits: bool = False,
     ) -> None:
         self.consumer = consumer
@@ -111,12 +159,19 @@ class BatchLoop(Generic[T]):
         self.produce_timeout_s = produce_timeout_s
         self.between_batches = between_batches
         self.on_dead_letter = on_dead_letter
+        # "retry_produce", "retry_handler", "retry_transient", "commit_failure", "refused",
+        # "dropped": roles count them as metrics.
+        self.on_event = on_event
         # Deferred: offsets accumulate until commit_pending() (the updater commits only
         # once a published checkpoint reflects the labels).
         self.defer_commits = defer_commits
         self.pending: dict[TopicPartition, OffsetAndMetadata] = {}
         self.stats = LoopStats()
         self.stop_event = threading.Event()
+        # Since when the batch in hand (on these partitions) has failed to complete.
+        self._stalled_since: float | None = None
+        self._stalled_on: set[TopicPartition] = set()
+        self.last_failure = ""
 
     @classmethod
     def for_topic(
@@ -159,51 +214,39 @@ class BatchLoop(Generic[T]):
         while not self.stop_event.is_set():
             if self.between_batches is not None:
                 self.between_batches()  # e.g. hot-swap a probe: only ever between batches
+                if self.stop_event.is_set():
+                    break  # e.g. the lease was lost: not one more batch
             self.run_once()
 
     def stop(self) -> None:
         self.stop_event.set()
+
+    def stalled_s(self) -> float:
+        """Seconds the batch in hand has failed to complete (0 while the loop progresses)."""
+        if self._stalled_since is None:
+            return 0.0
+        return time.monotonic() - self._stalled_since
 
     def run_once(self) -> int:
         """Poll one batch and process it to a commit. Returns the number of records."""
         polled = self.consumer.poll(timeout_ms=self.max_wait_ms, max_records=self.max_batch)
         records = [r for rs in polled.values() for r in rs]
         if not records:
+            self._unstall_if_revoked()
             return 0
         start = time.perf_counter()
         items, dead = self._decode(records)
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                out = list(self.handler(items)) if items else []
-            except TransientError as exc:
-                log.warning("dependency unavailable (%s); retrying the batch later", exc)
-                self.stats.retries += 1
-                self._rewind(records)
-                self.stop_event.wait(self.backoff_s)
-                return 0
-            except Exception as exc:  # the handler's failure must not kill the loop
-                if attempt < self.max_attempts and not self.stop_event.is_set():
-                    log.warning("handler failed (attempt %d): %s; retrying", attempt, exc)
-                    self.stats.retries += 1
-                    time.sleep(self.backoff_s)
-                    continue
-                log.exception("handler failed %d times; dead-lettering the batch", attempt)
-                dead.extend(
-                    self._dead(i, "processing", f"{type(exc).__name__}: {exc}") for i in items
-                )
-                out = []
-            if self._produce([*out, *dead]):
-                break
-            # Not acknowledged: nothing is committed; rewind and try the whole batch again.
-            self.stats.retries += 1
+        try:
+            out = self._handle(items, self.max_attempts)
+            if not self._deliver([*out, *dead]):
+                raise _Rewind
+        except _Rewind:
             self._rewind(records)
-            time.sleep(self.backoff_s)
             return 0
         self._track(records)
         if not self.defer_commits:
             self.commit_pending()
+        self._stalled_since, self._stalled_on = None, set()
         self.stats.batches += 1
         self.stats.records += len(records)
         self.stats.handled += len(items)
@@ -226,8 +269,45 @@ class BatchLoop(Generic[T]):
                 kind, message = describe_error(exc)
                 dead.append(self._dead_record(r, kind, message))  # type: ignore[arg-type]
                 continue
-            items.append(Item(value, r.topic, r.partition, r.offset, r.key, r.timestamp))
+            items.append(
+                Item(value, r.topic, r.partition, r.offset, r.key, r.timestamp, raw=r.value)
+            )
         return items, dead
+
+    def _handle(self, items: list[Item[T]], attempts: int) -> list[Outgoing]:
+        """The handler's records for ``items``; a record it keeps failing on is
+        dead-lettered alone (halving the batch until the failure is isolated).
+
+        Raises :class:`_Rewind` on a :class:`TransientError`, and on any failure once the
+        loop is stopping (the next owner retries; nothing is dead-lettered).
+        """
+        if not items:
+            return []
+        for attempt in range(1, attempts + 1):
+            try:
+                return list(self.handler(items))
+            except TransientError as exc:
+                self._failed("retry_transient", f"dependency unavailable: {exc}")
+                log.warning("dependency unavailable (%s); retrying the batch later", exc)
+                self.stop_event.wait(self.backoff_s)
+                raise _Rewind from exc
+            except Exception as exc:  # the handler's failure must not kill the loop
+                why = f"{type(exc).__name__}: {exc}"
+                if self.stop_event.is_set():
+                    self._failed("retry_handler", why)
+                    log.warning("handler failed while stopping (%s); left for the next owner", why)
+                    raise _Rewind from exc
+                if len(items) == 1 and attempt == attempts:
+                    log.exception("handler failed on %s; dead-lettering it", _where(items[0]))
+                    return [self._dead(items[0], "processing", why)]
+                if attempt < attempts:
+                    self._failed("retry_handler", why)
+                    log.warning("handler failed (attempt %d): %s; retrying", attempt, why)
+                    self.stop_event.wait(self.backoff_s)
+                else:
+                    log.warning("handler failed on %d records: %s; isolating", len(items), why)
+        half = len(items) // 2
+        return self._handle(items[:half], 1) + self._handle(items[half:], 1)
 
     def _dead_record(self, r: Any, kind: DeadLetterKind, message: str) -> Outgoing:
         return self.dead_letter(
@@ -236,7 +316,7 @@ class BatchLoop(Generic[T]):
 
     def _dead(self, item: Item[T], kind: DeadLetterKind, message: str) -> Outgoing:
         return self.dead_letter(
-            item.topic, item.partition, item.offset, item.key, item.value.encode(), kind, message
+            item.topic, item.partition, item.offset, item.key, item.payload, kind, message
         )
 
     def dead_letter(
@@ -249,38 +329,111 @@ class BatchLoop(Generic[T]):
         kind: DeadLetterKind,
         message: str,
     ) -> Outgoing:
-        """A DeadLetter record for the dead-letter topic (handlers use it for their own rejects)."""
+        """A DeadLetter record for the dead-letter topic (handlers use it for their own rejects).
+
+        Bounded whatever the payload (a prefix, its size and sha256); should the broker
+        still refuse it, a letter without the payload prefix is sent instead.
+        """
         self.stats.dead_letters += 1
         self.stats.dead_letter_kinds[kind] = self.stats.dead_letter_kinds.get(kind, 0) + 1
         if self.on_dead_letter is not None:
             self.on_dead_letter(kind)
-        letter = DeadLetter(
-            source_topic=topic,
-            source_partition=partition,
-            source_offset=offset,
-            key_b64=base64.b64encode(key).decode() if key is not None else None,
-            payload_b64=base64.b64encode(payload).decode(),
-            error_kind=kind,
-            error_message=message[:4000],
-            worker_id=self.worker_id,
-            created_at=utcnow(),
+        fields: dict[str, Any] = {
+            "source_topic": topic,
+            "source_partition": partition,
+            "source_offset": offset,
+            "error_kind": kind,
+            "error_message": message,
+            "worker_id": self.worker_id,
+            "created_at": utcnow(),
+        }
+        letter = DeadLetter.bounded(payload=payload, key=key, **fields)
+        bare = DeadLetter.bounded(payload=b"", key=None, **fields).model_copy(
+            update={"payload_size": letter.payload_size, "payload_sha256": letter.payload_sha256}
         )
         log.info("dead letter %s:%d@%d %s: %s", topic, partition, offset, kind, message[:200])
-        return Outgoing(self.dead_letter_topic, key, letter.encode())
+        dlq_key = key if key is None or len(key) <= 1024 else key[:1024]
+        return Outgoing(
+            self.dead_letter_topic,
+            dlq_key,
+            letter.encode(),
+            fallback=Outgoing(self.dead_letter_topic, dlq_key, bare.encode()),
+        )
 
-    def _produce(self, out: list[Outgoing]) -> bool:
-        """Send everything and wait for acknowledgements; False if any send failed."""
-        if not out:
-            return True
-        try:
-            futures = [self.producer.send(o.topic, key=o.key, value=o.value) for o in out]
+    def _deliver(self, out: list[Outgoing]) -> bool:
+        """Produce ``out`` and wait for every acknowledgement.
+
+        Unacknowledged records are sent again (only they) after a backoff; refused ones
+        are replaced (:meth:`_replacement`). False only when the loop was stopped before
+        everything was acknowledged.
+        """
+        pending = out
+        while pending:
+            again: list[Outgoing] = []
+            failures: list[str] = []
+            for o, exc in self._send(pending):
+                if isinstance(exc, REFUSED):
+                    replacement = self._replacement(o, exc)
+                    if replacement is not None:
+                        again.append(replacement)
+                else:
+                    again.append(o)
+                    failures.append(f"{type(exc).__name__}: {exc}")
+            if failures:
+                self._failed("retry_produce", failures[0])
+                log.error(
+                    "%d of %d records not acknowledged (%s); sending them again",
+                    len(failures),
+                    len(pending),
+                    failures[0],
+                )
+                if self.stop_event.wait(self.backoff_s):
+                    return False  # stopping: the next owner redoes the batch
+            pending = again
+        return True
+
+    def _send(self, out: list[Outgoing]) -> list[tuple[Outgoing, KafkaError]]:
+        """Send ``out``; the records that failed, with why."""
+        failed: list[tuple[Outgoing, KafkaError]] = []
+        sent = []
+        for o in out:
+            try:
+                sent.append((o, self.producer.send(o.topic, key=o.key, value=o.value)))
+            except KafkaError as exc:  # e.g. larger than max_request_size (3.x raises here)
+                failed.append((o, exc))
+        with contextlib.suppress(KafkaError):  # each future below says what became of its record
             self.producer.flush(self.produce_timeout_s)
-            for f in futures:
-                f.get(timeout=self.produce_timeout_s)
-            return True
-        except KafkaError as exc:
-            log.error("producing %d records failed: %s; the batch will be retried", len(out), exc)
-            return False
+        for o, future in sent:
+            try:
+                future.get(timeout=self.produce_timeout_s)
+            except KafkaError as exc:
+                failed.append((o, exc))
+        return failed
+
+    def _replacement(self, o: Outgoing, exc: KafkaError) -> Outgoing | None:
+        """What to send instead of a record the broker refused (None: nothing can be)."""
+        self.stats.refused += 1
+        self._event("refused")
+        why = f"{type(exc).__name__}: {exc}"
+        if o.fallback is not None:
+            log.error(
+                "the broker refused a record for %s (%s); sending a smaller one", o.topic, why
+            )
+            return o.fallback
+        if o.source is not None:
+            log.error(
+                "the broker refused a record for %s (%s); dead-lettering its input %s",
+                o.topic,
+                why,
+                _where(o.source),
+            )
+            return self._dead(
+                o.source, "refused", f"{why} (a {len(o.value)}-byte record for {o.topic})"
+            )
+        self.stats.dropped += 1
+        self._event("dropped")
+        log.error("the broker refused a record for %s (%s); nothing to send instead", o.topic, why)
+        return None
 
     def _track(self, records: list[Any]) -> None:
         for r in records:
@@ -301,6 +454,7 @@ class BatchLoop(Generic[T]):
             # The partitions moved to another member (rebalance): it re-reads from the last
             # commit, so these records may be processed twice -- never lost.
             self.stats.commit_failures += 1
+            self._event("commit_failure")
             log.warning("commit failed (%s); records will be redelivered", exc)
             return False
 
@@ -313,3 +467,26 @@ class BatchLoop(Generic[T]):
         for tp, offset in first.items():
             if tp in assigned:
                 self.consumer.seek(tp, offset)
+        self._stalled_on |= set(first)
+
+    # --- failure accounting --------------------------------------------------
+
+    def _failed(self, event: str, why: str) -> None:
+        self.stats.retries += 1
+        self._event(event)
+        self.last_failure = why[:500]
+        if self._stalled_since is None:
+            self._stalled_since = time.monotonic()
+
+    def _unstall_if_revoked(self) -> None:
+        """Nothing in hand: not stalled any more once the stalled partitions are gone."""
+        if self._stalled_since is not None and not (self._stalled_on & self.consumer.assignment()):
+            self._stalled_since, self._stalled_on = None, set()
+
+    def _event(self, name: str) -> None:
+        if self.on_event is not None:
+            self.on_event(name)
+
+
+def _where(item: Item[Any]) -> str:
+    return f"{item.topic}:{item.partition}@{item.offset}"

@@ -4,7 +4,12 @@ The scorer and the updater compose one :class:`RoleRuntime` rather than each bui
 the same scaffolding: a :class:`~worker.health.Health` whose liveness goes stale after a
 Kafka poll interval, a ``/metrics`` + ``/healthz`` + ``/readyz`` server on
 ``metrics_port`` (0 disables it), a stop event that is safe to set from a signal
-handler, and the factory of the role's :class:`~worker.kafka.batch_loop.BatchLoop`.
+handler, and the factory of the role's :class:`~worker.kafka.batch_loop.BatchLoop`, whose
+retries, refused records and commit failures it exports as
+``probeguard_<role>_loop_retries_total{reason}``,
+``probeguard_<role>_records_refused_total`` and
+``probeguard_<role>_commit_failures_total``, and whose stall (a batch that cannot be
+completed) it reports by :meth:`RoleRuntime.stall` (roles put it on ``/readyz``).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from schemas.base import WireModel
 from worker.health import Health, HealthServer
@@ -31,11 +36,34 @@ class RoleRuntime:
         settings: Any,
         metrics: CollectorRegistry,
         *,
+        role: str,
         worker_id: str,
         metrics_port: int | None = None,
     ) -> None:
         self.settings = settings
         self.worker_id = worker_id
+        self.retries = Counter(
+            f"probeguard_{role}_loop_retries",
+            "Batch attempts that failed and were retried (produce, handler, dependency)",
+            ["reason"],
+            registry=metrics,
+        )
+        self.refused = Counter(
+            f"probeguard_{role}_records_refused",
+            "Records the broker refused (too large, invalid); their inputs were dead-lettered",
+            registry=metrics,
+        )
+        self.commit_failures = Counter(
+            f"probeguard_{role}_commit_failures",
+            "Offset commits that failed (the records will be redelivered)",
+            registry=metrics,
+        )
+        self.stalled = Gauge(
+            f"probeguard_{role}_stalled_seconds",
+            "How long the batch in hand has failed to complete (0 while progressing)",
+            registry=metrics,
+        )
+        self.stalled.set_function(lambda: self.loop.stalled_s() if self.loop is not None else 0.0)
         # A loop that has not come back from a poll for longer than Kafka allows is dead.
         self.health = Health(stale_after_s=max(60.0, settings.kafka_max_poll_interval_ms / 1000))
         port = settings.metrics_port if metrics_port is None else metrics_port
@@ -79,12 +107,32 @@ class RoleRuntime:
             handler=handler,
             worker_id=self.worker_id,
             on_dead_letter=lambda kind: dead_letters.labels(kind).inc(),
+            on_event=self._count,
             **options,
         )
         self.loop = loop
         if self.stop_event.is_set():
             loop.stop()
         return loop
+
+    def _count(self, event: str) -> None:
+        if event.startswith("retry_"):
+            self.retries.labels(event.removeprefix("retry_")).inc()
+        elif event == "refused":
+            self.refused.inc()
+        elif event == "commit_failure":
+            self.commit_failures.inc()
+
+    def stall(self) -> str | None:
+        """Why the role cannot make progress, when its batch in hand has failed to complete
+        for longer than ``stall_not_ready_s``; None while it progresses."""
+        loop = self.loop
+        if loop is None:
+            return None
+        stalled = loop.stalled_s()
+        if stalled <= self.settings.stall_not_ready_s:
+            return None
+        return f"stalled for {stalled:.0f}s on a batch it cannot complete: {loop.last_failure}"
 
     def stop(self) -> None:
         """Finish the batch in hand, commit it, leave the group (safe from a signal handler)."""

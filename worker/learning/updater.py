@@ -143,10 +143,14 @@ class Updater:
         self._next_rollout = 0.0
         self.metrics = UpdaterMetrics()
         self.runtime = RoleRuntime(
-            settings, self.metrics.registry, worker_id=self.worker_id, metrics_port=metrics_port
+            settings,
+            self.metrics.registry,
+            role="updater",
+            worker_id=self.worker_id,
+            metrics_port=metrics_port,
         )
         self.health = self.runtime.health
-        self.health.ready_check = lambda: (True, "active" if self.active else "standby")
+        self.health.ready_check = self._ready
         self.active = False
         # Set by _resume() when the lease is ours: the learning core, and what it
         # continues from (the version it resumed from, then the last one it published).
@@ -196,6 +200,12 @@ class Updater:
     def stop(self) -> None:
         """Finish the batch in hand, publish what it learned, commit, leave the group."""
         self.runtime.stop()
+
+    def _ready(self) -> tuple[bool, str]:
+        stall = self.runtime.stall()
+        if stall is not None:
+            return False, stall
+        return True, "active" if self.active else "standby"
 
     def _try_lease(self) -> bool:
         try:
@@ -365,7 +375,7 @@ class Updater:
         if self.loop is None:
             raise RuntimeError("no loop")
         return self.loop.dead_letter(
-            item.topic, item.partition, item.offset, item.key, item.value.encode(), kind, why
+            item.topic, item.partition, item.offset, item.key, item.payload, kind, why
         )
 
     # --- between batches: lease and publishing ------------------------------

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
-from worker.errors import ConfigError, ExtractionError, ExtractionInputError
+from worker.errors import ConfigError, DeviceError, ExtractionError, ExtractionInputError
 from worker.llm.load import LoadedLLM, load_llm
 
 if TYPE_CHECKING:
@@ -338,11 +338,26 @@ class HiddenStateExtractor:
         hidden: torch.Tensor,
         starts: list[int],
     ) -> dict[int, str]:
-        """Run a micro-batch; if it fails, run its pieces alone. Returns failed rows."""
+        """Run a micro-batch; if it fails, run its pieces alone. Returns failed rows.
+
+        A device fault is no verdict on the texts: out of memory first retries smaller
+        micro-batches, then (like any other device error) raises :class:`DeviceError`.
+        """
         try:
             self._run(batch, wanted, hidden, starts)
             return {}
         except Exception as exc:
+            fault = device_fault(exc)
+            if fault == "oom" and len(batch) > 1:
+                log.warning("micro-batch of %d ran out of device memory; halving it", len(batch))
+                _free_device_memory()
+                half = len(batch) // 2
+                return {
+                    **self._run_isolating(batch[:half], wanted, hidden, starts),
+                    **self._run_isolating(batch[half:], wanted, hidden, starts),
+                }
+            if fault is not None:
+                raise DeviceError(f"device fault in the forward pass: {exc!r}") from exc
             if len(batch) == 1:
                 log.warning("extraction failed for one text: %s", exc, exc_info=True)
                 return {batch[0].row: str(ExtractionInputError("failed", repr(exc)))}
@@ -482,3 +497,28 @@ def _special_affixes(tokenizer: Any) -> tuple[list[int], list[int]]:
         if full[start : start + len(bare)] == bare:
             return full[:start], full[start + len(bare) :]
     raise ConfigError(f"cannot tell where {type(tokenizer).__name__} adds special tokens")
+
+
+_DEVICE_ERROR = re.compile(
+    r"CUDA error|CUDA out of memory|CUBLAS_STATUS|CUDNN_STATUS|device-side assert|"
+    r"HIP error|MPS backend out of memory|out of memory",
+    re.IGNORECASE,
+)
+
+
+def device_fault(exc: BaseException) -> Literal["oom", "device"] | None:
+    """``"oom"`` for out of device memory, ``"device"`` for another accelerator failure
+    (e.g. a sticky CUDA error), None when the exception is not about the device."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return "oom"
+    accelerator = getattr(torch, "AcceleratorError", None)
+    if accelerator is not None and isinstance(exc, accelerator):
+        return "device"
+    if isinstance(exc, RuntimeError) and _DEVICE_ERROR.search(str(exc)):
+        return "oom" if "out of memory" in str(exc).lower() else "device"
+    return None
+
+
+def _free_device_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -123,7 +123,11 @@ class Scorer:
         self.worker_id = worker_id or settings.resolved_worker_id()
         self.metrics = ScorerMetrics()
         self.runtime = RoleRuntime(
-            settings, self.metrics.registry, worker_id=self.worker_id, metrics_port=metrics_port
+            settings,
+            self.metrics.registry,
+            role="scorer",
+            worker_id=self.worker_id,
+            metrics_port=metrics_port,
         )
         self.health = self.runtime.health
         self.health.ready_check = self._ready
@@ -199,7 +203,7 @@ class Scorer:
                     it.partition,
                     it.offset,
                     it.key,
-                    it.value.encode(),
+                    it.payload,
                     "unscorable",
                     reason,
                 )
@@ -218,12 +222,17 @@ class Scorer:
                 scored_at=now,
             )
             out.append(
-                Outgoing(self.settings.topic_verdicts, msg.message_id.encode(), verdict.encode())
+                Outgoing(
+                    self.settings.topic_verdicts,
+                    msg.message_id.encode(),
+                    verdict.encode(),
+                    source=items[pos],
+                )
             )
             for r in results:
                 if r.flagged:
                     self.metrics.flags.labels(r.probe).inc()
-        out.extend(self._reviews(messages, scores))
+        out.extend(self._reviews(items, scores))
         self._remember(messages, scores, latency_ms)
         n = len(scores.results)
         self.metrics.messages.inc(n)
@@ -234,11 +243,11 @@ class Scorer:
             self.metrics.message_seconds.observe(elapsed / n)
         return out
 
-    def _reviews(self, messages: list[ChatMessage], scores: BatchScores) -> list[Outgoing]:
+    def _reviews(self, items: list[Item[ChatMessage]], scores: BatchScores) -> list[Outgoing]:
         s = self.settings
-        candidates: list[ReviewRequest] = []
+        candidates: list[tuple[ReviewRequest, Item[ChatMessage]]] = []
         for pos, results in scores.results.items():
-            msg = messages[pos]
+            msg = items[pos].value
             for r in results:
                 flag_score = scores.flag_scores.get((pos, r.probe))
                 reason: Literal["uncertain", "audit"]
@@ -248,23 +257,25 @@ class Scorer:
                     reason = "audit"
                 else:
                     continue
-                candidates.append(
-                    ReviewRequest(
-                        message_id=msg.message_id,
-                        conversation_id=msg.conversation_id,
-                        text=msg.text,
-                        probe=r.probe,
-                        version=r.version,
-                        scores=r.scores,
-                        reason=reason,
-                        created_at=utcnow(),
-                    )
+                request = ReviewRequest(
+                    message_id=msg.message_id,
+                    conversation_id=msg.conversation_id,
+                    text=msg.text,
+                    probe=r.probe,
+                    version=r.version,
+                    scores=r.scores,
+                    reason=reason,
+                    created_at=utcnow(),
                 )
+                candidates.append((request, items[pos]))
         admitted = candidates[: self._review_budget(len(candidates))]
         self.metrics.reviews_dropped.inc(len(candidates) - len(admitted))
-        for req in admitted:
+        for req, _ in admitted:
             self.metrics.reviews.labels(req.reason).inc()
-        return [Outgoing(s.topic_review, r.message_id.encode(), r.encode()) for r in admitted]
+        return [
+            Outgoing(s.topic_review, r.message_id.encode(), r.encode(), source=item)
+            for r, item in admitted
+        ]
 
     def _review_budget(self, wanted: int) -> int:
         """How many review requests the budget shared by all scorers still admits.
@@ -383,4 +394,7 @@ class Scorer:
             return False, "no live probe loaded yet"
         if self.loop is None or not self.loop.consumer.assignment():
             return False, "no partitions assigned yet"
+        stall = self.runtime.stall()
+        if stall is not None:
+            return False, stall
         return True, f"serving {self.watcher.versions()}"

@@ -1,0 +1,239 @@
+"""The batch loop's failure rules, on an in-memory stand-in for the consumer and producer.
+
+The real broker is in tests/integration/test_stream.py; here each rule is checked on its
+own, quickly: what is produced, dead-lettered and committed when the handler or the
+broker fails.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kafka import TopicPartition
+from kafka.errors import KafkaTimeoutError, MessageSizeTooLargeError
+
+from schemas import ChatMessage, DeadLetter
+from worker.errors import TransientError
+from worker.kafka.batch_loop import BatchLoop, Item, Outgoing
+
+TOPIC = "chat"
+
+
+@dataclass
+class Record:
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    timestamp: int = 0
+
+
+def chat(i: int, text: str = "") -> bytes:
+    return json.dumps(
+        {
+            "message_id": f"m-{i}",
+            "conversation_id": "c",
+            "text": text or f"message {i}",
+            "created_at": "2026-11-30T12:00:00Z",
+        }
+    ).encode()
+
+
+class Consumer:
+    """One partition; ``poll`` hands out records from the position, ``seek`` rewinds."""
+
+    def __init__(self, values: list[bytes]) -> None:
+        self.records = [Record(TOPIC, 0, i, f"k-{i}".encode(), v) for i, v in enumerate(values)]
+        self.position = 0
+        self.commits: list[int] = []
+        self.tp = TopicPartition(TOPIC, 0)
+
+    def poll(self, timeout_ms: int, max_records: int) -> dict[TopicPartition, list[Record]]:
+        batch = self.records[self.position : self.position + max_records]
+        self.position += len(batch)
+        return {self.tp: batch} if batch else {}
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self.position = offset
+
+    def assignment(self) -> set[TopicPartition]:
+        return {self.tp}
+
+    def commit(self, offsets: dict[TopicPartition, Any]) -> None:
+        self.commits.append(offsets[self.tp].offset)
+
+
+class Future:
+    """What ``KafkaProducer.send`` returns, already resolved."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+
+    def get(self, timeout: float | None = None) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+class Producer:
+    """Acknowledges records up to ``limit`` bytes; larger ones raise like kafka-python 3.x.
+    ``fail_next`` makes that many sends time out (a broker that does not answer)."""
+
+    def __init__(self, limit: int = 1_048_576) -> None:
+        self.limit = limit
+        self.sent: list[tuple[str, bytes]] = []
+        self.fail_next = 0
+
+    def send(self, topic: str, key: bytes | None, value: bytes) -> Future:
+        if len(value) > self.limit:
+            raise MessageSizeTooLargeError(f"the message is {len(value)} bytes")
+        if self.fail_next:
+            self.fail_next -= 1
+            return Future(KafkaTimeoutError("no answer"))
+        self.sent.append((topic, value))
+        return Future()
+
+    def flush(self, timeout: float | None = None) -> None:
+        pass
+
+    def topic(self, topic: str) -> list[bytes]:
+        return [v for t, v in self.sent if t == topic]
+
+
+def make_loop(
+    consumer: Consumer, producer: Producer, handler: Any, **kw: Any
+) -> tuple[BatchLoop[ChatMessage], list[str]]:
+    events: list[str] = []
+    loop: BatchLoop[ChatMessage] = BatchLoop(
+        consumer=consumer,  # type: ignore[arg-type]
+        producer=producer,  # type: ignore[arg-type]
+        model=ChatMessage,
+        handler=handler,
+        dead_letter_topic="dlq",
+        worker_id="w",
+        backoff_s=0.0,
+        on_event=events.append,
+        **kw,
+    )
+    return loop, events
+
+
+def verdicts(items: list[Item[ChatMessage]]) -> Sequence[Outgoing]:
+    return [Outgoing("verdicts", i.key, i.value.message_id.encode(), source=i) for i in items]
+
+
+def letters(producer: Producer) -> list[DeadLetter]:
+    return [DeadLetter.decode(v) for v in producer.topic("dlq")]
+
+
+def test_garbage_near_a_megabyte_is_a_bounded_letter_and_the_batch_commits_once() -> None:
+    garbage = b"\xfe" * 900_000
+    consumer = Consumer([chat(0), garbage, chat(2)])
+    producer = Producer()
+    loop, _ = make_loop(consumer, producer, verdicts)
+    for _ in range(5):
+        loop.run_once()
+    assert producer.topic("verdicts") == [b"m-0", b"m-2"]  # sent once, never re-sent
+    assert consumer.commits == [3]
+    (letter,) = letters(producer)
+    assert letter.payload_size == 900_000 and letter.truncated
+    assert len(producer.topic("dlq")[0]) < 100_000
+
+
+def test_a_refused_output_dead_letters_its_input_and_is_not_retried() -> None:
+    long = chat(1, "x" * 2000)
+    consumer = Consumer([chat(0), long, chat(2), chat(3)])
+    producer = Producer(limit=1000)
+
+    def handler(items: list[Item[ChatMessage]]) -> Sequence[Outgoing]:
+        return [
+            Outgoing("verdicts", i.key, b"v" * (5000 if i.offset == 1 else 10), source=i)
+            for i in items
+        ]
+
+    loop, events = make_loop(consumer, producer, handler)
+    for _ in range(3):
+        loop.run_once()
+    assert len(producer.topic("verdicts")) == 3 and consumer.commits == [4]
+    # The letter itself is over this producer's tiny limit: its bare fallback is sent.
+    (letter,) = letters(producer)
+    assert letter.error_kind == "refused" and letter.source_offset == 1
+    assert letter.payload_b64 == "" and letter.payload_size == len(long)
+    assert events.count("refused") == 2 and not any(e.startswith("retry") for e in events)
+
+
+def test_unacknowledged_records_are_sent_again_alone_without_rerunning_the_handler() -> None:
+    consumer = Consumer([chat(i) for i in range(4)])
+    producer = Producer()
+    producer.fail_next = 2
+    calls: list[int] = []
+
+    def handler(items: list[Item[ChatMessage]]) -> Sequence[Outgoing]:
+        calls.append(len(items))
+        return verdicts(items)
+
+    loop, events = make_loop(consumer, producer, handler)
+    loop.run_once()
+    assert calls == [4]
+    assert sorted(producer.topic("verdicts")) == [b"m-0", b"m-1", b"m-2", b"m-3"]
+    assert consumer.commits == [4] and events == ["retry_produce"]
+    assert loop.stalled_s() == 0.0  # progressing again
+
+
+def test_one_bad_record_costs_only_itself() -> None:
+    consumer = Consumer([chat(i) for i in range(8)])
+    producer = Producer()
+
+    def handler(items: list[Item[ChatMessage]]) -> Sequence[Outgoing]:
+        if any(i.offset == 5 for i in items):
+            raise ValueError("non-finite loss")
+        return verdicts(items)
+
+    loop, _ = make_loop(consumer, producer, handler, max_batch=8)
+    loop.run_once()
+    assert sorted(producer.topic("verdicts")) == [f"m-{i}".encode() for i in range(8) if i != 5]
+    (letter,) = letters(producer)
+    assert letter.error_kind == "processing" and letter.source_offset == 5
+    assert "non-finite loss" in letter.error_message
+    assert consumer.commits == [8]
+
+
+def test_after_stop_a_failure_is_left_to_the_next_owner_not_dead_lettered() -> None:
+    consumer = Consumer([chat(i) for i in range(3)])
+    producer = Producer()
+
+    def handler(items: list[Item[ChatMessage]]) -> Sequence[Outgoing]:
+        raise RuntimeError("device lost")
+
+    loop, _ = make_loop(consumer, producer, handler)
+    loop.stop()  # SIGTERM arrived
+    loop.run_once()
+    assert producer.sent == [] and consumer.commits == []
+    assert consumer.position == 0  # rewound
+
+
+def test_a_transient_failure_rewinds_and_the_loop_reports_a_stall() -> None:
+    consumer = Consumer([chat(0)])
+    producer = Producer()
+
+    def handler(items: list[Item[ChatMessage]]) -> Sequence[Outgoing]:
+        raise TransientError("Redis down")
+
+    loop, events = make_loop(consumer, producer, handler)
+    loop.run_once()
+    loop.run_once()
+    assert producer.sent == [] and consumer.commits == [] and consumer.position == 0
+    assert events == ["retry_transient", "retry_transient"]
+    assert loop.stalled_s() > 0 and "Redis down" in loop.last_failure
+
+
+def test_no_batch_after_between_batches_stops_the_loop() -> None:
+    consumer = Consumer([chat(0)])
+    producer = Producer()
+    loop, _ = make_loop(consumer, producer, verdicts)
+    loop.between_batches = loop.stop  # e.g. the lease was lost
+    loop.run()
+    assert consumer.position == 0 and producer.sent == []
