@@ -125,3 +125,23 @@ def test_snapshot_is_plain_data() -> None:
     assert snap["layers"] == list(learner.probe.layers)
     assert len(snap["layer_weights"]) == len(snap["layers"])
     assert not any(isinstance(v, torch.Tensor) for v in snap.values())
+
+
+@pytest.mark.parametrize(("pool", "mix"), [("mean", "scalar_mix"), ("gate", "scalar_mix")])
+def test_rows_that_overflow_half_precision_are_named_not_learned(pool: str, mix: str) -> None:
+    # Replay keeps examples in fp16: a hidden value of 1e5 becomes inf there, and one such
+    # label (1e6 here) used to make every later loss non-finite (and its whole batch a dead letter).
+    learner = _learner(pool, mix)
+    hidden, mask, y = toy_task(NUM_LAYERS, "multiclass", n=8)
+    hidden = hidden[torch.tensor(learner.probe.layers) - 1].clone()
+    first_real = int(mask[3].nonzero()[0])
+    hidden[:, 3, first_real] = 1e6
+    hidden[:, 5, -1] = 1e6
+    bad = learner.unusable_rows(hidden, mask)
+    assert bad == ([3, 5] if bool(mask[5, -1]) else [3])
+    keep = [r for r in range(8) if r not in bad]
+    for _ in range(4):  # through the warm-up, then learning
+        learner.learn(hidden[:, keep], mask[keep], y[keep], y[keep].tolist())
+    assert not learner.warming_up
+    assert all(torch.isfinite(p).all() for p in learner.probe.parameters())
+    assert learner.last_loss is not None and torch.isfinite(torch.tensor(learner.last_loss))

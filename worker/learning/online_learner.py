@@ -123,6 +123,19 @@ class OnlineLearner:
         self._count(targets)
         return self.learner.steps - steps_before
 
+    def unusable_rows(self, hidden: Tensor, mask: Tensor) -> list[int]:
+        """Rows of ``hidden [L, B, T, D]`` that cannot be learned from: NaN or inf in the
+        example as replay keeps it (fp16, so values beyond 65504 count). The caller
+        rejects them; one such row would make every later loss non-finite."""
+        with torch.no_grad():
+            if self.probe.separable:
+                kept = SUMMARIES[self.probe.spec.token_pool](hidden, mask).half()  # [L, B, D]
+                ok = torch.isfinite(kept).all(dim=2).all(dim=0)  # [B]
+            else:
+                finite = torch.isfinite(hidden.half()) | ~mask[None, :, :, None]  # [L,B,T,D]
+                ok = finite.flatten(2).all(dim=2).all(dim=0)  # [B]
+        return [int(b) for b in (~ok).nonzero().flatten().tolist()]
+
     def _examples(
         self, hidden: Tensor, mask: Tensor, targets: Tensor, buckets: list[int]
     ) -> list[Example]:

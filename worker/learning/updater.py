@@ -326,11 +326,19 @@ class Updater:
         ex = self.extractor.extract([t for _, t, _, _ in ready], learner.probe.layers)
         for pos, reason in ex.errors.items():
             dead.append(self._reject(ready[pos][0], "unscorable", reason))
-        if not ex.index:
+        hidden, mask = ex.hidden.float(), ex.mask  # [L, B, T, D], [B, T]
+        bad = set(learner.unusable_rows(hidden, mask))
+        for row in sorted(bad):
+            why = "hidden states not finite in half precision (NaN, inf or beyond 65504)"
+            dead.append(self._reject(ready[ex.index[row]][0], "unscorable", why))
+        rows = [row for row in range(len(ex.index)) if row not in bad]
+        if not rows:
             return dead
-        targets = torch.stack([ready[pos][2] for pos in ex.index])
-        buckets = [ready[pos][3] for pos in ex.index]
-        steps = learner.learn(ex.hidden.float(), ex.mask, targets, buckets)  # [L, B, T, D]
+        if bad:
+            hidden, mask = hidden[:, rows], mask[rows]
+        targets = torch.stack([ready[ex.index[row]][2] for row in rows])
+        buckets = [ready[ex.index[row]][3] for row in rows]
+        steps = learner.learn(hidden, mask, targets, buckets)
         if steps:
             self.metrics.steps.inc(steps)
             self.metrics.loss.set(learner.last_loss or 0.0)

@@ -104,33 +104,53 @@ class BatchScorer:
         return sticky_fraction(key, slot.name) < slot.canary_share
 
     def score(self, messages: Sequence[ChatMessage]) -> BatchScores:
+        """Every probe's result per message; a message some probe cannot score (its
+        probabilities are not finite, e.g. a half-precision overflow) is named in
+        ``errors`` instead, and costs no other message its result."""
         layers = self.layers()
         t0 = time.perf_counter()
         ex = self.extractor.extract([m.text for m in messages], layers)
         t1 = time.perf_counter()
-        out = BatchScores(results={pos: [] for pos in ex.index}, errors=dict(ex.errors))
+        out = BatchScores(results={}, errors=dict(ex.errors))
+        runs: dict[str, tuple[_Run, _Run | None]] = {}
+        bad: dict[int, str] = {}  # row -> why
         if ex.index:
             for slot in self.slots.values():
-                self._score_slot(slot, ex, layers, messages, out)
+                if slot.live is None:
+                    continue
+                live = _run(slot.live, ex, layers)
+                canary = None
+                if slot.canary is not None and slot.canary.version != slot.live.version:
+                    canary = _run(slot.canary, ex, layers)
+                runs[slot.name] = (live, canary)
+                for r in (live, canary):
+                    if r is None:
+                        continue
+                    for row in r.non_finite:
+                        bad.setdefault(row, f"{slot.name} v{r.served.version} scored NaN or inf")
+        for row, pos in enumerate(ex.index):
+            if row in bad:
+                out.errors[pos] = bad[row]
+            else:
+                out.results[pos] = []
+        for name, (live, canary) in runs.items():
+            self._score_slot(self.slots[name], live, canary, ex, messages, out)
         out.extract_s, out.probe_s = t1 - t0, time.perf_counter() - t1
         return out
 
     def _score_slot(
         self,
         slot: ProbeSlot,
+        live: _Run,
+        canary: _Run | None,
         ex: Extraction,
-        layers: tuple[int, ...],
         messages: Sequence[ChatMessage],
         out: BatchScores,
     ) -> None:
-        if slot.live is None:
-            return
-        live = _run(slot.live, ex, layers)
-        canary = None
-        if slot.canary is not None and slot.canary.version != slot.live.version:
-            canary = _run(slot.canary, ex, layers)
         shadowed = canary if self.shadow else None  # scored for comparison, never acting
         for row, pos in enumerate(ex.index):
+            if pos not in out.results:
+                continue  # some probe could not score it
             msg = messages[pos]
             use_canary = canary is not None and not self.shadow and self.sends_to_canary(msg, slot)
             decided = canary if use_canary and canary is not None else live
@@ -171,6 +191,7 @@ class _Run:
     predicted: list[list[str]]
     flagged: list[bool]
     flag_score: list[float] | None  # highest probability among the flag labels, per row
+    non_finite: list[int]  # rows whose probabilities are NaN or inf
 
 
 def _score(run: _Run, row: int) -> float | None:
@@ -192,6 +213,8 @@ def _run(served: ServedProbe, ex: Extraction, layers: tuple[int, ...]) -> _Run:
     spec = probe.spec
     hidden = _select_layers(ex.hidden, [layers.index(layer) for layer in probe.layers])
     probs = probe.predict_proba_many(hidden, ex.mask).float().cpu()  # [B, C]
+    non_finite = (~torch.isfinite(probs).all(dim=1)).nonzero().flatten().tolist()
+    probs = torch.nan_to_num(probs, nan=0.0, posinf=1.0, neginf=0.0)  # those rows go unused
     decision = decide(spec, probs)
     flag_idx = [spec.labels.index(label) for label in spec.flag_labels]
     values = probs.tolist()
@@ -201,4 +224,5 @@ def _run(served: ServedProbe, ex: Extraction, layers: tuple[int, ...]) -> _Run:
         predicted=decision.label_names(spec),
         flagged=[bool(f) for f in decision.flagged.tolist()],
         flag_score=probs[:, flag_idx].max(dim=1).values.tolist() if flag_idx else None,
+        non_finite=non_finite,
     )

@@ -1,0 +1,108 @@
+"""Scoring a batch with several probes from one LLM pass, and isolating rows that fail."""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime
+from typing import Any
+
+import torch
+
+from probes.checkpoint import checkpoint_to_bytes
+from probes.probe import build_probe
+from schemas import ChatMessage, CheckpointManifest, ProbeSpec
+from tests.tiny_llm import make_tiny_llm
+from worker.llm.extract import HiddenStateExtractor
+from worker.scoring.batch import BatchScorer, ProbeSlot, ServedProbe
+
+TEXTS = ["hello there", "XXXX ZZZZ !!!", "see you tomorrow", "QQQQ ####", "fine"]
+
+
+def messages() -> list[ChatMessage]:
+    now = datetime(2026, 11, 30, tzinfo=UTC)
+    return [
+        ChatMessage(message_id=f"m-{i}", conversation_id="c", text=t, created_at=now)
+        for i, t in enumerate(TEXTS)
+    ]
+
+
+def served(extractor: HiddenStateExtractor, name: str, layers: list[int], seed: int) -> ServedProbe:
+    spec = ProbeSpec(
+        name=name,
+        token_pool="mean",
+        layer_mix="scalar_mix",
+        layers=layers,
+        hidden_size=extractor.hidden_size,
+        task="multiclass",
+        labels=["ok", "bad"],
+        flag_labels=["bad"],
+    )
+    probe = build_probe(spec, seed=seed)
+    probe.set_thresholds({"bad": 0.5})
+    _, manifest = checkpoint_to_bytes(probe, llm=extractor.fingerprint, version=seed)
+    return ServedProbe(probe.eval(), CheckpointManifest.decode(manifest))
+
+
+class Counting(HiddenStateExtractor):
+    """Counts the forward passes of the LLM."""
+
+    def __init__(self) -> None:
+        super().__init__(make_tiny_llm(), max_tokens=64, batch_size=16)
+        self.passes: list[tuple[int, ...]] = []
+
+    def extract(self, texts: Any, layers: Any) -> Any:
+        self.passes.append(tuple(layers))
+        return super().extract(texts, layers)
+
+
+def test_two_probes_on_different_layers_share_one_llm_pass() -> None:
+    ex = Counting()
+    a = served(ex, "toxicity", [1, 2], seed=1)
+    b = served(ex, "spam", [2, 4], seed=2)  # non-contiguous in the union [1, 2, 4]
+    both = BatchScorer(ex, {"toxicity": ProbeSlot("toxicity", a), "spam": ProbeSlot("spam", b)})
+    scores = both.score(messages())
+    assert ex.passes == [(1, 2, 4)]  # one pass, the union of the layers
+    alone = {
+        name: BatchScorer(ex, {name: ProbeSlot(name, p)}).score(messages())
+        for name, p in (("toxicity", a), ("spam", b))
+    }
+    for pos in range(len(TEXTS)):
+        got = {r.probe: r for r in scores.results[pos]}
+        assert set(got) == {"toxicity", "spam"}
+        for name in got:
+            (expected,) = alone[name].results[pos]
+            assert got[name].version == expected.version
+            for label, p in expected.scores.items():
+                assert math.isclose(got[name].scores[label], p, abs_tol=1e-5)
+            assert got[name].flagged == expected.flagged
+
+
+def test_a_probe_that_flags_makes_the_decision_flag() -> None:
+    ex = Counting()
+    a = served(ex, "toxicity", [1, 2], seed=1)
+    b = served(ex, "spam", [2, 4], seed=2)
+    a.probe.set_thresholds({"bad": 0.0})  # flags everything
+    b.probe.set_thresholds({"bad": 1.0})  # flags nothing (p >= 1.0 never holds here)
+    scores = BatchScorer(
+        ex, {"toxicity": ProbeSlot("toxicity", a), "spam": ProbeSlot("spam", b)}
+    ).score(messages())
+    for results in scores.results.values():
+        flags = {r.probe: r.flagged for r in results}
+        assert flags == {"toxicity": True, "spam": False}
+
+
+def test_a_nan_row_costs_that_row_only() -> None:
+    ex = Counting()
+    a = served(ex, "toxicity", [1, 2], seed=1)
+    original = a.probe.predict_proba_many
+
+    def nan_in_row_1(hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        probs = original(hidden, mask).clone()
+        probs[1] = float("nan")  # e.g. a half-precision overflow for this one text
+        return probs
+
+    a.probe.predict_proba_many = nan_in_row_1  # type: ignore[method-assign]
+    scores = BatchScorer(ex, {"toxicity": ProbeSlot("toxicity", a)}).score(messages())
+    assert set(scores.errors) == {1} and "NaN" in scores.errors[1]
+    assert sorted(scores.results) == [0, 2, 3, 4]
+    assert (1, "toxicity") not in scores.decisions
