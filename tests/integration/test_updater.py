@@ -7,13 +7,15 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
+from probes.checkpoint import probe_from_bytes
 from schemas import DeadLetter, Verdict
 from tests.conftest import RedisNamespace
 from tests.kafka_helpers import drain, produce_raw
 from tests.process_helpers import Threaded, settings_env, spawn, tiny_model_dir, wait_until
 from tests.tiny_llm import make_tiny_llm
-from worker.kafka.clients import ensure_topics
+from worker.kafka.clients import ensure_topics, make_admin
 from worker.learning.updater import Updater
 from worker.llm.extract import HiddenStateExtractor
 from worker.scoring.scorer import Scorer
@@ -264,3 +266,50 @@ def test_two_updaters_one_writer_and_failover(
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def committed(settings: Settings, group: str) -> int:
+    """Offsets committed by ``group`` on the labels topic, summed over partitions."""
+    admin = make_admin(settings)
+    try:
+        offsets = admin.list_group_offsets(group).get(group, {})
+    finally:
+        admin.close()
+    return sum(max(o.offset, 0) for tp, o in offsets.items() if tp.topic == settings.topic_labels)
+
+
+def test_sigterm_during_warm_up_publishes_nothing_and_commits_nothing(
+    settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded]
+) -> None:
+    # Review C2: a stop during the stats warm-up used to publish a random probe with
+    # identity normalization (live at once in auto_live) and commit the warm-up labels
+    # unlearned; the next updater resumed from it and never fixed the normalization.
+    settings = fast(settings, stats_warmup=24, publish_every_labels=8)
+    ensure_topics(settings)
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
+    first = Updater(settings, extractor(), redis_ns.client, worker_id="updater-a")
+    running = Threaded(first.run, first.stop)
+    produce_raw(settings, settings.topic_labels, [(None, label(i)) for i in range(10)])
+    wait_until(
+        lambda: first.learner is not None and len(first.learner.warmup or []) == 10,
+        "ten labels in the warm-up",
+    )
+    running.stop()  # SIGTERM
+    assert registry.versions() == []
+    assert registry.stages().live is None
+    assert committed(settings, settings.group_updater) == 0
+    # The next updater starts from zero again, gets the ten labels again, and completes
+    # the warm-up: the normalization is fixed from data.
+    second = Updater(settings, extractor(), redis_ns.client, worker_id="updater-b")
+    threads.append(Threaded(second.run, second.stop))
+    produce_raw(settings, settings.topic_labels, [(None, label(i)) for i in range(10, 24)])
+    wait_until(lambda: registry.latest() is not None, "a first version")
+    latest = registry.latest()
+    assert latest is not None
+    manifest = registry.manifest(latest)
+    assert manifest.counters.labels_seen == 24 and manifest.parent is None
+    probe, _ = probe_from_bytes(registry.get(latest).blob, registry.get(latest).manifest_json, None)
+    assert not torch.equal(probe.shift, torch.zeros_like(probe.shift))
+    assert not torch.equal(probe.scale, torch.ones_like(probe.scale))
+    # Now that a version reflects them, the labels are committed.
+    wait_until(lambda: committed(settings, settings.group_updater) == 24, "the commit")

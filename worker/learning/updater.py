@@ -233,7 +233,7 @@ class Updater:
         try:
             loop.run()
             if self.unpublished and self._holds_lease():
-                self.publish(reason="shutdown")
+                self.publish(reason="shutdown")  # nothing while warming up (see publish)
         finally:
             loop.close()
             self.runtime.loop = None
@@ -437,9 +437,23 @@ class Updater:
             return True
 
     def publish(self, *, reason: str = "") -> int | None:
-        """Publish the current weights as a new version; commit the labels they reflect."""
+        """Publish the current weights as a new version; commit the labels they reflect.
+
+        Never while a fresh probe is still warming up: it has learned nothing and has no
+        input normalization yet, and its labels must come back (uncommitted) to whoever
+        completes the warm-up.
+        """
         learner, loop = self.learner, self.loop
         if learner is None or loop is None:
+            return None
+        if learner.warming_up:
+            log.info(
+                "not publishing %s (%s): still warming up (%d of %d examples)",
+                self.name,
+                reason,
+                len(learner.warmup or []),
+                learner.config.stats_warmup,
+            )
             return None
         start = time.perf_counter()
         learner.calibrate()
