@@ -70,10 +70,15 @@ class HumanLabel(WireModel):
     Exactly one of ``label`` (multi-class: the one true class) and ``labels``
     (multi-label: every positive category; empty means none) is given. ``text``
     lets a label stand alone when the scorers' text cache no longer holds it.
+
+    ``probe`` addresses the label to one probe (a review request names the probe that
+    asked): only that probe's updater learns it, and dead-letters it if the label is not
+    one of the probe's. Without it, every probe that knows the label learns it.
     """
 
     schema_version: Literal[1] = 1
     message_id: Id
+    probe: ProbeName | None = None
     label: LabelName | None = None
     labels: list[LabelName] | None = None
     labeler_id: Id

@@ -64,6 +64,8 @@ class Settings(BaseSettings):
     topic_replication: PositiveInt = 1
 
     group_scorer: str = "probeguard-scorer"
+    # Each probe's updaters form their own group, "<group_updater>.<probe>": every probe
+    # sees every label (see updater_group).
     group_updater: str = "probeguard-updater"
     group_console: str = "probeguard-console"
 
@@ -236,6 +238,11 @@ class Settings(BaseSettings):
     @property
     def probe_to_train(self) -> str:
         return self.train_probe or self.probe_names[0]
+
+    def updater_group(self, probe: str) -> str:
+        """The consumer group of ``probe``'s updaters (one group per probe, so no probe's
+        updater takes label partitions from another's)."""
+        return f"{self.group_updater}.{probe}"
 
     @property
     def rollout_mode(self) -> Literal["auto_live", "canary", "manual"]:

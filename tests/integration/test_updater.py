@@ -14,6 +14,7 @@ from schemas import DeadLetter, Verdict
 from tests.conftest import RedisNamespace
 from tests.kafka_helpers import drain, produce_raw
 from tests.process_helpers import Threaded, settings_env, spawn, tiny_model_dir, wait_until
+from tests.registry_helpers import toxicity_spec
 from tests.tiny_llm import make_tiny_llm
 from worker.kafka.clients import ensure_topics, make_admin
 from worker.learning.updater import Updater
@@ -297,7 +298,7 @@ def test_sigterm_during_warm_up_publishes_nothing_and_commits_nothing(
     running.stop()  # SIGTERM
     assert registry.versions() == []
     assert registry.stages().live is None
-    assert committed(settings, settings.group_updater) == 0
+    assert committed(settings, settings.updater_group("toxicity")) == 0
     # The next updater starts from zero again, gets the ten labels again, and completes
     # the warm-up: the normalization is fixed from data.
     second = Updater(settings, extractor(), redis_ns.client, worker_id="updater-b")
@@ -312,4 +313,75 @@ def test_sigterm_during_warm_up_publishes_nothing_and_commits_nothing(
     assert not torch.equal(probe.shift, torch.zeros_like(probe.shift))
     assert not torch.equal(probe.scale, torch.ones_like(probe.scale))
     # Now that a version reflects them, the labels are committed.
-    wait_until(lambda: committed(settings, settings.group_updater) == 24, "the commit")
+    wait_until(lambda: committed(settings, settings.updater_group("toxicity")) == 24, "the commit")
+
+
+def spam_label(i: int, probe: str | None = None, lab: str | None = None) -> bytes:
+    body = {
+        "message_id": f"s-{i}",
+        "label": lab or ("spam" if i % 2 else "ham"),
+        "text": f"buy cheap pills now {i}" if i % 2 else f"lunch at noon? {i}",
+        "labeler_id": "carol",
+        "created_at": "2026-11-30T12:00:00Z",
+    }
+    if probe is not None:
+        body["probe"] = probe
+    return json.dumps(body).encode()
+
+
+def test_two_probes_two_updaters_each_learns_all_of_its_labels(
+    settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded], tmp_path: Path
+) -> None:
+    # Review C3: updaters of different probes shared one consumer group, so Kafka split the
+    # label partitions between them and each dead-lettered the other's labels as
+    # unknown_label: each probe learned from about half of its labels.
+    settings = fast(settings, probes="toxicity,spam", publish_every_labels=1000)
+    ensure_topics(settings)
+    spam_spec = tmp_path / "spam.json"
+    spam_spec.write_text(
+        toxicity_spec(extractor().hidden_size, name="spam")
+        .model_copy(update={"labels": ["ham", "spam"], "flag_labels": ["spam"]})
+        .model_dump_json()
+    )
+    updaters = {}
+    for name, extra in (("toxicity", {}), ("spam", {"seed_spec": spam_spec})):
+        s = settings.model_copy(update={"train_probe": name, **extra})
+        updaters[name] = Updater(s, extractor(), redis_ns.client, worker_id=f"updater-{name}")
+        threads.append(Threaded(updaters[name].run, updaters[name].stop))
+    n = 24
+    records = [(None, label(i)) for i in range(n)] + [(None, spam_label(i)) for i in range(n)]
+    # Addressed labels: "toxic" addressed to spam is spam's unknown label (dead letter),
+    # and is not learned by toxicity either.
+    records += [(None, spam_label(100 + i, probe="spam", lab="toxic")) for i in range(3)]
+    produce_raw(settings, settings.topic_labels, records)
+    registries = {n: CheckpointRegistry(redis_ns.client, redis_ns.keys, n) for n in updaters}
+
+    def learned(name: str) -> int:
+        latest = registries[name].latest()
+        return 0 if latest is None else registries[name].manifest(latest).counters.labels_seen
+
+    wait_until(lambda: learned("toxicity") >= n and learned("spam") >= n, "both probes", 90)
+    dead = drain(settings, settings.topic_dead_letter, lambda rs: len(rs) > 3, 3)
+    letters = [DeadLetter.decode(r.value) for r in dead]
+    assert sorted(d.error_kind for d in letters) == ["unknown_label"] * 3
+    assert learned("toxicity") == n and learned("spam") == n
+    assert registries["spam"].manifest(registries["spam"].latest() or 0).counters.per_label == {
+        "ham": n // 2,
+        "spam": n // 2,
+    }
+
+
+def test_labels_nothing_is_learned_from_are_committed_at_once(
+    settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded]
+) -> None:
+    # Review C7: a batch of only unjoinable labels left nothing to publish, so its offsets
+    # waited for the next learnable label and every restart dead-lettered them again.
+    settings = fast(settings)
+    ensure_topics(settings)
+    updater = Updater(settings, extractor(), redis_ns.client)
+    threads.append(Threaded(updater.run, updater.stop))
+    records = [(None, label(i, with_text=False, prefix="gone")) for i in range(3)]
+    produce_raw(settings, settings.topic_labels, records)
+    dead = drain(settings, settings.topic_dead_letter, lambda rs: len(rs) >= 3, 60)
+    assert [DeadLetter.decode(r.value).error_kind for r in dead] == ["unjoinable"] * 3
+    wait_until(lambda: committed(settings, settings.updater_group("toxicity")) == 3, "commit")

@@ -140,6 +140,8 @@ INVALID: dict[type[WireModel], list[tuple[str, Any]]] = {
         ("labeler_id", None),
         ("labels", ["a"] * 65),
         ("text", ""),
+        ("probe", "Not A Probe"),
+        ("probe", ""),
     ],
     Verdict: [
         ("decision", "block"),
@@ -231,6 +233,12 @@ def test_missing_required_field_is_named(model: type[WireModel]) -> None:
         with pytest.raises(ValidationError) as info:
             model.decode(json.dumps(payload).encode())
         assert name in _error_fields(info.value)
+
+
+def test_human_label_may_be_addressed_to_a_probe() -> None:
+    assert HumanLabel.decode(json.dumps(VALID[HumanLabel])).probe is None
+    addressed = HumanLabel.decode(json.dumps({**VALID[HumanLabel], "probe": "spam"}))
+    assert addressed.probe == "spam"
 
 
 def test_human_label_needs_exactly_one_of_label_and_labels() -> None:

@@ -256,6 +256,7 @@ class DemoRun:
                                 time.time() + self.opts.label_delay_s,
                                 HumanLabel(
                                     message_id=mid,
+                                    probe="demo",
                                     label=row.label,
                                     labeler_id="demo-reviewer",
                                     created_at=utcnow(),

@@ -108,6 +108,12 @@ class UpdaterMetrics:
             ["action"],
             registry=r,
         )
+        self.skipped = Counter(
+            "probeguard_updater_labels_skipped",
+            "Labels left to other probes (addressed to another, or labels this probe lacks)",
+            ["reason"],
+            registry=r,
+        )
         self.labels_credited = Counter(
             "probeguard_updater_labels_credited",
             "Labels credited to the version(s) that judged the message (evidence)",
@@ -221,7 +227,7 @@ class Updater:
         self._resume()
         ensure_topics(self.settings, [self.settings.topic_labels, self.settings.topic_dead_letter])
         loop = self.runtime.loop_for(
-            group_id=self.settings.group_updater,
+            group_id=self.settings.updater_group(self.name),
             topic=self.settings.topic_labels,
             model=HumanLabel,
             handler=self.handle,
@@ -304,6 +310,7 @@ class Updater:
         learner = self._learner()
         spec = learner.probe.spec
         dead: list[Outgoing] = []
+        items = [i for i in items if self._is_ours(i.value, spec)]
         texts = self._join_texts([i.value for i in items])
         ready: list[tuple[Item[HumanLabel], str, torch.Tensor, int]] = []
         for item, text in zip(items, texts, strict=True):
@@ -345,6 +352,24 @@ class Updater:
         self.unpublished += len(buckets)
         self.metrics.labels.inc(len(buckets))
         return dead
+
+    def _is_ours(self, label: HumanLabel, spec: ProbeSpec) -> bool:
+        """Whether this probe should learn (or dead-letter) ``label``.
+
+        Every probe's updaters read every label (one consumer group per probe). A label
+        addressed to another probe is not ours; an unaddressed one is, if we know its
+        labels, or if no other probe is configured (then it is our unknown label).
+        """
+        if label.probe is not None:
+            ours = label.probe == self.name
+            reason = "other_probe"
+        else:
+            known = all(n in spec.labels for n in label.all_labels)
+            ours = known or not [p for p in self.settings.probe_names if p != self.name]
+            reason = "unknown_unaddressed"
+        if not ours:
+            self.metrics.skipped.labels(reason).inc()
+        return ours
 
     def _learner(self) -> OnlineLearner:
         if self.learner is None or self.loop is None:
@@ -402,6 +427,11 @@ class Updater:
         )
         if (due_labels or due_time) and not self._learner().warming_up:
             self.publish(reason=f"{self.unpublished} new labels")
+        elif self.unpublished == 0 and self.loop is not None and self.loop.pending:
+            # Only labels nothing was learned from (skipped, dead-lettered) since the last
+            # version: no version needs to reflect them, so commit them now rather than
+            # redeliver (and re-dead-letter) them after every restart.
+            self.loop.commit_pending()
         self._rollout_tick()
 
     def _rollout_tick(self) -> None:
