@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from pydantic import SecretStr
 
 from probes.decision import decide
 from probes.learner import Learner
@@ -239,6 +240,41 @@ def test_refused_canary_is_rolled_back_as_an_error(
     reason = registry.rolled_back()[v2]
     assert "refused by 1 scorer(s)" in reason and "scorer-1" in reason and "model_id" in reason
     assert registry.stages().live == v1 and serving(scorer) == {"live": v1, "canary": None}
+
+
+def test_one_misconfigured_scorer_does_not_roll_back_every_canary(
+    settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded], probes, ex
+) -> None:
+    # Review C8 part 2: a single scorer with the wrong signing key refused every canary,
+    # and its refusal rolled each one back. Another scorer loads it: the trial goes on.
+    key = "k" * 32
+    settings = tuned(settings, checkpoint_hmac_key=SecretStr(key))
+    ensure_topics(settings)
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
+    fp = ex.fingerprint
+    v1 = publish_probe(registry, fp, probe=probes["good"], signing_key=key.encode())
+    right = start_scorer(settings, ex, redis_ns, threads, 1)
+    wrong = start_scorer(
+        settings.model_copy(update={"checkpoint_hmac_key": SecretStr("w" * 32)}),
+        ex,
+        redis_ns,
+        threads,
+        2,
+    )
+    wait_until(lambda: serving(right)["live"] == v1, "the right scorer to serve live")
+    start_updater(settings, ex, redis_ns, threads)
+    v2 = publish_probe(
+        registry, fp, probe=probes["good2"], set_live=False, signing_key=key.encode()
+    )
+    wait_until(lambda: serving(right)["canary"] == v2, "the right scorer to serve the canary")
+    wait_until(lambda: v2 in wrong.watcher.refused["toxicity"], "the wrong one to refuse it")
+    policy_key = registry.keys.policy("toxicity")
+    wait_until(
+        lambda: b"loaded by" in (redis_ns.client.hget(policy_key, "note") or b""),
+        "the policy to weigh the refusal against the load",
+    )
+    assert v2 not in registry.rolled_back()
+    assert registry.stages().canary == v2
 
 
 def test_labels_roll_back_a_flipped_canary_and_promote_a_good_one(

@@ -20,7 +20,7 @@ from tests.conftest import RedisNamespace
 from tests.registry_helpers import num
 from worker.cli import main
 from worker.errors import RegistryError, StagesChanged
-from worker.rollout.policy import Policy
+from worker.rollout.policy import Policy, next_action
 from worker.rollout.stages import Rollout
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.evidence import EvidenceStore
@@ -272,3 +272,64 @@ def test_cli_status_and_show(cli, registry: CheckpointRegistry, redis_ns: RedisN
     )
     code, _, err = cli("rollback", "--canary")
     assert code == 0 and "may change stages after this" in err
+
+
+def test_retention_keeps_the_rollback_target_however_many_events_passed(
+    registry: CheckpointRegistry, rollout: Rollout, redis_ns: RedisNamespace
+) -> None:
+    # Review C4 part 1: lineage came from the newest 1000 events; in canary mode every
+    # publish adds one while live stays put, so a long-stable live's predecessor was
+    # pruned and `probe rollback` failed exactly when it was needed.
+    v1, v2, v3 = (publish(registry) for _ in range(3))
+    for v in (v1, v2, v3):
+        rollout.promote(v, reason="manual")
+    filler = json.dumps({"kind": "published"})
+    for _ in range(1100):
+        redis_ns.client.xadd(registry.keys.events("tox"), {"event": filler})
+    candidates = [publish(registry) for _ in range(5)]
+    doomed = registry.prune(keep=2)
+    assert v2 in registry.versions() and v1 in registry.versions()
+    assert doomed == candidates[:3]
+    assert rollout.rollback_live(reason="v3 went bad") == v2
+
+
+def test_prune_is_atomic_with_a_concurrent_promotion(
+    registry: CheckpointRegistry, rollout: Rollout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Review C4 part 2: prune read stages, then deleted; an operator's promotion of an old
+    # version in between left live pointing at a deleted version.
+    old = publish(registry)
+    for _ in range(4):
+        publish(registry, live=True)
+    read_versions = registry.versions
+    before = registry.history(1000)
+
+    def promote_meanwhile() -> list[int]:
+        versions = read_versions()
+        rollout.promote(old, reason="operator, concurrently")
+        return versions
+
+    # Whatever prune reads from here on is read before the promotion landed.
+    monkeypatch.setattr(registry, "versions", promote_meanwhile)
+    monkeypatch.setattr(registry, "history", lambda count=50: before)
+    registry.prune(keep=1)
+    monkeypatch.undo()
+    assert registry.stages().live == old
+    assert old in registry.versions()
+    assert registry.get(old).version == old
+
+
+def test_a_decision_taken_before_a_pin_does_not_land_after_it(
+    registry: CheckpointRegistry, rollout: Rollout
+) -> None:
+    # Review C8 part 1: the compare-and-set covered live and canary, not the pin.
+    policy = Policy(mode="canary")
+    publish(registry, live=True)
+    candidate = publish(registry)
+    sit = rollout.situation()
+    decision = next_action(policy, sit)
+    assert (decision.action, decision.version) == ("start_canary", candidate)
+    rollout.pin(reason="incident")
+    with pytest.raises(StagesChanged, match="pinned"):
+        rollout.apply(decision, sit.stages, share=policy.canary_share)
+    assert registry.stages().canary is None

@@ -110,6 +110,24 @@ def test_refused_by_a_scorer_is_rolled_back_with_the_reason() -> None:
     assert d.numbers["errors"] == 2
 
 
+def test_one_misconfigured_scorer_does_not_roll_back_a_canary_others_serve() -> None:
+    # Review C8 part 2: one scorer with a wrong key (or mid-upgrade LLM) refused every
+    # canary, so every candidate was rolled back. Loaded by another scorer, the version
+    # is fine and the trial goes on; the reason names the refusals.
+    refused_by_one = ev(2, errors=1, loads=3, last_error="s9: signature does not verify")
+    d = next_action(POLICY, on_trial(refused_by_one, GOOD_LIVE))
+    assert d.action == "none" and d.version == 2
+    assert "refused by 1 scorer(s) but loaded by 3" in d.reason
+
+
+def test_a_refusal_waits_for_the_other_scorers_before_rolling_back() -> None:
+    fresh = ev(2, errors=1, error_since=1000.0, last_error="s1: sha256 mismatch")
+    waiting = next_action(POLICY, on_trial(fresh, GOOD_LIVE, now=1000.0 + 1))
+    assert waiting.action == "none" and "waiting" in waiting.reason
+    later = next_action(POLICY, on_trial(fresh, GOOD_LIVE, now=1000.0 + POLICY.refusal_grace_s))
+    assert later.action == "rollback"
+
+
 def test_flag_rate_departure_rolls_back_after_enough_messages() -> None:
     flags_all = ev(2, messages=150, flags=150, baseline_messages=1000, baseline_flags=300)
     d = next_action(POLICY, on_trial(flags_all, GOOD_LIVE))

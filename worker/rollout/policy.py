@@ -19,7 +19,9 @@ The rules, in order (all thresholds are settings, see :class:`Policy`):
    ``canary_share`` (older candidates are superseded); when nothing is live yet it
    goes live at once (there is nothing to compare it with).
 3. a canary on trial (in modes ``canary`` and ``auto_live``, where an operator may
-   start one) is **rolled back** when a scorer refused to load it; when its flag
+   start one) is **rolled back** when scorers refused to load it and none loaded it
+   (after ``refusal_grace_s``, so every scorer had a stage check to try; a version
+   another scorer serves is fine, and the refusing scorer is misconfigured); when its flag
    rate departs from live's by more than a factor ``k`` (both over at least
    ``rollback_min_messages`` messages; rates smoothed as ``(flags+1)/(n+2)`` so zero
    rates compare sanely); when its F1 on at least ``rollback_min_labels`` labels is
@@ -66,6 +68,7 @@ class Policy:
     rollback_min_labels: int = 50
     rollback_flag_rate_factor: float = 2.0  # k
     rollback_min_messages: int = 200
+    refusal_grace_s: float = 10.0  # how long a refusal waits for other scorers' loads
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Policy:
@@ -78,6 +81,8 @@ class Policy:
             rollback_min_labels=settings.rollback_min_labels,
             rollback_flag_rate_factor=settings.rollback_flag_rate_factor,
             rollback_min_messages=settings.rollback_min_messages,
+            # Every scorer re-reads the stages at least this often.
+            refusal_grace_s=2 * settings.stage_check_interval_s,
         )
 
 
@@ -91,6 +96,7 @@ class Situation:
     tried: Set[int] = frozenset()
     live: Evidence | None = None
     canary: Evidence | None = None
+    now: float | None = None  # epoch seconds (None: every refusal counts as old)
 
 
 @dataclass(frozen=True)
@@ -144,13 +150,9 @@ def _next_candidate(policy: Policy, sit: Situation) -> RolloutDecision:
 def _judge_canary(policy: Policy, sit: Situation, version: int) -> RolloutDecision:
     c = sit.canary or Evidence(version)
     live = sit.live
-    if c.errors:
-        return RolloutDecision(
-            "rollback",
-            version,
-            f"refused by {c.errors} scorer(s): {c.last_error}"[:1000],
-            {"errors": c.errors},
-        )
+    refusal = _judge_refusals(policy, sit, c)
+    if refusal is not None:
+        return refusal
     numbers: dict[str, Number] = {
         "canary_messages": c.scored,
         "canary_flag_rate": _round(c.flag_rate),
@@ -214,6 +216,37 @@ def _judge_canary(policy: Policy, sit: Situation, version: int) -> RolloutDecisi
         )
     return RolloutDecision(
         "promote", version, f"{on}: within ε={policy.promote_epsilon:g} of live", numbers
+    )
+
+
+def _judge_refusals(policy: Policy, sit: Situation, c: Evidence) -> RolloutDecision | None:
+    """Refusals roll a canary back only when no scorer could load it. With a load
+    elsewhere the version is fine (the refusing scorers' key or model differ) and its
+    trial goes on: None, unless that is all there is to say."""
+    if not c.errors:
+        return None
+    refused = f"refused by {c.errors} scorer(s)"
+    if c.loads:
+        if c.scored:
+            return None  # served elsewhere: judge it on its numbers
+        return RolloutDecision(
+            "none",
+            c.version,
+            f"{refused} but loaded by {c.loads}: check the refusing scorers' key and model "
+            f"({c.last_error})"[:1000],
+            {"errors": c.errors, "loads": c.loads},
+        )
+    waited = math.inf if sit.now is None or c.error_since is None else sit.now - c.error_since
+    if waited < policy.refusal_grace_s:
+        return RolloutDecision(
+            "none",
+            c.version,
+            f"{refused}, loaded by none yet: waiting {policy.refusal_grace_s:g}s for the "
+            "other scorers",
+            {"errors": c.errors},
+        )
+    return RolloutDecision(
+        "rollback", c.version, f"{refused}: {c.last_error}"[:1000], {"errors": c.errors}
     )
 
 

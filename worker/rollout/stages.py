@@ -60,6 +60,7 @@ class Rollout:
             tried=frozenset(self.registry.tried()),
             live=ev.get(st.live) if st.live is not None else None,
             canary=ev.get(st.canary) if st.canary is not None else None,
+            now=time.time(),
         )
 
     def evaluate(self, policy: Policy) -> RolloutDecision:
@@ -279,4 +280,4 @@ class Rollout:
 
 
 def _pointers(st: Stages) -> dict[str, int | str | None]:
-    return {"live": st.live, "canary": st.canary}
+    return st.expected()

@@ -24,7 +24,7 @@ import torch
 from probes.checkpoint import probe_from_bytes
 from probes.errors import CheckpointError
 from schemas import LLMFingerprint
-from worker.errors import RegistryError
+from worker.errors import RegistryError, UnknownVersion
 from worker.scoring.batch import ProbeSlot, ServedProbe
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.redis import Breaker
@@ -47,6 +47,7 @@ class ProbeWatcher:
         check_interval_s: float = 5.0,
         on_swap: Callable[[str, str, int], None] | None = None,
         on_refused: Callable[[str, int, str], None] | None = None,
+        on_loaded: Callable[[str, int], None] | None = None,
         breaker: Breaker | None = None,
     ) -> None:
         self.registries = registries
@@ -56,6 +57,7 @@ class ProbeWatcher:
         self.check_interval_s = check_interval_s
         self.on_swap = on_swap
         self.on_refused = on_refused
+        self.on_loaded = on_loaded
         self.breaker = breaker or Breaker()
         self.slots = {name: ProbeSlot(name) for name in registries}
         self.refused: dict[str, set[int]] = {name: set() for name in registries}
@@ -161,6 +163,11 @@ class ProbeWatcher:
             probe, manifest = probe_from_bytes(
                 stored.blob, stored.manifest_json, self.fingerprint, signing_key=self.signing_key
             )
+        except UnknownVersion as exc:
+            # Gone (pruned, or not yet visible): not a verdict on the version; the next
+            # stage check looks again.
+            log.warning("cannot load %s v%d: %s", name, version, exc)
+            return None
         except (RegistryError, CheckpointError) as exc:
             self.refused[name].add(version)
             log.error("refusing %s v%d: %s (keeping the last good probe)", name, version, exc)
@@ -171,6 +178,8 @@ class ProbeWatcher:
             self.refused[name].add(version)
             log.error("refusing %s v%d: it is a checkpoint of %r", name, version, manifest.probe)
             return None
+        if self.on_loaded is not None:
+            self.on_loaded(name, version)
         return ServedProbe(probe.to(self.device), manifest)
 
     def _announce(self, name: str, stage: str, version: int) -> None:

@@ -146,6 +146,7 @@ class Scorer:
             check_interval_s=settings.stage_check_interval_s,
             on_swap=lambda name, stage, v: self.metrics.version.labels(name, stage).set(v),
             on_refused=self._refused,
+            on_loaded=self._loaded,
             breaker=self.redis_breaker,
         )
         self.scoring = BatchScorer(extractor, self.watcher.slots, shadow=settings.shadow)
@@ -342,6 +343,13 @@ class Scorer:
         except (redis.RedisError, OSError) as exc:
             self.metrics.redis_errors.inc()
             log.warning("could not record the refusal of %s v%d (%s)", name, version, exc)
+
+    def _loaded(self, name: str, version: int) -> None:
+        try:
+            self.evidence.record_load(name, version)
+        except (redis.RedisError, OSError) as exc:
+            self.metrics.redis_errors.inc()
+            log.warning("could not record the load of %s v%d (%s)", name, version, exc)
 
     # --- helpers -------------------------------------------------------------
 

@@ -33,6 +33,8 @@ from worker.store.redis import Keys
 __all__ = ["CheckpointRegistry", "Stages", "StoredCheckpoint", "live_lineage"]
 
 EVENTS_MAXLEN = 10_000
+LIVE_HISTORY_MAX = 100  # live versions remembered for rollback (newest first)
+PROTECTED_LIVES = 3  # retention keeps the live version and the two lives before it
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,11 @@ class Stages:
     canary: int | None = None
     canary_share: float = 0.0
     pinned: bool = False
+
+    def expected(self) -> dict[str, int | str | None]:
+        """These stages as a compare-and-set expectation: the pointers and the pin (a
+        change decided on unpinned stages must not land after an operator's pin)."""
+        return {"live": self.live, "canary": self.canary, "pinned": "1" if self.pinned else None}
 
 
 @dataclass(frozen=True)
@@ -51,9 +58,10 @@ class StoredCheckpoint:
     manifest: CheckpointManifest
 
 
-# KEYS: versions, ckpt, manifest, events, stages, lease
+# KEYS: versions, ckpt, manifest, events, stages, lease, live_history
 # ARGV: version, blob, manifest, event, token ('' = no fencing), set_live '0'/'1', maxlen,
-#       event to record instead when set_live is refused because the probe is pinned
+#       event to record instead when set_live is refused because the probe is pinned,
+#       live history length
 _PUBLISH = """
 if ARGV[5] ~= '' then
   local cur = redis.call('GET', KEYS[6])
@@ -75,15 +83,20 @@ if ARGV[6] == '1' then
     event = ARGV[8]
   else
     redis.call('HSET', KEYS[5], 'live', ARGV[1])
+    redis.call('LREM', KEYS[7], 0, ARGV[1])
+    redis.call('LPUSH', KEYS[7], ARGV[1])
+    redis.call('LTRIM', KEYS[7], 0, tonumber(ARGV[9]) - 1)
   end
 end
 return redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'event', event)
 """
 
-# KEYS: versions, stages, events, rolled_back, tried, then keys to delete (e.g. evidence)
+# KEYS: versions, stages, events, rolled_back, tried, live_history, then keys to delete
 # ARGV: field-value pairs JSON, fields to delete JSON, version that must exist ('' = none),
 #       event, maxlen, expected stage fields JSON ('' = must be absent),
-#       rolled-back marks JSON {version: reason}, versions to mark tried JSON
+#       rolled-back marks JSON {version: reason}, versions to mark tried JSON,
+#       live history length
+# A new live version goes to the front of live_history; rolled-back ones leave it.
 _SET_STAGES = """
 if ARGV[3] ~= '' and not redis.call('ZSCORE', KEYS[1], ARGV[3]) then
   return redis.error_reply('UNKNOWN version ' .. ARGV[3] .. ' is not published')
@@ -95,13 +108,47 @@ for k, want in pairs(cjson.decode(ARGV[6])) do
       .. ', expected ' .. (want == '' and 'unset' or want))
   end
 end
-for v, why in pairs(cjson.decode(ARGV[7])) do redis.call('HSET', KEYS[4], v, why) end
+for v, why in pairs(cjson.decode(ARGV[7])) do
+  redis.call('HSET', KEYS[4], v, why)
+  redis.call('LREM', KEYS[6], 0, v)
+end
 for _, v in ipairs(cjson.decode(ARGV[8])) do redis.call('SADD', KEYS[5], v) end
-for i = 6, #KEYS do redis.call('DEL', KEYS[i]) end
+for i = 7, #KEYS do redis.call('DEL', KEYS[i]) end
 local sets = cjson.decode(ARGV[1])
 for k, v in pairs(sets) do redis.call('HSET', KEYS[2], k, v) end
 for _, k in ipairs(cjson.decode(ARGV[2])) do redis.call('HDEL', KEYS[2], k) end
+if sets['live'] then
+  redis.call('LREM', KEYS[6], 0, sets['live'])
+  redis.call('LPUSH', KEYS[6], sets['live'])
+  redis.call('LTRIM', KEYS[6], 0, tonumber(ARGV[9]) - 1)
+end
 return redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', 'event', ARGV[4])
+"""
+
+# KEYS: versions, stages, live_history, then `per` keys of each candidate version
+# ARGV: lives protected (the newest n of live_history), per, candidate versions JSON
+# Deletes the candidates that are not live, canary or a recent live, atomically with any
+# stage change (scripts run one at a time). Returns the versions deleted.
+_PRUNE = """
+local protected = {}
+for _, k in ipairs({'live', 'canary'}) do
+  local v = redis.call('HGET', KEYS[2], k)
+  if v then protected[v] = true end
+end
+for _, v in ipairs(redis.call('LRANGE', KEYS[3], 0, tonumber(ARGV[1]) - 1)) do
+  protected[v] = true
+end
+local per = tonumber(ARGV[2])
+local doomed = {}
+for i, v in ipairs(cjson.decode(ARGV[3])) do
+  local vs = tostring(v)
+  if not protected[vs] and redis.call('ZSCORE', KEYS[1], vs) then
+    redis.call('ZREM', KEYS[1], vs)
+    for j = 1, per do redis.call('DEL', KEYS[3 + (i - 1) * per + j]) end
+    table.insert(doomed, v)
+  end
+end
+return doomed
 """
 
 
@@ -115,6 +162,7 @@ class CheckpointRegistry:
         self.probe = probe
         self._publish = client.register_script(_PUBLISH)
         self._set_stages = client.register_script(_SET_STAGES)
+        self._prune = client.register_script(_PRUNE)
 
     @property
     def lease_key(self) -> str:
@@ -170,6 +218,7 @@ class CheckpointRegistry:
                     self.keys.events(self.probe),
                     self.keys.stages(self.probe),
                     self.lease_key,
+                    self.keys.live_history(self.probe),
                 ],
                 args=[
                     v,
@@ -180,6 +229,7 @@ class CheckpointRegistry:
                     int(set_live),
                     EVENTS_MAXLEN,
                     held,
+                    LIVE_HISTORY_MAX,
                 ],
             )
         except redis.ResponseError as exc:
@@ -226,6 +276,7 @@ class CheckpointRegistry:
                     self.keys.events(self.probe),
                     self.keys.rolled_back(self.probe),
                     self.keys.tried(self.probe),
+                    self.keys.live_history(self.probe),
                     *reset,
                 ],
                 args=[
@@ -237,6 +288,7 @@ class CheckpointRegistry:
                     json.dumps(expected),
                     json.dumps({str(v): why for v, why in (mark_rolled_back or {}).items()}),
                     json.dumps([int(v) for v in mark_tried]),
+                    LIVE_HISTORY_MAX,
                 ],
             )
         except redis.ResponseError as exc:
@@ -271,32 +323,35 @@ class CheckpointRegistry:
             reason=reason,
             actor=actor,
             details=details,
-            expect={"live": st.live, "canary": st.canary} if expect is not None else None,
+            expect=st.expected() if expect is not None else None,
             mark_tried=[version],
         )
 
     def prune(self, keep: int) -> list[int]:
-        """Delete all but the newest ``keep`` versions.
+        """Delete all but the newest ``keep`` versions; returns the versions deleted.
 
-        Never the live or canary one, nor the two lives before (rollback targets).
-        Evidence and optimizer state of pruned versions go with them.
+        Never the live or canary one, nor the two lives before the live one (rollback
+        targets, from ``live_history``), however many events have passed since. One
+        Lua script, so a concurrent stage change (e.g. an operator promoting an old
+        version) is either seen by it or refused as ``UnknownVersion`` afterwards.
+        Evidence and optimizer state of deleted versions go with them.
         """
-        st = self.stages()
         versions = self.versions()
         old = versions[:-keep] if keep > 0 else []
-        protected = {st.live, st.canary}
-        if any(v not in protected for v in old):
-            protected.update(live_lineage(e for _, e in self.history(1000))[-3:])
-        doomed = [v for v in old if v not in protected]
-        if doomed:
-            pipe = self.client.pipeline(transaction=True)
-            pipe.zrem(self.keys.versions(self.probe), *doomed)
-            for v in doomed:
-                pipe.delete(
-                    *self.keys.per_version(self.probe, v),
-                )
-            pipe.execute()
-        return doomed
+        if not old:
+            return []
+        per = len(self.keys.per_version(self.probe, old[0]))
+        keys = [k for v in old for k in self.keys.per_version(self.probe, v)]
+        doomed = self._prune(
+            keys=[
+                self.keys.versions(self.probe),
+                self.keys.stages(self.probe),
+                self.keys.live_history(self.probe),
+                *keys,
+            ],
+            args=[PROTECTED_LIVES, per, json.dumps(old)],
+        )
+        return [int(v) for v in doomed]
 
     # --- reading ---------------------------------------------------------
 
@@ -329,7 +384,12 @@ class CheckpointRegistry:
         return {int(v) for v in self.client.smembers(self.keys.tried(self.probe))}
 
     def lineage(self, count: int = EVENTS_MAXLEN) -> list[int]:
-        """Versions that were live, oldest first, the current last (:func:`live_lineage`)."""
+        """Versions that were live, oldest first, the current last; rolled-back lives left
+        out (kept in ``live_history`` by the scripts that change ``live``; for a registry
+        written before that list existed, derived from the events, :func:`live_lineage`)."""
+        raw = self.client.lrange(self.keys.live_history(self.probe), 0, -1)
+        if raw:
+            return [int(v) for v in reversed(raw)]
         return live_lineage(e for _, e in self.history(count))
 
     def manifest(self, version: int) -> CheckpointManifest:

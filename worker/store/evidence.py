@@ -23,12 +23,15 @@ first, at most ``pairs_max``). Hash fields of ``evidence``:
 ``bl_tp`` …     labeled confusion of live's decisions while this one was the canary
 ``errors``      scorers that refused to load it (hash, fingerprint, signature, …)
 ``error``       the last refusal reason
+``error_at``    when the first refusal was recorded (epoch seconds)
+``loads``       scorers that loaded and verified it
 ==============  ==============================================================
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -95,6 +98,8 @@ class Evidence:
     baseline_labels: Confusion = field(default_factory=Confusion)
     errors: int = 0
     last_error: str = ""
+    error_since: float | None = None
+    loads: int = 0
 
     @classmethod
     def from_hash(cls, version: int, raw: dict[bytes, bytes] | dict[str, str]) -> Evidence:
@@ -117,6 +122,8 @@ class Evidence:
             baseline_labels=Confusion(i("bl_tp"), i("bl_fp"), i("bl_fn"), i("bl_tn")),
             errors=i("errors"),
             last_error=h.get("error", ""),
+            error_since=float(h["error_at"]) if "error_at" in h else None,
+            loads=i("loads"),
         )
 
     @property
@@ -206,10 +213,17 @@ class EvidenceStore:
                     pipe.hincrby(key, name, int(amount))
 
     def record_refusal(self, probe: str, version: int, reason: str) -> None:
+        key = self.keys.evidence(probe, version)
         pipe = self.client.pipeline(transaction=False)
-        pipe.hincrby(self.keys.evidence(probe, version), "errors", 1)
-        pipe.hset(self.keys.evidence(probe, version), "error", reason[:500])
+        pipe.hincrby(key, "errors", 1)
+        pipe.hset(key, "error", reason[:500])
+        pipe.hsetnx(key, "error_at", f"{time.time():.3f}")
         pipe.execute()
+
+    def record_load(self, probe: str, version: int) -> None:
+        """A scorer loaded and verified ``version`` (against a refusal elsewhere, this says
+        the refusing scorer is misconfigured, not the version bad)."""
+        self.client.hincrby(self.keys.evidence(probe, version), "loads", 1)
 
     # --- the updater ---------------------------------------------------------
 

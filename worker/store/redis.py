@@ -70,6 +70,7 @@ class Keys:
     ``K:events``                 stream   ``CheckpointEvent`` JSON, field "event" (stage changes)
     ``K:rolled_back``            hash     version -> reason; never auto-promoted again
     ``K:tried``                  set      versions that have been canaries
+    ``K:live_history``           list     live versions, newest first, rolled-back ones removed
     ``K:policy``                 hash     who last changed stages by hand, the rollout mode
     ``K:updater_lease``          string   ``"<token>|<holder>"`` with a TTL (``store.lease``)
     ``K:updater_lease:token``    string   INCR -> fencing tokens
@@ -127,6 +128,9 @@ class Keys:
 
     def tried(self, probe: str) -> str:
         return self._join(probe, "tried")
+
+    def live_history(self, probe: str) -> str:
+        return self._join(probe, "live_history")
 
     def policy(self, probe: str) -> str:
         return self._join(probe, "policy")
