@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from pydantic import SecretStr
 
 from probes.decision import decide
 from probes.learner import Learner
@@ -245,27 +244,21 @@ def test_refused_canary_is_rolled_back_as_an_error(
 def test_one_misconfigured_scorer_does_not_roll_back_every_canary(
     settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded], probes, ex
 ) -> None:
-    # Review C8 part 2: a single scorer with the wrong signing key refused every canary,
-    # and its refusal rolled each one back. Another scorer loads it: the trial goes on.
-    key = "k" * 32
-    settings = tuned(settings, checkpoint_hmac_key=SecretStr(key))
+    # Review C8 part 2: a single scorer with the wrong model (mid-upgrade, or a wrong
+    # PROBEGUARD_MODEL) refused every canary, and its refusal rolled each one back.
+    # Another scorer loads it: the trial goes on.
+    settings = tuned(settings)
     ensure_topics(settings)
     registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
     fp = ex.fingerprint
-    v1 = publish_probe(registry, fp, probe=probes["good"], signing_key=key.encode())
+    v1 = publish_probe(registry, fp, probe=probes["good"])
     right = start_scorer(settings, ex, redis_ns, threads, 1)
-    wrong = start_scorer(
-        settings.model_copy(update={"checkpoint_hmac_key": SecretStr("w" * 32)}),
-        ex,
-        redis_ns,
-        threads,
-        2,
-    )
+    other_model = HiddenStateExtractor(make_tiny_llm(seed=5), max_tokens=64, batch_size=16)
+    wrong = start_scorer(settings, other_model, redis_ns, threads, 2)
     wait_until(lambda: serving(right)["live"] == v1, "the right scorer to serve live")
+    wait_until(lambda: v1 in wrong.watcher.refused["toxicity"], "the wrong one to refuse v1")
     start_updater(settings, ex, redis_ns, threads)
-    v2 = publish_probe(
-        registry, fp, probe=probes["good2"], set_live=False, signing_key=key.encode()
-    )
+    v2 = publish_probe(registry, fp, probe=probes["good2"], set_live=False)
     wait_until(lambda: serving(right)["canary"] == v2, "the right scorer to serve the canary")
     wait_until(lambda: v2 in wrong.watcher.refused["toxicity"], "the wrong one to refuse it")
     policy_key = registry.keys.policy("toxicity")

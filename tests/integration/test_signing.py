@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from functools import partial
 
 import pytest
+import torch
 
 from schemas import CheckpointManifest
 from tests.conftest import RedisNamespace
@@ -16,10 +17,14 @@ from tests.kafka_helpers import produce_raw
 from tests.process_helpers import Threaded, wait_until
 from tests.registry_helpers import publish_probe
 from worker.embedded import free_port
+from worker.errors import RegistryError
 from worker.kafka.clients import ensure_topics
+from worker.rollout.stages import Rollout
 from worker.scoring.scorer import Scorer
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
+from worker.store.evidence import EvidenceStore
+from worker.store.redis import Keys
 
 pytestmark = pytest.mark.integration
 
@@ -46,19 +51,29 @@ def running(signed: Settings, redis_ns: RedisNamespace) -> Iterator[Scorer]:
     runner.stop()
 
 
-def _refused_count(port: int) -> float:
+def _metric(port: int, name: str) -> float:
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert KEY not in body  # the key never reaches the metrics
     for line in body.splitlines():
-        if line.startswith('probeguard_scorer_checkpoints_refused_total{probe="toxicity"}'):
+        if line.startswith(f'{name}{{probe="toxicity"}}'):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def _refused_count(port: int) -> float:
+    return _metric(port, "probeguard_scorer_checkpoints_refused_total")
+
+
+def keyed(redis_ns: RedisNamespace, key: bytes | None = KEY.encode()) -> CheckpointRegistry:
+    """The registry as an updater or operator sees it: with the signing key (or without:
+    a Redis writer who lacks it)."""
+    return CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity", signing_key=key)
 
 
 def test_scorer_with_a_key_refuses_unsigned_and_wrongly_signed_versions(
     signed: Settings, redis_ns: RedisNamespace, running: Scorer
 ) -> None:
-    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
+    registry = keyed(redis_ns)  # the operator signs the stage pointers
     fp = running.extractor.fingerprint
     key = signed.signing_key
     assert key is not None
@@ -72,7 +87,7 @@ def test_scorer_with_a_key_refuses_unsigned_and_wrongly_signed_versions(
         assert forged.signature == manifest.signature is not None
         redis_ns.client.set(registry.keys.manifest(registry.probe, version), forged.encode())
 
-    # Someone with Redis write access but without the key pushes each of these live in turn.
+    # Versions that do not verify, pointed at with valid signed pointers: refused at load.
     attempts = [
         lambda: publish_probe(registry, fp, seed=2),  # unsigned
         lambda: publish_probe(registry, fp, seed=3, signing_key=b"some-other-key-0123456789"),
@@ -104,12 +119,11 @@ def test_updater_signs_what_it_publishes_and_resumes_only_from_signed(
     from probes.errors import CheckpointError
     from tests.integration.test_updater import extractor as updater_extractor
     from tests.integration.test_updater import fast, label
-    from worker.errors import ConfigError
     from worker.learning.updater import Updater
 
     settings = fast(signed)
     ensure_topics(settings)
-    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
+    registry = keyed(redis_ns)
     updater = Updater(settings, updater_extractor(), redis_ns.client, worker_id="u-signed")
     runner = Threaded(updater.run, updater.stop)
     produce_raw(settings, settings.topic_labels, [(None, label(i)) for i in range(32)])
@@ -123,8 +137,105 @@ def test_updater_signs_what_it_publishes_and_resumes_only_from_signed(
     with pytest.raises(CheckpointError, match="signature"):
         probe_from_bytes(stored.blob, stored.manifest_json, fp, signing_key=b"x" * 16)
 
-    # An unsigned newest version: a keyed updater will not resume from it.
+    # Review C10: an unverifiable newest version (unsigned here; a corrupt blob or a key
+    # rotation alike) used to make every updater exit at resume. It is skipped.
     publish_probe(registry, fp, seed=9)
     again = Updater(settings, updater_extractor(), redis_ns.client, worker_id="u-signed-2")
-    with pytest.raises(ConfigError, match="unsigned"):
+    again._resume()
+    assert again.parent == version
+    assert again.metrics.resume_skipped._value.get() == 1
+
+
+def test_stage_pointers_written_without_the_key_are_ignored(
+    signed: Settings, redis_ns: RedisNamespace, running: Scorer
+) -> None:
+    # Review C6 (a), (b): the HMAC covered artefacts, not which one is live; a Redis
+    # writer could point live at any retained signed version (a rolled-back one, one
+    # copied from another deployment) and scorers served it.
+    key = signed.signing_key
+    assert key is not None
+    registry, unkeyed = keyed(redis_ns), keyed(redis_ns, key=None)
+    fp = running.extractor.fingerprint
+    v1 = publish_probe(registry, fp, seed=1, signing_key=key)
+    v2 = publish_probe(registry, fp, seed=2, signing_key=key)
+    wait_until(lambda: running.watcher.versions()["toxicity"]["live"] == v2, "v2 served")
+    old_record = redis_ns.client.hgetall(registry.keys.stages("toxicity"))
+    v3 = publish_probe(registry, fp, seed=3, signing_key=key)
+    wait_until(lambda: running.watcher.versions()["toxicity"]["live"] == v3, "v3 served")
+    Rollout(registry, EvidenceStore(redis_ns.client, redis_ns.keys), actor="op").rollback_live(
+        reason="v3 misbehaves"
+    )
+    wait_until(lambda: running.watcher.versions()["toxicity"]["live"] == v2, "rolled back")
+    stages_key = registry.keys.stages("toxicity")
+    untrusted = "probeguard_scorer_stage_pointers_refused_total"
+
+    # (a) live -> the rolled-back v3, by a writer without the key.
+    unkeyed.promote(v3, reason="attacker")
+    wait_until(lambda: _metric(signed.metrics_port, untrusted) >= 1, "the pointer ignored")
+    # (b) a signed checkpoint copied in from another deployment (same key).
+    other = CheckpointRegistry(redis_ns.client, Keys(redis_ns.prefix + "-staging"), "toxicity")
+    copied = publish_probe(other, fp, seed=7, signing_key=key)
+    stored = other.get(copied)
+    redis_ns.client.set(registry.keys.ckpt("toxicity", 99), stored.blob)
+    redis_ns.client.set(
+        registry.keys.manifest("toxicity", 99),
+        stored.manifest.model_copy(update={"version": 99}).encode(),
+    )
+    redis_ns.client.zadd(registry.keys.versions("toxicity"), {"99": 99})
+    redis_ns.client.hset(stages_key, "live", 99)
+    wait_until(lambda: _metric(signed.metrics_port, untrusted) >= 2, "the copy ignored")
+    # A replay of a record that once verified (live v2 at an older seq).
+    redis_ns.client.delete(stages_key)
+    redis_ns.client.hset(stages_key, mapping=old_record)
+    assert registry.stages_verify(registry.stages())  # it does verify...
+    wait_until(lambda: _metric(signed.metrics_port, untrusted) >= 3, "the replay ignored")
+    assert running.watcher.versions()["toxicity"]["live"] == v2  # ...but is older than seen
+    assert v1 in registry.versions()
+
+    # A writer with the key starts afresh from pointers that do not verify.
+    redis_ns.client.hset(stages_key, "live", v3)
+    with pytest.raises(RegistryError, match="do not verify"):
+        registry.promote(v1, reason="on tampered pointers")
+    registry.promote(v1, reason="operator re-signs", resign=True)
+    wait_until(lambda: running.watcher.versions()["toxicity"]["live"] == v1, "v1 served")
+
+
+def test_optimizer_state_is_signed_and_forged_momentum_is_refused(
+    signed: Settings, redis_ns: RedisNamespace
+) -> None:
+    # Review C6 (c): the Lion momentum was loaded unsigned; its sign steers every step of
+    # the weights the updater then signs.
+    from safetensors.torch import save as st_save
+
+    from tests.integration.test_updater import extractor as updater_extractor
+    from tests.integration.test_updater import fast, label
+    from worker.learning.updater import Updater
+
+    settings = fast(signed)
+    ensure_topics(settings)
+    registry = keyed(redis_ns)
+    updater = Updater(settings, updater_extractor(), redis_ns.client, worker_id="u-1")
+    runner = Threaded(updater.run, updater.stop)
+    produce_raw(settings, settings.topic_labels, [(None, label(i)) for i in range(48)])
+    wait_until(lambda: updater.labels_seen >= 48 and updater.unpublished == 0, "published")
+    runner.stop()
+    latest = registry.latest()
+    assert latest is not None
+    optim_key = registry.keys.optim("toxicity", latest)
+
+    def momentum_restored() -> int:
+        again = Updater(settings, updater_extractor(), redis_ns.client, worker_id="u-2")
         again._resume()
+        assert again.learner is not None
+        return len(again.learner.learner.optimizer.state)
+
+    assert momentum_restored() > 0  # the signed state is restored
+    genuine = redis_ns.client.get(optim_key)
+    forged = {
+        name: torch.full_like(t, 1e3)
+        for name, t in updater.learner.optimizer_state().items()  # type: ignore[union-attr]
+    }
+    redis_ns.client.set(optim_key, st_save(forged))  # written without the key
+    assert momentum_restored() == 0
+    redis_ns.client.set(optim_key, genuine[:-1] + bytes([genuine[-1] ^ 1]))  # tampered
+    assert momentum_restored() == 0

@@ -123,7 +123,9 @@ def _source(args: argparse.Namespace, settings: Settings) -> ProbeSource:
 
     with make_redis(settings) as client:
         name = args.probe or settings.probe_to_train
-        registry = CheckpointRegistry(client, Keys(settings.redis_prefix), name)
+        registry = CheckpointRegistry(
+            client, Keys(settings.redis_prefix), name, signing_key=settings.signing_key
+        )
         return source_from_registry(registry, args.stage, args.version)
 
 

@@ -143,7 +143,9 @@ def _ctx(args: argparse.Namespace) -> _Ctx:
     settings = load_settings()
     client = make_redis(settings)
     keys = Keys(settings.redis_prefix)
-    registry = CheckpointRegistry(client, keys, args.probe or settings.probe_to_train)
+    registry = CheckpointRegistry(
+        client, keys, args.probe or settings.probe_to_train, signing_key=settings.signing_key
+    )
     evidence = EvidenceStore.from_settings(client, settings)
     actor = getattr(args, "actor", "probeguard-cli")
     return _Ctx(settings, registry, evidence, Operator(registry, evidence, actor=actor))

@@ -199,7 +199,9 @@ class DemoRun:
         self.settings = settings
         ensure_topics(settings, partitions=2)
         client = make_redis(settings)
-        self.registry = CheckpointRegistry(client, Keys(settings.redis_prefix), "demo")
+        self.registry = CheckpointRegistry(
+            client, Keys(settings.redis_prefix), "demo", signing_key=settings.signing_key
+        )
         self.updater = Updater(settings, self.extractor, make_redis(settings), worker_id="updater")
         self.scorer = Scorer(settings, self.extractor, make_redis(settings), worker_id="scorer")
         threads = [

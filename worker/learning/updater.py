@@ -23,6 +23,9 @@ cannot read go to the dead-letter topic. A fresh probe first collects
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import hmac
 import logging
 import time
 from collections.abc import Sequence
@@ -35,11 +38,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from probes import ProbeError, build_probe, encode_target, spread_layers
+from probes import Probe, ProbeError, build_probe, encode_target, spread_layers
 from probes.checkpoint import checkpoint_to_bytes, load_checkpoint, probe_from_bytes
 from probes.errors import CheckpointError
-from schemas import HumanLabel, ProbeSpec, TrainingCounters
-from worker.errors import ConfigError, Fenced, RegistryError, StagesChanged, TransientError
+from schemas import CheckpointManifest, HumanLabel, ProbeSpec, TrainingCounters
+from worker.errors import (
+    ConfigError,
+    Fenced,
+    KafkaSetupError,
+    RegistryError,
+    StagesChanged,
+    TransientError,
+)
 from worker.kafka.batch_loop import BatchLoop, Item, Outgoing
 from worker.kafka.clients import ensure_topics
 from worker.kafka.runtime import RoleRuntime
@@ -114,6 +124,11 @@ class UpdaterMetrics:
             ["reason"],
             registry=r,
         )
+        self.resume_skipped = Counter(
+            "probeguard_updater_resume_skipped",
+            "Published versions skipped at resume because they do not verify",
+            registry=r,
+        )
         self.labels_credited = Counter(
             "probeguard_updater_labels_credited",
             "Labels credited to the version(s) that judged the message (evidence)",
@@ -139,7 +154,9 @@ class Updater:
         self.keys = Keys(settings.redis_prefix)
         self.name = settings.probe_to_train
         self.worker_id = worker_id or settings.resolved_worker_id()
-        self.registry = CheckpointRegistry(redis_client, self.keys, self.name)
+        self.registry = CheckpointRegistry(
+            redis_client, self.keys, self.name, signing_key=settings.signing_key
+        )
         self.lease = Lease(
             redis_client, self.registry.lease_key, self.worker_id, settings.lease_ttl_ms
         )
@@ -191,7 +208,13 @@ class Updater:
         while not stop.is_set():
             self.health.beat()
             if self._try_lease():
-                self._serve()
+                try:
+                    self._serve()
+                except (redis.RedisError, OSError, KafkaSetupError) as exc:
+                    # e.g. Redis failing during the resume: give the lease up and retry,
+                    # rather than exit (and let the standby fail the same way).
+                    log.error("serving %s failed (%s); back to standby", self.name, exc)
+                    self._give_up_lease()
                 announced = False
             elif not announced:
                 holder = self.lease.current()
@@ -202,6 +225,10 @@ class Updater:
                 )
                 announced = True
             stop.wait(self.settings.lease_ttl_ms / 3000)
+
+    def _give_up_lease(self) -> None:
+        with contextlib.suppress(redis.RedisError, OSError):  # it expires anyway
+            self.lease.release()
 
     def stop(self) -> None:
         """Finish the batch in hand, publish what it learned, commit, leave the group."""
@@ -248,17 +275,32 @@ class Updater:
 
     # --- resume --------------------------------------------------------------
 
+    def _newest_verifiable(self) -> tuple[int, Probe, CheckpointManifest] | None:
+        """The newest published version this updater can verify and load. One that does
+        not verify (corrupt, tampered, signed with another key, another LLM) is skipped
+        with an error, rather than stopping every updater of the probe."""
+        for version in reversed(self.registry.versions()):
+            try:
+                stored = self.registry.get(version)
+                probe, manifest = probe_from_bytes(
+                    stored.blob,
+                    stored.manifest_json,
+                    self.extractor.fingerprint,
+                    signing_key=self.settings.signing_key,
+                )
+            except (RegistryError, CheckpointError) as exc:
+                self.metrics.resume_skipped.inc()
+                log.error("cannot resume %s from v%d (%s); trying older", self.name, version, exc)
+                continue
+            return version, probe, manifest
+        return None
+
     def _resume(self) -> None:
         fp = self.extractor.fingerprint
-        latest = self.registry.latest()
-        if latest is not None:
-            stored = self.registry.get(latest)
-            try:
-                probe, manifest = probe_from_bytes(
-                    stored.blob, stored.manifest_json, fp, signing_key=self.settings.signing_key
-                )
-            except CheckpointError as exc:
-                raise ConfigError(f"cannot resume {self.name} from v{latest}: {exc}") from exc
+        found = self._newest_verifiable()
+        latest = found[0] if found is not None else None
+        if found is not None:
+            latest, probe, manifest = found
             self.parent, counters = latest, manifest.counters
             source = f"v{latest}"
         elif self.settings.seed_checkpoint is not None:
@@ -543,11 +585,49 @@ class Updater:
     def _save_optimizer(self, version: int) -> None:
         state = self.learner.optimizer_state() if self.learner is not None else {}
         if state:
-            self.redis.set(self.keys.optim(self.name, version), st_save(state))
+            self.redis.set(self.keys.optim(self.name, version), self._seal(version, st_save(state)))
 
     def _load_optimizer(self, version: int) -> None:
+        """Lion's momentum published with ``version``; with a signing key only if its
+        signature verifies, and never with NaN or inf (else learning restarts it at zero:
+        a forged momentum steers the sign of every step, and the result would be signed)."""
         raw = self.redis.get(self.keys.optim(self.name, version))
         if raw is None or self.learner is None:
             return
-        used = self.learner.load_optimizer_state(st_load(raw))  # safetensors: no pickle
+        blob = self._unseal(version, raw)
+        try:
+            state = st_load(blob) if blob is not None else None  # safetensors: no pickle
+        except Exception as exc:  # safetensors raises its own error types
+            log.error("Lion state of v%d is unreadable (%s); starting it afresh", version, exc)
+            return
+        if state is None or not all(torch.isfinite(t).all() for t in state.values()):
+            log.error("Lion state of v%d refused (unsigned, forged or not finite)", version)
+            return
+        used = self.learner.load_optimizer_state(state)
         log.info("restored Lion state of v%d (%d tensors)", version, used)
+
+    def _seal(self, version: int, blob: bytes) -> bytes:
+        """``blob``, prefixed with its HMAC (bound to the prefix, probe and version) when a
+        signing key is set."""
+        key = self.settings.signing_key
+        if key is None:
+            return blob
+        return _OPTIM_MAGIC + _optim_mac(key, self.keys.prefix, self.name, version, blob) + blob
+
+    def _unseal(self, version: int, raw: bytes) -> bytes | None:
+        key = self.settings.signing_key
+        if key is None:
+            return raw[len(_OPTIM_MAGIC) + 32 :] if raw.startswith(_OPTIM_MAGIC) else raw
+        if not raw.startswith(_OPTIM_MAGIC):
+            return None
+        mac, blob = raw[len(_OPTIM_MAGIC) : len(_OPTIM_MAGIC) + 32], raw[len(_OPTIM_MAGIC) + 32 :]
+        want = _optim_mac(key, self.keys.prefix, self.name, version, blob)
+        return blob if hmac.compare_digest(mac, want) else None
+
+
+_OPTIM_MAGIC = b"PGOPT1"  # a safetensors file starts with its header length, never this
+
+
+def _optim_mac(key: bytes, prefix: str, probe: str, version: int, blob: bytes) -> bytes:
+    head = f"probeguard-optim/1\0{prefix}\0{probe}\0{version}\0".encode()
+    return hmac.new(key, head + blob, hashlib.sha256).digest()

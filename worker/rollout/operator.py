@@ -108,7 +108,12 @@ class Operator:
         if st.live == version:
             return f"{self.probe}: v{version} is already live"
         try:
-            self.rollout.promote(version, reason=reason or "operator promote", expect=st)
+            self.rollout.promote(
+                version,
+                reason=reason or "operator promote",
+                expect=st,
+                resign=force,  # re-signs stage pointers that do not verify (drops any canary)
+            )
         except StagesChanged as exc:
             raise self._changed(exc) from None
         was = f" (was v{st.live})" if st.live is not None else ""

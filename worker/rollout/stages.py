@@ -101,6 +101,7 @@ class Rollout:
         reason: str,
         details: dict[str, Number] | None = None,
         expect: Stages | None = None,
+        resign: bool = False,
     ) -> None:
         self.registry.promote(
             version,
@@ -108,6 +109,7 @@ class Rollout:
             actor=self.actor,
             details=details,
             expect=expect or self.registry.stages(),
+            resign=resign,
         )
 
     def start_canary(

@@ -6,7 +6,9 @@ check every ``check_interval_s``, triggers a re-read of the stage pointers
 and loading of any new live/canary version. A version is served only after
 its sha256, optional HMAC signature and LLM fingerprint verify; anything
 wrong is refused, counted and remembered, and the last good live probe stays
-(a refused canary is simply not served).
+(a refused canary is simply not served). With a signing key the stage pointers
+themselves must verify (see :mod:`worker.store.checkpoints`): pointers that do not,
+or that are older than ones already seen, change nothing.
 If Redis is unreachable the scorer keeps scoring with what it has and
 retries after ``check_interval_s``.
 """
@@ -26,7 +28,7 @@ from probes.errors import CheckpointError
 from schemas import LLMFingerprint
 from worker.errors import RegistryError, UnknownVersion
 from worker.scoring.batch import ProbeSlot, ServedProbe
-from worker.store.checkpoints import CheckpointRegistry
+from worker.store.checkpoints import CheckpointRegistry, Stages
 from worker.store.redis import Breaker
 
 __all__ = ["ProbeWatcher"]
@@ -48,6 +50,7 @@ class ProbeWatcher:
         on_swap: Callable[[str, str, int], None] | None = None,
         on_refused: Callable[[str, int, str], None] | None = None,
         on_loaded: Callable[[str, int], None] | None = None,
+        on_untrusted: Callable[[str, str], None] | None = None,
         breaker: Breaker | None = None,
     ) -> None:
         self.registries = registries
@@ -58,6 +61,10 @@ class ProbeWatcher:
         self.on_swap = on_swap
         self.on_refused = on_refused
         self.on_loaded = on_loaded
+        self.on_untrusted = on_untrusted
+        # Signed stage pointers: the newest seq seen per probe, and the last record ignored.
+        self.stage_seq: dict[str, int] = {}
+        self.untrusted: dict[str, Stages] = {}
         self.breaker = breaker or Breaker()
         self.slots = {name: ProbeSlot(name) for name in registries}
         self.refused: dict[str, set[int]] = {name: set() for name in registries}
@@ -128,6 +135,8 @@ class ProbeWatcher:
 
     def _sync(self, name: str, registry: CheckpointRegistry) -> bool:
         stages = registry.stages()
+        if not self._trusted(name, registry, stages):
+            return False
         slot = self.slots[name]
         changed = False
         for stage, wanted in (("live", stages.live), ("canary", stages.canary)):
@@ -154,6 +163,28 @@ class ProbeWatcher:
             slot.canary_share = stages.canary_share
             changed = True
         return changed
+
+    def _trusted(self, name: str, registry: CheckpointRegistry, stages: Stages) -> bool:
+        """With a signing key: the pointers verify and are not older than any seen (a
+        replayed record). Otherwise nothing changes and the last good probes stay."""
+        if self.signing_key is None:
+            return True
+        seen = self.stage_seq.get(name, 0)
+        why = None
+        if not registry.stages_verify(stages):
+            why = "their signature does not verify"
+        elif stages.seq < seen:
+            why = f"seq {stages.seq} is older than {seen} (a replayed record)"
+        if why is not None:
+            if self.untrusted.get(name) != stages:  # count and log each record once
+                log.error("ignoring the %s stage pointers: %s", name, why)
+                if self.on_untrusted is not None:
+                    self.on_untrusted(name, why)
+            self.untrusted[name] = stages
+            return False
+        self.untrusted.pop(name, None)
+        self.stage_seq[name] = stages.seq
+        return True
 
     def _load(self, name: str, registry: CheckpointRegistry, version: int) -> ServedProbe | None:
         if version in self.refused[name]:

@@ -89,6 +89,12 @@ class ScorerMetrics:
         self.refused = Counter(
             "probeguard_scorer_checkpoints_refused", "Checkpoints refused", ["probe"], registry=r
         )
+        self.untrusted = Counter(
+            "probeguard_scorer_stage_pointers_refused",
+            "Stage pointer records ignored: signature does not verify, or replayed",
+            ["probe"],
+            registry=r,
+        )
         self.lag = Gauge(
             "probeguard_scorer_consumer_lag", "Records behind the high watermark", registry=r
         )
@@ -136,7 +142,8 @@ class Scorer:
         # for a few seconds rather than each waiting on a socket timeout.
         self.redis_breaker = Breaker()
         registries = {
-            n: CheckpointRegistry(redis_client, self.keys, n) for n in settings.probe_names
+            n: CheckpointRegistry(redis_client, self.keys, n, signing_key=settings.signing_key)
+            for n in settings.probe_names
         }
         self.watcher = ProbeWatcher(
             registries,
@@ -147,6 +154,7 @@ class Scorer:
             on_swap=lambda name, stage, v: self.metrics.version.labels(name, stage).set(v),
             on_refused=self._refused,
             on_loaded=self._loaded,
+            on_untrusted=lambda name, why: self.metrics.untrusted.labels(name).inc(),
             breaker=self.redis_breaker,
         )
         self.scoring = BatchScorer(extractor, self.watcher.slots, shadow=settings.shadow)

@@ -13,11 +13,21 @@ event are written together or not at all, and only by the current lease
 holder when a fencing token is given. Readers see a version only once both
 blob and manifest exist. Integrity (sha256 of the blob against the
 manifest) is checked on every read.
+
+With a signing key, the stage pointers are authenticated like the checkpoints: every
+change writes ``seq`` (from a counter that only grows) and ``sig``, an HMAC over the key prefix,
+the probe, live and canary with the sha256 of their tensors, the canary share and
+``seq`` (:meth:`CheckpointRegistry.stage_signature`). A Redis writer without the key
+cannot point ``live`` at another version (a rolled-back one, one copied from another
+deployment); scorers ignore pointers that do not verify, and refuse a ``seq`` older
+than one they have seen (a replayed record). Writers refuse to build on pointers that
+do not verify; ``resign=True`` (the operator's ``promote --force``) starts them afresh.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -43,6 +53,8 @@ class Stages:
     canary: int | None = None
     canary_share: float = 0.0
     pinned: bool = False
+    seq: int = 0  # signed stage records: how many signed changes so far
+    sig: str | None = None
 
     def expected(self) -> dict[str, int | str | None]:
         """These stages as a compare-and-set expectation: the pointers and the pin (a
@@ -61,7 +73,7 @@ class StoredCheckpoint:
 # KEYS: versions, ckpt, manifest, events, stages, lease, live_history
 # ARGV: version, blob, manifest, event, token ('' = no fencing), set_live '0'/'1', maxlen,
 #       event to record instead when set_live is refused because the probe is pinned,
-#       live history length
+#       live history length, stage seq expected ('' = unsigned), stage signature, its seq
 _PUBLISH = """
 if ARGV[5] ~= '' then
   local cur = redis.call('GET', KEYS[6])
@@ -74,6 +86,12 @@ end
 if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
   return redis.error_reply('EXISTS version ' .. ARGV[1] .. ' is already published')
 end
+if ARGV[6] == '1' and ARGV[10] ~= '' then
+  local seq = redis.call('HGET', KEYS[5], 'seq') or '0'
+  if seq ~= ARGV[10] and redis.call('HGET', KEYS[5], 'pinned') ~= '1' then
+    return redis.error_reply('CHANGED seq is ' .. seq .. ', expected ' .. ARGV[10])
+  end
+end
 redis.call('SET', KEYS[2], ARGV[2])
 redis.call('SET', KEYS[3], ARGV[3])
 redis.call('ZADD', KEYS[1], ARGV[1], ARGV[1])
@@ -83,6 +101,9 @@ if ARGV[6] == '1' then
     event = ARGV[8]
   else
     redis.call('HSET', KEYS[5], 'live', ARGV[1])
+    if ARGV[10] ~= '' then
+      redis.call('HSET', KEYS[5], 'seq', ARGV[12], 'sig', ARGV[11])
+    end
     redis.call('LREM', KEYS[7], 0, ARGV[1])
     redis.call('LPUSH', KEYS[7], ARGV[1])
     redis.call('LTRIM', KEYS[7], 0, tonumber(ARGV[9]) - 1)
@@ -155,11 +176,14 @@ return doomed
 class CheckpointRegistry:
     """Versioned checkpoints of one probe."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, probe: str) -> None:
+    def __init__(
+        self, client: redis.Redis, keys: Keys, probe: str, *, signing_key: bytes | None = None
+    ) -> None:
         # redis-py's return types are unions over decode_responses; ours is always bytes.
         self.client: Any = client
         self.keys = keys
         self.probe = probe
+        self.signing_key = signing_key
         self._publish = client.register_script(_PUBLISH)
         self._set_stages = client.register_script(_SET_STAGES)
         self._prune = client.register_script(_PRUNE)
@@ -209,6 +233,34 @@ class CheckpointRegistry:
             actor=actor,
             details={"parent": manifest.parent, "live": False},
         )
+        for _attempt in range(5):  # a concurrent signed stage change: sign again
+            try:
+                return self._publish_once(
+                    blob, manifest_json, manifest, event, held, token, set_live
+                )
+            except StagesChanged:
+                continue
+        raise RegistryError(f"publish of {self.probe} v{v}: the stages kept changing")
+
+    def _publish_once(
+        self,
+        blob: bytes,
+        manifest_json: bytes,
+        manifest: CheckpointManifest,
+        event: str,
+        held: str,
+        token: str | None,
+        set_live: bool,
+    ) -> CheckpointManifest:
+        v = manifest.version
+        seq, sig, new_seq = "", "", ""
+        if set_live and self.signing_key is not None:
+            cur = self._verified_stages()
+            nxt = Stages(
+                live=v, canary=cur.canary, canary_share=cur.canary_share, seq=self._next_seq()
+            )
+            seq, new_seq = str(cur.seq), str(nxt.seq)
+            sig = self.stage_signature(nxt, {v: manifest.tensors_sha256})
         try:
             self._publish(
                 keys=[
@@ -230,12 +282,17 @@ class CheckpointRegistry:
                     EVENTS_MAXLEN,
                     held,
                     LIVE_HISTORY_MAX,
+                    seq,
+                    sig,
+                    new_seq,
                 ],
             )
         except redis.ResponseError as exc:
             msg = str(exc)
             if msg.startswith("FENCED"):
                 raise Fenced(f"publish of {self.probe} v{v} refused: {msg[7:]}") from None
+            if msg.startswith("CHANGED"):
+                raise StagesChanged(f"{self.probe} stages changed meanwhile: {msg[8:]}") from None
             raise RegistryError(f"publish of {self.probe} v{v} refused: {msg}") from None
         return manifest
 
@@ -254,6 +311,7 @@ class CheckpointRegistry:
         mark_rolled_back: dict[int, str] | None = None,
         mark_tried: tuple[int, ...] | list[int] = (),
         reset: tuple[str, ...] | list[str] = (),
+        resign: bool = False,
     ) -> None:
         """Change stage pointers, marks and record the event, atomically.
 
@@ -262,12 +320,18 @@ class CheckpointRegistry:
         if any differs now, nothing changes and :class:`StagesChanged` is raised.
         ``mark_rolled_back`` adds versions (with a reason) to the rolled-back hash,
         ``mark_tried`` to the tried set; ``reset`` names keys to delete in the same step.
+        With a signing key the result is signed (see the module docstring); ``resign``
+        accepts current pointers that do not verify, dropping any canary.
         """
         event = self._event(
             kind, version, previous=previous, reason=reason, actor=actor, details=details or {}
         )
-        sets = {k: _field(v) for k, v in (set_fields or {}).items()}
+        set_fields = dict(set_fields or {})
+        delete = list(delete)
         expected = {k: "" if v is None else _field(v) for k, v in (expect or {}).items()}
+        if self.signing_key is not None:
+            self._sign_change(set_fields, delete, expected, resign=resign)
+        sets = {k: _field(v) for k, v in set_fields.items()}
         try:
             self._set_stages(
                 keys=[
@@ -307,6 +371,7 @@ class CheckpointRegistry:
         actor: str = "",
         details: dict[str, Any] | None = None,
         expect: Stages | None = None,
+        resign: bool = False,
     ) -> None:
         """Make ``version`` live; it stops being the canary if it was one.
 
@@ -325,6 +390,7 @@ class CheckpointRegistry:
             details=details,
             expect=st.expected() if expect is not None else None,
             mark_tried=[version],
+            resign=resign,
         )
 
     def prune(self, keep: int) -> list[int]:
@@ -353,6 +419,107 @@ class CheckpointRegistry:
         )
         return [int(v) for v in doomed]
 
+    # --- signed stage pointers -------------------------------------------
+
+    def stage_signature(self, st: Stages, shas: dict[int, str] | None = None) -> str:
+        """HMAC of the pointers scorers act on, bound to this deployment's prefix, the
+        probe, each pointed version's tensor sha256 (read from its manifest unless given)
+        and ``st.seq``."""
+        if self.signing_key is None:
+            raise RegistryError("no signing key configured")
+        shas = dict(shas or {})
+        for v in (st.live, st.canary):
+            if v is not None and v not in shas:
+                shas[v] = self.manifest(v).tensors_sha256
+        record = [
+            "probeguard-stages/1",
+            self.keys.prefix,
+            self.probe,
+            st.live,
+            shas.get(st.live) if st.live is not None else None,
+            st.canary,
+            shas.get(st.canary) if st.canary is not None else None,
+            round(float(st.canary_share), 6) if st.canary is not None else 0.0,
+            st.seq,
+        ]
+        message = json.dumps(record, separators=(",", ":")).encode()
+        return hmac.new(self.signing_key, message, hashlib.sha256).hexdigest()
+
+    def stages_verify(self, st: Stages) -> bool:
+        """Whether ``st`` carries a valid signature (always, without a key). Empty
+        pointers need none: they point nowhere."""
+        if self.signing_key is None:
+            return True
+        if st.live is None and st.canary is None and st.sig is None:
+            return True
+        if st.sig is None:
+            return False
+        try:
+            expected = self.stage_signature(st)
+        except UnknownVersion:
+            return False
+        return hmac.compare_digest(st.sig, expected)
+
+    def _verified_stages(self) -> Stages:
+        st = self.stages()
+        if not self.stages_verify(st):
+            raise RegistryError(
+                f"{self.probe}: the stage pointers do not verify with the signing key (written "
+                "without it, or tampered); an operator with the key re-signs them with "
+                "`probeguard probe promote VERSION --force`"
+            )
+        return st
+
+    def _sign_change(
+        self,
+        sets: dict[str, Any],
+        delete: list[str],
+        expected: dict[str, str],
+        *,
+        resign: bool,
+    ) -> None:
+        """Add ``seq`` and ``sig`` for the stages this change produces; expect the ``seq``
+        read, so the signature is over exactly what the script leaves behind."""
+        cur = self.stages()
+        if resign:
+            if "canary" not in sets:
+                delete.extend(k for k in ("canary", "canary_share") if k not in delete)
+        elif not self.stages_verify(cur):
+            self._verified_stages()  # raises with the explanation
+        for field, want in expected.items():
+            have = getattr(cur, field, None)
+            now = "" if have is None or have is False else _field(have)
+            if field in ("live", "canary", "pinned") and now != want:
+                raise StagesChanged(
+                    f"{self.probe} stages changed meanwhile: {field} is {now or 'unset'}, "
+                    f"expected {want or 'unset'}"
+                )
+        values = {
+            "live": cur.live,
+            "canary": None if resign else cur.canary,
+            "canary_share": 0.0 if resign else cur.canary_share,
+        }
+        for k in delete:
+            if k in values:
+                values[k] = 0.0 if k == "canary_share" else None
+        for k, v in sets.items():
+            if k in values:
+                values[k] = float(v) if k == "canary_share" else int(v)
+        nxt = Stages(
+            live=values["live"],  # type: ignore[arg-type]
+            canary=values["canary"],  # type: ignore[arg-type]
+            canary_share=float(values["canary_share"] or 0.0),
+            seq=self._next_seq(),
+        )
+        sets["seq"] = nxt.seq
+        sets["sig"] = self.stage_signature(nxt)
+        expected["seq"] = str(cur.seq) if cur.seq else ""  # signed writes start at 1
+
+    def _next_seq(self) -> int:
+        """A seq above every one issued before (from a counter, so a replayed, older stage
+        record does not set it back)."""
+        return int(self.client.incr(self.keys.stage_seq(self.probe)))
+
     # --- reading ---------------------------------------------------------
 
     def versions(self) -> list[int]:
@@ -372,6 +539,8 @@ class CheckpointRegistry:
             canary=int(raw["canary"]) if "canary" in raw else None,
             canary_share=float(raw.get("canary_share", 0.0)),
             pinned=raw.get("pinned") == "1",
+            seq=int(raw.get("seq", 0)),
+            sig=raw.get("sig"),
         )
 
     def rolled_back(self) -> dict[int, str]:

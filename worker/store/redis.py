@@ -66,11 +66,12 @@ class Keys:
     ``K:ckpt:{v}``               string   safetensors bytes of version v (updater)
     ``K:manifest:{v}``           string   JSON ``CheckpointManifest`` (updater)
     ``K:optim:{v}``              string   safetensors Lion state published with v (updater)
-    ``K:stages``                 hash     live, canary, canary_share, pinned (updater, operators)
+    ``K:stages``                 hash     live, canary, canary_share, pinned; seq, sig (signed)
     ``K:events``                 stream   ``CheckpointEvent`` JSON, field "event" (stage changes)
     ``K:rolled_back``            hash     version -> reason; never auto-promoted again
     ``K:tried``                  set      versions that have been canaries
     ``K:live_history``           list     live versions, newest first, rolled-back ones removed
+    ``K:stage_seq``              string   INCR -> seq of signed stage records (with a key)
     ``K:policy``                 hash     who last changed stages by hand, the rollout mode
     ``K:updater_lease``          string   ``"<token>|<holder>"`` with a TTL (``store.lease``)
     ``K:updater_lease:token``    string   INCR -> fencing tokens
@@ -131,6 +132,9 @@ class Keys:
 
     def live_history(self, probe: str) -> str:
         return self._join(probe, "live_history")
+
+    def stage_seq(self, probe: str) -> str:
+        return self._join(probe, "stage_seq")
 
     def policy(self, probe: str) -> str:
         return self._join(probe, "policy")
