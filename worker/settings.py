@@ -76,6 +76,12 @@ class Settings(BaseSettings):
         description="redis:// or rediss:// URL (may carry a password). Unset: embedded Redis.",
     )
     redis_prefix: str = Field("probeguard", pattern=r"^[A-Za-z0-9_.\-:]{1,64}$")
+    # The per-message cache (texts for label joins, decisions, label markers) can live in
+    # a Redis of its own, sized and evicted on its own (maxmemory + allkeys-lru): a full
+    # cache then never stops publishing, rollbacks or the updater lease.
+    text_redis_url: SecretStr | None = Field(
+        None, description="redis:// or rediss:// URL of the text cache (unset: REDIS_URL)."
+    )
     redis_ssl_ca_certs: Path | None = None
     redis_socket_timeout_s: float = Field(5.0, gt=0)
     redis_retries: Annotated[int, Field(ge=0, le=10)] = 1
@@ -127,6 +133,8 @@ class Settings(BaseSettings):
     review_max_per_window: Annotated[int, Field(ge=0)] = 120
     review_window_s: Annotated[int, Field(ge=1, le=86_400)] = 60
     text_cache_ttl_s: PositiveInt = 7 * 24 * 3600
+    # Texts longer than this (UTF-8 bytes) are not cached: their labels must carry text.
+    text_cache_max_bytes: PositiveInt = 128 * 1024
     bootstrap_checkpoint: Path | None = Field(
         None, description="Checkpoint directory to serve until the registry has a live version."
     )

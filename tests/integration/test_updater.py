@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -385,3 +386,44 @@ def test_labels_nothing_is_learned_from_are_committed_at_once(
     dead = drain(settings, settings.topic_dead_letter, lambda rs: len(rs) >= 3, 60)
     assert [DeadLetter.decode(r.value).error_kind for r in dead] == ["unjoinable"] * 3
     wait_until(lambda: committed(settings, settings.updater_group("toxicity")) == 3, "commit")
+
+
+class Slow(HiddenStateExtractor):
+    """An extractor whose every batch takes ``delay_s`` (a big backlog on a slow CPU)."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__(make_tiny_llm(), max_tokens=64, batch_size=16)
+        self.delay_s = delay_s
+
+    def extract(self, texts, layers):  # type: ignore[no-untyped-def]
+        time.sleep(self.delay_s)
+        return super().extract(texts, layers)
+
+
+def test_a_batch_longer_than_the_lease_keeps_the_lease(
+    settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded]
+) -> None:
+    # Review S1: the lease was renewed only between batches; a batch longer than its TTL
+    # lost it to the standby, and the two thrashed (and a re-acquired lease with a new
+    # token was not treated as a break).
+    settings = fast(settings, lease_ttl_ms=1000, publish_every_labels=16)
+    ensure_topics(settings)
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
+    a = Updater(settings, Slow(2.0), redis_ns.client, worker_id="updater-a")
+    threads.append(Threaded(a.run, a.stop))
+    wait_until(lambda: a.active, "updater-a to hold the lease")
+    b = Updater(settings, extractor(), redis_ns.client, worker_id="updater-b")
+    threads.append(Threaded(b.run, b.stop))
+    produce_raw(settings, settings.topic_labels, [(None, label(i)) for i in range(48)])
+    wait_until(
+        lambda: (
+            registry.latest() is not None
+            and registry.manifest(registry.latest() or 0).counters.labels_seen >= 48
+        ),
+        "every label in a published version",
+        120,
+    )
+    publishers = {e.actor for _, e in registry.history(100) if e.kind == "published"}
+    assert publishers == {"updater-a"}
+    assert a.active and not b.active
+    assert not a.keeper.lost.is_set()

@@ -107,9 +107,9 @@ def _text(args: argparse.Namespace, settings: Settings) -> str:
     if args.message_id is None:
         return str(args.text)
     from worker.explain.report import cached_text
-    from worker.store.redis import Keys, make_redis
+    from worker.store.redis import Keys, make_text_redis
 
-    with make_redis(settings) as client:
+    with make_text_redis(settings) as client:
         return cached_text(client, Keys(settings.redis_prefix), args.message_id)
 
 

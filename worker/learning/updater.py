@@ -60,8 +60,8 @@ from worker.rollout.stages import Rollout
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.evidence import EvidenceStore
-from worker.store.lease import Lease
-from worker.store.redis import Keys
+from worker.store.lease import Lease, LeaseKeeper
+from worker.store.redis import Keys, make_text_redis
 
 __all__ = ["Updater", "default_spec"]
 
@@ -147,10 +147,12 @@ class Updater:
         *,
         worker_id: str | None = None,
         metrics_port: int | None = None,
+        text_redis: redis.Redis | None = None,
     ) -> None:
         self.settings = settings
         self.extractor = extractor
         self.redis: Any = redis_client
+        self.text_redis: Any = text_redis or make_text_redis(settings, redis_client)
         self.keys = Keys(settings.redis_prefix)
         self.name = settings.probe_to_train
         self.worker_id = worker_id or settings.resolved_worker_id()
@@ -160,7 +162,9 @@ class Updater:
         self.lease = Lease(
             redis_client, self.registry.lease_key, self.worker_id, settings.lease_ttl_ms
         )
-        self.evidence = EvidenceStore.from_settings(redis_client, settings)
+        self.evidence = EvidenceStore.from_settings(
+            redis_client, settings, cache=self.text_redis
+        )
         self.rollout = Rollout(self.registry, self.evidence, actor=self.worker_id)
         self.policy = Policy.from_settings(settings)
         self._next_rollout = 0.0
@@ -175,6 +179,7 @@ class Updater:
         self.health = self.runtime.health
         self.health.ready_check = self._ready
         self.active = False
+        self.keeper = LeaseKeeper(self.lease)  # replaced by a running one per tenure
         # Set by _resume() when the lease is ours: the learning core, and what it
         # continues from (the version it resumed from, then the last one it published).
         self.learner: OnlineLearner | None = None
@@ -249,6 +254,20 @@ class Updater:
 
     def _serve(self) -> None:
         log.info("lease for %s acquired (token %s); resuming", self.name, self.lease.token)
+        # Renewed on its own thread, however long a batch takes; once lost, nothing more
+        # is published or committed, and the next tenure resumes from the registry.
+        self.keeper = LeaseKeeper(self.lease, on_lost=self._lease_lost).start()
+        try:
+            self._serve_tenure()
+        finally:
+            self.keeper.stop()
+
+    def _lease_lost(self) -> None:
+        log.warning("lost the %s lease; finishing the batch in hand, then standby", self.name)
+        if self.loop is not None:
+            self.loop.stop()
+
+    def _serve_tenure(self) -> None:
         self.active = True
         self.metrics.lease.set(1)
         self._resume()
@@ -265,7 +284,7 @@ class Updater:
         )
         try:
             loop.run()
-            if self.unpublished and self._holds_lease():
+            if self.unpublished and self.keeper.holds():
                 self.publish(reason="shutdown")  # nothing while warming up (see publish)
         finally:
             loop.close()
@@ -437,7 +456,7 @@ class Updater:
         cached: dict[str, str | None] = {}
         if missing:
             try:
-                values = self.redis.mget([self.keys.text(m) for m in missing])
+                values = self.text_redis.mget([self.keys.text(m) for m in missing])
             except (redis.RedisError, OSError) as exc:
                 raise TransientError(f"text cache unreachable: {exc}") from exc
             cached = {
@@ -457,8 +476,7 @@ class Updater:
 
     def _between_batches(self) -> None:
         self.health.beat()
-        if not self._holds_lease():
-            log.warning("lost the %s lease; back to standby", self.name)
+        if self.keeper.lost.is_set():
             if self.loop is not None:
                 self.loop.stop()
             return
@@ -500,14 +518,6 @@ class Updater:
                 decision.reason,
             )
 
-    def _holds_lease(self) -> bool:
-        try:
-            return self.lease.acquire() is not None
-        except (redis.RedisError, OSError) as exc:
-            # Redis is down: keep learning; publishing waits (and is fenced anyway).
-            log.warning("cannot renew the lease (%s)", exc)
-            return True
-
     def publish(self, *, reason: str = "") -> int | None:
         """Publish the current weights as a new version; commit the labels they reflect.
 
@@ -517,6 +527,9 @@ class Updater:
         """
         learner, loop = self.learner, self.loop
         if learner is None or loop is None:
+            return None
+        if self.keeper.lost.is_set():
+            log.warning("not publishing %s (%s): the lease is lost", self.name, reason)
             return None
         if learner.warming_up:
             log.info(

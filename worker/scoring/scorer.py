@@ -36,7 +36,7 @@ from worker.scoring.probe_watch import ProbeWatcher
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.evidence import EvidenceStore
-from worker.store.redis import Breaker, Keys
+from worker.store.redis import Breaker, Keys, make_text_redis
 
 __all__ = ["Scorer", "ScorerMetrics"]
 
@@ -121,10 +121,13 @@ class Scorer:
         *,
         worker_id: str | None = None,
         metrics_port: int | None = None,
+        text_redis: redis.Redis | None = None,
     ) -> None:
         self.settings = settings
         self.extractor = extractor
         self.redis: Any = redis_client
+        # The per-message cache: its own Redis when configured (see make_text_redis).
+        self.text_redis: Any = text_redis or make_text_redis(settings, redis_client)
         self.keys = Keys(settings.redis_prefix)
         self.worker_id = worker_id or settings.resolved_worker_id()
         self.metrics = ScorerMetrics()
@@ -137,10 +140,13 @@ class Scorer:
         )
         self.health = self.runtime.health
         self.health.ready_check = self._ready
-        self.evidence = EvidenceStore.from_settings(redis_client, settings)
+        self.evidence = EvidenceStore.from_settings(
+            redis_client, settings, cache=self.text_redis
+        )
         # One breaker for every best-effort Redis call: after a failure, batches skip Redis
         # for a few seconds rather than each waiting on a socket timeout.
         self.redis_breaker = Breaker()
+        self.text_breaker = Breaker()  # the text cache fails on its own (e.g. full)
         registries = {
             n: CheckpointRegistry(redis_client, self.keys, n, signing_key=settings.signing_key)
             for n in settings.probe_names
@@ -316,33 +322,57 @@ class Scorer:
     ) -> None:
         """Text and decisions per message (for label joins), evidence per version.
 
-        One round trip, best-effort: a Redis failure costs label joins and evidence,
-        never the batch.
+        Best-effort, one round trip each to the text cache and to the registry's Redis,
+        each behind its own breaker: a failure (a full cache, say) costs label joins or
+        evidence, never the batch, and never the other.
         """
-        if not self.redis_breaker.ready():
-            self.metrics.redis_skipped.inc()
-            return
-        ttl = self.settings.text_cache_ttl_s
         by_pos: dict[int, dict[str, ProbeDecision]] = defaultdict(dict)
         by_probe: dict[str, list[tuple[ProbeDecision, float]]] = defaultdict(list)
         for (pos, probe), d in scores.decisions.items():
             by_pos[pos][probe] = d
             by_probe[probe].append((d, latency_ms))
+        self._cache_texts(messages, scores, by_pos)
+        if not by_probe:
+            return
+        if not self.redis_breaker.ready():
+            self.metrics.redis_skipped.inc()
+            return
         try:
             pipe = self.redis.pipeline(transaction=False)
-            for pos in scores.results:
-                msg = messages[pos]
-                pipe.set(self.keys.text(msg.message_id), msg.text.encode(), ex=ttl)
-                if by_pos.get(pos):
-                    record = DecidedRecord(p=by_pos[pos]).encode()
-                    pipe.set(self.keys.decided(msg.message_id), record, ex=ttl)
             for probe, decisions in by_probe.items():
                 self.evidence.add_scored(pipe, probe, decisions)
             pipe.execute()
         except (redis.RedisError, OSError) as exc:
             self.metrics.redis_errors.inc()
             self.redis_breaker.trip()
-            log.warning("text cache/evidence write failed (%s); labels may need to carry text", exc)
+            log.warning("evidence write failed (%s)", exc)
+
+    def _cache_texts(
+        self,
+        messages: list[ChatMessage],
+        scores: BatchScores,
+        by_pos: dict[int, dict[str, ProbeDecision]],
+    ) -> None:
+        if not self.text_breaker.ready():
+            self.metrics.redis_skipped.inc()
+            return
+        ttl, cap = self.settings.text_cache_ttl_s, self.settings.text_cache_max_bytes
+        try:
+            pipe = self.text_redis.pipeline(transaction=False)
+            for pos in scores.results:
+                msg = messages[pos]
+                text = msg.text.encode()
+                if len(text) <= cap:
+                    pipe.set(self.keys.text(msg.message_id), text, ex=ttl)
+                if by_pos.get(pos):
+                    record = DecidedRecord(p=by_pos[pos]).encode()
+                    pipe.set(self.keys.decided(msg.message_id), record, ex=ttl)
+            pipe.execute()
+            self.text_breaker.reset()
+        except (redis.RedisError, OSError) as exc:
+            self.metrics.redis_errors.inc()
+            self.text_breaker.trip()
+            log.warning("text cache write failed (%s); labels may need to carry text", exc)
 
     def _refused(self, name: str, version: int, why: str) -> None:
         self.metrics.refused.labels(name).inc()

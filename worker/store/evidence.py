@@ -162,21 +162,31 @@ class EvidenceStore:
     """Reads and writes evidence for every probe under one key prefix."""
 
     def __init__(
-        self, client: Any, keys: Keys, *, pairs_max: int = 2000, marker_ttl_s: int = 7 * 86400
+        self,
+        client: Any,
+        keys: Keys,
+        *,
+        pairs_max: int = 2000,
+        marker_ttl_s: int = 7 * 86400,
+        cache: Any = None,
     ) -> None:
         self.client: Any = client
+        # ``decided`` and ``labeled`` (per message, TTL) live in the text cache's Redis.
+        self.cache: Any = cache if cache is not None else client
         self.keys = keys
         self.pairs_max = pairs_max
         self.marker_ttl_s = marker_ttl_s
 
     @classmethod
-    def from_settings(cls, client: Any, settings: Any) -> EvidenceStore:
-        """Under ``settings.redis_prefix``; label markers live as long as cached texts."""
+    def from_settings(cls, client: Any, settings: Any, *, cache: Any = None) -> EvidenceStore:
+        """Under ``settings.redis_prefix``; label markers live as long as cached texts (and
+        with them in ``cache``, the text cache's client, when given)."""
         return cls(
             client,
             Keys(settings.redis_prefix),
             pairs_max=settings.evidence_pairs,
             marker_ttl_s=settings.text_cache_ttl_s,
+            cache=cache,
         )
 
     # --- scorers -------------------------------------------------------------
@@ -236,7 +246,7 @@ class EvidenceStore:
         """
         if not labeled:
             return 0
-        raw = self.client.mget([self.keys.decided(mid) for mid, _ in labeled])
+        raw = self.cache.mget([self.keys.decided(mid) for mid, _ in labeled])
         found: list[tuple[str, bool, ProbeDecision]] = []
         for (mid, truth), blob in zip(labeled, raw, strict=True):
             if blob is None:
@@ -249,7 +259,7 @@ class EvidenceStore:
                 found.append((mid, truth, decision))
         if not found:
             return 0
-        pipe = self.client.pipeline(transaction=False)
+        pipe = self.cache.pipeline(transaction=False)
         for mid, _, _ in found:
             pipe.set(self.keys.labeled(probe, mid), 1, nx=True, ex=self.marker_ttl_s)
         fresh = [f for f, new in zip(found, pipe.execute(), strict=True) if new]

@@ -9,11 +9,16 @@ script rejects any token that is not the current one (fencing).
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from typing import Any
 
 import redis
 
-__all__ = ["Lease"]
+__all__ = ["Lease", "LeaseKeeper"]
+
+log = logging.getLogger(__name__)
 
 # KEYS[1] lease, KEYS[2] token counter; ARGV[1] holder, ARGV[2] ttl ms.
 # Returns the token held after the call, or false when someone else holds it.
@@ -30,6 +35,15 @@ end
 local token = redis.call('INCR', KEYS[2])
 redis.call('SET', KEYS[1], token .. '|' .. ARGV[1], 'PX', ARGV[2])
 return tostring(token)
+"""
+
+# KEYS[1] lease; ARGV[1] the value we hold, ARGV[2] ttl ms. Extend only our own lease: a
+# lease that expired is not taken again here (another holder may have come and gone).
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
 """
 
 # KEYS[1] lease; ARGV[1] the value we hold. Delete only our own lease.
@@ -56,6 +70,7 @@ class Lease:
         self.ttl_ms = ttl_ms
         self.token: str | None = None
         self._acquire = client.register_script(_ACQUIRE)
+        self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
 
     def acquire(self) -> str | None:
@@ -65,6 +80,14 @@ class Lease:
         )
         self.token = result.decode() if isinstance(result, bytes) else result
         return self.token
+
+    def renew(self) -> bool:
+        """Extend the lease held with :attr:`token`; False when it is no longer ours (it
+        expired, whoever holds it now). Never takes it again with a new token."""
+        if self.token is None:
+            return False
+        held = f"{self.token}|{self.holder}"
+        return bool(self._renew(keys=[self.key], args=[held, self.ttl_ms]))
 
     def release(self) -> None:
         if self.token is not None:
@@ -78,3 +101,61 @@ class Lease:
             return None
         token, _, holder = raw.decode().partition("|")
         return token, holder
+
+
+class LeaseKeeper:
+    """Renews a held :class:`Lease` every ``ttl/3`` on its own thread, so a batch of any
+    length keeps it. :attr:`lost` is set for good once the lease is no longer ours
+    (renewal refused), or when it could not be renewed for a whole TTL (Redis
+    unreachable: another holder may have taken over); ``on_lost`` runs then.
+    """
+
+    def __init__(self, lease: Lease, on_lost: Any = None) -> None:
+        self.lease = lease
+        self.on_lost = on_lost
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+
+    def start(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(5)
+
+    def holds(self) -> bool:
+        """Renew now; whether the lease is still ours."""
+        if not self.lost.is_set() and not self._renew_once():
+            self._lose("renewal refused")
+        return not self.lost.is_set()
+
+    def _run(self) -> None:
+        interval = self.lease.ttl_ms / 3000
+        last_ok = time.monotonic()
+        while not self._stop.wait(interval) and not self.lost.is_set():
+            try:
+                ok = self.lease.renew()
+            except (redis.RedisError, OSError) as exc:
+                if time.monotonic() - last_ok > self.lease.ttl_ms / 1000:
+                    self._lose(f"not renewed for a whole TTL ({exc})")
+                continue
+            if not ok:
+                self._lose("renewal refused: it expired or another holder has it")
+            last_ok = time.monotonic()
+
+    def _renew_once(self) -> bool:
+        try:
+            return self.lease.renew()
+        except (redis.RedisError, OSError):
+            return True  # unknown: the thread decides after a whole TTL; publish is fenced
+
+    def _lose(self, why: str) -> None:
+        if self.lost.is_set():
+            return
+        log.warning("lease %s lost: %s", self.lease.key, why)
+        self.lost.set()
+        if self.on_lost is not None:
+            self.on_lost()

@@ -16,7 +16,7 @@ from redis.retry import Retry
 from worker.errors import ConfigError
 from worker.settings import Settings
 
-__all__ = ["Breaker", "Keys", "make_redis"]
+__all__ = ["Breaker", "Keys", "make_redis", "make_text_redis"]
 
 
 def make_redis(settings: Settings, url: str | None = None, **overrides: Any) -> redis.Redis:
@@ -52,6 +52,14 @@ def make_redis(settings: Settings, url: str | None = None, **overrides: Any) -> 
         raise ConfigError(f"invalid Redis URL: {exc}") from None  # the URL may hold a password
 
 
+def make_text_redis(settings: Settings, main: redis.Redis | None = None) -> redis.Redis:
+    """The client of the per-message cache: ``settings.text_redis_url``, else ``main`` (or
+    a new client of the main Redis)."""
+    if settings.text_redis_url is not None:
+        return make_redis(settings, settings.text_redis_url.get_secret_value())
+    return main if main is not None else make_redis(settings)
+
+
 class Keys:
     """The Redis key layout: every key probeguard writes, defined here and nowhere else.
 
@@ -77,9 +85,9 @@ class Keys:
     ``K:updater_lease:token``    string   INCR -> fencing tokens
     ``K:evidence:{v}``           hash     canary/live evidence counters (``store.evidence``)
     ``K:pairs:{v}``              list     "flag_score truth" per labeled message (evidence)
-    ``K:labeled:{message_id}``   string   label already credited to evidence (TTL)
-    ``P:text:{message_id}``      string   message text for label joins (scorers; TTL)
-    ``P:decided:{message_id}``   string   which version decided a message (scorers; TTL)
+    ``K:labeled:{message_id}``   string   label already credited to evidence (TTL) [cache]
+    ``P:text:{message_id}``      string   message text for label joins (scorers; TTL) [cache]
+    ``P:decided:{message_id}``   string   which version decided a message (scorers; TTL) [cache]
     ``P:review_budget:{window}`` string   review requests sent in a time window (scorers; TTL)
     ``P:review:claim:{item}``    string   a console reviewer's claim on a review item
                                           (``probe:message_id``), with a TTL; ``done|<who>``
@@ -87,6 +95,9 @@ class Keys:
     ``P:review:answers``         zset     ``reviewer<US>item`` by answer time, last hour
                                           (console: per-reviewer rates)
     ===========================  =======  ==========================================================
+
+    Keys marked [cache] live in the text cache's Redis (``PROBEGUARD_TEXT_REDIS_URL``, by
+    default the same server): per message, with a TTL, and the bulk of the data.
     """
 
     def __init__(self, prefix: str) -> None:
