@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 from datetime import datetime
 from pathlib import Path
@@ -117,6 +118,21 @@ def _check_tensors(probe: Probe, tensors: dict[str, torch.Tensor], name: str) ->
             raise CheckpointError(f"checkpoint {name!r} tensor {key!r} holds NaN or inf")
 
 
+def _format_tag(blob: bytes) -> str | None:
+    """The ``format`` tag in the safetensors header's metadata (None when absent or the
+    header is unreadable: loading then reports the real problem)."""
+    if len(blob) < 8:
+        return None
+    size = int.from_bytes(blob[:8], "little")
+    try:
+        header = json.loads(blob[8 : 8 + size])
+    except (ValueError, UnicodeDecodeError):
+        return None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    tag = meta.get("format") if isinstance(meta, dict) else None
+    return tag if isinstance(tag, str) else None
+
+
 def probe_from_bytes(
     tensor_bytes: bytes,
     manifest_json: bytes | str,
@@ -151,6 +167,11 @@ def probe_from_bytes(
         raise IncompatibleCheckpoint(
             f"checkpoint {name!r} was trained on another LLM: "
             f"{manifest.llm.diff(expected_fingerprint, mine='checkpoint', theirs='this LLM')}"
+        )
+    fmt = _format_tag(tensor_bytes)
+    if fmt is not None and fmt != FORMAT:
+        raise IncompatibleCheckpoint(
+            f"checkpoint {name!r} is in format {fmt!r}; this release reads {FORMAT!r}"
         )
     try:
         tensors = st_load(tensor_bytes)

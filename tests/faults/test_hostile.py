@@ -316,7 +316,7 @@ def test_text_cache_at_maxmemory_leaves_publishing_and_rollback_working(
             out = tally.settle(keys, timeout_s=120)
         missing = out.missing(keys)
         assert not missing
-        with pytest.raises(redis.exceptions.ResponseError, match="OOM|maxmemory"):
+        with pytest.raises(redis.exceptions.ResponseError, match=r"OOM|maxmemory"):
             client.set("probe-the-cache", b"x" * 100_000)
         errors = scorer.metrics.registry.get_sample_value("probeguard_scorer_redis_errors_total")
         assert errors is not None and errors > 0  # the cache writes failed

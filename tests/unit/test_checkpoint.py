@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,3 +127,41 @@ def test_thresholds_travel_in_the_spec() -> None:
     blob, manifest = checkpoint_to_bytes(probe, llm=FINGERPRINT)
     loaded, _ = probe_from_bytes(blob, manifest, FINGERPRINT)
     assert loaded.spec.thresholds == {"toxic": 0.3}
+
+
+GOLDEN = Path(__file__).parents[1] / "reference" / "golden"
+
+
+@pytest.mark.parametrize("kind", sorted(p.name for p in GOLDEN.iterdir() if p.is_dir()))
+def test_golden_checkpoints_of_this_release_still_load_and_agree(kind: str) -> None:
+    # Written once by tests/reference/golden_checkpoints.py; never regenerated. A renamed
+    # state-dict key, a changed spec default, manifest schema, signature or format tag
+    # would silently orphan every checkpoint stored in Redis: here it fails.
+    from safetensors.torch import load_file
+
+    from tests.reference.golden_checkpoints import FINGERPRINT as GOLDEN_LLM
+    from tests.reference.golden_checkpoints import KEY
+
+    directory = GOLDEN / kind
+    probe, manifest = load_checkpoint(directory, GOLDEN_LLM, signing_key=KEY)
+    assert (manifest.version, manifest.parent, manifest.counters.labels_seen) == (7, 6, 12)
+    inputs = load_file(str(directory / "inputs.safetensors"))
+    expected = json.loads((directory / "expected.json").read_text())
+    got = probe.predict_proba_many(inputs["hidden"], inputs["mask"])
+    torch.testing.assert_close(got, torch.tensor(expected["probabilities"]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_of_another_format_is_refused(tmp_path: Path) -> None:
+    from safetensors.torch import load as st_load
+
+    from tests.reference.golden_checkpoints import FINGERPRINT as GOLDEN_LLM
+
+    directory = GOLDEN / "mean-scalar_mix"
+    blob = (directory / "tensors.safetensors").read_bytes()
+    future = st_save(st_load(blob), metadata={"format": "probeguard-probe/2"})
+    manifest = CheckpointManifest.decode((directory / "manifest.json").read_bytes())
+    manifest = manifest.model_copy(
+        update={"tensors_sha256": hashlib.sha256(future).hexdigest(), "signature": None}
+    )
+    with pytest.raises(IncompatibleCheckpoint, match="probeguard-probe/2"):
+        probe_from_bytes(future, manifest.encode(), GOLDEN_LLM)
