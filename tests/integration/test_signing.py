@@ -6,6 +6,7 @@ import operator
 import urllib.request
 from collections.abc import Iterator
 from functools import partial
+from typing import Any
 
 import pytest
 import torch
@@ -159,7 +160,7 @@ def test_stage_pointers_written_without_the_key_are_ignored(
     v1 = publish_probe(registry, fp, seed=1, signing_key=key)
     v2 = publish_probe(registry, fp, seed=2, signing_key=key)
     wait_until(lambda: running.watcher.versions()["toxicity"]["live"] == v2, "v2 served")
-    old_record = redis_ns.client.hgetall(registry.keys.stages("toxicity"))
+    old_record: dict[Any, Any] = redis_ns.client.hgetall(registry.keys.stages("toxicity"))
     v3 = publish_probe(registry, fp, seed=3, signing_key=key)
     wait_until(lambda: running.watcher.versions()["toxicity"]["live"] == v3, "v3 served")
     Rollout(registry, EvidenceStore(redis_ns.client, redis_ns.keys), actor="op").rollback_live(
@@ -231,6 +232,7 @@ def test_optimizer_state_is_signed_and_forged_momentum_is_refused(
 
     assert momentum_restored() > 0  # the signed state is restored
     genuine = redis_ns.client.get(optim_key)
+    assert isinstance(genuine, bytes)
     forged = {
         name: torch.full_like(t, 1e3)
         for name, t in updater.learner.optimizer_state().items()  # type: ignore[union-attr]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from tests.registry_helpers import toxicity_spec
 from tests.tiny_llm import make_tiny_llm
 from worker.kafka.clients import ensure_topics, make_admin
 from worker.learning.updater import Updater
-from worker.llm.extract import HiddenStateExtractor
+from worker.llm.extract import Extraction, HiddenStateExtractor
 from worker.scoring.scorer import Scorer
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
@@ -395,7 +396,7 @@ class Slow(HiddenStateExtractor):
         super().__init__(make_tiny_llm(), max_tokens=64, batch_size=16)
         self.delay_s = delay_s
 
-    def extract(self, texts, layers):  # type: ignore[no-untyped-def]
+    def extract(self, texts: Sequence[str | bytes], layers: Sequence[int]) -> Extraction:
         time.sleep(self.delay_s)
         return super().extract(texts, layers)
 

@@ -108,8 +108,8 @@ def make_loop(
 ) -> tuple[BatchLoop[ChatMessage], list[str]]:
     events: list[str] = []
     loop: BatchLoop[ChatMessage] = BatchLoop(
-        consumer=consumer,  # type: ignore[arg-type]
-        producer=producer,  # type: ignore[arg-type]
+        consumer=consumer,
+        producer=producer,
         model=ChatMessage,
         handler=handler,
         dead_letter_topic="dlq",

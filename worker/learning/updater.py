@@ -162,9 +162,7 @@ class Updater:
         self.lease = Lease(
             redis_client, self.registry.lease_key, self.worker_id, settings.lease_ttl_ms
         )
-        self.evidence = EvidenceStore.from_settings(
-            redis_client, settings, cache=self.text_redis
-        )
+        self.evidence = EvidenceStore.from_settings(redis_client, settings, cache=self.text_redis)
         self.rollout = Rollout(self.registry, self.evidence, actor=self.worker_id)
         self.policy = Policy.from_settings(settings)
         self._next_rollout = 0.0

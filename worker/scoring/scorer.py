@@ -140,9 +140,7 @@ class Scorer:
         )
         self.health = self.runtime.health
         self.health.ready_check = self._ready
-        self.evidence = EvidenceStore.from_settings(
-            redis_client, settings, cache=self.text_redis
-        )
+        self.evidence = EvidenceStore.from_settings(redis_client, settings, cache=self.text_redis)
         # One breaker for every best-effort Redis call: after a failure, batches skip Redis
         # for a few seconds rather than each waiting on a socket timeout.
         self.redis_breaker = Breaker()
