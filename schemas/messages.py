@@ -132,7 +132,9 @@ class Verdict(WireModel):
     """The moderation outcome for one message, from every configured probe.
 
     ``verdict_id`` is derived from the message id and the probe versions, so
-    a replay after a crash produces the same id (consumers deduplicate on it).
+    a replay after a crash produces the same id as long as the probes were not swapped
+    meanwhile. Consumers deduplicate on ``message_id`` (the Kafka key): a redelivery after
+    a hot swap carries a new ``verdict_id`` for the same message.
     """
 
     schema_version: Literal[1] = 1

@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from typing import Any
 
 import pytest
+import redis
 
 from schemas import (
     CheckpointManifest,
@@ -333,3 +335,39 @@ def test_a_decision_taken_before_a_pin_does_not_land_after_it(
     with pytest.raises(StagesChanged, match="pinned"):
         rollout.apply(decision, sit.stages, share=policy.canary_share)
     assert registry.stages().canary is None
+
+
+def test_labels_whose_counts_failed_are_credited_on_redelivery(
+    evidence: EvidenceStore, redis_ns: RedisNamespace
+) -> None:
+    # Review C7: the "credited" markers and the counts were two round trips; when the
+    # second failed, redelivery saw the markers and never credited those labels.
+    pipe = redis_ns.client.pipeline()
+    evidence.add_scored(pipe, "tox", [(ProbeDecision(v=3, f=True, s=0.9), 5.0)])
+    pipe.set(
+        evidence.keys.decided("m0"), DecidedRecord(p={"tox": ProbeDecision(v=3, f=True)}).encode()
+    )
+    pipe.execute()
+
+    class CountsFailOnce:
+        """The registry's Redis, whose next pipeline fails (e.g. a timeout)."""
+
+        def __init__(self, client: Any) -> None:
+            self.client, self.failed = client, False
+
+        def pipeline(self, **kw: Any) -> Any:
+            pipe = self.client.pipeline(**kw)
+            if not self.failed:
+                self.failed = True
+
+                def fail() -> None:
+                    raise redis.ConnectionError("lost the connection")
+
+                pipe.execute = fail
+            return pipe
+
+    flaky = EvidenceStore(CountsFailOnce(redis_ns.client), evidence.keys, cache=redis_ns.client)
+    with pytest.raises(redis.ConnectionError):
+        flaky.record_labels("tox", [("m0", True)])
+    assert flaky.record_labels("tox", [("m0", True)]) == 1  # redelivered: credited now
+    assert evidence.read("tox", 3).labels.tp == 1

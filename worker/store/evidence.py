@@ -30,6 +30,7 @@ first, at most ``pairs_max``). Hash fields of ``evidence``:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import defaultdict
@@ -284,7 +285,14 @@ class EvidenceStore:
             for version, items in pairs.items():
                 pipe.lpush(self.keys.pairs(probe, version), *items)
                 pipe.ltrim(self.keys.pairs(probe, version), 0, self.pairs_max - 1)
-        pipe.execute()
+        try:
+            pipe.execute()
+        except Exception:
+            # The markers say "credited" but the counts did not land: take them back, so a
+            # redelivery credits these labels instead of skipping them for good.
+            with contextlib.suppress(Exception):
+                self.cache.delete(*(self.keys.labeled(probe, mid) for mid, _, _ in fresh))
+            raise
         return len(fresh)
 
     # --- reading -------------------------------------------------------------
