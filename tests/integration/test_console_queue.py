@@ -91,6 +91,7 @@ def test_a_timed_out_claim_moves_on_and_the_late_answer_is_refused(
     assert q.answer("ben", item.key, ["ok"]).labeler_id == "ben"
     (label,) = labels(qsettings, 1)
     assert label.labeler_id == "ben" and label.label == "ok"
+    assert label.probe == item.request.probe  # addressed: only that probe's updater learns it
 
 
 def test_claim_lost_to_another_console_is_refused_on_answer(

@@ -32,7 +32,7 @@ from worker.console.explainer import Explainer, SpecCache
 from worker.console.queue import ReviewQueue
 from worker.settings import Settings
 from worker.store.evidence import EvidenceStore
-from worker.store.redis import Keys
+from worker.store.redis import Keys, make_text_redis
 
 __all__ = ["Console", "create_app"]
 
@@ -53,6 +53,7 @@ class Console:
     queue: ReviewQueue | None
     explainer: Explainer
     keys: Keys = field(init=False)
+    cache: Any = field(init=False)  # the text cache's Redis (PROBEGUARD_TEXT_REDIS_URL)
     evidence: EvidenceStore = field(init=False)
     specs: SpecCache = field(init=False)
     env: jinja2.Environment = field(default_factory=web.templates)
@@ -60,7 +61,8 @@ class Console:
 
     def __post_init__(self) -> None:
         self.keys = Keys(self.settings.redis_prefix)
-        self.evidence = EvidenceStore.from_settings(self.client, self.settings)
+        self.cache = make_text_redis(self.settings, self.client)
+        self.evidence = EvidenceStore.from_settings(self.client, self.settings, cache=self.cache)
         self.specs = SpecCache(self.client, self.keys)
 
     def page(self, request: Request, name: str, status: int = 200, **values: Any) -> HTMLResponse:

@@ -56,7 +56,9 @@ def probes(request: Request, probe: str | None = None) -> HTMLResponse:
     console = console_of(request)
     user = user_of(request)
     name = _probe(request, probe)
-    registry = CheckpointRegistry(console.client, console.keys, name)
+    registry = CheckpointRegistry(
+        console.client, console.keys, name, signing_key=console.settings.signing_key
+    )
     view = probe_page(registry, console.evidence, console.settings, console.explainer)
     return console.page(
         request,
@@ -88,7 +90,9 @@ def change(
     web.check_csrf(request, csrf)
     web.require(user, "change_stages")
     name = _probe(request, probe)
-    registry = CheckpointRegistry(console.client, console.keys, name)
+    registry = CheckpointRegistry(
+        console.client, console.keys, name, signing_key=console.settings.signing_key
+    )
     seen = Stages(live=_version(seen_live), canary=_version(seen_canary))
     v = _version(version)
     share = console.settings.canary_share if share is None else share

@@ -318,6 +318,7 @@ class ReviewQueue:
             "labeler_id": reviewer,
             "created_at": utcnow(),
             "text": req.text,
+            "probe": req.probe,  # the probe that asked learns it (and no other)
         }
         if item.multilabel:
             return HumanLabel(labels=list(labels), **common)
