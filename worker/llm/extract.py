@@ -164,7 +164,7 @@ class HiddenStateExtractor:
             max_tokens=settings.max_tokens,
             truncation=settings.truncation,
             batch_size=settings.batch_size,
-            batch_tokens=settings.batch_tokens,
+            batch_tokens=settings.batch_tokens or None,
             max_chunks=settings.max_chunks,
         )
 
