@@ -113,7 +113,7 @@ def fit_one(
         seed=args.seed,
         layer_lr_scale=args.layer_lr_scale,
     )
-    result = train_probe(train, opts, config, val_cache=val)
+    result, _ = train_probe(train, opts, config, val_cache=val)
     r = result.val_report
     row = {
         "pool": pool,

@@ -134,6 +134,34 @@ class ProbeDataset:
             self, tokens=tokens[flat], offsets=new_offsets, targets=self.targets[index], ids=ids
         )
 
+    @staticmethod
+    def concat(parts: list[ProbeDataset]) -> ProbeDataset:
+        """The rows of ``parts`` one after the other (same layers, labels, task and layout)."""
+        if not parts:
+            raise ProbeError("nothing to concatenate")
+        first = parts[0]
+        for p in parts[1:]:
+            if (p.layers, p.labels, p.task, p.token_level) != (
+                first.layers,
+                first.labels,
+                first.task,
+                first.token_level,
+            ):
+                raise ProbeError(
+                    f"cannot concatenate datasets of layers {p.layers} / labels {p.labels} / "
+                    f"{p.task} with layers {first.layers} / labels {first.labels} / {first.task}"
+                )
+        ids = [i for p in parts for i in p.ids]
+        targets = torch.cat([p.targets for p in parts])
+        if first.summaries is not None:
+            summaries = torch.cat([p.summaries for p in parts if p.summaries is not None], dim=1)
+            return replace(first, summaries=summaries, targets=targets, ids=ids)
+        ragged = [p._ragged() for p in parts]
+        lengths = torch.cat([o.diff() for _, o in ragged])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        tokens = torch.cat([t for t, _ in ragged])
+        return replace(first, tokens=tokens, offsets=offsets, targets=targets, ids=ids)
+
     def relabel(self, names: list[str]) -> ProbeDataset:
         """Targets re-expressed over ``names`` (a probe's label order).
 

@@ -8,7 +8,11 @@
 Each epoch: mini-batches (rows of similar length together, so token-level
 batches carry little padding), one Lion step each; then the validation split
 is scored and the monitored metric decides early stopping. The best epoch's
-weights are restored and the decision thresholds are chosen on validation.
+weights are restored and the decision thresholds are chosen on validation (at
+``config.operating_point``). Without a validation split (``val=None``) it trains
+exactly ``max_epochs`` epochs and leaves the thresholds alone: that is how
+:mod:`probes.select` refits on all rows once cross-validation chose the epochs
+and thresholds.
 """
 
 from __future__ import annotations
@@ -27,8 +31,17 @@ from probes.errors import ProbeError
 from probes.learner import Learner
 from probes.metrics import choose_thresholds, evaluate
 from probes.probe import Probe
+from schemas import OperatingPoint, ProbeSpec
 
-__all__ = ["MAX_BATCH", "FitConfig", "FitResult", "class_weights", "fit", "predict_dataset"]
+__all__ = [
+    "MAX_BATCH",
+    "FitConfig",
+    "FitResult",
+    "class_weights",
+    "epoch_score",
+    "fit",
+    "predict_dataset",
+]
 
 MAX_BATCH = 256
 
@@ -47,6 +60,8 @@ class FitConfig:
     standardize: bool = True  # per-(layer, dim) normalization from the training split
     gradient_checkpointing: bool = False  # recompute MHA attention in backward (less memory)
     layer_lr_scale: float = 30.0  # learning-rate multiplier of the layer-mix scalars
+    mix_entropy: float = 0.0  # weight of the layer-mix entropy penalty (see probes.learner)
+    operating_point: OperatingPoint = OperatingPoint()  # where flag thresholds go
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -72,6 +87,7 @@ class FitResult:
     train_rows: int = 0
     train_counts: dict[str, int] = field(default_factory=dict)  # rows (or positives) per label
     history: list[dict[str, float]] = field(default_factory=list)
+    val_probs: list[Tensor] = field(default_factory=list)  # [N_val, C] per epoch, if recorded
 
 
 def class_weights(train: ProbeDataset) -> Tensor:
@@ -127,32 +143,38 @@ def predict_dataset(probe: Probe, data: ProbeDataset, batch_size: int = 128) -> 
     return out
 
 
-def _monitor(config: FitConfig, probe: Probe, val: ProbeDataset) -> tuple[float, dict[str, float]]:
-    """``(score to maximize, logged values)`` on the validation split."""
-    probs = predict_dataset(probe, val)
+def epoch_score(
+    spec: ProbeSpec, probs: Tensor, targets: Tensor, monitor: str
+) -> tuple[float, dict[str, float]]:
+    """``(score to maximize, logged values)`` of probabilities ``[N, C]`` on a split:
+    ``monitor`` is ``auprc``, ``f1`` (at the F1-best thresholds) or ``loss`` (negated)."""
     clipped = probs.clamp(1e-7, 1 - 1e-7)
-    if probe.spec.task == "multiclass":
-        loss = float(torch.nn.functional.nll_loss(clipped.log(), val.targets))
+    if spec.task == "multiclass":
+        loss = float(torch.nn.functional.nll_loss(clipped.log(), targets))
     else:
-        loss = float(torch.nn.functional.binary_cross_entropy(clipped, val.targets))
-    spec = probe.spec.model_copy(
-        update={"thresholds": choose_thresholds(probe.spec, probs, val.targets)}
-    )
-    report = evaluate(spec, probs, val.targets)
+        loss = float(torch.nn.functional.binary_cross_entropy(clipped, targets))
+    tuned = spec.model_copy(update={"thresholds": choose_thresholds(spec, probs, targets)})
+    report = evaluate(tuned, probs, targets)
     logged = {"val_loss": loss, "val_f1": float(report["f1"]), "val_auprc": float(report["auprc"])}
-    score = {"loss": -loss, "f1": logged["val_f1"], "auprc": logged["val_auprc"]}[config.monitor]
+    score = {"loss": -loss, "f1": logged["val_f1"], "auprc": logged["val_auprc"]}[monitor]
     return score, logged
 
 
 def fit(
     probe: Probe,
     train: ProbeDataset,
-    val: ProbeDataset,
+    val: ProbeDataset | None,
     config: FitConfig = FitConfig(),
     progress: Callable[[dict[str, float]], None] | None = None,
+    *,
+    record_val_probs: bool = False,
 ) -> FitResult:
-    """Train ``probe`` on ``train`` with early stopping and thresholds on ``val``."""
-    for name, data in (("train", train), ("validation", val)):
+    """Train ``probe`` on ``train`` with early stopping and thresholds on ``val``; with
+    ``val=None``, for exactly ``config.max_epochs`` epochs, thresholds untouched.
+    ``record_val_probs`` keeps every epoch's validation probabilities (for
+    cross-validation, which picks the epoch from several folds' curves)."""
+    splits = [("train", train)] + ([("validation", val)] if val is not None else [])
+    for name, data in splits:
         if data.layers != list(probe.spec.layers) or data.labels != list(probe.spec.labels):
             raise ProbeError(
                 f"{name} data has layers {data.layers} and labels {data.labels}; the probe reads "
@@ -172,8 +194,11 @@ def fit(
         weight_decay=config.weight_decay,
         class_weights=weights,
         layer_lr_scale=config.layer_lr_scale,
+        mix_entropy=config.mix_entropy,
     )
-    best_score, best_state, best_epoch, history = float("-inf"), None, 0, []
+    best_score, best_state, best_epoch = float("-inf"), None, 0
+    history: list[dict[str, float]] = []
+    val_probs: list[Tensor] = []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)  # dropout
         for epoch in range(1, config.max_epochs + 1):
@@ -181,8 +206,17 @@ def fit(
             for idx in _batches(train, config.batch_size, _epoch_order(train, config, g), g):
                 hidden, mask, y = train.batch(idx)
                 losses.append(learner.learn_many(hidden, mask, y))
-            score, logged = _monitor(config, probe, val)
-            row = {"epoch": epoch, "train_loss": sum(losses) / len(losses), **logged}
+            row: dict[str, float] = {"epoch": epoch, "train_loss": sum(losses) / len(losses)}
+            if val is None:
+                history.append(row)
+                if progress is not None:
+                    progress(row)
+                continue
+            probs = predict_dataset(probe, val)
+            if record_val_probs:
+                val_probs.append(probs)
+            score, logged = epoch_score(probe.spec, probs, val.targets, config.monitor)
+            row.update(logged)
             history.append(row)
             if progress is not None:
                 progress(row)
@@ -194,17 +228,23 @@ def fit(
     if best_state is not None:
         probe.load_state_dict(best_state)
     probe.eval()
-    probs = predict_dataset(probe, val)
-    probe.set_thresholds(choose_thresholds(probe.spec, probs, val.targets))
+    report: dict[str, Any] = {}
+    if val is not None:
+        probs = predict_dataset(probe, val)
+        probe.set_thresholds(
+            choose_thresholds(probe.spec, probs, val.targets, point=config.operating_point)
+        )
+        report = evaluate(probe.spec, probs, val.targets)
     return FitResult(
         probe=probe,
-        best_epoch=best_epoch,
+        best_epoch=best_epoch if val is not None else len(history),
         epochs=len(history),
         steps=learner.steps,
         examples=learner.examples,
         seconds=time.perf_counter() - started,
-        val_report=evaluate(probe.spec, probs, val.targets),
+        val_report=report,
         train_rows=len(train),
         train_counts=dict(zip(train.labels, train.class_counts().tolist(), strict=True)),
         history=history,
+        val_probs=val_probs,
     )

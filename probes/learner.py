@@ -10,10 +10,22 @@ The updater (streaming) and ``fit`` (offline) both drive a :class:`Learner`:
 
 Targets are class indices ``[B]`` (int64) for multiclass probes and 0/1
 matrices ``[B, C]`` for multilabel probes.
+
+Why the layer mix needs a counterweight: Lion moves every parameter by ``lr · sign(m)``,
+whatever the gradient's size. A layer whose mix weight is nearly 0 still gets a gradient of
+one sign, only a tiny one, so its logit keeps falling at full speed and the mix ends on one
+layer (entropy near 0) after enough steps, even when the other layers still carry signal;
+an updater taking several steps per small batch of labels gets there within a few hundred
+labels. ``mix_entropy`` adds ``λ · (log L - H(w))`` to the loss, where ``w`` is the batch's
+mean layer weights. Its gradient on a layer's logit is ``λ · w_l · (log w_l + H)``, which
+outgrows the data's ``w_l · (∂loss/∂w_l - mean)`` as ``w_l`` shrinks (``log w_l`` diverges),
+so the sign flips before the weight vanishes: a floor that the data can only lower as far as
+the evidence for it is strong.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -39,6 +51,7 @@ class Learner:
         betas: tuple[float, float] = (0.9, 0.99),
         class_weights: Tensor | None = None,
         layer_lr_scale: float = 30.0,
+        mix_entropy: float = 0.0,
     ) -> None:
         C = len(probe.spec.labels)
         if class_weights is not None and tuple(class_weights.shape) != (C,):
@@ -47,7 +60,10 @@ class Learner:
             )
         if lr <= 0:
             raise ProbeError(f"learning rate must be positive, got {lr}")
+        if mix_entropy < 0:
+            raise ProbeError(f"mix_entropy must be >= 0, got {mix_entropy}")
         self.probe = probe
+        self.mix_entropy = mix_entropy
         # Multiclass: per-class weights in the cross-entropy. Multilabel: pos_weight per label.
         self.class_weights = None if class_weights is None else class_weights.float()
         # Layer-mix logits are a handful of scalars that must move by whole units; with
@@ -84,23 +100,62 @@ class Learner:
 
     def loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         """Mean (class-weighted) cross-entropy or binary cross-entropy of logits ``[B, C]``."""
+        total, weight = self._loss_parts(logits, targets)
+        return total / weight
+
+    def _loss_parts(self, logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """``(summed loss, its normalizer)``: the mean loss is their ratio, and a batch cut
+        into chunks has the mean ``Σ sums / Σ normalizers`` of the whole batch."""
         targets = self._check_targets(targets, logits.shape[0])
         if self.probe.spec.task == "multiclass":
-            return F.cross_entropy(logits, targets, weight=self.class_weights)
-        return F.binary_cross_entropy_with_logits(logits, targets, pos_weight=self.class_weights)
+            rows = F.cross_entropy(logits, targets, weight=self.class_weights, reduction="none")
+            if self.class_weights is None:
+                return rows.sum(), logits.new_tensor(float(len(rows)))
+            return rows.sum(), self.class_weights[targets].sum()
+        cells = F.binary_cross_entropy_with_logits(
+            logits, targets, pos_weight=self.class_weights, reduction="none"
+        )
+        return cells.sum(), logits.new_tensor(float(cells.numel()))
 
     def learn_many(self, hidden: Tensor, mask: Tensor | None, targets: Tensor) -> float:
-        """One Lion step on a mini-batch; returns the loss before the step."""
+        """One Lion step on a mini-batch; returns the loss before the step (the task's
+        loss, without the ``mix_entropy`` term)."""
+        return self.learn_chunks([(hidden, mask, targets)])
+
+    def learn_chunks(self, chunks: list[tuple[Tensor, Tensor | None, Tensor]]) -> float:
+        """One Lion step on a mini-batch given in pieces ``(hidden, mask, targets)``: the
+        same step as on the whole batch, but each piece is padded only to its own longest
+        row (a batch of token-level rows sorted by length wastes little on padding)."""
+        if not chunks:
+            raise ProbeError("a step needs at least one example")
         self.probe.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss(self.probe(hidden, mask), targets)
+        sums, norms, mix = [], [], []
+        for hidden, mask, targets in chunks:
+            logits, weights = self.probe.forward_with_layer_weights(hidden, mask)  # [B, C], [L, B]
+            total, norm = self._loss_parts(logits, targets)
+            sums.append(total)
+            norms.append(norm)
+            mix.append(weights)
+        loss = torch.stack(sums).sum() / torch.stack(norms).sum()
         if not torch.isfinite(loss):
             raise ProbeError(f"loss is {float(loss)}; refusing to step (check the inputs)")
-        loss.backward()
+        weights = torch.cat(mix, dim=1)  # [L, B_total]
+        objective = loss
+        if self.mix_entropy > 0 and weights.shape[0] > 1:
+            objective = loss + self.mix_entropy * self.entropy_gap(weights)
+        objective.backward()
         self.optimizer.step()
         self.steps += 1
-        self.examples += int(targets.shape[0])
+        self.examples += sum(int(t.shape[0]) for _, _, t in chunks)
         return float(loss.detach())
+
+    @staticmethod
+    def entropy_gap(weights: Tensor) -> Tensor:
+        """``log L - H(w̄)`` (nats, >= 0) of the mean layer weights ``w̄`` of ``[L, B]``:
+        0 for a uniform mix, ``log L`` for one collapsed on a single layer."""
+        w = weights.mean(dim=1)  # [L]
+        return math.log(w.shape[0]) + (w * w.clamp_min(1e-12).log()).sum()
 
     def predict_proba_many(self, hidden: Tensor, mask: Tensor | None = None) -> Tensor:
         """Probabilities ``[B, C]``; see :meth:`Probe.predict_proba_many`."""

@@ -2,7 +2,10 @@
 
 - :func:`average_precision` is AUPRC as scikit-learn's ``average_precision_score``
   computes it (step-wise, no interpolation).
-- :func:`best_f1_threshold` picks the threshold that maximizes F1 on a split.
+- :func:`best_f1_threshold` picks the threshold that maximizes F1 on a split;
+  :func:`best_threshold` the one at an :class:`OperatingPoint` ("f1",
+  "precision>=0.9": the most recall at that precision, "recall>=0.8": the most
+  precision at that recall).
 - :func:`evaluate` is the full report ``eval`` prints: F1 at the chosen
   thresholds, AUPRC, accuracy, per-class precision/recall, confusion matrix.
 
@@ -20,11 +23,12 @@ import torch
 from torch import Tensor
 
 from probes.decision import decide
-from schemas import ProbeSpec
+from schemas import OperatingPoint, ProbeSpec
 
 __all__ = [
     "average_precision",
     "best_f1_threshold",
+    "best_threshold",
     "choose_thresholds",
     "evaluate",
     "percentile",
@@ -70,6 +74,41 @@ def best_f1_threshold(y: np.ndarray, score: np.ndarray) -> tuple[float, float]:
     return float((s[i] + lower) / 2), float(f1[i])
 
 
+def best_threshold(
+    y: np.ndarray, score: np.ndarray, point: OperatingPoint = OperatingPoint()
+) -> tuple[float, float]:
+    """``(threshold, F1)`` of the threshold at ``point`` for ``score >= threshold``.
+
+    ``precision>=X``: the most recall among thresholds whose precision reaches X; when
+    none does, the highest precision (the split cannot support X). ``recall>=X``: the most
+    precision among thresholds whose recall reaches X. Ties go to the higher F1. The
+    threshold sits halfway to the next lower score, as in :func:`best_f1_threshold`.
+    With no positive, returns ``(0.5, 0.0)``.
+
+    >>> y, s = np.array([0, 1, 0, 1, 1]), np.array([0.1, 0.2, 0.3, 0.5, 0.9])
+    >>> best_threshold(y, s, OperatingPoint.parse("precision>=1.0"))
+    (0.4, 0.8)
+    """
+    y = np.asarray(y).astype(bool)
+    if y.sum() == 0 or len(y) == 0:
+        return 0.5, 0.0
+    s, tps, fps = _ranked(y, np.asarray(score, dtype=np.float64))
+    precision, recall = tps / (tps + fps), tps / tps[-1]
+    f1 = 2 * tps / (2 * tps + fps + (tps[-1] - tps))
+    if point.metric == "f1":
+        key = f1
+    else:
+        reached = (precision if point.metric == "precision" else recall) >= point.floor - 1e-12
+        other = recall if point.metric == "precision" else precision
+        if reached.any():
+            key = np.where(reached, other + 1e-9 * f1, -1.0)
+        else:  # unreachable floor (only possible for precision): its best
+            key = precision + 1e-9 * f1
+    i = int(np.argmax(key))
+    lower = s[i + 1] if i + 1 < len(s) else min(0.0, s[i])
+    return float((s[i] + lower) / 2), float(f1[i])
+
+
 def precision_recall_f1(tp: float, fp: float, fn: float) -> tuple[float, float, float]:
     """Precision, recall and F1 from counts; 0.0 where a ratio is undefined."""
     p = tp / (tp + fp) if tp + fp else 0.0
@@ -87,9 +126,14 @@ def _truth(spec: ProbeSpec, targets: Tensor) -> np.ndarray:
 
 
 def choose_thresholds(
-    spec: ProbeSpec, probs: Tensor, targets: Tensor, *, min_positives: int = 1
+    spec: ProbeSpec,
+    probs: Tensor,
+    targets: Tensor,
+    *,
+    min_positives: int = 1,
+    point: OperatingPoint = OperatingPoint(),
 ) -> dict[str, float]:
-    """Per-label thresholds that maximize F1 on this split.
+    """Per-label thresholds at the operating ``point`` (default: the F1 maximum) on this split.
 
     Multiclass: one for each flag label (none without flag labels: arg-max).
     Multilabel: one for every label. A label gets a threshold only when this split holds
@@ -101,7 +145,7 @@ def choose_thresholds(
     for label in wanted:
         j = spec.labels.index(label)
         if min_positives > 0 and int(truth[:, j].sum()) >= min_positives:
-            out[label] = min(1.0, max(0.0, best_f1_threshold(truth[:, j], p[:, j])[0]))
+            out[label] = min(1.0, max(0.0, best_threshold(truth[:, j], p[:, j], point)[0]))
     return out
 
 

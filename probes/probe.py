@@ -157,6 +157,14 @@ class Probe(nn.Module):
         mixed = self.mix(self.summarize(hidden, mask))  # [B, D]
         return self.head(self.drop(mixed))  # [B, C]
 
+    def forward_with_layer_weights(
+        self, hidden: Tensor, mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Logits ``[B, C]`` and the layer weights the mix used ``[L, B]`` (with gradients),
+        for a learner that regularizes the mix (see ``Learner(mix_entropy=...)``)."""
+        pooled = self.summarize(hidden, mask)  # [L, B, D]
+        return self.head(self.drop(self.mix(pooled))), self.mix.weights(pooled)
+
     def probabilities(self, logits: Tensor) -> Tensor:
         """Softmax (multiclass) or sigmoid (multilabel) of logits ``[B, C]``."""
         if self._spec.task == "multiclass":

@@ -19,6 +19,7 @@ from schemas.messages import (
     Verdict,
     utcnow,
 )
+from schemas.operating_point import OperatingPoint
 from schemas.probe import (
     CheckpointEvent,
     CheckpointManifest,
@@ -49,6 +50,7 @@ __all__ = [
     "LabeledText",
     "LayerMix",
     "Limits",
+    "OperatingPoint",
     "ProbeDecision",
     "ProbeResult",
     "ProbeSpec",

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from schemas import Limits
+from schemas import Limits, OperatingPoint
 
 __all__ = ["Settings", "load_settings"]
 
@@ -175,6 +175,13 @@ class Settings(BaseSettings):
     )
     entropy_alarm: Annotated[float, Field(ge=0)] = 0.5
     calibrate_min_positives: Annotated[int, Field(ge=0)] = 20
+    # Layer-mix regularization online: without it Lion's fixed-size steps collapse the mix
+    # onto one layer within a few hundred labels (see probes/learner.py).
+    learn_mix_entropy: Annotated[float, Field(ge=0)] = 0.05
+    learn_layer_lr_scale: Annotated[float, Field(gt=0)] = 30.0
+    operating_point: str = Field(
+        "f1", description="Where published flag thresholds go: f1, precision>=X, recall>=X."
+    )
 
     # --- Rollout (see worker/rollout.py; evaluated by the active updater) ---------
     # auto_live: new versions go live at once. canary: new versions are candidates; the
@@ -237,6 +244,10 @@ class Settings(BaseSettings):
         secret = self.console_secret_key
         if secret is not None and len(secret.get_secret_value().encode()) < 16:
             raise ValueError("console_secret_key must be at least 16 bytes")
+        try:
+            OperatingPoint.parse(self.operating_point)
+        except ValueError as exc:
+            raise ValueError(f"operating_point: {exc}") from exc
         if self.kafka_heartbeat_interval_ms * 3 > self.kafka_session_timeout_ms:
             raise ValueError("kafka_heartbeat_interval_ms should be at most a third of the session")
         return self
@@ -265,6 +276,11 @@ class Settings(BaseSettings):
         """The checkpoint HMAC key as bytes (None: checkpoints are not signed or checked)."""
         key = self.checkpoint_hmac_key
         return None if key is None else key.get_secret_value().encode()
+
+    @property
+    def flag_operating_point(self) -> OperatingPoint:
+        """``operating_point`` parsed (validated when the settings were built)."""
+        return OperatingPoint.parse(self.operating_point)
 
     @property
     def limits(self) -> Limits:

@@ -5,12 +5,19 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from probes.metrics import average_precision, best_f1_threshold, choose_thresholds, evaluate
-from schemas import ProbeSpec
+from probes.metrics import (
+    average_precision,
+    best_f1_threshold,
+    best_threshold,
+    choose_thresholds,
+    evaluate,
+)
+from schemas import OperatingPoint, ProbeSpec
 
 
 def test_average_precision_matches_scikit_learn_example() -> None:
@@ -91,3 +98,38 @@ def test_evaluate_multilabel_report() -> None:
     assert math.isclose(r["accuracy"], 3 / 4)
     assert r["flagged"]["f1"] == 1.0
     assert 0 < r["micro_f1"] < 1
+
+
+def test_operating_point_parses_and_refuses_nonsense() -> None:
+    assert OperatingPoint.parse(" Precision >= 0.9 ") == OperatingPoint("precision", 0.9)
+    assert str(OperatingPoint.parse("recall>=.8")) == "recall>=0.8"
+    assert OperatingPoint.parse("F1") == OperatingPoint()
+    for bad in ("precision>0.9", "precision>=1.5", "accuracy>=0.9", "precision>=0"):
+        with pytest.raises(ValueError):
+            OperatingPoint.parse(bad)
+
+
+def test_precision_floor_takes_the_most_recall_that_keeps_it() -> None:
+    # Scores high to low: + + - + + - - + -
+    y = np.array([1, 1, 0, 1, 1, 0, 0, 1, 0])
+    s = np.array([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1])
+    t, _ = best_threshold(y, s, OperatingPoint.parse("precision>=0.8"))
+    assert 0.4 < t < 0.5  # 4 of 5 flagged are right; going lower drops precision to 4/6
+    t, _ = best_threshold(y, s, OperatingPoint.parse("precision>=1.0"))
+    assert 0.7 < t < 0.8
+    t, _ = best_threshold(y, s, OperatingPoint.parse("recall>=1.0"))
+    assert 0.1 < t < 0.2  # every positive, as few negatives as that allows
+    t_f1, f1 = best_threshold(y, s)
+    assert (t_f1, f1) == best_f1_threshold(y, s)
+
+
+def test_choose_thresholds_at_an_operating_point() -> None:
+    spec = _binary_spec()
+    p = torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1])
+    probs = torch.stack([1 - p, p], dim=1)
+    y = torch.tensor([1, 1, 0, 1, 1, 0, 0, 1, 0])
+    strict = choose_thresholds(spec, probs, y, point=OperatingPoint.parse("precision>=1.0"))
+    loose = choose_thresholds(spec, probs, y, point=OperatingPoint.parse("recall>=1.0"))
+    assert strict["toxic"] > choose_thresholds(spec, probs, y)["toxic"] > loose["toxic"]
+    report = evaluate(spec.model_copy(update={"thresholds": strict}), probs, y)
+    assert report["flagged"]["precision"] == 1.0

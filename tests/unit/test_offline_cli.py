@@ -136,8 +136,12 @@ def test_fit_old_flag_spellings_still_work_with_a_warning(capsys, caches, worksp
     assert json.loads(out.strip().splitlines()[-1])["token_pool"] == "mha"
     spec = json.loads((workspace / "old" / "manifest.json").read_text())["spec"]
     assert spec["num_heads"] == 2
-    with pytest.raises(SystemExit, match="--pool is required"):
-        main(["fit", "--cache", str(caches[0]), "--out", str(workspace / "none")])
+    # Without --pool: the default kind (MHA), selected by cross-validation.
+    argv = ["fit", "--cache", str(caches[0]), "--epochs", "2", "--folds", "3"]
+    assert main([*argv, "--out", str(workspace / "default"), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["token_pool"] == "mha" and summary["selection"] == "3-fold CV"
+    assert summary["cv_folds"] == 3 and 0 <= summary["cv_f1_mean"] <= 1
 
 
 def test_fit_errors_are_clear(capsys, caches, workspace) -> None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from probes import build_probe
+from probes.learner import Learner
 from schemas import TrainingCounters
 from tests.unit.synthetic import NUM_LAYERS, make_spec, toy_task
 from worker.learning.online_learner import LearningConfig, OnlineLearner
@@ -145,3 +146,88 @@ def test_rows_that_overflow_half_precision_are_named_not_learned(pool: str, mix:
     assert not learner.warming_up
     assert all(torch.isfinite(p).all() for p in learner.probe.parameters())
     assert learner.last_loss is not None and torch.isfinite(torch.tensor(learner.last_loss))
+
+
+def _graded_stream(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The toy task on the probe's 3 layers, with a signal that grows with depth (0.3, 0.6,
+    1.0): every layer helps, the deepest most, as in a real LLM."""
+    hidden, mask, y = toy_task(3, "multiclass", n=n, seed=seed)
+    directions = 1.5 * torch.randn(3, hidden.shape[-1], generator=torch.Generator().manual_seed(99))
+    strength = torch.tensor([0.3, 0.6, 1.0])[:, None, None, None]  # [L, 1, 1, 1]
+    hidden -= directions[y][None, :, None, :]  # toy_task adds full strength to every layer
+    return hidden + strength * directions[y][None, :, None, :], mask, y
+
+
+def test_layer_mix_does_not_collapse_online_and_accuracy_holds() -> None:
+    """The demo's regime: a few labels per batch, four Lion steps each, lr 1e-3. Without the
+    entropy penalty the mix ends on one layer (entropy < 0.05, far below the 0.5 alarm);
+    with the default one it keeps weight on more than one layer and learns as well."""
+    demo = {"lr": 1e-3, "batch_size": 16, "steps_per_batch": 4, "stats_warmup": 16}
+    hidden, mask, y = _graded_stream(240, seed=1)
+    test_h, test_m, test_y = _graded_stream(200, seed=7)
+    entropy, accuracy = {}, {}
+    for name, extra in (("off", {"mix_entropy": 0.0}), ("default", {})):
+        cfg = LearningConfig(**{**demo, **extra})  # type: ignore[arg-type]
+        learner = OnlineLearner(
+            build_probe(make_spec("mean", "scalar_mix"), seed=0), cfg, fresh=True
+        )
+        for start in range(0, 240, 2):
+            part = slice(start, start + 2)
+            learner.learn(hidden[:, part], mask[part], y[part], y[part].tolist())
+        entropy[name] = learner.probe.layer_entropy()
+        probs = learner.probe.predict_proba_many(test_h, test_m)
+        accuracy[name] = float((probs.argmax(-1) == test_y).float().mean())
+    assert entropy["off"] < 0.05, entropy  # the failure the fix is for
+    assert entropy["default"] > 0.5, entropy  # above PROBEGUARD_ENTROPY_ALARM's default
+    assert accuracy["default"] >= 0.9 and accuracy["default"] >= accuracy["off"] - 0.03, accuracy
+
+
+@pytest.mark.parametrize("pool", ["gate", "mha"])
+def test_token_level_kinds_learn_multilabel_online(pool: str) -> None:
+    cfg = LearningConfig(batch_size=8, stats_warmup=16, lr=3e-3)
+    learner = OnlineLearner(
+        build_probe(make_spec(pool, "scalar_mix", task="multilabel"), seed=0), cfg, fresh=True
+    )
+    for seed in range(1, 7):
+        hidden, mask, y = toy_task(NUM_LAYERS, "multilabel", n=48, seed=seed)
+        hidden = hidden[torch.tensor(learner.probe.layers) - 1]
+        for start in range(0, 48, 8):
+            part = slice(start, start + 8)
+            learner.learn(hidden[:, part], mask[part], y[part], [0] * 8)
+    hidden, mask, y = toy_task(NUM_LAYERS, "multilabel", n=96, seed=50)
+    hidden = hidden[torch.tensor(learner.probe.layers) - 1]
+    predicted = learner.probe.predict_proba_many(hidden, mask) >= 0.5
+    assert (predicted == (y > 0.5)).float().mean() > 0.8
+
+
+def test_the_cold_start_probe_is_mha_on_the_layers_a_cache_stores() -> None:
+    from worker.learning.updater import default_spec
+    from worker.offline.build_cache import default_token_layers
+
+    spec = default_spec("toxicity", 30, 576)
+    assert (spec.token_pool, spec.layer_mix) == ("mha", "scalar_mix")
+    assert spec.layers == default_token_layers(30) == [4, 8, 11, 15, 19, 22, 26, 30]
+    assert default_spec("t", 4, 16).layers == [1, 2, 3, 4]
+
+
+def test_chunked_replay_steps_like_one_padded_batch() -> None:
+    """Cutting a step's batch into length-sorted chunks changes the padding, not the step."""
+    from worker.learning.replay import Example, collate, collate_chunks
+
+    hidden, mask, y = toy_task(3, "multiclass", n=24, seed=3)
+    examples = [
+        Example(hidden[:, b, : int(mask[b].sum())].half(), y[b], int(y[b])) for b in range(24)
+    ]
+    a = build_probe(make_spec("mha", "gate"), seed=0)
+    b = build_probe(make_spec("mha", "gate"), seed=0)
+    weights = torch.tensor([1.0, 2.0, 0.5])
+    whole = Learner(a, lr=1e-2, class_weights=weights, mix_entropy=0.1)
+    loss_whole = whole.learn_many(*collate(examples))
+    chunks = collate_chunks(examples, chunk=5)
+    assert len(chunks) == 5 and max(c[0].shape[2] for c in chunks[:1]) < hidden.shape[2]
+    loss_chunks = Learner(b, lr=1e-2, class_weights=weights, mix_entropy=0.1).learn_chunks(chunks)
+    assert abs(loss_whole - loss_chunks) < 1e-5
+    # Compare the gradients the step used (Lion's sign of a ~0 gradient is float noise).
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert pa.grad is not None and pb.grad is not None
+        torch.testing.assert_close(pa.grad, pb.grad, atol=1e-6, rtol=1e-4, msg=name)

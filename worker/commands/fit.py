@@ -15,23 +15,44 @@ def register(sub: argparse._SubParsersAction) -> None:
     from probes.fit import FitConfig
     from worker.offline.fit_eval import ProbeOptions
 
-    d, o = FitConfig(), ProbeOptions(token_pool="mha")
+    d, o = FitConfig(), ProbeOptions()
     p = sub.add_parser(
         "fit",
         help="train a probe offline on a hidden-state cache; write a checkpoint",
         description=(
-            "Lion on mini-batches (<= 256), class-weighted loss or balanced sampling, early "
-            "stopping and F1-optimal thresholds on the validation split. The checkpoint carries "
-            "the cache's LLM fingerprint, so the worker loads it only with the same LLM."
+            "Lion on mini-batches (<= 256), class-weighted loss or balanced sampling. Model "
+            "selection by k-fold cross-validation on the cache (default 5 folds): the number of "
+            "epochs maximizes the folds' mean validation curve, the thresholds sit at "
+            "--operating-point on the out-of-fold scores, then the probe is refit on every row; "
+            "reported figures are per fold, at choices made on the other folds (mean ± spread). "
+            "--val-cache selects on that file instead (early stopping, thresholds), --folds 0 on "
+            "--val-fraction of the cache. The checkpoint carries the cache's LLM fingerprint, "
+            "so the worker loads it only with the same LLM."
         ),
     )
     p.add_argument("--cache", type=Path, required=True, help="training cache (cache build)")
     p.add_argument(
-        "--val-cache", type=Path, help="validation cache; else --val-fraction of --cache"
+        "--val-cache", type=Path, help="select on this validation cache instead of by folds"
     )
-    p.add_argument("--val-fraction", type=float, default=0.1, help="held out when no --val-cache")
+    p.add_argument(
+        "--folds",
+        type=int,
+        default=None,
+        help="cross-validation folds (default: 5; 0 = one --val-fraction split)",
+    )
+    p.add_argument("--val-fraction", type=float, default=0.1, help="held out with --folds 0")
+    p.add_argument(
+        "--operating-point",
+        default="f1",
+        help="where flag thresholds go: 'f1' (its maximum), 'precision>=0.9' (the most recall "
+        "at that precision), 'recall>=0.8' (default: f1)",
+    )
     p.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
-    p.add_argument("--pool", choices=sorted(TOKEN_POOLS), help="token pooling kind (required)")
+    p.add_argument(
+        "--pool",
+        choices=sorted(TOKEN_POOLS),
+        help=f"token pooling kind (default: {o.token_pool}, the best on held-out data)",
+    )
     p.add_argument("--probe", dest="pool_deprecated", help=argparse.SUPPRESS)
     p.add_argument(
         "--layer-mix", choices=sorted(LAYER_MIXES), default="scalar_mix", help="default: scalar_mix"
@@ -70,6 +91,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=d.layer_lr_scale,
         help="learning-rate multiplier of the layer-mix scalars (%(default)s)",
     )
+    p.add_argument(
+        "--mix-entropy",
+        type=float,
+        default=d.mix_entropy,
+        help="weight of the layer-mix entropy penalty against collapse (%(default)s)",
+    )
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="mini-batch size, <= 256")
     p.add_argument("--balance", choices=["weights", "sampler", "none"], default=d.balance)
     p.add_argument("--monitor", choices=["auprc", "f1", "loss"], default=d.monitor)
@@ -93,10 +120,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from probes.cache import HiddenStateCache
     from probes.fit import FitConfig
+    from schemas import OperatingPoint
     from worker.offline.fit_eval import ProbeOptions, save_fit, train_probe
     from worker.settings import load_settings
 
     _apply_deprecated(args)
+    folds = _folds(args)
+    try:
+        point = OperatingPoint.parse(args.operating_point)
+    except ValueError as exc:
+        raise SystemExit(f"probeguard fit: {exc}") from exc
     cache = HiddenStateCache(args.cache)
     val_cache = HiddenStateCache(args.val_cache) if args.val_cache else None
     flags = None if args.flag_labels is None else [x for x in args.flag_labels.split(",") if x]
@@ -124,9 +157,13 @@ def _run(args: argparse.Namespace) -> int:
         gradient_checkpointing=args.grad_checkpointing,
         seed=args.seed,
         layer_lr_scale=args.layer_lr_scale,
+        mix_entropy=args.mix_entropy,
+        operating_point=point,
     )
-    result = train_probe(cache, opts, config, val_cache=val_cache, val_fraction=args.val_fraction)
-    save_fit(result, args.out, cache, signing_key=load_settings().signing_key)
+    result, cv = train_probe(
+        cache, opts, config, val_cache=val_cache, val_fraction=args.val_fraction, folds=folds
+    )
+    save_fit(result, args.out, cache, signing_key=load_settings().signing_key, cv=cv)
     report = result.val_report
     summary = {
         "checkpoint": str(args.out),
@@ -145,16 +182,41 @@ def _run(args: argparse.Namespace) -> int:
         "val_macro_f1": report["macro_f1"],
         "headline": report["headline"],
         "layer_entropy": result.probe.layer_entropy(),
+        "selection": "validation cache" if val_cache else f"{folds}-fold CV" if cv else "split",
+        "operating_point": str(point),
     }
+    folds_out: list[dict] = []
+    if cv is not None:
+        summary.update({f"cv_{k}": v for k, v in cv.summary().items()})
+        folds_out = [vars(f) for f in cv.folds]
     (args.out / "fit-report.json").write_text(
         json.dumps(
-            {"summary": summary, "history": result.history, "val_report": report},
+            {
+                "summary": summary,
+                "history": result.history,
+                "val_report": report,
+                "folds": folds_out,
+            },
             default=str,
             indent=1,
         )
     )
     if args.json:
         print_json(summary)
+    elif cv is not None:
+        c = cv.summary()
+        for f in cv.folds:
+            print(
+                f"fold {f.fold}: {f.rows} rows ({f.positives} positive), epoch {f.epoch}, "
+                f"F1 {f.f1:.3f} (P {f.precision:.3f} R {f.recall:.3f}), AUPRC {f.auprc:.3f}"
+            )
+        print(
+            f"{summary['probe']}: {folds}-fold CV F1 {c['f1_mean']:.3f} ± {c['f1_std']:.3f}, "
+            f"AUPRC {c['auprc_mean']:.3f} ± {c['auprc_std']:.3f} ({summary['headline']}, "
+            f"thresholds at {point}: {summary['thresholds']}); refit on all rows for "
+            f"{cv.epochs} epochs, {summary['parameters']} parameters, "
+            f"{summary['train_seconds']} s -> {args.out}"
+        )
     else:
         print(
             f"{summary['probe']}: val F1 {summary['val_f1']:.3f}, AUPRC {summary['val_auprc']:.3f} "
@@ -166,8 +228,9 @@ def _run(args: argparse.Namespace) -> int:
 
 def _apply_deprecated(args: argparse.Namespace) -> None:
     """Honour ``--probe`` and ``--heads``, the old spellings kept for one release with a
-    warning (CHANGELOG, Changed); require a pool."""
+    warning (CHANGELOG, Changed); default the pool."""
     from probes import TOKEN_POOLS
+    from worker.offline.fit_eval import ProbeOptions
 
     if args.pool_deprecated is not None:
         print("probeguard fit: --probe is deprecated; use --pool", file=sys.stderr)
@@ -178,4 +241,15 @@ def _apply_deprecated(args: argparse.Namespace) -> None:
         print("probeguard fit: --heads is deprecated; use --num-heads", file=sys.stderr)
         args.num_heads = args.heads_deprecated
     if args.pool is None:
-        raise SystemExit(f"probeguard fit: --pool is required (one of {sorted(TOKEN_POOLS)})")
+        args.pool = ProbeOptions().token_pool
+
+
+def _folds(args: argparse.Namespace) -> int:
+    """Cross-validation folds: 5 unless a validation cache selects (then 0)."""
+    if args.folds is None:
+        return 0 if args.val_cache else 5
+    if args.val_cache and args.folds:
+        raise SystemExit("probeguard fit: --val-cache and --folds are two ways to select; pick one")
+    if args.folds == 1 or args.folds < 0:
+        raise SystemExit(f"probeguard fit: --folds must be 0 or >= 2, got {args.folds}")
+    return int(args.folds)

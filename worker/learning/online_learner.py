@@ -28,8 +28,8 @@ from probes.learner import Learner
 from probes.metrics import choose_thresholds
 from probes.pooling import SUMMARIES
 from probes.probe import Probe
-from schemas import TrainingCounters
-from worker.learning.replay import Example, Prequential, ReplayBuffer, collate
+from schemas import OperatingPoint, TrainingCounters
+from worker.learning.replay import Example, Prequential, ReplayBuffer, collate_chunks
 
 __all__ = ["LearningConfig", "OnlineLearner"]
 
@@ -47,6 +47,9 @@ class LearningConfig:
     stats_warmup: int = 64  # a fresh probe's normalization comes from this many examples
     ema_decay: float | None = None  # publish an EMA of the weights (None: the weights)
     calibrate_min_positives: int = 20  # positives a label needs before its threshold moves
+    mix_entropy: float = 0.05  # weight of the layer-mix entropy penalty (see probes.learner)
+    layer_lr_scale: float = 30.0  # learning-rate multiplier of the layer-mix scalars
+    operating_point: OperatingPoint = OperatingPoint()  # where calibrated thresholds go
 
     @classmethod
     def from_settings(cls, settings: Any) -> LearningConfig:
@@ -60,6 +63,9 @@ class LearningConfig:
             stats_warmup=settings.stats_warmup,
             ema_decay=settings.ema_decay,
             calibrate_min_positives=settings.calibrate_min_positives,
+            mix_entropy=settings.learn_mix_entropy,
+            layer_lr_scale=settings.learn_layer_lr_scale,
+            operating_point=settings.flag_operating_point,
         )
 
 
@@ -82,7 +88,13 @@ class OnlineLearner:
         self.probe = probe
         self.config = config
         self.counters = counters or TrainingCounters()
-        self.learner = Learner(probe, lr=config.lr, weight_decay=config.weight_decay)
+        self.learner = Learner(
+            probe,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            layer_lr_scale=config.layer_lr_scale,
+            mix_entropy=config.mix_entropy,
+        )
         self.learner.steps = self.counters.steps
         spec = probe.spec
         self.replay = ReplayBuffer(
@@ -164,8 +176,8 @@ class OnlineLearner:
             # (ToxicChat: 7 % toxic) teaches mostly its majority class.
             extra = max(bs - len(fresh), len(fresh))
             for _ in range(self.config.steps_per_batch):
-                hidden, mask, targets = collate(fresh + self.replay.sample(extra))
-                self.last_loss = self.learner.learn_many(hidden, mask, targets)
+                chunks = collate_chunks(fresh + self.replay.sample(extra))
+                self.last_loss = self.learner.learn_chunks(chunks)
                 self._update_ema()
             self.replay.add(fresh)
 
@@ -207,15 +219,18 @@ class OnlineLearner:
     # --- publishing ------------------------------------------------------------------------
 
     def calibrate(self) -> None:
-        """Flag thresholds that maximize F1 on the prequential window: the online
-        counterpart of ``fit`` choosing them on validation. Each label's threshold moves
-        only once the window holds ``calibrate_min_positives`` of its positives (0: never)."""
+        """Flag thresholds at the operating point (default: the F1 maximum) on the
+        prequential window: the online counterpart of ``fit`` choosing them out of fold. Each
+        label's threshold moves only once the window holds ``calibrate_min_positives`` of its
+        positives (0: never)."""
         need = self.config.calibrate_min_positives
         window = self.prequential.window()
         if not need or window is None:
             return
         spec = self.probe.spec
-        chosen = choose_thresholds(spec, *window, min_positives=need)
+        chosen = choose_thresholds(
+            spec, *window, min_positives=need, point=self.config.operating_point
+        )
         if chosen:
             self.probe.set_thresholds({**spec.thresholds, **chosen})
 

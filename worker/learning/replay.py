@@ -18,7 +18,7 @@ from torch import Tensor
 from probes.metrics import evaluate
 from schemas import ProbeSpec
 
-__all__ = ["Example", "Prequential", "ReplayBuffer", "collate"]
+__all__ = ["Example", "Prequential", "ReplayBuffer", "collate", "collate_chunks"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,19 @@ def collate(examples: list[Example]) -> tuple[Tensor, Tensor | None, Tensor]:
         hidden[:, b, :t] = e.x.float()
         mask[b, :t] = True
     return hidden, mask, targets
+
+
+def collate_chunks(
+    examples: list[Example], chunk: int = 16
+) -> list[tuple[Tensor, Tensor | None, Tensor]]:
+    """:func:`collate` in pieces for ``Learner.learn_chunks``: token-level examples sorted
+    by length and cut into groups of ``chunk``, each padded only to its own longest row
+    (a random batch of chat messages is otherwise padded to its longest, mostly zeros);
+    summaries stay one piece."""
+    if not examples or examples[0].x.dim() == 2:
+        return [collate(examples)] if examples else []
+    ordered = sorted(examples, key=lambda e: e.x.shape[1])
+    return [collate(ordered[i : i + chunk]) for i in range(0, len(ordered), chunk)]
 
 
 class ReplayBuffer:

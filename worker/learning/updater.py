@@ -69,12 +69,14 @@ log = logging.getLogger(__name__)
 
 
 def default_spec(name: str, num_layers: int, hidden_size: int) -> ProbeSpec:
-    """The from-zero probe: binary toxicity, mean pooling, scalar mix over six spread layers."""
+    """The from-zero probe: binary toxicity, downcast MHA pooling, scalar mix over eight
+    spread layers (the layers ``cache build`` stores token by token): the kind that wins on
+    held-out data, offline and online (bench/quality.md, bench/online_vs_offline.py)."""
     return ProbeSpec(
         name=name,
-        token_pool="mean",
+        token_pool="mha",
         layer_mix="scalar_mix",
-        layers=spread_layers(num_layers),
+        layers=spread_layers(num_layers, 8),
         hidden_size=hidden_size,
         task="multiclass",
         labels=["non-toxic", "toxic"],

@@ -26,6 +26,7 @@ from probes.cache import HiddenStateCache, features_for
 from probes.dataset import ProbeDataset
 from probes.fit import FitConfig, FitResult, fit, predict_dataset
 from probes.metrics import evaluate
+from probes.select import CVResult, fit_cv
 from schemas import LabeledText, LayerMix, ProbeSpec, TokenPool, TrainingCounters
 from worker.errors import OfflineError
 from worker.offline.build_cache import ExtractorLike
@@ -47,7 +48,8 @@ Target = Literal["label", "labels"]
 class ProbeOptions:
     """Architecture choices of ``fit`` (everything a ProbeSpec needs besides the data)."""
 
-    token_pool: TokenPool
+    # MHA: the best kind on held-out data (bench/quality.md), so what `fit` gives by default.
+    token_pool: TokenPool = "mha"
     layer_mix: LayerMix = "scalar_mix"
     layers: list[int] | None = None  # None: every layer the cache holds for this pool
     target: Target = "label"
@@ -113,10 +115,31 @@ def train_probe(
     *,
     val_cache: HiddenStateCache | None = None,
     val_fraction: float = 0.1,
-) -> FitResult:
-    """Build a probe for ``opts``, load its features and fit it (see :func:`probes.fit.fit`)."""
+    folds: int = 0,
+) -> tuple[FitResult, CVResult | None]:
+    """Build a probe for ``opts``, load its features and fit it.
+
+    Model selection: with ``val_cache``, early stopping and thresholds on that file
+    (:func:`probes.fit.fit`); else with ``folds >= 2``, k-fold cross-validation on the
+    cache, then a refit on all of it (:func:`probes.select.fit_cv`; the second value);
+    else on a stratified ``val_fraction`` of the cache."""
     layers = _layers_for(cache, opts)
     data = load_split(cache, opts.token_pool, layers, opts.target)
+    spec = _spec(cache, opts, layers, data)
+    log.info(
+        "fit %s: %d rows, %s features, layers %s, selection by %s",
+        spec.name,
+        len(data),
+        "token-level" if data.token_level else "summary",
+        layers,
+        "the validation cache"
+        if val_cache is not None
+        else f"{folds}-fold cross-validation"
+        if folds >= 2
+        else f"a {val_fraction:.0%} validation split",
+    )
+    if val_cache is None and folds >= 2:
+        return fit_cv(spec, data, config, folds=folds, progress=_log_progress)
     if val_cache is not None:
         if val_cache.manifest.llm != cache.manifest.llm:
             raise OfflineError(
@@ -126,16 +149,22 @@ def train_probe(
         val = load_split(val_cache, opts.token_pool, layers, opts.target).relabel(train.labels)
     else:
         train, val = _split(data, val_fraction, config.seed)
-    flags = default_flag_labels(train) if opts.flag_labels is None else opts.flag_labels
+    return fit(build_probe(spec, seed=config.seed), train, val, config, _log_progress), None
+
+
+def _spec(
+    cache: HiddenStateCache, opts: ProbeOptions, layers: list[int], data: ProbeDataset
+) -> ProbeSpec:
+    flags = default_flag_labels(data) if opts.flag_labels is None else opts.flag_labels
     try:
-        spec = ProbeSpec(
+        return ProbeSpec(
             name=opts.name or f"{opts.token_pool}-{opts.layer_mix}".replace("_", "-"),
             token_pool=opts.token_pool,
             layer_mix=opts.layer_mix,
             layers=layers,
             hidden_size=cache.manifest.llm.hidden_size,
             task="multiclass" if opts.target == "label" else "multilabel",
-            labels=train.labels,
+            labels=data.labels,
             flag_labels=flags,
             d_inner=opts.d_inner,
             num_heads=opts.num_heads,
@@ -144,30 +173,25 @@ def train_probe(
         )
     except ValueError as exc:
         raise OfflineError(f"invalid probe options: {exc}") from exc
+
+
+def _log_progress(row: dict[str, float]) -> None:
     log.info(
-        "fit %s: %d train / %d validation rows, %s features, layers %s",
-        spec.name,
-        len(train),
-        len(val),
-        "token-level" if train.token_level else "summary",
-        layers,
+        ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
     )
-
-    def progress(row: dict[str, float]) -> None:
-        log.info(
-            ", ".join(
-                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
-            )
-        )
-
-    return fit(build_probe(spec, seed=config.seed), train, val, config, progress=progress)
 
 
 def save_fit(
-    result: FitResult, out: Path, cache: HiddenStateCache, *, signing_key: bytes | None = None
+    result: FitResult,
+    out: Path,
+    cache: HiddenStateCache,
+    *,
+    signing_key: bytes | None = None,
+    cv: CVResult | None = None,
 ) -> None:
     """Write the trained probe as a checkpoint the worker can load (the cache's LLM
-    fingerprint), HMAC-signed when ``signing_key`` is given."""
+    fingerprint), HMAC-signed when ``signing_key`` is given. With ``cv``, the manifest
+    carries the cross-validated figures (mean and spread over folds) too."""
     report = result.val_report
     metrics = {
         "val_f1": report["f1"],
@@ -177,6 +201,8 @@ def save_fit(
         "best_epoch": float(result.best_epoch),
         "train_seconds": result.seconds,
     }
+    if cv is not None:
+        metrics.update({f"cv_{k}": v for k, v in cv.summary().items()})
     save_checkpoint(
         result.probe,
         out,
