@@ -168,3 +168,25 @@ def test_probe_table_bench_runs(capsys, caches) -> None:
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["config"] for r in summary["results"]] == ["mean-best", "gate"]
     assert len(summary["results"][0]["scan"]) == 5  # hidden states 0..4 of the tiny model
+
+
+def test_quality_bench_runs_with_a_held_out_split(capsys, workspace) -> None:
+    """bench/quality.py builds its caches, cross-validates, scores held-out rows and a peer."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "quality.py"
+    spec = importlib.util.spec_from_file_location("quality", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = ["--data", str(workspace / "train.jsonl"), "--data", str(workspace / "val.jsonl")]
+    argv += ["--cache-root", str(workspace / "bench-caches"), "--kinds", "mean,mha"]
+    assert bench.main([*argv, "--peers", "tfidf", "--folds", "3", "--epochs", "2"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(out[-1])
+    assert [r["method"] for r in summary["results"]] == ["mean", "mha", "TF-IDF + LR"]
+    assert summary["dev_rows"] + summary["test_rows"] == 220
+    assert 40 < summary["test_rows"] < 100  # about 30 % held out by id hash
+    for r in summary["results"]:
+        assert len(r["folds"]) == 3 and 0 <= r["test"]["auprc"] <= 1
+    assert any(line.startswith("MiniLM") or line.startswith("mha") for line in out)

