@@ -190,3 +190,16 @@ def test_quality_bench_runs_with_a_held_out_split(capsys, workspace) -> None:
     for r in summary["results"]:
         assert len(r["folds"]) == 3 and 0 <= r["test"]["auprc"] <= 1
     assert any(line.startswith("MiniLM") or line.startswith("mha") for line in out)
+
+
+def test_fit_prints_folds_and_refuses_a_bad_operating_point(capsys, caches, workspace) -> None:
+    argv = ["fit", "--cache", str(caches[0]), "--pool", "mean", "--folds", "2", "--epochs", "2"]
+    assert main([*argv, "--out", str(workspace / "cv-text")]) == 0
+    out = capsys.readouterr().out
+    assert "fold 1:" in out and "fold 2:" in out and "2-fold CV F1" in out
+    report = json.loads((workspace / "cv-text" / "fit-report.json").read_text())
+    assert len(report["folds"]) == 2 and report["summary"]["operating_point"] == "f1"
+    with pytest.raises(SystemExit, match="operating point"):
+        main([*argv, "--out", str(workspace / "x"), "--operating-point", "precision>1"])
+    with pytest.raises(SystemExit, match="pick one"):
+        main([*argv, "--val-cache", str(caches[1]), "--out", str(workspace / "x")])

@@ -38,7 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--folds",
         type=int,
         default=None,
-        help="cross-validation folds (default: 5; 0 = one --val-fraction split)",
+        help="cross-validation folds (default: 5; 0 = one --val-fraction split); k folds are "
+        "k + 1 fits (MHA on ToxicChat's 2.5k rows: ~50 min on 2 CPU cores)",
     )
     p.add_argument("--val-fraction", type=float, default=0.1, help="held out with --folds 0")
     p.add_argument(
