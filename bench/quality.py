@@ -101,7 +101,7 @@ def cache_for(path: Path, root: Path) -> HiddenStateCache:
 
     log(f"building the cache of {path} in {out} (one LLM pass) …")
     extractor = HiddenStateExtractor.from_settings(settings)
-    build_cache(path, out, extractor, batch_size=settings.batch_size)
+    build_cache(path, out, extractor, batch_size=settings.batch_size, dtype=settings.state_dtype)
     return HiddenStateCache(out)
 
 

@@ -1,4 +1,5 @@
-"""Hidden-state cache on disk: a manifest plus fp16 safetensors shards.
+"""Hidden-state cache on disk: a manifest plus safetensors shards (fp16 unless the manifest
+says bf16 or fp32).
 
 Layout of a cache directory::
 
@@ -12,8 +13,8 @@ Tensors of one shard (``B`` rows extracted, ``n`` their real tokens in total):
     length         int64 [B]         real tokens per row (the mask, run-length coded)
     label          int64 [B]         index into manifest.label_vocab, -1 when absent
     labels         uint8 [B, C]      multi-hot over manifest.labels_vocab (if the file has labels)
-    tokens         fp16 [n, Lt, D]   real tokens of token_layers, row after row (no padding)
-    summary.<kind> fp16 [Ls, B, D]   per-layer mean/max/first/last over real tokens
+    tokens         dtype [n, Lt, D]  real tokens of token_layers, row after row (no padding)
+    summary.<kind> dtype [Ls, B, D]  per-layer mean/max/first/last over real tokens
 
 Shard metadata: ``ids`` (JSON list) and ``errors`` (JSON object: source row ->
 reason) for rows the extractor could not process. A shard file appears
@@ -41,7 +42,6 @@ from probes.pooling import SUMMARIES
 from schemas import CacheManifest, Task, describe_error
 
 __all__ = [
-    "FP16_MAX",
     "MANIFEST",
     "HiddenStateCache",
     "concat_batches",
@@ -53,7 +53,6 @@ __all__ = [
 ]
 
 MANIFEST = "manifest.json"
-FP16_MAX = 65504.0
 
 
 def shard_path(directory: Path, k: int) -> Path:
@@ -65,16 +64,19 @@ def write_manifest(directory: Path, manifest: CacheManifest) -> None:
     atomic_write(directory / MANIFEST, manifest.encode())
 
 
-def _fp16(name: str, t: Tensor, layers: list[int], layer_dim: int) -> Tensor:
-    """Cast to fp16, refusing values fp16 cannot hold (they would become inf)."""
+def _stored(name: str, t: Tensor, layers: list[int], layer_dim: int, dtype: str) -> Tensor:
+    """Cast to the cache's ``dtype``, refusing values it cannot hold (they would become inf)."""
+    to = getattr(torch, dtype)
+    limit = torch.finfo(to).max
     big = t.abs().amax(dim=[d for d in range(t.dim()) if d != layer_dim])  # [L]
-    if (big > FP16_MAX).any() or not torch.isfinite(big).all():
+    if (big > limit).any() or not torch.isfinite(big).all():
         bad = int(big.argmax())
+        hint = " (store bfloat16: PROBEGUARD_STATE_DTYPE=bfloat16)" if dtype == "float16" else ""
         raise CacheError(
             f"{name}: layer {layers[bad]} holds |value| {float(big[bad]):.4g}, "
-            f"beyond fp16's {FP16_MAX}"
+            f"beyond {dtype}'s {limit:.6g}{hint}"
         )
-    return t.to(torch.float16)
+    return t.to(to)
 
 
 def shard_tensors(
@@ -89,12 +91,14 @@ def shard_tensors(
     if manifest.token_layers:
         sel = hidden[[pos[i] for i in manifest.token_layers]]  # [Lt, B, T, D]
         tokens = sel.permute(1, 2, 0, 3)[mask]  # [n, Lt, D], row-major over the mask
-        out["tokens"] = _fp16("tokens", tokens, manifest.token_layers, layer_dim=1)
+        out["tokens"] = _stored("tokens", tokens, manifest.token_layers, 1, manifest.dtype)
     if manifest.summary_layers:
         sel = hidden[[pos[i] for i in manifest.summary_layers]]  # [Ls, B, T, D]
         for kind in manifest.summaries:
             summary = SUMMARIES[kind](sel, mask)  # [Ls, B, D]
-            out[f"summary.{kind}"] = _fp16(kind, summary, manifest.summary_layers, layer_dim=0)
+            out[f"summary.{kind}"] = _stored(
+                kind, summary, manifest.summary_layers, 0, manifest.dtype
+            )
     return out
 
 
@@ -207,6 +211,11 @@ class HiddenStateCache:
                 lengths.append(f.get_tensor("length"))
                 targets.append(f.get_tensor(target))
                 data = f.get_tensor(key)
+                if data.dtype != getattr(torch, m.dtype):
+                    raise CacheError(
+                        f"shard {k} of {self.directory} stores {key} as {data.dtype}, "
+                        f"the manifest says {m.dtype}"
+                    )
                 parts.append(data[:, pick] if features == "tokens" else data[pick])
         length = torch.cat(lengths)
         task: Task

@@ -1,6 +1,6 @@
 """In-memory training data for probes: cached hidden states plus targets.
 
-Two layouts, both fp16 in memory and cast to fp32 per mini-batch:
+Two layouts, both kept in the cache's dtype (fp16 or bf16) and cast to fp32 per mini-batch:
 
 - summaries ``[L, N, D]``: one vector per layer and row (mean/max/first/last),
   enough for the separable pools and tiny in memory;
@@ -31,8 +31,8 @@ class ProbeDataset:
     task: Task
     targets: Tensor  # [N] int64 class index, or [N, C] float 0/1
     ids: list[str]
-    summaries: Tensor | None = None  # [L, N, D] fp16
-    tokens: Tensor | None = None  # [N_tok, L, D] fp16
+    summaries: Tensor | None = None  # [L, N, D] fp16/bf16
+    tokens: Tensor | None = None  # [N_tok, L, D] fp16/bf16
     offsets: Tensor | None = None  # [N + 1] int64 into tokens
 
     def __post_init__(self) -> None:

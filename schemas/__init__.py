@@ -6,7 +6,7 @@ Pure pydantic v2 models, no I/O. Decode with ``Model.decode(raw_bytes, limits)``
 """
 
 from schemas.base import WireModel, describe_error
-from schemas.cache import CacheManifest, CacheSource, LabeledText, SummaryKind
+from schemas.cache import CacheManifest, CacheSource, LabeledText, StateDtype, SummaryKind
 from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.messages import (
     ChatMessage,
@@ -57,6 +57,7 @@ __all__ = [
     "ReviewRequest",
     "ShadowResult",
     "Stage",
+    "StateDtype",
     "SummaryKind",
     "Task",
     "TokenPool",

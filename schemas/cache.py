@@ -10,10 +10,15 @@ from schemas.base import WireModel
 from schemas.limits import LabelName
 from schemas.probe import LLMFingerprint
 
-__all__ = ["CacheManifest", "CacheSource", "LabeledText", "SummaryKind"]
+__all__ = ["CacheManifest", "CacheSource", "LabeledText", "StateDtype", "SummaryKind"]
 
 SummaryKind = Literal["mean", "max", "first", "last"]
 Layer = Annotated[int, Field(ge=0, le=1024)]
+
+
+# How hidden states are stored (caches, the updater's replay). fp16 holds |x| <= 65504;
+# bf16 keeps fp32's range at fp16's size (Gemma 3's residual stream reaches 1e5).
+StateDtype = Literal["float16", "bfloat16", "float32"]
 
 
 class LabeledText(WireModel):
@@ -51,7 +56,8 @@ class CacheManifest(WireModel):
     Shard ``k`` (``shard-00000.safetensors``, …) holds source rows
     ``[k * shard_rows, (k + 1) * shard_rows)``. ``token_layers`` are stored
     token by token (ragged, real tokens only); ``summary_layers`` as one
-    vector per row for each kind in ``summaries``. All hidden states are fp16.
+    vector per row for each kind in ``summaries``. Hidden states are stored as ``dtype``:
+    fp16 by default; bf16 (or fp32) for LLMs whose activations exceed fp16's 65504.
     """
 
     schema_version: Literal[1] = 1
@@ -60,7 +66,7 @@ class CacheManifest(WireModel):
     source: CacheSource
     max_tokens: Annotated[int, Field(ge=1)]
     truncation: str
-    dtype: Literal["float16"] = "float16"
+    dtype: StateDtype = "float16"
     token_layers: list[Layer]
     summary_layers: list[Layer]
     summaries: list[SummaryKind]

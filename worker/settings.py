@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from schemas import Limits, OperatingPoint
+from schemas import Limits, OperatingPoint, StateDtype
 
 __all__ = ["Settings", "load_settings"]
 
@@ -104,6 +104,12 @@ class Settings(BaseSettings):
     cache_dir: Path = Field(default_factory=_default_cache_dir)
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?|mps|auto)$")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    state_dtype: StateDtype = Field(
+        "float16",
+        description="How hidden states are stored in caches and the updater's replay. "
+        "bfloat16 for LLMs whose activations exceed fp16's 65504 (Gemma 3); float32 doubles "
+        "the memory.",
+    )
     # Defaults measured by bench/batching.py on 2 CPU cores (ToxicChat texts): a poll
     # window of 64 cut at 4096 padded tokens runs 3.2x the messages/s of 16 per pass.
     batch_size: PositiveInt = Field(

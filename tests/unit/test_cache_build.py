@@ -118,3 +118,38 @@ def test_bad_input_lines_are_named(tmp_path, extractor) -> None:
     bad.write_text('{"id": "a", "text": "fine", "label": "ok"}\n{"id": "b", "text": "x"}\n')
     with pytest.raises(OfflineError, match=r"bad.jsonl:2: .*label"):
         build_cache(bad, tmp_path / "c", extractor, progress=False)
+
+
+def test_bf16_caches_hold_what_fp16_cannot(tmp_path, extractor) -> None:
+    # Gemma 3's residual stream reaches |h| ~ 1e5 in its middle layers: fp16 (max 65504)
+    # refuses such a shard and names the fix; a bf16 cache stores it, finite and close.
+    from probes.cache import shard_tensors
+
+    data = write_labeled(tmp_path / "d.jsonl", 6)
+    fp16 = build_cache(data, tmp_path / "a", extractor, token_layers=[2], progress=False)
+    bf16 = build_cache(
+        data, tmp_path / "b", extractor, token_layers=[2], progress=False, dtype="bfloat16"
+    )
+    assert (fp16.dtype, bf16.dtype) == ("float16", "bfloat16")
+    layers = list(range(5))
+    hidden = torch.randn(5, 2, 3, extractor.fingerprint.hidden_size)  # [L, B, T, D]
+    hidden[2, 1, 0, 0] = 1.2e5
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(CacheError, match=r"layer 2 holds .*PROBEGUARD_STATE_DTYPE=bfloat16"):
+        shard_tensors(hidden, mask, layers, fp16)
+    stored = shard_tensors(hidden, mask, layers, bf16)
+    assert stored["tokens"].dtype == torch.bfloat16 and torch.isfinite(stored["tokens"]).all()
+    assert float(stored["summary.max"][2, 1, 0]) == pytest.approx(1.2e5, rel=1e-2)
+    tokens = HiddenStateCache(tmp_path / "b").dataset("tokens", [2], "label")
+    assert tokens.tokens is not None and tokens.tokens.dtype == torch.bfloat16
+    with pytest.raises(OfflineError, match="dtype"):  # resuming as another dtype is refused
+        build_cache(data, tmp_path / "b", extractor, token_layers=[2], progress=False)
+
+
+def test_a_shard_stored_in_another_dtype_than_its_manifest_is_refused(tmp_path, extractor) -> None:
+    data = write_labeled(tmp_path / "d.jsonl", 6)
+    build_cache(data, tmp_path / "c", extractor, token_layers=[2], progress=False)
+    manifest = tmp_path / "c" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"float16"', '"bfloat16"'))
+    with pytest.raises(CacheError, match=r"stores tokens as torch\.float16, the manifest says"):
+        HiddenStateCache(tmp_path / "c").dataset("tokens", [2], "label")

@@ -231,3 +231,15 @@ def test_chunked_replay_steps_like_one_padded_batch() -> None:
     for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
         assert pa.grad is not None and pb.grad is not None
         torch.testing.assert_close(pa.grad, pb.grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_bf16_replay_learns_from_rows_fp16_cannot_hold() -> None:
+    # PROBEGUARD_STATE_DTYPE=bfloat16 (Gemma 3): 1e5 is an ordinary value, not an overflow.
+    learner = _learner("gate", "scalar_mix", state_dtype="bfloat16")
+    hidden, mask, y = toy_task(NUM_LAYERS, "multiclass", n=8)
+    hidden = hidden[torch.tensor(learner.probe.layers) - 1].clone()
+    hidden[:, 3, int(mask[3].nonzero()[0])] = 1e5
+    assert learner.unusable_rows(hidden, mask) == []
+    assert _learner("gate", "scalar_mix").unusable_rows(hidden, mask) == [3]
+    learner.learn(hidden, mask, y, y.tolist())
+    assert learner.warmup is not None and learner.warmup[0].x.dtype == torch.bfloat16

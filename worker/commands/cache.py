@@ -56,6 +56,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     build.add_argument(
         "--max-tokens", type=int, default=None, help="override PROBEGUARD_MAX_TOKENS"
     )
+    build.add_argument(
+        "--dtype",
+        choices=["float16", "bfloat16", "float32"],
+        default=None,
+        help="how hidden states are stored (default: PROBEGUARD_STATE_DTYPE, float16); "
+        "bfloat16 for LLMs whose activations exceed fp16's 65504, e.g. Gemma 3",
+    )
     build.add_argument("--no-progress", action="store_true", help="no progress bar")
     build.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     build.set_defaults(func=_build)
@@ -76,7 +83,11 @@ def _build(args: argparse.Namespace) -> int:
     unknown = sorted(set(kinds) - set(SUMMARY_KINDS))
     if unknown:
         raise OfflineError(f"unknown summary kinds {unknown}; choose from {list(SUMMARY_KINDS)}")
-    overrides = {"max_tokens": args.max_tokens, "batch_size": args.batch_size}
+    overrides = {
+        "max_tokens": args.max_tokens,
+        "batch_size": args.batch_size,
+        "state_dtype": args.dtype,
+    }
     settings = load_settings(**{k: v for k, v in overrides.items() if v is not None})
     extractor = HiddenStateExtractor.from_settings(settings)
     manifest = build_cache(
@@ -89,6 +100,7 @@ def _build(args: argparse.Namespace) -> int:
         shard_rows=args.shard_rows,
         batch_size=settings.batch_size,
         progress=not args.no_progress,
+        dtype=settings.state_dtype,
     )
     return _report(args.out, manifest, as_json=args.json)
 

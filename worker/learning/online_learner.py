@@ -28,7 +28,7 @@ from probes.learner import Learner
 from probes.metrics import choose_thresholds
 from probes.pooling import SUMMARIES
 from probes.probe import Probe
-from schemas import OperatingPoint, TrainingCounters
+from schemas import OperatingPoint, StateDtype, TrainingCounters
 from worker.learning.replay import Example, Prequential, ReplayBuffer, collate_chunks
 
 __all__ = ["LearningConfig", "OnlineLearner"]
@@ -50,6 +50,7 @@ class LearningConfig:
     mix_entropy: float = 0.05  # weight of the layer-mix entropy penalty (see probes.learner)
     layer_lr_scale: float = 30.0  # learning-rate multiplier of the layer-mix scalars
     operating_point: OperatingPoint = OperatingPoint()  # where calibrated thresholds go
+    state_dtype: StateDtype = "float16"  # how replay stores hidden states
 
     @classmethod
     def from_settings(cls, settings: Any) -> LearningConfig:
@@ -66,6 +67,7 @@ class LearningConfig:
             mix_entropy=settings.learn_mix_entropy,
             layer_lr_scale=settings.learn_layer_lr_scale,
             operating_point=settings.flag_operating_point,
+            state_dtype=settings.state_dtype,
         )
 
 
@@ -87,6 +89,7 @@ class OnlineLearner:
         probe.train()
         self.probe = probe
         self.config = config
+        self._dtype = getattr(torch, config.state_dtype)  # replay storage
         self.counters = counters or TrainingCounters()
         self.learner = Learner(
             probe,
@@ -137,14 +140,15 @@ class OnlineLearner:
 
     def unusable_rows(self, hidden: Tensor, mask: Tensor) -> list[int]:
         """Rows of ``hidden [L, B, T, D]`` that cannot be learned from: NaN or inf in the
-        example as replay keeps it (fp16, so values beyond 65504 count). The caller
-        rejects them; one such row would make every later loss non-finite."""
+        example as replay keeps it (``state_dtype``: in fp16 values beyond 65504 count).
+        The caller rejects them; one such row would make every later loss non-finite."""
+        dtype = self._dtype
         with torch.no_grad():
             if self.probe.separable:
-                kept = SUMMARIES[self.probe.spec.token_pool](hidden, mask).half()  # [L, B, D]
+                kept = SUMMARIES[self.probe.spec.token_pool](hidden, mask).to(dtype)  # [L, B, D]
                 ok = torch.isfinite(kept).all(dim=2).all(dim=0)  # [B]
             else:
-                finite = torch.isfinite(hidden.half()) | ~mask[None, :, :, None]  # [L,B,T,D]
+                finite = torch.isfinite(hidden.to(dtype)) | ~mask[None, :, :, None]  # [L,B,T,D]
                 ok = finite.flatten(2).all(dim=2).all(dim=0)  # [B]
         return [int(b) for b in (~ok).nonzero().flatten().tolist()]
 
@@ -152,11 +156,11 @@ class OnlineLearner:
         self, hidden: Tensor, mask: Tensor, targets: Tensor, buckets: list[int]
     ) -> list[Example]:
         """What replay keeps: raw summaries ``[L, D]`` for separable pools, else the real
-        tokens ``[L, T, D]``; fp16 either way."""
+        tokens ``[L, T, D]``; in ``state_dtype`` either way."""
         if self.probe.separable:
             with torch.no_grad():
                 raw = SUMMARIES[self.probe.spec.token_pool](hidden, mask)  # [L, B, D]
-                pooled = raw.half()
+                pooled = raw.to(self._dtype)
             return [
                 Example(pooled[:, b].clone(), targets[b], bucket)
                 for b, bucket in enumerate(buckets)
@@ -164,7 +168,7 @@ class OnlineLearner:
         out = []
         for b, bucket in enumerate(buckets):
             real = mask[b].nonzero().flatten()
-            out.append(Example(hidden[:, b, real].half().clone(), targets[b], bucket))
+            out.append(Example(hidden[:, b, real].to(self._dtype).clone(), targets[b], bucket))
         return out
 
     def _train(self, new: list[Example]) -> None:

@@ -3,7 +3,8 @@ windowed prequential ("test, then train") metrics.
 
 Replay examples are what the probe needs and no more: for separable pools
 (mean, max, first, last) the raw per-layer summaries ``[L, D]``; for the gate
-and MHA pools the real tokens ``[L, T, D]``. Both are stored in fp16.
+and MHA pools the real tokens ``[L, T, D]``. Both are stored in ``state_dtype`` (fp16 by
+default, bf16 for LLMs whose activations exceed fp16's range).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ __all__ = ["Example", "Prequential", "ReplayBuffer", "collate", "collate_chunks"
 
 @dataclass(frozen=True)
 class Example:
-    x: Tensor  # [L, D] summaries or [L, T, D] tokens, fp16
+    x: Tensor  # [L, D] summaries or [L, T, D] tokens, fp16 or bf16
     target: Tensor  # [] int64 class index, or [C] float 0/1
     bucket: int  # class used for balancing (multilabel: first positive label, else C)
 

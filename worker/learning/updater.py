@@ -397,7 +397,7 @@ class Updater:
         hidden, mask = ex.hidden.float(), ex.mask  # [L, B, T, D], [B, T]
         bad = set(learner.unusable_rows(hidden, mask))
         for row in sorted(bad):
-            why = "hidden states not finite in half precision (NaN, inf or beyond 65504)"
+            why = f"hidden states not finite as {learner.config.state_dtype} (NaN, inf or overflow)"
             dead.append(self._reject(ready[ex.index[row]][0], "unscorable", why))
         rows = [row for row in range(len(ex.index)) if row not in bad]
         if not rows:

@@ -37,7 +37,15 @@ from probes.cache import (
     write_shard,
 )
 from probes.errors import ProbeError
-from schemas import CacheManifest, CacheSource, LabeledText, LLMFingerprint, SummaryKind, utcnow
+from schemas import (
+    CacheManifest,
+    CacheSource,
+    LabeledText,
+    LLMFingerprint,
+    StateDtype,
+    SummaryKind,
+    utcnow,
+)
 from worker.errors import OfflineError
 from worker.llm.fingerprint import file_sha256
 from worker.offline.labeled import read_labeled
@@ -97,6 +105,7 @@ def plan_cache(
     summary_layers: list[int],
     summaries: list[SummaryKind],
     shard_rows: int,
+    dtype: StateDtype = "float16",
 ) -> CacheManifest:
     """The manifest of the cache these arguments describe (validated)."""
     with_labels = [r.labels is not None for r in rows]
@@ -113,6 +122,7 @@ def plan_cache(
             summary_layers=summary_layers if summaries else [],
             summaries=summaries if summary_layers else [],
             shard_rows=shard_rows,
+            dtype=dtype,
             label_vocab=sorted({r.label for r in rows if r.label is not None}),
             labels_vocab=sorted({label for r in rows for label in r.labels or []}),
             has_labels_field=all(with_labels),
@@ -202,14 +212,12 @@ def _split_rows(tensors: dict[str, torch.Tensor], n: int) -> list[dict[str, torc
 
 def _empty(manifest: CacheManifest) -> dict[str, torch.Tensor]:
     """Zero-row tensors for a shard whose every row failed."""
-    D = manifest.llm.hidden_size
+    D, dtype = manifest.llm.hidden_size, getattr(torch, manifest.dtype)
     out = {"length": torch.zeros(0, dtype=torch.int64)}
     if manifest.token_layers:
-        out["tokens"] = torch.zeros(0, len(manifest.token_layers), D, dtype=torch.float16)
+        out["tokens"] = torch.zeros(0, len(manifest.token_layers), D, dtype=dtype)
     for kind in manifest.summaries:
-        out[f"summary.{kind}"] = torch.zeros(
-            len(manifest.summary_layers), 0, D, dtype=torch.float16
-        )
+        out[f"summary.{kind}"] = torch.zeros(len(manifest.summary_layers), 0, D, dtype=dtype)
     return out
 
 
@@ -224,6 +232,7 @@ def build_cache(
     shard_rows: int = 256,
     batch_size: int = 16,
     progress: bool = True,
+    dtype: StateDtype = "float16",
 ) -> CacheManifest:
     """Extract ``data`` into the cache directory ``out`` (resuming a partial one)."""
     rows = read_labeled(data)
@@ -237,6 +246,7 @@ def build_cache(
         summary_layers=list(range(top + 1)) if summary_layers is None else summary_layers,
         summaries=list(summaries),
         shard_rows=shard_rows,
+        dtype=dtype,
     )
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob(".shard-*.tmp"):
