@@ -5,7 +5,13 @@ from __future__ import annotations
 import hashlib
 from typing import Annotated, Literal
 
-from pydantic import AwareDatetime, Field, model_validator
+from pydantic import (
+    AwareDatetime,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from schemas.base import WireModel
 from schemas.limits import LabelName
@@ -92,6 +98,19 @@ class LLMFingerprint(WireModel):
     num_layers: Annotated[int, Field(ge=1)]
     hidden_size: Annotated[int, Field(ge=1)]
     tokenizer_sha256: Sha256Hex
+    # How the weights were transformed after loading, e.g. "torch-int8-dynamic" (the linear
+    # layers quantized to int8, activations quantized per batch); None: as loaded. Hidden
+    # states differ, so a probe trained on one is refused on the other.
+    quantization: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_quantization(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        # Unquantized fingerprints serialize exactly as before the field existed, so their
+        # digests, signed manifests and caches stay valid, and older readers accept them.
+        data: dict[str, object] = handler(self)
+        if data.get("quantization") is None:
+            data.pop("quantization", None)
+        return data
 
     @property
     def digest(self) -> str:

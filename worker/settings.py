@@ -110,6 +110,13 @@ class Settings(BaseSettings):
         "bfloat16 for LLMs whose activations exceed fp16's 65504 (Gemma 3); float32 doubles "
         "the memory.",
     )
+    # int8: torch dynamic int8 quantization of the frozen LLM's linear layers (CPU only).
+    # The LLM fingerprint records it: probes must be trained on states of the same setting.
+    llm_quantize: Literal["none", "int8"] = Field(
+        "none",
+        description="'int8': quantize the LLM's linear layers to int8 on load (CPU, float32 "
+        "only); probes trained on unquantized states are refused, and vice versa.",
+    )
     # Defaults measured by bench/batching.py on 2 CPU cores (ToxicChat texts): a poll
     # window of 64 cut at 4096 padded tokens runs 3.2x the messages/s of 16 per pass.
     batch_size: PositiveInt = Field(
@@ -254,6 +261,15 @@ class Settings(BaseSettings):
             OperatingPoint.parse(self.operating_point)
         except ValueError as exc:
             raise ValueError(f"operating_point: {exc}") from exc
+        if self.llm_quantize != "none" and (
+            self.device.startswith(("cuda", "mps")) or self.dtype != "float32"
+        ):
+            raise ValueError(
+                f"llm_quantize={self.llm_quantize} (torch dynamic quantization) runs on CPU "
+                f"in float32 only, not device={self.device} dtype={self.dtype}: set "
+                "PROBEGUARD_LLM_QUANTIZE=none, or PROBEGUARD_DEVICE=cpu and "
+                "PROBEGUARD_DTYPE=float32"
+            )
         if self.kafka_heartbeat_interval_ms * 3 > self.kafka_session_timeout_ms:
             raise ValueError("kafka_heartbeat_interval_ms should be at most a third of the session")
         return self

@@ -21,6 +21,11 @@ weights (float32 safetensors), config and tokenizer to
 ``{cache_dir}/llm/gguf-{sha256 of the GGUF}/``; later starts load that directory instead.
 File hashes are memoised under ``{cache_dir}/sha256/`` by path, size and mtime.
 
+``Settings.llm_quantize = "int8"`` then quantizes the base model's ``nn.Linear`` layers to
+int8 (torch dynamic quantization: int8 weights, activations quantized per call; CPU and
+float32 only, see :func:`quantize_llm`). The fingerprint's ``quantization`` field records
+it, so a probe trained on unquantized states is refused on quantized ones and vice versa.
+
 Example::
 
     from worker.llm.load import load_llm
@@ -38,7 +43,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +64,7 @@ __all__ = [
     "LoadedLLM",
     "ModelSource",
     "load_llm",
+    "quantize_llm",
     "resolve_device",
     "resolve_source",
 ]
@@ -74,6 +80,9 @@ _CACHE_FORMAT = 1
 _CACHE_MANIFEST = "probeguard-cache.json"
 
 _CPU = torch.device("cpu")
+
+# Settings.llm_quantize -> the fingerprint's quantization tag.
+QUANTIZATIONS: dict[str, str] = {"int8": "torch-int8-dynamic"}
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -204,17 +213,52 @@ def load_llm(settings: Settings, *, lm_head: bool = False) -> LoadedLLM:
         source_sha256=sha,
         lm_head_missing=head.missing if head is not None else None,
     )
+    if settings.llm_quantize != "none":
+        llm = quantize_llm(llm, settings.llm_quantize)
     log.info(
-        "LLM %s ready in %.1f s on %s (%s): %d layers, hidden size %d, fingerprint %s",
+        "LLM %s ready in %.1f s on %s (%s%s): %d layers, hidden size %d, fingerprint %s",
         source.model_id,
         _since(started),
         llm.device,
         settings.dtype,
+        f", {llm.fingerprint.quantization}" if llm.fingerprint.quantization else "",
         llm.num_layers,
         llm.hidden_size,
         llm.fingerprint.digest,
     )
     return llm
+
+
+def quantize_llm(llm: LoadedLLM, scheme: str = "int8") -> LoadedLLM:
+    """``llm`` with its base model's ``nn.Linear`` layers quantized (in place: use only the
+    result), and a fingerprint that says so.
+
+    ``"int8"``: torch dynamic quantization (``quantize_dynamic``): int8 weights, activations
+    quantized per call with one scale per tensor, so a text's states depend slightly on the
+    texts batched with it. CPU and float32 only (torch has no such kernels elsewhere).
+    """
+    if scheme not in QUANTIZATIONS:
+        raise ConfigError(f"unknown LLM quantization {scheme!r}; one of {sorted(QUANTIZATIONS)}")
+    if llm.fingerprint.quantization is not None:
+        raise ConfigError(f"the LLM is already quantized ({llm.fingerprint.quantization})")
+    if llm.device.type != "cpu" or llm.dtype != torch.float32:
+        raise ConfigError(
+            f"LLM quantization {scheme!r} (torch dynamic int8) runs on CPU in float32 only; "
+            f"this LLM is on {llm.device} in {llm.dtype}: unset PROBEGUARD_LLM_QUANTIZE, or "
+            "set PROBEGUARD_DEVICE=cpu and PROBEGUARD_DTYPE=float32"
+        )
+    import warnings
+
+    from torch.ao.quantization import quantize_dynamic
+
+    with warnings.catch_warnings():
+        # torch.ao.quantization is deprecated in favour of torchao, which is no dependency
+        # here; its eager dynamic quantization still runs (measured: bench/quantized_llm.py).
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        quantize_dynamic(llm.model, {nn.Linear}, dtype=torch.qint8, inplace=True)
+    fingerprint = llm.fingerprint.model_copy(update={"quantization": QUANTIZATIONS[scheme]})
+    return replace(llm, fingerprint=fingerprint)
 
 
 # --- locating ---------------------------------------------------------------------------

@@ -1,0 +1,256 @@
+"""Is the int8-quantized frozen LLM worth it on CPU? Speed of extraction, and probe quality
+when probes are trained and served on the quantized states.
+
+Speed: the configured LLM (``PROBEGUARD_MODEL``, default SmolLM2-135M) loaded twice, as
+is (float32) and with ``llm_quantize=int8`` (torch dynamic int8 quantization of every
+``nn.Linear``), extracts the same ``--limit`` texts of ``--texts`` (the scorer's defaults:
+length-sorted micro-batches of at most ``batch_size`` texts and ``batch_tokens`` padded
+tokens, reading ``--layers``). The two run alternately, ``--repeats`` times each, keeping
+each one's fastest run; wall and process CPU seconds are both reported (on a shared machine
+the CPU-time ratio is the steadier one). Then how far int8 states move: the cosine of
+mean-pooled states float32 vs int8, and how much a text's int8 states depend on the texts
+batched with it (dynamic quantization picks one activation scale per tensor).
+
+Quality: the rows of ``--data`` whose id hashes into ``--holdout-share`` (default 0.3,
+``probes.select.held_out``) are held out; on the rest each ``--kinds`` probe is chosen by
+k-fold CV (as ``bench/quality.py`` does) once on float32 states (the cache under
+``--cache-root``) and once on int8 states (a cache of the same file built with the int8 LLM
+under ``--int8-cache-root``, reused when present), and scored on the held-out rows of the
+same kind of states. The cross column scores the float32 probe on int8 states: what serving
+it there would give, were the fingerprint not checked.
+
+Example (about 25 min on 2 busy cores, 6 of them to build the int8 cache)::
+
+    D=../shared/data/toxicchat
+    python bench/quantized_llm.py --texts $D/validation.jsonl --data $D/train.jsonl \\
+        --cache-root /work/cache --int8-cache-root runs/cache-int8
+
+Progress goes to stderr; the last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+import quality  # noqa: E402  (bench/quality.py: data loading, splits, specs, figures)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--texts", type=Path, required=True, help="JSONL with 'text' (speed)")
+    p.add_argument("--limit", type=int, default=192, help="texts for speed (%(default)s)")
+    p.add_argument("--repeats", type=int, default=2, help="runs per config, fastest kept")
+    p.add_argument("--layers", default="4,8,11,15,19,22,26,30", help="layers read (speed)")
+    p.add_argument("--data", type=Path, help="labeled JSONL (quality); omit to skip quality")
+    p.add_argument("--holdout-share", type=float, default=0.3)
+    p.add_argument("--cache-root", type=Path, default=Path("runs/cache"), help="float32 caches")
+    p.add_argument("--int8-cache-root", type=Path, default=Path("runs/cache-int8"))
+    p.add_argument("--wait-cache-s", type=float, default=0, help="for a float32 cache in build")
+    p.add_argument("--kinds", default="mean,gate", help="probe kinds (mha is slow on 2 cores)")
+    p.add_argument("--folds", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=quality.FitConfig.max_epochs)
+    p.add_argument("--patience", type=int, default=quality.FitConfig.patience)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+log = quality.log
+
+
+# --- speed -------------------------------------------------------------------------------
+
+
+def extractors() -> dict[str, Any]:
+    from worker.llm.extract import HiddenStateExtractor
+    from worker.settings import load_settings
+
+    out = {}
+    for name, quantize in (("float32", "none"), ("int8", "int8")):
+        started = time.perf_counter()
+        out[name] = HiddenStateExtractor.from_settings(load_settings(llm_quantize=quantize))
+        n = sum(isinstance(m, torch.nn.Linear) for m in out[name].llm.model.modules())
+        fp = out[name].fingerprint
+        log(f"{name}: loaded in {time.perf_counter() - started:.1f} s, {n} float nn.Linear, "
+            f"fingerprint {fp.digest} ({fp.quantization or 'not quantized'})")  # fmt: skip
+    return out
+
+
+def speed(exs: dict[str, Any], texts: list[str], layers: list[int], repeats: int) -> dict:
+    best: dict[str, dict[str, float]] = {}
+    for r in range(repeats):
+        for name, ex in exs.items():
+            w0, c0 = time.perf_counter(), time.process_time()
+            ex.extract(texts, layers)
+            wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+            log(f"  run {r + 1} {name}: {len(texts) / wall:.1f} msg/s wall, {cpu:.1f} s CPU")
+            prev = best.get(name)
+            if prev is None or wall < prev["wall_s"]:
+                best[name] = {"wall_s": wall, "cpu_s": cpu}
+    return {
+        name: {
+            "msg_s": round(len(texts) / b["wall_s"], 2),
+            "wall_s": round(b["wall_s"], 2),
+            "cpu_s": round(b["cpu_s"], 2),
+        }
+        for name, b in best.items()
+    }
+
+
+def pooled(ex: Any, texts: list[str], layer: int) -> torch.Tensor:
+    out = ex.extract(texts, [layer])
+    h, m = out.hidden[0].float(), out.mask[..., None].float()  # [B, T, D], [B, T, 1]
+    return (h * m).sum(1) / m.sum(1)
+
+
+def drift(exs: dict[str, Any], texts: list[str], layer: int) -> dict[str, float]:
+    """Cosine of mean-pooled states float32 vs int8, and int8 alone vs batched."""
+    f32, q = pooled(exs["float32"], texts, layer), pooled(exs["int8"], texts, layer)
+    alone = torch.cat([pooled(exs["int8"], [t], layer) for t in texts])
+    cos = torch.nn.functional.cosine_similarity
+    f32_alone = torch.cat([pooled(exs["float32"], [t], layer) for t in texts])
+    return {
+        "layer": layer,
+        "cos_f32_vs_int8_min": round(float(cos(f32, q).min()), 4),
+        "cos_f32_vs_int8_mean": round(float(cos(f32, q).mean()), 4),
+        "cos_int8_alone_vs_batched_min": round(float(cos(alone, q).min()), 5),
+        "int8_alone_vs_batched_max_abs": round(float((alone - q).abs().max()), 5),
+        "f32_alone_vs_batched_max_abs": round(float((f32_alone - f32).abs().max()), 5),
+    }
+
+
+# --- quality -----------------------------------------------------------------------------
+
+
+def int8_cache(path: Path, root: Path, ex: Any) -> Any:
+    from probes.cache import HiddenStateCache
+    from probes.errors import CacheError
+    from worker.offline.build_cache import build_cache, cache_dir_for
+    from worker.settings import load_settings
+
+    out = cache_dir_for(path, root, str(load_settings().model) + "-int8")
+    try:
+        cache = HiddenStateCache(out)
+        if not cache.missing_shards():
+            return cache
+    except CacheError:
+        pass
+    log(f"building the int8 cache of {path} in {out} …")
+    build_cache(path, out, ex, batch_size=ex.batch_size)
+    return HiddenStateCache(out)
+
+
+def wait_for_cache(path: Path, root: Path, wait_s: float) -> None:
+    """Wait up to ``wait_s`` for a float32 cache that another process is still building."""
+    from probes.cache import HiddenStateCache
+    from probes.errors import CacheError
+    from worker.offline.build_cache import cache_dir_for
+    from worker.settings import load_settings
+
+    out = cache_dir_for(path, root, str(load_settings().model))
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            missing = HiddenStateCache(out).missing_shards()
+        except CacheError:
+            return  # no cache there: cache_for builds it
+        if not missing:
+            return
+        log(f"waiting for {out}: {len(missing)} shard(s) still being built elsewhere …")
+        time.sleep(30)
+
+
+def probe_quality(kind: str, caches: dict[str, Any], args: argparse.Namespace) -> dict:
+    from probes.fit import FitConfig, predict_dataset
+    from probes.select import fit_cv
+
+    config = FitConfig(max_epochs=args.epochs, patience=args.patience, seed=args.seed)
+    held: dict[str, Any] = {}
+    probes: dict[str, Any] = {}
+    row: dict[str, Any] = {"kind": kind}
+    for name, cache in caches.items():
+        data = quality.load([cache], kind, "label")
+        dev, held[name] = quality.split(data, None, args.holdout_share)
+        spec = quality.spec_for(kind, dev, cache.manifest.llm.hidden_size, "label")
+        started = time.perf_counter()
+        result, cv = fit_cv(spec, dev, config, folds=args.folds)
+        probes[name] = (result.probe, spec, cv.thresholds)
+        probs = predict_dataset(result.probe, held[name])
+        cv_auprc, _ = quality.spread([{"auprc": f.auprc} for f in cv.folds], "auprc")
+        row[name] = {
+            "cv_auprc": round(cv_auprc, 4),
+            **quality.figures(spec, probs, held[name].targets, cv.thresholds),
+            "seconds": round(time.perf_counter() - started, 1),
+        }
+        row["dev_rows"], row["test_rows"] = len(dev), len(held[name])
+        log(f"  {kind} on {name}: {row[name]}")
+    probe, spec, thresholds = probes["float32"]
+    assert held["float32"].ids == held["int8"].ids
+    cross = predict_dataset(probe, held["int8"])
+    row["float32_probe_on_int8"] = quality.figures(spec, cross, held["int8"].targets, thresholds)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from worker.offline.labeled import read_labeled
+
+    layers = [int(x) for x in args.layers.split(",")]
+    texts = [r.text for r in read_labeled(args.texts)][: args.limit]
+    exs = extractors()
+    log(f"speed: {len(texts)} texts of {args.texts}, layers {layers} …")
+    sp = speed(exs, texts, layers, args.repeats)
+    ratio_wall = sp["int8"]["msg_s"] / sp["float32"]["msg_s"]
+    ratio_cpu = sp["float32"]["cpu_s"] / sp["int8"]["cpu_s"]
+    dr = drift(exs, texts[:32], layers[-1])
+    print(f"{'LLM':<10}{'msg/s':>8}{'CPU s':>8}   ({len(texts)} texts, layers {layers})")
+    for name, s in sp.items():
+        print(f"{name:<10}{s['msg_s']:>8.2f}{s['cpu_s']:>8.1f}")
+    print(f"int8 / float32: {ratio_wall:.2f}x msg/s (wall), {ratio_cpu:.2f}x on CPU time")
+    print(f"states: {dr}")
+    out: dict[str, Any] = {
+        "bench": "quantized_llm",
+        "texts": str(args.texts),
+        "limit": len(texts),
+        "layers": layers,
+        "speed": sp,
+        "int8_speedup_wall": round(ratio_wall, 2),
+        "int8_speedup_cpu": round(ratio_cpu, 2),
+        "states": dr,
+    }
+    if args.data is not None:
+        int8 = int8_cache(args.data, args.int8_cache_root, exs["int8"])
+        wait_for_cache(args.data, args.cache_root, args.wait_cache_s)
+        caches = {"float32": quality.cache_for(args.data, args.cache_root), "int8": int8}
+        del exs
+        for name, c in caches.items():
+            log(f"{name} cache: {c.root if hasattr(c, 'root') else ''} {c.manifest.llm.digest}")
+        rows = []
+        for kind in [k for k in args.kinds.split(",") if k]:
+            log(f"{kind}: {args.folds}-fold CV on the development rows, then held-out …")
+            rows.append(probe_quality(kind, caches, args))
+        print()
+        print(f"held-out AUPRC / F1 ({args.data}, {args.holdout_share} held out by id hash)")
+        print(f"{'kind':<6}{'float32':>16}{'int8':>16}{'f32 probe on int8':>20}")
+        for r in rows:
+            f, q, x = r["float32"], r["int8"], r["float32_probe_on_int8"]
+            print(
+                f"{r['kind']:<6}{f['auprc']:>9.3f} {f['f1']:.3f}{q['auprc']:>9.3f} {q['f1']:.3f}"
+                f"{x['auprc']:>13.3f} {x['f1']:.3f}"
+            )
+        out.update(data=str(args.data), holdout_share=args.holdout_share, quality=rows)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
