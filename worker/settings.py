@@ -155,6 +155,12 @@ class Settings(BaseSettings):
     )
     shadow: bool = False
     stage_check_interval_s: Annotated[float, Field(gt=0)] = 5.0
+    # thread: a watcher thread blocks on the registry's event stream and swaps a new
+    # version in off the scoring thread (publish -> serving in milliseconds, even mid-batch
+    # for the next batch); poll: the scoring thread checks between batches (the old path).
+    probe_watch: Literal["thread", "poll"] = Field(
+        "thread", description="How scorers follow the probe registry: 'thread' or 'poll'."
+    )
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 9300
     # A role whose batch in hand has failed to complete (produce, handler, dependency)
     # for longer than this reports not ready on /readyz.

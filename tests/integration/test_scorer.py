@@ -321,3 +321,56 @@ def test_a_device_fault_stalls_the_scorer_visibly_and_dead_letters_nothing(
     assert faults
     wait_until(lambda: _readyz(scorer.port)[0] == 200, "ready again", 30)
     assert drain(settings, settings.topic_dead_letter, lambda rs: bool(rs), 2) == []
+
+
+class GatedExtractor(HiddenStateExtractor):
+    """Holds each batch at the start of its extraction while ``gate`` is clear."""
+
+    def __init__(self) -> None:
+        super().__init__(make_tiny_llm(), max_tokens=64, batch_size=8)
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def extract(self, texts, layers):  # type: ignore[no-untyped-def]
+        self.entered.set()
+        assert self.gate.wait(60), "the test never released the batch"
+        return super().extract(texts, layers)
+
+
+def test_a_version_published_mid_batch_is_swapped_in_before_that_batch_ends(
+    settings: Settings, redis_ns: RedisNamespace, scorers: list[Running]
+) -> None:
+    # The periodic stage check is far off: only the event stream can bring v2 in time.
+    settings = settings.model_copy(update={"stage_check_interval_s": 300.0})
+    assert settings.probe_watch == "thread"
+    ensure_topics(settings)
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
+    ex = GatedExtractor()
+    v1 = publish_probe(registry, ex.fingerprint, seed=1)
+    scorer = Scorer(settings, ex, redis_ns.client, metrics_port=0)
+    running = Running(scorer)
+    scorers.append(running)
+    produce_raw(settings, settings.topic_chat, [(b"m-0", chat(0))])
+    assert [v.results[0].version for v in verdicts(settings, 1)] == [v1]
+
+    # A batch is in flight (held inside its LLM pass) when v2 is published.
+    ex.gate.clear()
+    ex.entered.clear()
+    produce_raw(settings, settings.topic_chat, [(b"m-1", chat(1))])
+    assert ex.entered.wait(60), "the batch never started"
+    v2 = publish_probe(registry, ex.fingerprint, seed=2)
+    # Served while that batch is still held: no batch boundary was needed for the swap
+    # (the old between-batches check, probe_watch=poll, waits for the batch to end).
+    wait_until(lambda: scorer.watcher.versions()["toxicity"]["live"] == v2, "v2 swapped in", 20)
+    assert not ex.gate.is_set()
+    ex.gate.set()
+    produce_raw(settings, settings.topic_chat, [(b"m-2", chat(2))])
+    got = {v.message_id: v.results[0].version for v in verdicts(settings, 3)}
+    # The held batch finished on the snapshot it started with; the next one used v2.
+    assert got == {"m-0": v1, "m-1": v1, "m-2": v2}
+
+    scorers.remove(running)
+    running.stop()
+    assert not scorer.watcher.watching
+    assert not [t for t in threading.enumerate() if t.name == "probe-watch" and t.is_alive()]

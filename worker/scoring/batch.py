@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -83,19 +83,27 @@ class BatchScorer:
     def __init__(
         self,
         extractor: HiddenStateExtractor,
-        slots: dict[str, ProbeSlot],
+        slots: Mapping[str, ProbeSlot] | Callable[[], Mapping[str, ProbeSlot]],
         *,
         shadow: bool = False,
     ) -> None:
+        """``slots``: the slots, or a function returning what is served now (a watcher's
+        snapshot, see :mod:`worker.scoring.probe_watch`), read once per batch."""
         self.extractor = extractor
-        self.slots = slots
+        self._slots = slots
         self.shadow = shadow
 
-    def ready(self) -> bool:
-        return bool(self.slots) and all(s.live is not None for s in self.slots.values())
+    @property
+    def slots(self) -> Mapping[str, ProbeSlot]:
+        return self._slots() if callable(self._slots) else self._slots
 
-    def layers(self) -> tuple[int, ...]:
-        return tuple(sorted(set().union(*(s.layers() for s in self.slots.values()))))
+    def ready(self) -> bool:
+        slots = self.slots
+        return bool(slots) and all(s.live is not None for s in slots.values())
+
+    def layers(self, slots: Mapping[str, ProbeSlot] | None = None) -> tuple[int, ...]:
+        slots = self.slots if slots is None else slots
+        return tuple(sorted(set().union(*(s.layers() for s in slots.values()))))
 
     @staticmethod
     def sends_to_canary(msg: ChatMessage, slot: ProbeSlot) -> bool:
@@ -107,7 +115,8 @@ class BatchScorer:
         """Every probe's result per message; a message some probe cannot score (its
         probabilities are not finite, e.g. a half-precision overflow) is named in
         ``errors`` instead, and costs no other message its result."""
-        layers = self.layers()
+        slots = self.slots  # one snapshot for the whole batch: no batch mixes versions
+        layers = self.layers(slots)
         t0 = time.perf_counter()
         ex = self.extractor.extract([m.text for m in messages], layers)
         t1 = time.perf_counter()
@@ -115,7 +124,7 @@ class BatchScorer:
         runs: dict[str, tuple[_Run, _Run | None]] = {}
         bad: dict[int, str] = {}  # row -> why
         if ex.index:
-            for slot in self.slots.values():
+            for slot in slots.values():
                 if slot.live is None:
                     continue
                 live = _run(slot.live, ex, layers)
@@ -134,7 +143,7 @@ class BatchScorer:
             else:
                 out.results[pos] = []
         for name, (live, canary) in runs.items():
-            self._score_slot(self.slots[name], live, canary, ex, messages, out)
+            self._score_slot(slots[name], live, canary, ex, messages, out)
         out.extract_s, out.probe_s = t1 - t0, time.perf_counter() - t1
         return out
 

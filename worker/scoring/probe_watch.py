@@ -1,23 +1,36 @@
 """Hot swap: keep every served probe in step with the Redis registry.
 
-Called between batches (never during one). Each call reads the probes' event
-streams without blocking (one round trip); an event, or the periodic stage
-check every ``check_interval_s``, triggers a re-read of the stage pointers
-and loading of any new live/canary version. A version is served only after
-its sha256, optional HMAC signature and LLM fingerprint verify; anything
-wrong is refused, counted and remembered, and the last good live probe stays
-(a refused canary is simply not served). With a signing key the stage pointers
+Two ways to follow the registry (``Settings.probe_watch``):
+
+- ``thread`` (the default): :meth:`ProbeWatcher.start` runs a watcher thread that blocks
+  on the probes' event streams (``XREAD BLOCK``), so it learns of a publish or a stage
+  change within a round trip, and also re-reads the stage pointers every
+  ``check_interval_s``. It loads and verifies new versions itself, off the scoring
+  thread, which never waits on Redis for a swap.
+- ``poll``: :meth:`ProbeWatcher.refresh` is called between batches and reads the event
+  streams without blocking (one round trip); a change is picked up between batches.
+
+Either way what is served is an immutable snapshot (:attr:`ProbeWatcher.slots`, a new
+mapping of new :class:`ProbeSlot` objects per change, swapped in by one reference
+assignment): a batch takes the snapshot once when it starts and is scored by it
+throughout, so no batch mixes versions, and the batch after a swap uses the new one.
+
+A version is served only after its sha256, optional HMAC signature and LLM fingerprint
+verify; anything wrong is refused, counted and remembered, and the last good live probe
+stays (a refused canary is simply not served). With a signing key the stage pointers
 themselves must verify (see :mod:`worker.store.checkpoints`): pointers that do not,
 or that are older than ones already seen, change nothing.
-If Redis is unreachable the scorer keeps scoring with what it has and
-retries after ``check_interval_s``.
+If Redis is unreachable the scorer keeps scoring with what it has; the watcher backs off
+(``Breaker``: 5 s, doubling up to 60 s) and reconnects by itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import redis
@@ -37,7 +50,7 @@ log = logging.getLogger(__name__)
 
 
 class ProbeWatcher:
-    """Owns the :class:`ProbeSlot` of every probe a scorer serves."""
+    """Owns what every probe a scorer serves: :attr:`slots`, one :class:`ProbeSlot` each."""
 
     def __init__(
         self,
@@ -47,6 +60,7 @@ class ProbeWatcher:
         device: torch.device | str = "cpu",
         signing_key: bytes | None = None,
         check_interval_s: float = 5.0,
+        block_ms: int = 1000,
         on_swap: Callable[[str, str, int], None] | None = None,
         on_refused: Callable[[str, int, str], None] | None = None,
         on_loaded: Callable[[str, int], None] | None = None,
@@ -58,6 +72,9 @@ class ProbeWatcher:
         self.device = torch.device(device)
         self.signing_key = signing_key
         self.check_interval_s = check_interval_s
+        # The watcher thread's longest XREAD BLOCK: below the Redis socket timeout, and how
+        # long stop() may wait for the thread.
+        self.block_ms = max(1, block_ms)
         self.on_swap = on_swap
         self.on_refused = on_refused
         self.on_loaded = on_loaded
@@ -66,47 +83,60 @@ class ProbeWatcher:
         self.stage_seq: dict[str, int] = {}
         self.untrusted: dict[str, Stages] = {}
         self.breaker = breaker or Breaker()
-        self.slots = {name: ProbeSlot(name) for name in registries}
+        # The working slots (changed only under _lock) and the snapshot served from them.
+        self._work = {name: ProbeSlot(name) for name in registries}
+        self._served: Mapping[str, ProbeSlot] = self._snapshot()
         self.refused: dict[str, set[int]] = {name: set() for name in registries}
         self._cursors: dict[str, str] = {}
         self._next_check = 0.0
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         self.redis_ok = True
+        self.swaps = 0  # snapshots published
 
     # --- the public calls --------------------------------------------------
 
+    @property
+    def slots(self) -> Mapping[str, ProbeSlot]:
+        """What is served now: an immutable snapshot, replaced (never changed) on a swap."""
+        return self._served
+
     def serve_bootstrap(self, name: str, served: ServedProbe) -> None:
         """Serve a checkpoint file until the registry has a live version."""
-        slot = self.slots[name]
-        if slot.live is None:
-            slot.live = ServedProbe(served.probe.to(self.device), served.manifest)
-            self._announce(name, "live", served.version)
+        with self._lock:
+            slot = self._work[name]
+            if slot.live is None:
+                slot.live = ServedProbe(served.probe.to(self.device), served.manifest)
+                self._publish()
+                self._announce(name, "live", served.version)
 
     def refresh(self, *, force: bool = False) -> bool:
-        """Catch up with the registry; True when anything served changed."""
-        now = time.monotonic()
-        if not self.breaker.ready():
-            return False  # Redis failed a moment ago: serve what we have, do not wait on it
-        try:
-            if not force and not self._events_pending() and now < self._next_check:
-                return False
-            if not self._cursors:  # first contact: remember where the streams are
-                self._cursors = {n: r.last_event_id() for n, r in self.registries.items()}
-            changed = False
-            for name, registry in self.registries.items():
-                changed |= self._sync(name, registry)
-            self._next_check = now + self.check_interval_s
-            if not self.redis_ok:
-                log.info("Redis reachable again; probe registry in sync")
-            self.redis_ok = True
-            self.breaker.reset()
-            return changed
-        except (redis.RedisError, OSError) as exc:
-            if self.redis_ok:
-                log.warning("Redis unreachable (%s); serving the last good probes", exc)
-            self.redis_ok = False
-            self.breaker.trip()
-            self._next_check = now + self.check_interval_s
-            return False
+        """Catch up with the registry now, without blocking on the event streams (the
+        ``poll`` way, called between batches); True when anything served changed."""
+        with self._lock:
+            return self._catch_up(force=force, block_ms=None)
+
+    def start(self) -> None:
+        """Follow the registry from a watcher thread until :meth:`stop`."""
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._watch, name="probe-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Stop the watcher thread (it leaves within one ``block_ms``) and wait for it."""
+        thread, self._thread = self._thread, None
+        self._stop.set()
+        if thread is not None:
+            thread.join(timeout_s if timeout_s is not None else self.block_ms / 1000 + 30)
+            if thread.is_alive():
+                log.warning("the probe watcher thread did not stop in time")
+
+    @property
+    def watching(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def versions(self) -> dict[str, dict[str, int | None]]:
         return {
@@ -119,25 +149,92 @@ class ProbeWatcher:
 
     # --- internals ---------------------------------------------------------
 
-    def _events_pending(self) -> bool:
+    def _watch(self) -> None:
+        log.info("following the probe registry from a watcher thread")
+        while not self._stop.is_set():
+            try:
+                if not self.breaker.ready():
+                    self._stop.wait(0.2)  # Redis failed a moment ago: back off, then retry
+                    continue
+                if self._cursors and time.monotonic() < self._next_check:
+                    # Block on the event streams outside the lock (bootstrap serving and
+                    # refresh() take it), until an event or the next stage check is due.
+                    wait = self._next_check - time.monotonic()
+                    block = max(1, min(self.block_ms, int(wait * 1000)))
+                    try:
+                        if not self._events_pending(block):
+                            continue
+                    except (redis.RedisError, OSError) as exc:
+                        self._redis_failed(exc)
+                        continue
+                with self._lock:
+                    self._catch_up(force=True, block_ms=None)
+            except Exception:  # never die silently: the scorer would serve stale probes
+                log.exception("probe watcher failed; retrying in 1 s")
+                self._stop.wait(1.0)
+
+    def _catch_up(self, *, force: bool, block_ms: int | None) -> bool:
+        """Sync when forced, on first contact, when the stage check is due or on an event
+        (waiting up to ``block_ms`` for one; None: not at all). Redis errors trip the
+        breaker and change nothing."""
+        now = time.monotonic()
+        if not self.breaker.ready():
+            return False  # Redis failed a moment ago: serve what we have, do not wait on it
+        try:
+            due = force or not self._cursors or now >= self._next_check
+            if not due and not self._events_pending(block_ms):
+                return False
+            if not self._cursors:  # first contact: remember where the streams are
+                self._cursors = {n: r.last_event_id() for n, r in self.registries.items()}
+            changed = False
+            for name, registry in self.registries.items():
+                changed |= self._sync(name, registry)
+            if changed:
+                self._publish()
+            self._next_check = time.monotonic() + self.check_interval_s
+            if not self.redis_ok:
+                log.info("Redis reachable again; probe registry in sync")
+            self.redis_ok = True
+            self.breaker.reset()
+            return changed
+        except (redis.RedisError, OSError) as exc:
+            self._redis_failed(exc)
+            return False
+
+    def _redis_failed(self, exc: BaseException) -> None:
+        if self.redis_ok:
+            log.warning("Redis unreachable (%s); serving the last good probes", exc)
+        self.redis_ok = False
+        self.breaker.trip()
+        self._next_check = time.monotonic() + self.check_interval_s
+
+    def _snapshot(self) -> dict[str, ProbeSlot]:
+        return {name: dataclasses.replace(slot) for name, slot in self._work.items()}
+
+    def _publish(self) -> None:
+        # One reference assignment: a batch sees the old mapping or the new one, whole.
+        self._served = self._snapshot()
+        self.swaps += 1
+
+    def _events_pending(self, block_ms: int | None) -> bool:
         if not self._cursors:
             return True
         client: Any = next(iter(self.registries.values())).client
         streams = {r.keys.events(r.probe): self._cursors[n] for n, r in self.registries.items()}
-        reply = client.xread(streams, count=100)
+        reply = client.xread(streams, count=100, block=block_ms)
         if not reply:
             return False
         by_key = {r.keys.events(r.probe): n for n, r in self.registries.items()}
         for stream, entries in reply:
-            name = by_key[stream.decode()]
-            self._cursors[name] = entries[-1][0].decode()
+            key = stream.decode() if isinstance(stream, bytes) else stream
+            self._cursors[by_key[key]] = entries[-1][0].decode()
         return True
 
     def _sync(self, name: str, registry: CheckpointRegistry) -> bool:
         stages = registry.stages()
         if not self._trusted(name, registry, stages):
             return False
-        slot = self.slots[name]
+        slot = self._work[name]
         changed = False
         for stage, wanted in (("live", stages.live), ("canary", stages.canary)):
             current: ServedProbe | None = getattr(slot, stage)

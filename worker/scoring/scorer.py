@@ -9,15 +9,17 @@ to Redis with a TTL so labels can be joined later, and every decision is added
 to its version's evidence counters (see :mod:`worker.store.evidence`). Offsets are
 committed only after the broker has acknowledged everything the batch produced
 (see :mod:`worker.kafka.batch_loop`).
-Probes hot-swap between batches (see :mod:`worker.scoring.probe_watch`).
+Probes hot-swap from a watcher thread, each batch scored by one snapshot of them (see
+:mod:`worker.scoring.probe_watch`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -155,13 +157,16 @@ class Scorer:
             device=extractor.device,
             signing_key=settings.signing_key,
             check_interval_s=settings.stage_check_interval_s,
+            # Block on the event streams for at most half the socket timeout: a blocked
+            # read must never look like a dead connection.
+            block_ms=min(1000, int(settings.redis_socket_timeout_s * 500)),
             on_swap=lambda name, stage, v: self.metrics.version.labels(name, stage).set(v),
             on_refused=self._refused,
             on_loaded=self._loaded,
             on_untrusted=lambda name, why: self.metrics.untrusted.labels(name).inc(),
             breaker=self.redis_breaker,
         )
-        self.scoring = BatchScorer(extractor, self.watcher.slots, shadow=settings.shadow)
+        self.scoring = BatchScorer(extractor, lambda: self.watcher.slots, shadow=settings.shadow)
 
     @property
     def loop(self) -> BatchLoop[ChatMessage] | None:
@@ -171,7 +176,7 @@ class Scorer:
 
     def run(self) -> None:
         """Serve until :meth:`stop`: wait for a probe, then the batch loop; leave cleanly."""
-        with self.runtime.serving():
+        with self.runtime.serving(), self._watching():
             if not self._wait_for_probes():
                 return
             ensure_topics(self.settings)
@@ -190,6 +195,18 @@ class Scorer:
             finally:
                 loop.close()
                 log.info("scorer stopped after %d messages", loop.stats.handled)
+
+    @contextlib.contextmanager
+    def _watching(self) -> Iterator[None]:
+        """The probe watcher thread (``probe_watch=thread``) for as long as the scorer runs."""
+        threaded = self.settings.probe_watch == "thread"
+        if threaded:
+            self.watcher.start()
+        try:
+            yield
+        finally:
+            if threaded:
+                self.watcher.stop()
 
     def stop(self) -> None:
         """Finish the batch in hand, commit it, leave the group (safe from a signal handler)."""
@@ -395,16 +412,20 @@ class Scorer:
         return self.loop
 
     def _between_batches(self) -> None:
-        self.watcher.refresh()
+        if self.settings.probe_watch == "poll":
+            self.watcher.refresh()
         self.health.beat()
         if self.loop is not None:
             self.metrics.lag.set(sum(consumer_lag(self.loop.consumer).values()))
 
     def _wait_for_probes(self) -> bool:
         bootstrap = self.settings.bootstrap_checkpoint
-        last_note = 0.0
+        threaded = self.settings.probe_watch == "thread"
+        # The watcher thread's first sync takes a moment: say "waiting" only after it.
+        last_note = time.monotonic() - 9.0 if threaded else 0.0
         while not self.runtime.stop_event.is_set():
-            self.watcher.refresh(force=True)
+            if not threaded:
+                self.watcher.refresh(force=True)
             if bootstrap is not None:
                 self._serve_bootstrap(bootstrap)
             if self.scoring.ready():
@@ -419,7 +440,7 @@ class Scorer:
                 )
                 last_note = time.monotonic()
             self.health.beat()  # waiting is healthy: liveness probes must not restart us
-            self.runtime.stop_event.wait(1.0)
+            self.runtime.stop_event.wait(0.1 if threaded else 1.0)
         return False
 
     def _serve_bootstrap(self, path: Path) -> None:

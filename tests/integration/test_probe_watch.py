@@ -1,0 +1,91 @@
+"""The probe watcher thread against a real Redis: it follows publishes and stage changes
+from the event stream, serves immutable snapshots, keeps serving through an outage,
+reconnects, and stops without leaving its thread behind."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+import redis
+
+from probes.checkpoint import checkpoint_to_bytes, probe_from_bytes
+from probes.probe import build_probe
+from tests.conftest import RedisNamespace
+from tests.process_helpers import wait_until
+from tests.registry_helpers import publish_probe, toxicity_spec
+from tests.tiny_llm import make_tiny_llm
+from worker.embedded import EmbeddedRedis, free_port
+from worker.rollout.stages import Rollout
+from worker.scoring.batch import ServedProbe
+from worker.scoring.probe_watch import ProbeWatcher
+from worker.store.checkpoints import CheckpointRegistry
+from worker.store.evidence import EvidenceStore
+from worker.store.redis import Breaker, Keys
+
+pytestmark = pytest.mark.integration
+
+
+def no_watcher_threads() -> bool:
+    return not [t for t in threading.enumerate() if t.name == "probe-watch" and t.is_alive()]
+
+
+def test_the_thread_follows_publishes_and_canaries_with_fresh_snapshots(
+    redis_ns: RedisNamespace,
+) -> None:
+    fp = make_tiny_llm().fingerprint
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
+    v1 = publish_probe(registry, fp, seed=1)
+    # The periodic stage check is far off: only the event stream can bring changes in time.
+    watcher = ProbeWatcher({"toxicity": registry}, fp, check_interval_s=300, block_ms=200)
+    watcher.start()
+    try:
+        wait_until(lambda: watcher.versions()["toxicity"] == {"live": v1, "canary": None}, "v1")
+        before = watcher.slots
+        v2 = publish_probe(registry, fp, seed=2, set_live=False)
+        rollout = Rollout(registry, EvidenceStore(redis_ns.client, redis_ns.keys), actor="test")
+        rollout.start_canary(v2, 0.5, reason="test")
+        want = {"live": v1, "canary": v2}
+        wait_until(lambda: watcher.versions()["toxicity"] == want, "the canary", 10)
+        # A swap replaces the snapshot; the one a batch may still hold never changes.
+        assert watcher.slots is not before
+        assert before["toxicity"].canary is None and before["toxicity"].canary_share == 0.0
+        assert watcher.slots["toxicity"].canary_share == 0.5
+        v3 = publish_probe(registry, fp, seed=3)
+        wait_until(lambda: watcher.versions()["toxicity"]["live"] == v3, "v3 live", 10)
+    finally:
+        watcher.stop()
+    assert not watcher.watching and no_watcher_threads()
+
+
+def test_the_thread_serves_through_a_redis_outage_and_reconnects() -> None:
+    port = free_port()
+    client = redis.Redis(
+        host="127.0.0.1", port=port, socket_timeout=0.5, socket_connect_timeout=0.5, protocol=2
+    )
+    keys = Keys(f"pgtest-watch-{uuid.uuid4().hex[:8]}")
+    registry = CheckpointRegistry(client, keys, "toxicity")
+    fp = make_tiny_llm().fingerprint
+    blob, manifest = checkpoint_to_bytes(build_probe(toxicity_spec(fp.hidden_size)), llm=fp)
+    watcher = ProbeWatcher(
+        {"toxicity": registry},
+        fp,
+        check_interval_s=300,
+        block_ms=200,
+        breaker=Breaker(cooldown_s=0.2, max_cooldown_s=0.5),
+    )
+    watcher.serve_bootstrap("toxicity", ServedProbe(*probe_from_bytes(blob, manifest, fp)))
+    watcher.start()  # no Redis listens on that port yet
+    try:
+        wait_until(lambda: not watcher.redis_ok, "the outage to be noticed", 10)
+        assert watcher.watching and watcher.versions()["toxicity"]["live"] == 0  # still serving
+        with EmbeddedRedis(port=port):
+            v1 = publish_probe(registry, fp, seed=1)
+            wait_until(lambda: watcher.versions()["toxicity"]["live"] == v1, "reconnected", 20)
+            assert watcher.redis_ok
+            watcher.stop(timeout_s=5)
+    finally:
+        watcher.stop()
+        client.close()
+    assert not watcher.watching and no_watcher_threads()
