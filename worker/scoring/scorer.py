@@ -368,7 +368,11 @@ class Scorer:
         scores: BatchScores,
         by_pos: dict[int, dict[str, ProbeDecision]],
     ) -> None:
-        if not self.text_breaker.ready():
+        # On the registry's own Redis, the text cache also waits out that Redis's breaker:
+        # tripped by the probe watcher or another write, it means the server is away, and
+        # a write now would only cost the batch one more socket timeout.
+        shared = self.text_redis is self.redis
+        if not self.text_breaker.ready() or (shared and not self.redis_breaker.ready()):
             self.metrics.redis_skipped.inc()
             return
         ttl, cap = self.settings.text_cache_ttl_s, self.settings.text_cache_max_bytes
