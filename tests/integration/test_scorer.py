@@ -8,7 +8,7 @@ import signal
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,7 @@ from tests.registry_helpers import publish_probe
 from tests.tiny_llm import make_tiny_llm
 from worker.embedded import free_port
 from worker.kafka.clients import ensure_topics
-from worker.llm.extract import HiddenStateExtractor
+from worker.llm.extract import Extraction, HiddenStateExtractor
 from worker.scoring.scorer import Scorer
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
@@ -332,7 +332,7 @@ class GatedExtractor(HiddenStateExtractor):
         self.gate = threading.Event()
         self.gate.set()
 
-    def extract(self, texts, layers):  # type: ignore[no-untyped-def]
+    def extract(self, texts: Sequence[str | bytes], layers: Sequence[int]) -> Extraction:
         self.entered.set()
         assert self.gate.wait(60), "the test never released the batch"
         return super().extract(texts, layers)
