@@ -27,6 +27,7 @@ If Redis is unreachable the scorer keeps scoring with what it has; the watcher b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -94,6 +95,7 @@ class ProbeWatcher:
         self._thread: threading.Thread | None = None
         self.redis_ok = True
         self.swaps = 0  # snapshots published
+        self._after: list[Callable[[], None]] = []  # callbacks due once a sync is over
 
     # --- the public calls --------------------------------------------------
 
@@ -187,10 +189,15 @@ class ProbeWatcher:
             if not self._cursors:  # first contact: remember where the streams are
                 self._cursors = {n: r.last_event_id() for n, r in self.registries.items()}
             changed = False
-            for name, registry in self.registries.items():
-                changed |= self._sync(name, registry)
-            if changed:
-                self._publish()
+            try:
+                for name, registry in self.registries.items():
+                    changed |= self._sync(name, registry)
+                if changed:
+                    self._publish()
+            finally:
+                after, self._after = self._after, []
+                for call in after:
+                    call()
             self._next_check = time.monotonic() + self.check_interval_s
             if not self.redis_ok:
                 log.info("Redis reachable again; probe registry in sync")
@@ -248,7 +255,8 @@ class ProbeWatcher:
             loaded = self._load(name, registry, wanted)
             if loaded is not None:
                 setattr(slot, stage, loaded)
-                self._announce(name, stage, wanted)
+                # Told after the swap: logging and Redis writes stay off its critical path.
+                self._after.append(functools.partial(self._announce, name, stage, wanted))
                 changed = True
             elif stage == "canary" and current is not None:
                 # The wanted canary cannot be served: serve none rather than an older one
@@ -307,7 +315,7 @@ class ProbeWatcher:
             log.error("refusing %s v%d: it is a checkpoint of %r", name, version, manifest.probe)
             return None
         if self.on_loaded is not None:
-            self.on_loaded(name, version)
+            self._after.append(functools.partial(self.on_loaded, name, version))
         return ServedProbe(probe.to(self.device), manifest)
 
     def _announce(self, name: str, stage: str, version: int) -> None:
