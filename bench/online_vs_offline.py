@@ -105,7 +105,7 @@ def cache_for(path: Path, root: Path) -> HiddenStateCache:
     from worker.settings import load_settings
 
     settings = load_settings()
-    out = cache_dir_for(path, root, str(settings.model))
+    out = cache_dir_for(path, root, str(settings.model), settings.llm_quantize)
     try:
         cache = HiddenStateCache(out)
         if not cache.missing_shards():

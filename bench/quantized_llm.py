@@ -139,7 +139,7 @@ def int8_cache(path: Path, root: Path, ex: Any) -> Any:
     from worker.offline.build_cache import build_cache, cache_dir_for
     from worker.settings import load_settings
 
-    out = cache_dir_for(path, root, str(load_settings().model) + "-int8")
+    out = cache_dir_for(path, root, str(load_settings().model), "int8")
     try:
         cache = HiddenStateCache(out)
         if not cache.missing_shards():

