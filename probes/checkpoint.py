@@ -4,9 +4,15 @@ The byte-level pair is what the Redis registry stores as two values; the file
 functions put the same two blobs in a directory (``tensors.safetensors`` and
 ``manifest.json``). Loading checks, in order: the manifest parses, the sha256
 of the tensor bytes matches the manifest, the HMAC signature (when a key is
-given), the LLM fingerprint, then the tensor names, shapes and values against
-a probe freshly built from the manifest's spec. Any failure raises
+given), the LLM fingerprint, the format tag, then the tensor names, shapes, dtypes and
+values against a probe freshly built from the manifest's spec. Any failure raises
 :class:`CheckpointError` (or :class:`IncompatibleCheckpoint`) naming the value.
+
+Two tensor formats, named by the ``format`` tag of the safetensors metadata (covered by
+the sha256 and the signature like every byte of the blob): ``probeguard-probe/1``, the
+fp32 state dict, and ``probeguard-probe-int8/1`` (``weights="int8"``), int8 with
+per-row scales (:mod:`probes.quantize`; about a quarter of the bytes). An int8
+checkpoint is dequantized to fp32 on load: the probe then serves as usual.
 
 ::
 
@@ -22,6 +28,7 @@ import json
 import os
 from datetime import datetime
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import ValidationError
@@ -32,20 +39,27 @@ from safetensors.torch import save as st_save
 from probes._io import atomic_write
 from probes.errors import CheckpointError, IncompatibleCheckpoint
 from probes.probe import Probe, build_probe
+from probes.quantize import dequantize_state, quantize_state
 from schemas import CheckpointManifest, LLMFingerprint, Stage, TrainingCounters, describe_error
 from schemas.messages import utcnow
 
 __all__ = [
+    "FORMATS",
     "MANIFEST_FILE",
     "TENSORS_FILE",
+    "WeightFormat",
     "checkpoint_to_bytes",
     "load_checkpoint",
     "probe_from_bytes",
     "save_checkpoint",
     "sign",
+    "weight_format",
 ]
 
 FORMAT = "probeguard-probe/1"
+FORMAT_INT8 = "probeguard-probe-int8/1"
+FORMATS = {"fp32": FORMAT, "int8": FORMAT_INT8}
+WeightFormat = Literal["fp32", "int8"]
 TENSORS_FILE = "tensors.safetensors"
 MANIFEST_FILE = "manifest.json"
 
@@ -71,12 +85,22 @@ def checkpoint_to_bytes(
     stage: Stage = "candidate",
     created_at: datetime | None = None,
     signing_key: bytes | None = None,
+    weights: WeightFormat = "fp32",
 ) -> tuple[bytes, bytes]:
-    """Serialize ``probe`` to ``(safetensors bytes, manifest JSON bytes)``."""
-    tensors = {
+    """Serialize ``probe`` to ``(safetensors bytes, manifest JSON bytes)``; ``weights="int8"``
+    stores int8 with per-row scales (see the module docstring)."""
+    if weights not in FORMATS:
+        raise CheckpointError(f"unknown weight format {weights!r}; known: {sorted(FORMATS)}")
+    state = {
         k: v.detach().to("cpu", torch.float32).contiguous() for k, v in probe.state_dict().items()
     }
-    blob = st_save(tensors, metadata={"format": FORMAT, "probe": probe.spec.name})
+    meta = {"format": FORMATS[weights], "probe": probe.spec.name}
+    if weights == "int8":
+        tensors, encodings = quantize_state(state)
+        meta["encoding"] = json.dumps(encodings, sort_keys=True)
+    else:
+        tensors = state
+    blob = st_save(tensors, metadata=meta)
     try:
         manifest = CheckpointManifest(
             probe=probe.spec.name,
@@ -114,23 +138,59 @@ def _check_tensors(probe: Probe, tensors: dict[str, torch.Tensor], name: str) ->
             raise IncompatibleCheckpoint(
                 f"checkpoint {name!r} tensor {key!r} has shape {got}, spec needs {shape}"
             )
+        if tensors[key].dtype != torch.float32:
+            raise CheckpointError(
+                f"checkpoint {name!r} tensor {key!r} is {tensors[key].dtype}, not float32"
+            )
         if not torch.isfinite(tensors[key]).all():
             raise CheckpointError(f"checkpoint {name!r} tensor {key!r} holds NaN or inf")
 
 
-def _format_tag(blob: bytes) -> str | None:
-    """The ``format`` tag in the safetensors header's metadata (None when absent or the
-    header is unreadable: loading then reports the real problem)."""
+def _metadata(blob: bytes) -> dict[str, str]:
+    """The safetensors header's metadata (empty when absent or the header is unreadable:
+    loading then reports the real problem)."""
     if len(blob) < 8:
-        return None
+        return {}
     size = int.from_bytes(blob[:8], "little")
     try:
         header = json.loads(blob[8 : 8 + size])
     except (ValueError, UnicodeDecodeError):
-        return None
+        return {}
     meta = header.get("__metadata__") if isinstance(header, dict) else None
-    tag = meta.get("format") if isinstance(meta, dict) else None
-    return tag if isinstance(tag, str) else None
+    return {k: v for k, v in meta.items() if isinstance(v, str)} if isinstance(meta, dict) else {}
+
+
+def _format_tag(blob: bytes) -> str | None:
+    return _metadata(blob).get("format")
+
+
+def weight_format(blob: bytes) -> str:
+    """``"fp32"`` or ``"int8"``: how a checkpoint blob stores its weights (``"fp32"`` for
+    blobs without a tag, as written before the tag existed; ``"unknown"`` for a foreign tag)."""
+    tag = _format_tag(blob)
+    if tag is None:
+        return "fp32"
+    return next((k for k, v in FORMATS.items() if v == tag), "unknown")
+
+
+def _state_from(
+    tensors: dict[str, torch.Tensor], blob: bytes, name: str
+) -> dict[str, torch.Tensor]:
+    """The fp32 state dict a blob holds (int8 blobs dequantized)."""
+    if _format_tag(blob) != FORMAT_INT8:
+        return tensors
+    try:
+        encodings = json.loads(_metadata(blob).get("encoding", ""))
+    except ValueError:
+        encodings = None
+    if not isinstance(encodings, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in encodings.items()
+    ):
+        raise CheckpointError(f"int8 checkpoint {name!r} has no readable 'encoding' metadata")
+    try:
+        return dequantize_state(tensors, encodings)
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint {name!r}: {exc}") from exc
 
 
 def probe_from_bytes(
@@ -169,14 +229,16 @@ def probe_from_bytes(
             f"{manifest.llm.diff(expected_fingerprint, mine='checkpoint', theirs='this LLM')}"
         )
     fmt = _format_tag(tensor_bytes)
-    if fmt is not None and fmt != FORMAT:
+    if fmt is not None and fmt not in FORMATS.values():
         raise IncompatibleCheckpoint(
-            f"checkpoint {name!r} is in format {fmt!r}; this release reads {FORMAT!r}"
+            f"checkpoint {name!r} is in format {fmt!r}; this release reads "
+            f"{sorted(FORMATS.values())}"
         )
     try:
         tensors = st_load(tensor_bytes)
     except (SafetensorError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {name!r}: unreadable safetensors data: {exc}") from exc
+    tensors = _state_from(tensors, tensor_bytes, name)
     probe = build_probe(manifest.spec)
     _check_tensors(probe, tensors, name)
     probe.load_state_dict(tensors, strict=True)

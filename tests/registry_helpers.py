@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from probes.checkpoint import checkpoint_to_bytes
+from probes.checkpoint import WeightFormat, checkpoint_to_bytes
 from probes.probe import Probe, build_probe
 from schemas import LLMFingerprint, ProbeSpec
 from worker.store.checkpoints import CheckpointRegistry
@@ -31,6 +31,7 @@ def publish_probe(
     set_live: bool = True,
     probe: Probe | None = None,
     signing_key: bytes | None = None,
+    weights: WeightFormat = "fp32",
 ) -> int:
     """Publish a (random unless given) probe as the next version; returns the version."""
     probe = probe or build_probe(
@@ -38,7 +39,7 @@ def publish_probe(
     )
     version = registry.allocate_version()
     blob, manifest = checkpoint_to_bytes(
-        probe, llm=fingerprint, version=version, signing_key=signing_key
+        probe, llm=fingerprint, version=version, signing_key=signing_key, weights=weights
     )
     registry.publish(blob, manifest, set_live=set_live)
     return version

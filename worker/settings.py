@@ -185,6 +185,10 @@ class Settings(BaseSettings):
     # when `rollout` is unset).
     auto_live: bool = True
     keep_versions: PositiveInt = 20
+    # How published checkpoints store the probe weights: int8 (per-row scales, probes/
+    # quantize.py) is about a quarter of the bytes in Redis and on every scorer's reload;
+    # the updater keeps training in fp32 (a restart resumes from the dequantized weights).
+    publish_weights: Literal["fp32", "int8"] = "fp32"
     lease_ttl_ms: Annotated[int, Field(ge=1000)] = 10_000
     seed_checkpoint: Path | None = Field(
         None, description="Offline-trained checkpoint dir to start from when none is published."

@@ -187,6 +187,42 @@ def test_hot_swap_and_refusal_of_bad_checkpoints(
     assert late and {v.results[0].version for v in late} == {v2}
 
 
+def test_int8_checkpoints_round_trip_are_served_and_verified(
+    settings: Settings, redis_ns: RedisNamespace, scorers: list[Running]
+) -> None:
+    from probes.checkpoint import probe_from_bytes, weight_format
+    from probes.probe import build_probe
+    from tests.registry_helpers import toxicity_spec
+
+    settings = settings.model_copy(update={"stage_check_interval_s": 0.5})
+    ensure_topics(settings)
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
+    fp = extractor(settings).fingerprint
+    probe = build_probe(toxicity_spec(fp.hidden_size), seed=5)
+    v8 = publish_probe(registry, fp, probe=probe, weights="int8")
+    stored = registry.get(v8)  # the registry's round trip: sha256 verified on read
+    assert weight_format(stored.blob) == "int8"
+    loaded, _ = probe_from_bytes(stored.blob, stored.manifest_json, fp)
+    hidden, mask = torch.randn(2, 3, 5, fp.hidden_size), torch.ones(3, 5, dtype=torch.bool)
+    want = probe.predict_proba_many(hidden, mask)
+    assert (loaded.predict_proba_many(hidden, mask) - want).abs().max() < 0.02
+
+    scorer = start(settings, redis_ns, scorers)
+    produce_raw(settings, settings.topic_chat, [(None, chat(i)) for i in range(10)])
+    assert {v.results[0].version for v in verdicts(settings, 10)} == {v8}
+    # A corrupted int8 blob is refused like a corrupted fp32 one; v8 keeps serving.
+    v_corrupt = publish_probe(registry, fp, seed=6, set_live=False, weights="int8")
+    key = registry.keys.ckpt(registry.probe, v_corrupt)
+    raw = redis_ns.client.get(key)
+    assert isinstance(raw, bytes)
+    blob = bytearray(raw)
+    blob[-2] ^= 0x01
+    redis_ns.client.set(key, bytes(blob))
+    registry.promote(v_corrupt)
+    wait_until(lambda: v_corrupt in scorer.watcher.refused["toxicity"], "corrupt int8 refused")
+    assert scorer.watcher.versions()["toxicity"]["live"] == v8
+
+
 def test_metrics_and_health_endpoints(
     settings: Settings, redis_ns: RedisNamespace, scorers: list[Running]
 ) -> None:

@@ -132,6 +132,26 @@ def test_labels_become_versions_that_scorers_serve_and_that_learn(
     assert all(e.actor == "updater-a" for _, e in registry.history(100) if e.kind == "published")
 
 
+def test_the_updater_publishes_int8_when_configured_and_scorers_serve_it(
+    settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded]
+) -> None:
+    from probes.checkpoint import weight_format
+
+    settings = fast(settings, publish_weights="int8")
+    ensure_topics(settings)
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
+    updater = Updater(settings, extractor(), redis_ns.client, worker_id="updater-a")
+    threads.append(Threaded(updater.run, updater.stop))
+    scorer = Scorer(settings, extractor(), redis_ns.client, worker_id="scorer-1")
+    threads.append(Threaded(scorer.run, scorer.stop))
+    produce_raw(settings, settings.topic_labels, [(None, label(i)) for i in range(32)])
+    wait_until(lambda: registry.stages().live is not None, "a first version")
+    live = registry.stages().live
+    assert live is not None and weight_format(registry.get(live).blob) == "int8"
+    wait_until(lambda: scorer.watcher.versions()["toxicity"]["live"] == live, "scorer swap")
+    assert 0.0 <= p_correct(settings, "q", 4) <= 1.0
+
+
 def test_unjoinable_and_unknown_labels_are_dead_lettered(
     settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded]
 ) -> None:

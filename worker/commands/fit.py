@@ -113,6 +113,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="recompute MHA attention in the backward pass (less memory, more compute)",
     )
+    p.add_argument(
+        "--weights",
+        choices=["fp32", "int8"],
+        default="fp32",
+        help="how the checkpoint stores the probe weights: int8 with per-row scales is about a "
+        "quarter of the bytes and is dequantized to fp32 on load (default: fp32)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
     p.set_defaults(func=_run)
 
@@ -164,7 +171,14 @@ def _run(args: argparse.Namespace) -> int:
     result, cv = train_probe(
         cache, opts, config, val_cache=val_cache, val_fraction=args.val_fraction, folds=folds
     )
-    save_fit(result, args.out, cache, signing_key=load_settings().signing_key, cv=cv)
+    save_fit(
+        result,
+        args.out,
+        cache,
+        signing_key=load_settings().signing_key,
+        cv=cv,
+        weights=args.weights,
+    )
     report = result.val_report
     summary = {
         "checkpoint": str(args.out),

@@ -553,6 +553,7 @@ class Updater:
                 counters=learner.counters,
                 metrics=metrics,
                 signing_key=self.settings.signing_key,
+                weights=self.settings.publish_weights,
             )
             self.registry.publish(
                 blob,

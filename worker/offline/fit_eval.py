@@ -23,6 +23,7 @@ from probes import (
     save_checkpoint,
 )
 from probes.cache import HiddenStateCache, features_for
+from probes.checkpoint import WeightFormat
 from probes.dataset import ProbeDataset
 from probes.fit import FitConfig, FitResult, fit, predict_dataset
 from probes.metrics import evaluate
@@ -188,10 +189,12 @@ def save_fit(
     *,
     signing_key: bytes | None = None,
     cv: CVResult | None = None,
+    weights: WeightFormat = "fp32",
 ) -> None:
     """Write the trained probe as a checkpoint the worker can load (the cache's LLM
-    fingerprint), HMAC-signed when ``signing_key`` is given. With ``cv``, the manifest
-    carries the cross-validated figures (mean and spread over folds) too."""
+    fingerprint), HMAC-signed when ``signing_key`` is given, with ``weights`` stored as
+    fp32 or int8. With ``cv``, the manifest carries the cross-validated figures (mean and
+    spread over folds) too."""
     report = result.val_report
     metrics = {
         "val_f1": report["f1"],
@@ -212,6 +215,7 @@ def save_fit(
         ),
         metrics={k: float(v) for k, v in metrics.items() if v == v},  # drop NaN
         signing_key=signing_key,
+        weights=weights,
     )
 
 
