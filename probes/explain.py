@@ -35,9 +35,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from probes.dataset import ProbeDataset
 from probes.probe import Probe
 
-__all__ = ["LayerBreakdown", "TokenWeights", "layer_breakdown", "token_weights"]
+__all__ = [
+    "ClassLayerUse",
+    "LayerBreakdown",
+    "TokenWeights",
+    "class_layer_use",
+    "layer_breakdown",
+    "token_weights",
+]
 
 
 @dataclass(frozen=True)
@@ -115,3 +123,53 @@ def token_weights(probe: Probe, hidden: Tensor, mask: Tensor) -> TokenWeights:
     finally:
         probe.train(was_training)
     return TokenWeights(kind=probe.pool.token_weights_kind, weights=weights)
+
+
+@dataclass(frozen=True)
+class ClassLayerUse:
+    """Which layers lift each class's logit on that class's rows, over a data set.
+
+    ``gap[c, l]`` = mean over rows of class ``c`` of ``w_l · (logits_l[c] - bias[c])`` minus
+    its mean over all rows: layer ``l``'s share of how much higher class ``c``'s logit is on
+    its own rows than on average. Summed over layers it is that whole logit gap (the
+    breakdown is exact: see :class:`LayerBreakdown`).
+    """
+
+    layers: tuple[int, ...]
+    labels: tuple[str, ...]
+    gap: Tensor  # [C, L]
+    rows: Tensor  # [C] rows of each class (positives, for multilabel)
+
+    def shares(self) -> Tensor:
+        """``gap`` as each class's row normalized by its total absolute gap, ``[C, L]``."""
+        return self.gap / self.gap.abs().sum(dim=1, keepdim=True).clamp_min(1e-12)
+
+
+@torch.no_grad()
+def class_layer_use(probe: Probe, data: ProbeDataset, batch_size: int = 128) -> ClassLayerUse:
+    """Per-class, per-layer contributions of ``probe`` over every row of ``data`` (whose
+    layers and labels must be the probe's; see :class:`ClassLayerUse`)."""
+    C, L = len(probe.labels), len(probe.layers)
+    bias = probe.head.bias.detach()  # [C]
+    total = torch.zeros(C, L, dtype=torch.float64)
+    own = torch.zeros(C, L, dtype=torch.float64)
+    truth = data.targets if data.task == "multilabel" else None
+    hot = (
+        truth.bool()
+        if truth is not None
+        else torch.nn.functional.one_hot(data.targets, C).bool()  # [N, C]
+    )
+    for start in range(0, len(data), batch_size):
+        idx = torch.arange(start, min(start + batch_size, len(data)))
+        hidden, mask, _ = data.batch(idx)
+        parts = layer_breakdown(probe, hidden, mask)
+        contrib = parts.weights[:, :, None] * (parts.logits - bias)  # [L, B, C]
+        contrib = contrib.permute(1, 2, 0).double()  # [B, C, L]
+        total += contrib.sum(dim=0)
+        own += (contrib * hot[idx][:, :, None]).sum(dim=0)
+    rows = hot.sum(dim=0)  # [C]
+    gap = own / rows.clamp_min(1)[:, None] - total / max(1, len(data))
+    gap[rows == 0] = float("nan")
+    return ClassLayerUse(
+        layers=probe.layers, labels=probe.labels, gap=gap.float(), rows=rows.long()
+    )

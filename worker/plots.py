@@ -8,7 +8,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["figure", "plot_layer_scores", "plot_layer_weights", "plot_token_weights"]
+__all__ = [
+    "figure",
+    "plot_class_layers",
+    "plot_layer_curve",
+    "plot_layer_scores",
+    "plot_layer_weights",
+    "plot_token_weights",
+]
 
 
 @contextmanager
@@ -97,5 +104,68 @@ def plot_token_weights(
         else:
             ax.set_xlabel("token position")
         fig.colorbar(image, ax=ax, fraction=0.03, pad=0.01)
+        ax.set_title(title, fontsize=9)
+    return path
+
+
+def plot_layer_curve(
+    rows: list[dict[str, Any]],
+    path: Path,
+    *,
+    mix_layers: list[int] | None = None,
+    mix_weights: list[float] | None = None,
+    title: str = "",
+) -> Path:
+    """Per-layer probing curve: F1 and AUPRC of a probe on each layer alone (solid), on the
+    control task (dashed, when the rows have it), beside the learned mix weights (bars)."""
+    layers = [int(r["layer"]) for r in rows]
+    with figure(path, (max(6.0, 0.22 * len(layers) + 3), 3.6)) as (_, ax):
+        if mix_layers and mix_weights:
+            bars = ax.twinx()
+            bars.bar(mix_layers, mix_weights, color="#d9d9d9", width=0.8, label="mix weight")
+            bars.set_ylabel("learned layer-mix weight", color="#7f7f7f")
+            ax.set_zorder(bars.get_zorder() + 1)
+            ax.patch.set_visible(False)
+        for key, color in (("f1", "#c0392b"), ("auprc", "#4472c4")):
+            ax.plot(layers, [r[key] for r in rows], "o-", color=color, ms=3, label=key.upper())
+            if "control_" + key in rows[0]:
+                ax.plot(
+                    layers,
+                    [r["control_" + key] for r in rows],
+                    "x--",
+                    color=color,
+                    ms=3,
+                    alpha=0.7,
+                    label=f"{key.upper()}, control task",
+                )
+        ax.set_ylim(-0.03, 1.05)
+        ax.set_xlabel("hidden-state index (0 = embeddings); one probe per layer")
+        ax.set_ylabel("held-out score")
+        ax.legend(loc="lower right", fontsize=7)
+        ax.set_title(title, fontsize=9)
+    return path
+
+
+def plot_class_layers(
+    labels: list[str],
+    layers: list[int],
+    shares: list[list[float]],
+    path: Path,
+    *,
+    title: str = "",
+) -> Path:
+    """Heat map, one row per class, one column per layer: each layer's share of how much
+    the class's logit rises on that class's rows (rows sum to 1 in absolute value)."""
+    size = (max(5.0, 0.25 * len(layers) + 3), max(2.4, 0.32 * len(labels) + 1.6))
+    with figure(path, size) as (fig, ax):
+        flat = [abs(v) for row in shares for v in row if v == v]
+        top = max(flat) if flat else 1.0
+        image = ax.imshow(
+            shares, aspect="auto", cmap="RdBu_r", vmin=-top, vmax=top, interpolation="nearest"
+        )
+        ax.set_yticks(range(len(labels)), labels, fontsize=7)
+        ax.set_xticks(range(len(layers)), [str(i) for i in layers], fontsize=7)
+        ax.set_xlabel("hidden-state index (0 = embeddings)")
+        fig.colorbar(image, ax=ax, fraction=0.03, pad=0.01, label="share of the logit gap")
         ax.set_title(title, fontsize=9)
     return path

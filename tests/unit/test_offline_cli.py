@@ -203,3 +203,65 @@ def test_fit_prints_folds_and_refuses_a_bad_operating_point(capsys, caches, work
         main([*argv, "--out", str(workspace / "x"), "--operating-point", "precision>1"])
     with pytest.raises(SystemExit, match="pick one"):
         main([*argv, "--val-cache", str(caches[1]), "--out", str(workspace / "x")])
+
+
+def test_eval_per_layer_control_and_class_layers(capsys, caches, workspace) -> None:
+    ckpt = workspace / "ckpt-science"
+    argv = ["fit", "--cache", str(caches[0]), "--val-cache", str(caches[1]), "--pool", "mean"]
+    argv += ["--out", str(ckpt), "--lr", "1e-2", "--epochs", "5", "--target", "labels"]
+    run_json(capsys, *argv)
+    plots = workspace / "science"
+    report = run_json(
+        capsys,
+        "eval",
+        "--checkpoint",
+        str(ckpt),
+        "--cache",
+        str(caches[1]),
+        "--per-layer",
+        "--train-cache",
+        str(caches[0]),
+        "--control",
+        "--class-layers",
+        "--plot-dir",
+        str(plots),
+        "--curve-epochs",
+        "3",
+    )
+    rows = report["per_layer"]
+    assert [r["layer"] for r in rows] == HiddenStateCache(caches[0]).manifest.summary_layers
+    assert all({"f1", "auprc", "control_f1", "selectivity_auprc"} <= set(r) for r in rows)
+    assert report["selectivity"]["kind"] == "mean/scalar_mix"
+    use = report["class_layers"]
+    assert use["labels"] == ["hate", "insult"] and len(use["shares"][0]) == len(use["layers"])
+    for name in ("layer-curve.png", "class-layers.png"):
+        assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The human-readable form prints the tables.
+    capsys.readouterr()
+    argv = ["eval", "--checkpoint", str(ckpt), "--cache", str(caches[1]), "--class-layers"]
+    assert main(argv) == 0
+    assert "per-class layer use" in capsys.readouterr().out
+
+
+def test_eval_science_flags_need_their_inputs(caches, workspace) -> None:
+    ckpt = workspace / "ckpt-science"
+    base = ["eval", "--checkpoint", str(ckpt)]
+    with pytest.raises(SystemExit, match="need --cache"):
+        main([*base, "--data", str(workspace / "val.jsonl"), "--class-layers"])
+    with pytest.raises(SystemExit, match="needs --train-cache"):
+        main([*base, "--cache", str(caches[1]), "--per-layer"])
+    with pytest.raises(SystemExit, match="goes with --per-layer"):
+        main([*base, "--cache", str(caches[1]), "--control"])
+
+
+def test_fit_writes_int8_checkpoints_that_eval_reads(capsys, caches, workspace) -> None:
+    from probes.checkpoint import TENSORS_FILE, weight_format
+
+    for weights in ("fp32", "int8"):
+        ckpt = workspace / f"ckpt-{weights}"
+        argv = ["fit", "--cache", str(caches[0]), "--val-cache", str(caches[1]), "--pool", "max"]
+        run_json(capsys, *argv, "--out", str(ckpt), "--epochs", "3", "--weights", weights)
+        blob = (ckpt / TENSORS_FILE).read_bytes()
+        assert weight_format(blob) == weights
+        report = run_json(capsys, "eval", "--checkpoint", str(ckpt), "--cache", str(caches[1]))
+        assert report["n"] == 60
