@@ -265,3 +265,43 @@ def test_fit_writes_int8_checkpoints_that_eval_reads(capsys, caches, workspace) 
         assert weight_format(blob) == weights
         report = run_json(capsys, "eval", "--checkpoint", str(ckpt), "--cache", str(caches[1]))
         assert report["n"] == 60
+
+
+def _bench(name: str):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bench_caches(caches, workspace) -> list[str]:
+    """The fixture caches under the names the bench scripts look for (``cache_dir_for``)."""
+    for split, cache in zip(("train", "val"), caches, strict=True):
+        link = workspace / f"{workspace.name}-{split}-tiny"
+        if not link.exists():
+            link.symlink_to(cache)
+    data = [str(workspace / "train.jsonl"), str(workspace / "val.jsonl")]
+    argv = [x for d in data for x in ("--data", d)]
+    return [*argv, "--cache-root", str(workspace), "--model-name", "tiny"]
+
+
+def test_int8_and_probe_science_benches_run(capsys, caches, workspace) -> None:
+    argv = _bench_caches(caches, workspace)
+    capsys.readouterr()
+    assert _bench("int8_probes").main([*argv, "--kinds", "mean,gate", "--epochs", "2"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["kind"] for r in out["results"]] == ["mean", "gate"]
+    assert all(r["int8"]["bytes"] > 0 and "f1_ratio" in r for r in out["results"])
+    science = _bench("probe_science")
+    figs = workspace / "figs"
+    argv += ["--name", "toy", "--out", str(figs), "--kinds", "mean,gate", "--epochs", "2"]
+    assert science.main([*argv, "--target", "labels", "--curve-kinds", "mean"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["kind"] for r in out["selectivity"]] == ["mean", "gate"]
+    assert len(out["per_layer"]["mean"]) == 5 and (figs / "toy-mean-layers.png").exists()
+    assert out["class_layers"]["labels"] == ["hate", "insult"]
+    assert (figs / "toy-class-layers.png").exists()
