@@ -30,6 +30,7 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,7 @@ __all__ = [
     "LayerBreakdown",
     "TokenWeights",
     "class_layer_use",
+    "class_layer_use_batches",
     "layer_breakdown",
     "token_weights",
 ]
@@ -149,27 +151,37 @@ class ClassLayerUse:
 def class_layer_use(probe: Probe, data: ProbeDataset, batch_size: int = 128) -> ClassLayerUse:
     """Per-class, per-layer contributions of ``probe`` over every row of ``data`` (whose
     layers and labels must be the probe's; see :class:`ClassLayerUse`)."""
+    batches = (
+        data.batch(torch.arange(start, min(start + batch_size, len(data))))
+        for start in range(0, len(data), batch_size)
+    )
+    return class_layer_use_batches(probe, batches)
+
+
+@torch.no_grad()
+def class_layer_use_batches(
+    probe: Probe, batches: Iterable[tuple[Tensor, Tensor | None, Tensor]]
+) -> ClassLayerUse:
+    """:func:`class_layer_use` over ``(hidden, mask, targets)`` batches (what
+    ``ProbeDataset.batch`` or the updater's replay buffer give)."""
     C, L = len(probe.labels), len(probe.layers)
     bias = probe.head.bias.detach()  # [C]
     total = torch.zeros(C, L, dtype=torch.float64)
     own = torch.zeros(C, L, dtype=torch.float64)
-    truth = data.targets if data.task == "multilabel" else None
-    hot = (
-        truth.bool()
-        if truth is not None
-        else torch.nn.functional.one_hot(data.targets, C).bool()  # [N, C]
-    )
-    for start in range(0, len(data), batch_size):
-        idx = torch.arange(start, min(start + batch_size, len(data)))
-        hidden, mask, _ = data.batch(idx)
+    rows = torch.zeros(C, dtype=torch.int64)
+    n = 0
+    for hidden, mask, targets in batches:
+        if probe.spec.task == "multilabel":
+            hot = targets.bool()  # [B, C]
+        else:
+            hot = torch.nn.functional.one_hot(targets.long(), C).bool()  # [B, C]
         parts = layer_breakdown(probe, hidden, mask)
         contrib = parts.weights[:, :, None] * (parts.logits - bias)  # [L, B, C]
         contrib = contrib.permute(1, 2, 0).double()  # [B, C, L]
         total += contrib.sum(dim=0)
-        own += (contrib * hot[idx][:, :, None]).sum(dim=0)
-    rows = hot.sum(dim=0)  # [C]
-    gap = own / rows.clamp_min(1)[:, None] - total / max(1, len(data))
+        own += (contrib * hot[:, :, None]).sum(dim=0)
+        rows += hot.sum(dim=0)
+        n += len(targets)
+    gap = own / rows.clamp_min(1)[:, None] - total / max(1, n)
     gap[rows == 0] = float("nan")
-    return ClassLayerUse(
-        layers=probe.layers, labels=probe.labels, gap=gap.float(), rows=rows.long()
-    )
+    return ClassLayerUse(layers=probe.layers, labels=probe.labels, gap=gap.float(), rows=rows)

@@ -50,6 +50,7 @@ def test_short_demo_writes_a_report(
         "throughput.png",
         "confusion.png",
         "layer_weights.png",
+        "class_layers.png",
         "figures.json",
         "probe-spec.json",
     ):
@@ -63,3 +64,6 @@ def test_short_demo_writes_a_report(
     assert sum(map(sum, saved["confusion"])) == len(figures["served"])
     html = page.read_text()
     assert "served F1, all labeled" in html and "prequential.png" in html
+    use = saved["class_layers"]  # per-class layer use over the replay buffer
+    assert use["labels"] == ["non-toxic", "toxic"] and sum(use["rows"]) > 0
+    assert all(len(row) == len(use["layers"]) for row in use["shares"])

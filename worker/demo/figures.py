@@ -120,6 +120,7 @@ def final_figures(run: DemoRun) -> dict[str, Any]:
         "served_f1_second_half": round(_f1([(s["flagged"], s["flag_true"]) for s in half]), 4),
         "versions": _version_points(run),
         "layer_weights": _layer_weights(run),
+        "class_layers": _class_layers(run),
     }
 
 
@@ -147,3 +148,24 @@ def _layer_weights(run: DemoRun) -> dict[str, Any]:
         return {}
     snap = learner.snapshot()
     return {"layers": snap["layers"], "weights": snap["layer_weights"]}
+
+
+def _class_layers(run: DemoRun) -> dict[str, Any]:
+    """Per-class layer use of the final probe over the updater's replay buffer (recent
+    labeled messages, class-balanced); empty without a learner or examples."""
+    from probes.explain import class_layer_use_batches
+    from worker.learning.replay import collate_chunks
+
+    learner = run.updater.learner if run.updater else None
+    if learner is None:
+        return {}
+    examples = [e for bucket in learner.replay.buckets for e in bucket]
+    if not examples:
+        return {}
+    use = class_layer_use_batches(learner.probe, collate_chunks(examples, chunk=64))
+    return {
+        "labels": list(use.labels),
+        "layers": list(use.layers),
+        "rows": use.rows.tolist(),
+        "shares": [[round(float(v), 4) for v in row] for row in use.shares()],
+    }

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from worker.plots import figure, plot_layer_weights
+from worker.plots import figure, plot_class_layers, plot_layer_weights
 
 __all__ = ["write_report"]
 
@@ -152,6 +152,18 @@ def write_report(fig_data: dict[str, Any], out: Path, *, title: str = "probeguar
                 lw["weights"],
                 out / "layer_weights.png",
                 title="learned layer weights",
+            ).name
+        )
+    use = fig_data.get("class_layers") or {}
+    if use:
+        images.append(
+            plot_class_layers(
+                use["labels"],
+                use["layers"],
+                use["shares"],
+                out / "class_layers.png",
+                title="per-class layer use: each layer's share of each class's logit gap "
+                f"(replay buffer, {sum(use['rows'])} labeled messages)",
             ).name
         )
     versions = fig_data["versions"]
