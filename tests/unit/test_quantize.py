@@ -53,16 +53,17 @@ def test_int8_round_trip_scores_like_fp32(pool: str, mix: str) -> None:
 
 def test_normalization_error_is_small_in_every_dimension_despite_an_outlier() -> None:
     L = 3
-    shift = torch.randn(L, 64)
+    # Like mean-pooled SmolLM2 states: means within a few stds of zero, stds over decades,
+    # and one huge-activation dimension (far from zero in stds and in absolute value).
+    scale = torch.rand(L, 64) * 2 + 0.02
+    shift = scale * 1.5 * torch.randn(L, 64)
     shift[:, 7] = 1000.0
-    scale = torch.rand(L, 64) + 0.01
     scale[:, 7] = 100.0
     tensors, enc = quantize_state({"shift": shift, "scale": scale})
     assert enc == {"shift": "int8-over-scale", "scale": "int8-log"}
     back = dequantize_state(tensors, enc)
-    assert float(back["shift"][:, 7].sub(1000.0).abs().max()) == 0.0  # stored exactly
     # The normalized input z = (h - shift) / scale moves by < 0.02 std + 2 % of z in every
-    # dimension (the shift's rounding; the scale's relative rounding, scales 0.01..100).
+    # dimension (the shift's rounding; the scale's relative rounding, scales 0.02..100).
     z = torch.randn(L, 64)
     h = shift + scale * z
     err = ((h - back["shift"]) / back["scale"] - z).abs()
