@@ -65,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", choices=["label", "labels"], default="label")
     p.add_argument("--curve-kinds", default="mean,max", help="per-layer curves (mean,max,mha)")
     p.add_argument("--kinds", default="mean,gate,mha", help="kinds whose selectivity is measured")
+    p.add_argument("--layer-step", type=int, default=1, help="every k-th layer in the curves")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--mha-epochs", type=int, default=6, help="max epochs of MHA fits")
     p.add_argument("--no-heatmap", action="store_true")
@@ -172,12 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     for kind in [k for k in args.curve_kinds.split(",") if k]:
         s = split_for(kind)
         log(f"{args.name} {kind}: one probe per layer ({len(s.spec.layers)}), task and control …")
+        layers = s.spec.layers[:: args.layer_step]
+        if s.spec.layers[-1] not in layers:
+            layers.append(s.spec.layers[-1])
         rows = probe_layers(
-            s.spec, s.dev, s.test, config_for(kind, args), control=s.control, progress=progress
-        )
+            s.spec, s.dev, s.test, config_for(kind, args), control=s.control,
+            layers=layers, progress=progress,
+        )  # fmt: skip
         curves[kind] = [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}
                         for r in rows]  # fmt: skip
         weights = next((r["_probe"] for r in sel_rows if r["kind"] == kind), mix)
+        if weights is not None:
+            out[f"{kind}_mix_weights"] = [round(w, 4) for w in weights.layer_weights().tolist()]
         plot_layer_curve(
             rows,
             args.out / f"{args.name}-{kind}-layers.png",

@@ -118,8 +118,10 @@ def plot_layer_curve(
 ) -> Path:
     """Per-layer probing curve: F1 and AUPRC of a probe on each layer alone (solid), on the
     control task (dashed, when the rows have it), beside the learned mix weights (bars)."""
+    import textwrap
+
     layers = [int(r["layer"]) for r in rows]
-    with figure(path, (max(6.0, 0.22 * len(layers) + 3), 3.6)) as (_, ax):
+    with figure(path, (max(8.0, 0.22 * len(layers) + 3), 3.8)) as (_, ax):
         if mix_layers and mix_weights:
             bars = ax.twinx()
             bars.bar(mix_layers, mix_weights, color="#d9d9d9", width=0.8, label="mix weight")
@@ -142,7 +144,7 @@ def plot_layer_curve(
         ax.set_xlabel("hidden-state index (0 = embeddings); one probe per layer")
         ax.set_ylabel("held-out score")
         ax.legend(loc="lower right", fontsize=7)
-        ax.set_title(title, fontsize=9)
+        ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=9)
     return path
 
 
