@@ -31,6 +31,8 @@ def test_subcommand_help(name: str) -> None:
     out = _run(name, "--help")
     assert out.returncode == 0, out.stderr
     assert f"usage: probeguard {name}" in out.stdout
+    # Argument-group descriptions are not %-formatted: a "%%" there prints as typed.
+    assert "%%" not in out.stdout
 
 
 def test_no_command_prints_help_and_fails(capsys: pytest.CaptureFixture[str]) -> None:

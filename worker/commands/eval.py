@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     science = p.add_argument_group(
         "what the probe knows and where (with --cache)",
         "--per-layer fits the checkpoint's kind on each cached layer alone (on --train-cache, "
-        "early stopping and thresholds on 15%% of it) and measures it on --cache; --control "
+        "early stopping and thresholds on 15% of it) and measures it on --cache; --control "
         "adds a control task (labels from each message's first word, same balance) and "
         "selectivity = task - control, per layer and for the checkpoint's kind with all its "
         "layers; --class-layers splits each class's logit by layer (cheap: no fitting). "
