@@ -134,6 +134,19 @@ class ProbeDataset:
             self, tokens=tokens[flat], offsets=new_offsets, targets=self.targets[index], ids=ids
         )
 
+    def select_layers(self, layers: list[int]) -> ProbeDataset:
+        """The same rows with only ``layers`` (a subset of :attr:`layers`, any order kept as
+        given) on the L axis; copies the selected states unless nothing changes."""
+        if layers == self.layers:
+            return self
+        missing = sorted(set(layers) - set(self.layers))
+        if missing or not layers:
+            raise ProbeError(f"layers {layers} are not a non-empty subset of {self.layers}")
+        pick = torch.tensor([self.layers.index(i) for i in layers])
+        if self.summaries is not None:
+            return replace(self, layers=list(layers), summaries=self.summaries[pick])
+        return replace(self, layers=list(layers), tokens=self._ragged()[0][:, pick])
+
     @staticmethod
     def concat(parts: list[ProbeDataset]) -> ProbeDataset:
         """The rows of ``parts`` one after the other (same layers, labels, task and layout)."""

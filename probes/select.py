@@ -22,6 +22,14 @@ How (``k`` folds, stratified by class, or by "any label" for multilabel targets)
    (A fold that early stopping ended first counts with its last epoch for the epochs it did
    not run; :func:`_pad`.)
 4. :func:`fit_cv` refits on every row for ``E*`` epochs and sets the thresholds of step 2.
+
+Depth (:func:`select_depth`): the same cross-validation for each candidate deepest layer
+(the probe reads the given layers up to it), then the shallowest depth whose mean fold
+AUPRC is within ``epsilon`` of the best; the scorer's forward pass stops at the deepest
+layer a served probe reads, so a shallower probe is a cheaper forward::
+
+    result, cv, search = select_depth(spec, data, FitConfig(), folds=3, epsilon=0.01)
+    search.chosen, search.table()     # e.g. 15, one row per candidate depth
 """
 
 from __future__ import annotations
@@ -45,10 +53,16 @@ from schemas import ProbeSpec
 
 __all__ = [
     "CVResult",
+    "DepthRow",
+    "DepthSearch",
     "FoldReport",
+    "choose_depth",
     "cross_validate",
+    "depth_candidates",
     "fit_cv",
     "held_out",
+    "refit",
+    "select_depth",
     "stratified_folds",
 ]
 
@@ -252,6 +266,21 @@ def fit_cv(
     the chosen thresholds. The result's ``val_report`` is the pooled out-of-fold report."""
     started = time.perf_counter()
     cv = cross_validate(spec, data, config, folds=folds, progress=progress)
+    return refit(spec, data, config, cv, started=started, progress=progress), cv
+
+
+def refit(
+    spec: ProbeSpec,
+    data: ProbeDataset,
+    config: FitConfig,
+    cv: CVResult,
+    *,
+    started: float | None = None,
+    progress: Callable[[dict[str, float]], None] | None = None,
+) -> FitResult:
+    """Step 4: fit on every row of ``data`` for ``cv.epochs`` and set ``cv.thresholds``;
+    ``val_report`` is the pooled out-of-fold report, ``seconds`` counts from ``started``."""
+    started = time.perf_counter() if started is None else started
 
     def tagged(row: dict[str, float]) -> None:
         if progress is not None:
@@ -267,4 +296,124 @@ def fit_cv(
     final.probe.set_thresholds(cv.thresholds)
     final.val_report = cv.oof_report
     final.seconds = time.perf_counter() - started
-    return final, cv
+    return final
+
+
+@dataclass
+class DepthRow:
+    """One candidate depth: the probe reads every given layer up to ``depth``."""
+
+    depth: int
+    layers: list[int]
+    cv: CVResult
+    seconds: float
+
+    @property
+    def auprc(self) -> tuple[float, float]:
+        """Cross-validated AUPRC: ``(mean, spread)`` over the folds."""
+        s = self.cv.summary()
+        return s["auprc_mean"], s["auprc_std"]
+
+
+@dataclass
+class DepthSearch:
+    """What :func:`select_depth` tried and chose."""
+
+    rows: list[DepthRow]  # by depth, shallowest first
+    chosen: int  # the depth the final probe stops at
+    best: int  # the depth with the best mean AUPRC
+    epsilon: float
+
+    def row(self, depth: int) -> DepthRow:
+        return next(r for r in self.rows if r.depth == depth)
+
+    def table(self) -> list[dict[str, Any]]:
+        """One plain dict per candidate (for reports and JSON)."""
+        out = []
+        for r in self.rows:
+            s = r.cv.summary()
+            out.append(
+                {
+                    "depth": r.depth,
+                    "layers": r.layers,
+                    "auprc_mean": s["auprc_mean"],
+                    "auprc_std": s["auprc_std"],
+                    "f1_mean": s["f1_mean"],
+                    "f1_std": s["f1_std"],
+                    "epochs": r.cv.epochs,
+                    "seconds": round(r.seconds, 1),
+                    "chosen": r.depth == self.chosen,
+                }
+            )
+        return out
+
+
+def choose_depth(auprc: dict[int, float], epsilon: float) -> tuple[int, int]:
+    """``(chosen, best)``: the shallowest depth whose mean AUPRC is within ``epsilon`` of
+    the best one's, and the best one (the shallower of ties).
+
+    >>> choose_depth({8: 0.70, 15: 0.795, 30: 0.80}, 0.01)
+    (15, 30)
+    >>> choose_depth({8: 0.70, 15: 0.795, 30: 0.80}, 0.0)
+    (30, 30)
+    """
+    if not auprc:
+        raise ProbeError("no candidate depth to choose from")
+    if not epsilon >= 0.0:
+        raise ProbeError(f"epsilon must be >= 0, got {epsilon}")
+    top = max(auprc.values())
+    best = min(d for d, a in auprc.items() if a == top)
+    return min(d for d, a in auprc.items() if a >= top - epsilon), best
+
+
+def depth_candidates(layers: list[int], depths: list[int] | None = None) -> list[int]:
+    """Candidate deepest layers: every one of ``layers`` (sorted), or ``depths``, each of
+    which must be one of them (a probe stopping at depth ``d`` reads ``layers <= d``)."""
+    if depths is None:
+        return sorted(layers)
+    unknown = sorted(set(depths) - set(layers))
+    if unknown or not depths:
+        raise ProbeError(f"candidate depths {unknown or depths} are not among the layers {layers}")
+    return sorted(set(depths))
+
+
+def select_depth(
+    spec: ProbeSpec,
+    data: ProbeDataset,
+    config: FitConfig = FitConfig(),
+    *,
+    folds: int = 5,
+    epsilon: float = 0.01,
+    depths: list[int] | None = None,
+    progress: Callable[[dict[str, float]], None] | None = None,
+) -> tuple[FitResult, CVResult, DepthSearch]:
+    """Search the depth/quality trade-off by cross-validation, then refit at the choice.
+
+    For every candidate depth ``d`` (:func:`depth_candidates` of ``spec.layers``) the
+    probe ``spec`` restricted to the layers ``<= d`` is cross-validated (:func:`cross_validate`,
+    same folds, same config); the chosen depth is the shallowest whose mean fold AUPRC is
+    within ``epsilon`` of the best (:func:`choose_depth`), and the final probe reads only
+    its layers, so a scorer serving it stops its forward pass there. Cost: ``folds`` fits
+    per candidate plus one refit (shallow candidates are cheaper: fewer layers).
+    """
+    started = time.perf_counter()
+    rows = []
+    for depth in depth_candidates(list(spec.layers), depths):
+        layers = [i for i in spec.layers if i <= depth]
+        sub = ProbeSpec.model_validate({**spec.model_dump(), "layers": layers})
+        t0 = time.perf_counter()
+
+        def tagged(row: dict[str, float], depth: int = depth) -> None:
+            if progress is not None:
+                progress({"depth": depth, **row})
+
+        cv = cross_validate(sub, data.select_layers(layers), config, folds=folds, progress=tagged)
+        rows.append(DepthRow(depth, layers, cv, time.perf_counter() - t0))
+    chosen, best = choose_depth({r.depth: r.auprc[0] for r in rows}, epsilon)
+    search = DepthSearch(rows=rows, chosen=chosen, best=best, epsilon=epsilon)
+    pick = search.row(chosen)
+    sub = ProbeSpec.model_validate({**spec.model_dump(), "layers": pick.layers})
+    final = refit(
+        sub, data.select_layers(pick.layers), config, pick.cv, started=started, progress=progress
+    )
+    return final, pick.cv, search

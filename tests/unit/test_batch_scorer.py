@@ -106,3 +106,20 @@ def test_a_nan_row_costs_that_row_only() -> None:
     assert set(scores.errors) == {1} and "NaN" in scores.errors[1]
     assert sorted(scores.results) == [0, 2, 3, 4]
     assert (1, "toxicity") not in scores.decisions
+
+
+def test_the_forward_pass_stops_at_the_deepest_layer_a_served_probe_reads() -> None:
+    """A shallower probe (e.g. from `fit --depth auto`) is a cheaper forward: blocks above
+    the deepest layer that the live or canary probe reads never run."""
+    from tests.unit.test_extract import count_block_calls
+
+    ex = Counting()
+    shallow = served(ex, "toxicity", [1, 2], seed=1)
+    slot = ProbeSlot("toxicity", shallow)
+    with count_block_calls(ex.llm) as calls:
+        BatchScorer(ex, {"toxicity": slot}).score(messages())
+    assert [c > 0 for c in calls] == [True, True, False, False]  # blocks 1-2 of 4
+    slot.canary, slot.canary_share = served(ex, "toxicity", [1, 3], seed=2), 0.5
+    with count_block_calls(ex.llm) as calls:
+        BatchScorer(ex, {"toxicity": slot}).score(messages())
+    assert [c > 0 for c in calls] == [True, True, True, False]  # the canary reads layer 3

@@ -305,3 +305,25 @@ def test_int8_and_probe_science_benches_run(capsys, caches, workspace) -> None:
     assert len(out["per_layer"]["mean"]) == 5 and (figs / "toy-mean-layers.png").exists()
     assert out["class_layers"]["labels"] == ["hate", "insult"]
     assert (figs / "toy-class-layers.png").exists()
+
+
+def test_fit_depth_auto_prints_the_table_and_records_the_choice(capsys, caches, workspace) -> None:
+    argv = ["fit", "--cache", str(caches[0]), "--pool", "mean", "--folds", "2", "--epochs", "2"]
+    argv += ["--depth", "auto", "--depth-candidates", "2,4", "--depth-epsilon", "1"]
+    assert main([*argv, "--out", str(workspace / "depth")]) == 0
+    out = capsys.readouterr().out
+    assert "depth search (2 candidates" in out and "chose depth 2" in out and "<- chosen" in out
+    probe, manifest = load_checkpoint(workspace / "depth", None)
+    assert probe.layers == (0, 1, 2)  # epsilon 1: the shallowest candidate, layers <= 2
+    assert manifest.metrics["depth_chosen"] == 2 and manifest.metrics["depth_epsilon"] == 1
+    assert {"depth_2_cv_auprc_mean", "depth_4_cv_auprc_std"} <= set(manifest.metrics)
+    report = json.loads((workspace / "depth" / "fit-report.json").read_text())
+    assert [r["depth"] for r in report["depth"]] == [2, 4]
+    assert report["summary"]["depth_chosen"] == 2 and report["summary"]["layers"] == [0, 1, 2]
+    with pytest.raises(SystemExit, match="needs --folds >= 2"):
+        main([*argv, "--folds", "0", "--out", str(workspace / "x")])
+    with pytest.raises(SystemExit, match="needs --depth auto"):
+        main(["fit", "--cache", str(caches[0]), "--depth-candidates", "2", "--out", "x"])
+    bad = [*argv[:-6], "--depth", "auto", "--depth-candidates", "5"]
+    assert main([*bad, "--out", str(workspace / "x")]) == 1
+    assert "[5] are not among the layers [0, 1, 2, 3, 4]" in capsys.readouterr().err

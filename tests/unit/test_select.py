@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 
 import pytest
 import torch
 
 from probes import ProbeError
+from probes.dataset import ProbeDataset
 from probes.fit import FitConfig, predict_dataset
-from probes.select import cross_validate, fit_cv, held_out, stratified_folds
+from probes.select import (
+    choose_depth,
+    cross_validate,
+    depth_candidates,
+    fit_cv,
+    held_out,
+    select_depth,
+    stratified_folds,
+)
 from tests.unit.test_train import spec_for, token_dataset
 
 
@@ -62,3 +72,59 @@ def test_fit_cv_refits_on_every_row_with_the_chosen_epochs_and_thresholds() -> N
     test = token_dataset(n=60, seed=2)
     accuracy = (predict_dataset(result.probe, test).argmax(1) == test.targets).float().mean()
     assert accuracy > 0.8
+
+
+def _signal_only_in(data: ProbeDataset, layer: int, seed: int = 0) -> ProbeDataset:
+    """``data`` with every layer but ``layer`` replaced by noise: only it can be learned."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = data.tokens.clone()  # type: ignore[union-attr]  # [N_tok, L, D]
+    for slot, i in enumerate(data.layers):
+        if i != layer:
+            tokens[:, slot] = torch.randn(tokens[:, slot].shape, generator=g).half()
+    return replace(data, tokens=tokens)
+
+
+def test_choose_depth_takes_the_shallowest_within_epsilon_of_the_best() -> None:
+    assert choose_depth({1: 0.5, 2: 0.895, 4: 0.9}, 0.01) == (2, 4)
+    assert choose_depth({1: 0.5, 2: 0.895, 4: 0.9}, 0.0) == (4, 4)
+    assert choose_depth({1: 0.9, 2: 0.9, 4: 0.9}, 0.0) == (1, 1)  # ties: the shallower
+    assert choose_depth({1: 0.5, 2: 0.895, 4: 0.9}, 1.0) == (1, 4)
+    with pytest.raises(ProbeError, match="epsilon"):
+        choose_depth({1: 0.5}, -0.1)
+    assert depth_candidates([1, 2, 4]) == [1, 2, 4]
+    assert depth_candidates([1, 2, 4], [4, 2]) == [2, 4]
+    with pytest.raises(ProbeError, match=r"\[3\] are not among the layers"):
+        depth_candidates([1, 2, 4], [3, 4])
+
+
+def test_select_layers_keeps_rows_and_picks_the_layer_axis() -> None:
+    data = token_dataset(n=30, seed=1)
+    sub = data.select_layers([1, 4])
+    assert sub.layers == [1, 4] and len(sub) == 30 and data.select_layers(data.layers) is data
+    h, m, _ = data.batch(torch.arange(5))
+    hs, ms, _ = sub.batch(torch.arange(5))
+    assert torch.equal(hs, h[[0, 2]]) and torch.equal(ms, m)  # type: ignore[arg-type]
+    with pytest.raises(ProbeError, match="subset"):
+        data.select_layers([3])
+
+
+@pytest.mark.parametrize(("signal", "chosen"), [(4, 4), (1, 1)])
+def test_select_depth_stops_where_the_signal_is(signal: int, chosen: int) -> None:
+    """Signal only in the deepest layer: the search keeps every layer. Only in the
+    shallowest: deeper candidates add nothing, so it stops there, and the refit probe reads
+    only the chosen layers (a scorer serving it runs fewer blocks)."""
+    data = _signal_only_in(token_dataset(n=120, seed=1), signal)
+    config = FitConfig(max_epochs=6, patience=3, lr=3e-3)
+    result, cv, search = select_depth(spec_for(data, "mean"), data, config, folds=3, epsilon=0.02)
+    assert [r.depth for r in search.rows] == [1, 2, 4]
+    assert search.chosen == chosen and result.probe.layers == tuple(
+        i for i in data.layers if i <= chosen
+    )
+    assert cv is search.row(chosen).cv and result.epochs == cv.epochs
+    assert result.probe.spec.thresholds == cv.thresholds
+    table = search.table()
+    assert [r["chosen"] for r in table] == [d == chosen for d in (1, 2, 4)]
+    auprc = {r["depth"]: r["auprc_mean"] for r in table}
+    assert auprc[chosen] >= max(auprc.values()) - 0.02
+    if signal == 4:
+        assert auprc[1] < auprc[4] - 0.1  # noise layers alone do not learn the task

@@ -6,8 +6,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from worker.commands._common import layer_list, offline_errors, print_json
+
+if TYPE_CHECKING:
+    from probes.select import CVResult, DepthSearch
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -64,6 +68,31 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="hidden-state indices, e.g. 12 or 4,8,12 or 2-20 (default: every cached layer "
         "the probe kind can use; 'single' needs exactly one)",
+    )
+    p.add_argument(
+        "--depth",
+        choices=["full", "auto"],
+        default="full",
+        help="'auto': search the depth/quality trade-off. Each candidate deepest layer is "
+        "cross-validated with the layers up to it; the probe keeps the shallowest whose mean "
+        "fold AUPRC is within --depth-epsilon of the best, so the scorer's forward pass stops "
+        "there. Prints the table per depth and records the choice in the checkpoint. Costs "
+        "--folds fits per candidate (fewer layers are cheaper): MHA on ToxicChat's 2.5k rows, "
+        "8 candidates x 5 folds is hours on 2 CPU cores; --folds 3 and --depth-candidates "
+        "11,15,30 cut it to about a quarter. (default: full, every layer of --layers)",
+    )
+    p.add_argument(
+        "--depth-epsilon",
+        type=float,
+        default=0.01,
+        help="with --depth auto: AUPRC a shallower probe may give up (%(default)s = 1 point)",
+    )
+    p.add_argument(
+        "--depth-candidates",
+        type=layer_list,
+        default=None,
+        help="with --depth auto: the deepest layers to try, e.g. 11,15,30 (default: every "
+        "layer the probe would read)",
     )
     p.add_argument(
         "--target",
@@ -129,7 +158,7 @@ def _run(args: argparse.Namespace) -> int:
     from probes.cache import HiddenStateCache
     from probes.fit import FitConfig
     from schemas import OperatingPoint
-    from worker.offline.fit_eval import ProbeOptions, save_fit, train_probe
+    from worker.offline.fit_eval import ProbeOptions, save_fit, train_probe, train_probe_depth
     from worker.settings import load_settings
 
     _apply_deprecated(args)
@@ -168,9 +197,32 @@ def _run(args: argparse.Namespace) -> int:
         mix_entropy=args.mix_entropy,
         operating_point=point,
     )
-    result, cv = train_probe(
-        cache, opts, config, val_cache=val_cache, val_fraction=args.val_fraction, folds=folds
-    )
+    depth: DepthSearch | None = None
+    cv: CVResult | None
+    if args.depth == "auto":
+        if folds < 2:
+            raise SystemExit(
+                "probeguard fit: --depth auto cross-validates each depth; it needs --folds >= 2 "
+                "and no --val-cache"
+            )
+        if args.depth_epsilon < 0:
+            raise SystemExit(
+                f"probeguard fit: --depth-epsilon must be >= 0, got {args.depth_epsilon}"
+            )
+        result, cv, depth = train_probe_depth(
+            cache,
+            opts,
+            config,
+            folds=folds,
+            epsilon=args.depth_epsilon,
+            depths=args.depth_candidates,
+        )
+    elif args.depth_candidates is not None:
+        raise SystemExit("probeguard fit: --depth-candidates needs --depth auto")
+    else:
+        result, cv = train_probe(
+            cache, opts, config, val_cache=val_cache, val_fraction=args.val_fraction, folds=folds
+        )
     save_fit(
         result,
         args.out,
@@ -178,6 +230,7 @@ def _run(args: argparse.Namespace) -> int:
         signing_key=load_settings().signing_key,
         cv=cv,
         weights=args.weights,
+        depth=depth,
     )
     report = result.val_report
     summary = {
@@ -200,6 +253,10 @@ def _run(args: argparse.Namespace) -> int:
         "selection": "validation cache" if val_cache else f"{folds}-fold CV" if cv else "split",
         "operating_point": str(point),
     }
+    if depth is not None:
+        summary.update(
+            depth_chosen=depth.chosen, depth_best=depth.best, depth_epsilon=depth.epsilon
+        )
     folds_out: list[dict] = []
     if cv is not None:
         summary.update({f"cv_{k}": v for k, v in cv.summary().items()})
@@ -211,14 +268,18 @@ def _run(args: argparse.Namespace) -> int:
                 "history": result.history,
                 "val_report": report,
                 "folds": folds_out,
+                "depth": depth.table() if depth is not None else None,
             },
             default=str,
             indent=1,
         )
     )
     if args.json:
-        print_json(summary)
-    elif cv is not None:
+        print_json({**summary, "depth_table": depth.table()} if depth else summary)
+        return 0
+    if depth is not None:
+        _print_depth(depth)
+    if cv is not None:
         c = cv.summary()
         for f in cv.folds:
             print(
@@ -239,6 +300,28 @@ def _run(args: argparse.Namespace) -> int:
             f"{result.best_epoch}/{result.epochs}, {summary['train_seconds']} s -> {args.out}"
         )
     return 0
+
+
+def _print_depth(depth: DepthSearch) -> None:
+    """The depth search's table: one line per candidate, the choice marked."""
+    print(f"depth search ({len(depth.table())} candidates, epsilon {depth.epsilon:g} AUPRC):")
+    print(f"  {'depth':>5}  {'layers':>6}  {'CV AUPRC':>15}  {'CV F1':>15}  {'epochs':>6}  seconds")
+    for r in depth.table():
+        mark = "  <- chosen" if r["chosen"] else ""
+        mark += "  (best)" if r["depth"] == depth.best else ""
+        print(
+            f"  {r['depth']:>5}  {len(r['layers']):>6}  "
+            f"{r['auprc_mean']:.3f} ± {r['auprc_std']:.3f}  "
+            f"{r['f1_mean']:.3f} ± {r['f1_std']:.3f}  "
+            f"{r['epochs']:>6}  {r['seconds']:>7.0f}{mark}"
+        )
+    best = depth.row(depth.best).auprc[0]
+    chosen = depth.row(depth.chosen).auprc[0]
+    print(
+        f"chose depth {depth.chosen}: the shallowest within {depth.epsilon:g} of the best "
+        f"(depth {depth.best}, AUPRC {best:.3f}; chosen {chosen:.3f}); the probe reads layers "
+        f"{depth.row(depth.chosen).layers}"
+    )
 
 
 def _apply_deprecated(args: argparse.Namespace) -> None:

@@ -27,7 +27,7 @@ from probes.checkpoint import WeightFormat
 from probes.dataset import ProbeDataset
 from probes.fit import FitConfig, FitResult, fit, predict_dataset
 from probes.metrics import evaluate
-from probes.select import CVResult, fit_cv
+from probes.select import CVResult, DepthSearch, fit_cv, select_depth
 from schemas import LabeledText, LayerMix, ProbeSpec, TokenPool, TrainingCounters
 from worker.errors import OfflineError
 from worker.offline.build_cache import ExtractorLike
@@ -39,6 +39,7 @@ __all__ = [
     "evaluate_on_rows",
     "load_split",
     "train_probe",
+    "train_probe_depth",
 ]
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,41 @@ def train_probe(
     return fit(build_probe(spec, seed=config.seed), train, val, config, _log_progress), None
 
 
+def train_probe_depth(
+    cache: HiddenStateCache,
+    opts: ProbeOptions,
+    config: FitConfig,
+    *,
+    folds: int = 5,
+    epsilon: float = 0.01,
+    depths: list[int] | None = None,
+) -> tuple[FitResult, CVResult, DepthSearch]:
+    """Like :func:`train_probe` with k-fold selection, and the depth too: each candidate
+    deepest layer (``depths``, default every layer of ``opts``) is cross-validated with the
+    layers up to it, the shallowest within ``epsilon`` mean AUPRC of the best is refit
+    (:func:`probes.select.select_depth`). The probe's ``layers`` record the choice."""
+    if folds < 2:
+        raise OfflineError(f"a depth search cross-validates: it needs --folds >= 2, got {folds}")
+    layers = _layers_for(cache, opts)
+    data = load_split(cache, opts.token_pool, layers, opts.target)
+    spec = _spec(cache, opts, layers, data)
+    log.info(
+        "fit %s: %d rows, depth search over %s (layers %s), %d-fold CV each, epsilon %.3g",
+        spec.name,
+        len(data),
+        depths or layers,
+        layers,
+        folds,
+        epsilon,
+    )
+    try:
+        return select_depth(
+            spec, data, config, folds=folds, epsilon=epsilon, depths=depths, progress=_log_progress
+        )
+    except ProbeError as exc:
+        raise OfflineError(str(exc)) from exc
+
+
 def _spec(
     cache: HiddenStateCache, opts: ProbeOptions, layers: list[int], data: ProbeDataset
 ) -> ProbeSpec:
@@ -190,11 +226,13 @@ def save_fit(
     signing_key: bytes | None = None,
     cv: CVResult | None = None,
     weights: WeightFormat = "fp32",
+    depth: DepthSearch | None = None,
 ) -> None:
     """Write the trained probe as a checkpoint the worker can load (the cache's LLM
     fingerprint), HMAC-signed when ``signing_key`` is given, with ``weights`` stored as
     fp32 or int8. With ``cv``, the manifest carries the cross-validated figures (mean and
-    spread over folds) too."""
+    spread over folds) too; with ``depth``, the depth search's choice and each candidate's
+    cross-validated AUPRC."""
     report = result.val_report
     metrics = {
         "val_f1": report["f1"],
@@ -206,6 +244,14 @@ def save_fit(
     }
     if cv is not None:
         metrics.update({f"cv_{k}": v for k, v in cv.summary().items()})
+    if depth is not None:
+        metrics.update(
+            depth_chosen=depth.chosen, depth_best=depth.best, depth_epsilon=depth.epsilon
+        )
+        for row in depth.rows:
+            mean, std = row.auprc
+            metrics.update({f"depth_{row.depth}_cv_auprc_mean": mean})
+            metrics.update({f"depth_{row.depth}_cv_auprc_std": std})
     save_checkpoint(
         result.probe,
         out,
