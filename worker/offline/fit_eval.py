@@ -38,6 +38,7 @@ __all__ = [
     "evaluate_on_cache",
     "evaluate_on_rows",
     "load_split",
+    "prepare",
     "train_probe",
     "train_probe_depth",
 ]
@@ -154,6 +155,13 @@ def train_probe(
     return fit(build_probe(spec, seed=config.seed), train, val, config, _log_progress), None
 
 
+def prepare(cache: HiddenStateCache, opts: ProbeOptions) -> tuple[ProbeSpec, ProbeDataset]:
+    """The spec ``fit`` would train for ``opts`` on ``cache``, and its training data."""
+    layers = _layers_for(cache, opts)
+    data = load_split(cache, opts.token_pool, layers, opts.target)
+    return _spec(cache, opts, layers, data), data
+
+
 def train_probe_depth(
     cache: HiddenStateCache,
     opts: ProbeOptions,
@@ -169,9 +177,8 @@ def train_probe_depth(
     (:func:`probes.select.select_depth`). The probe's ``layers`` record the choice."""
     if folds < 2:
         raise OfflineError(f"a depth search cross-validates: it needs --folds >= 2, got {folds}")
-    layers = _layers_for(cache, opts)
-    data = load_split(cache, opts.token_pool, layers, opts.target)
-    spec = _spec(cache, opts, layers, data)
+    spec, data = prepare(cache, opts)
+    layers = list(spec.layers)
     log.info(
         "fit %s: %d rows, depth search over %s (layers %s), %d-fold CV each, epsilon %.3g",
         spec.name,
