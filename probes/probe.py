@@ -28,7 +28,7 @@ from probes.errors import ProbeError
 from probes.kinds import LAYER_MIXES, TOKEN_POOLS, LayerMixModule, TokenPoolModule
 from schemas import ProbeSpec
 
-__all__ = ["Probe", "build_probe", "weight_entropy"]
+__all__ = ["Probe", "build_probe", "keep_layers", "slice_layer_state", "weight_entropy"]
 
 
 def weight_entropy(weights: Tensor) -> float:
@@ -217,3 +217,45 @@ def build_probe(spec: ProbeSpec, *, seed: int | None = None) -> Probe:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return Probe(spec)
+
+
+def slice_layer_state(
+    state: dict[str, Tensor], shapes: dict[str, torch.Size], pick: Tensor
+) -> dict[str, Tensor]:
+    """``state`` (of a probe over ``L`` layers) reshaped to ``shapes`` (the same probe kind
+    over the layers ``pick`` of them): every per-layer tensor has the layer on its first
+    axis, so a tensor whose shape changed is indexed there; the others are kept whole."""
+    out = {}
+    for name, want in shapes.items():
+        if name not in state:
+            continue  # e.g. an optimizer holding no state for a parameter yet
+        t = state[name]
+        if t.shape != want:
+            t = t.index_select(0, pick)
+            if t.shape != want:
+                raise ProbeError(f"{name}: cannot slice {tuple(state[name].shape)} to {want}")
+        out[name] = t.clone()
+    return out
+
+
+def keep_layers(probe: Probe, layers: list[int]) -> Probe:
+    """A copy of ``probe`` reading only ``layers`` (a subset of its own): the same weights
+    for those layers, the rest dropped. With a scalar mix the remaining layers' weights are
+    renormalized (softmax over fewer logits), so the scores move by about the weight the
+    dropped layers had.
+
+    >>> spec = ProbeSpec(name="tox", token_pool="mha", layer_mix="scalar_mix", layers=[1, 2, 4],
+    ...                  hidden_size=8, task="multiclass", labels=["ok", "toxic"], d_inner=4)
+    >>> keep_layers(build_probe(spec, seed=0), [1, 2]).layers
+    (1, 2)
+    """
+    old = list(probe.layers)
+    if not layers or sorted(set(layers)) != layers or not set(layers) <= set(old):
+        raise ProbeError(f"layers {layers} are not a sorted, non-empty subset of {old}")
+    spec = ProbeSpec.model_validate({**probe.spec.model_dump(), "layers": layers})
+    smaller = Probe(spec)
+    pick = torch.tensor([old.index(i) for i in layers])
+    want = {k: v.shape for k, v in smaller.state_dict().items()}
+    smaller.load_state_dict(slice_layer_state(probe.state_dict(), want, pick))
+    smaller.train(probe.training)
+    return smaller

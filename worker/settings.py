@@ -202,6 +202,15 @@ class Settings(BaseSettings):
     # onto one layer within a few hundred labels (see probes/learner.py).
     learn_mix_entropy: Annotated[float, Field(ge=0)] = 0.05
     learn_layer_lr_scale: Annotated[float, Field(gt=0)] = 30.0
+    # Off by default: the entropy penalty keeps every weight away from 0 on purpose, and a
+    # dropped layer never comes back to this probe's lineage; `fit --depth auto` measures
+    # the quality of a shallower probe directly.
+    learn_drop_layer_weight: Annotated[float, Field(ge=0, lt=1)] = Field(
+        0.0,
+        description="Drop the deepest layers whose scalar-mix weight stays below this for "
+        "learn_drop_layer_publishes publishes in a row, and publish a shallower version (0: off).",
+    )
+    learn_drop_layer_publishes: Annotated[int, Field(ge=1, le=1000)] = 5
     operating_point: str = Field(
         "f1", description="Where published flag thresholds go: f1, precision>=X, recall>=X."
     )

@@ -448,3 +448,37 @@ def test_a_batch_longer_than_the_lease_keeps_the_lease(
     assert publishers == {"updater-a"}
     assert a.active and not b.active
     assert not a.keeper.lost.is_set()
+
+
+def test_layers_whose_weight_stays_negligible_are_dropped_and_scorers_serve_it(
+    settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded]
+) -> None:
+    """With PROBEGUARD_LEARN_DROP_LAYER_WEIGHT above every layer's weight (the entropy
+    penalty keeps the cold-start mix near uniform, 1/L each), the first publish drops
+    every layer but the shallowest: a new version, verified and served like any other,
+    whose forward pass stops at that layer; learning goes on from it."""
+    settings = fast(settings, learn_drop_layer_weight=0.9, learn_drop_layer_publishes=1)
+    ensure_topics(settings)
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
+    ex = extractor()
+    updater = Updater(settings, ex, redis_ns.client, worker_id="updater-a")
+    threads.append(Threaded(updater.run, updater.stop))
+    scorer = Scorer(settings, extractor(), redis_ns.client, worker_id="scorer-1")
+    threads.append(Threaded(scorer.run, scorer.stop))
+    seed_layers = updater._seed_spec().layers
+    assert len(seed_layers) > 1
+
+    produce_raw(settings, settings.topic_labels, [(None, label(i)) for i in range(32)])
+    wait_until(lambda: registry.stages().live is not None, "a first version")
+    first = registry.stages().live
+    assert first is not None
+    manifest = registry.manifest(first)
+    assert manifest.spec.layers == seed_layers[:1]
+    events = [e for _, e in registry.history(100) if e.kind == "published"]
+    assert any("dropped layers" in e.reason for e in events)
+    wait_until(lambda: scorer.watcher.versions()["toxicity"]["live"] == first, "scorer swap")
+    assert scorer.scoring.layers() == tuple(seed_layers[:1])
+    produce_raw(settings, settings.topic_labels, [(None, label(i)) for i in range(32, 96)])
+    wait_until(lambda: (registry.stages().live or 0) > first, "a later version")
+    later = registry.manifest(registry.stages().live or 0)
+    assert later.spec.layers == seed_layers[:1] and later.parent is not None

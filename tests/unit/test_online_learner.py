@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from probes import build_probe
+from probes import Probe, ProbeError, build_probe
 from probes.learner import Learner
 from schemas import TrainingCounters
 from tests.unit.synthetic import NUM_LAYERS, make_spec, toy_task
@@ -243,3 +243,63 @@ def test_bf16_replay_learns_from_rows_fp16_cannot_hold() -> None:
     assert _learner("gate", "scalar_mix").unusable_rows(hidden, mask) == [3]
     learner.learn(hidden, mask, y, y.tolist())
     assert learner.warmup is not None and learner.warmup[0].x.dtype == torch.bfloat16
+
+
+def test_keep_layers_keeps_the_weights_of_the_layers_it_keeps() -> None:
+    from probes.probe import keep_layers
+
+    hidden, mask, _ = toy_task(NUM_LAYERS, "multiclass", n=16, seed=3)
+    probe = build_probe(make_spec("mha", "scalar_mix"), seed=0)  # layers [1, 2, 4]
+    with torch.no_grad():
+        _set_mix(probe, torch.tensor([0.5, 0.2, -30.0]))  # layer 4: weight ~1e-13
+    full = probe.predict_proba_many(hidden[torch.tensor([0, 1, 3])], mask)
+    small = keep_layers(probe, [1, 2])
+    assert small.layers == (1, 2) and small.spec.token_pool == "mha"
+    torch.testing.assert_close(small.pool.qkv, probe.pool.qkv[:2])  # type: ignore[index]
+    torch.testing.assert_close(small.head.weight, probe.head.weight)
+    torch.testing.assert_close(small.predict_proba_many(hidden[:2], mask), full)
+    with pytest.raises(ProbeError, match="subset"):
+        keep_layers(probe, [3])
+
+
+def _set_mix(probe: Probe, logits: torch.Tensor) -> None:
+    logits_param: torch.Tensor = probe.mix.get_parameter("logits")  # scalar mix: [L]
+    logits_param.copy_(logits)
+
+
+def _drop_learner(**config: object) -> OnlineLearner:
+    settings: dict[str, object] = {"lr": 3e-3, "mix_entropy": 0.0, "stats_warmup": 8, **config}
+    learner = _learner("mha", "scalar_mix", **settings)
+    _feed(learner, seed=1, n=16)  # warm-up done, replay holds token-level examples
+    with torch.no_grad():  # as if learning had left layers 2 and 4 with ~no weight
+        _set_mix(learner.probe, torch.tensor([4.0, -8.0, -8.0]))
+    return learner
+
+
+def test_the_updater_drops_only_deepest_layers_that_stayed_negligible() -> None:
+    learner = _drop_learner(drop_layer_weight=0.01, drop_layer_publishes=2)
+    assert learner.drop_negligible_layers() == []  # once below the bar is not enough
+    assert learner.drop_negligible_layers() == [2, 4]  # twice in a row: both trailing ones
+    assert learner.probe.layers == (1,)
+    assert {e.x.shape[0] for b in learner.replay.buckets for e in b} == {1}
+    params = dict(learner.probe.named_parameters())
+    for name, momentum in learner.optimizer_state().items():
+        assert momentum.shape == params[name].shape
+    _feed(learner, seed=2, n=16)  # keeps learning on the shallower probe
+    assert learner.learner.steps > 0 and learner.drop_negligible_layers() == []
+
+
+def test_a_negligible_middle_layer_stays_and_the_default_never_drops() -> None:
+    learner = _drop_learner(drop_layer_weight=0.01, drop_layer_publishes=1)
+    with torch.no_grad():
+        _set_mix(learner.probe, torch.tensor([4.0, -8.0, 4.0]))  # layer 2 negligible
+    assert learner.drop_negligible_layers() == [] and learner.probe.layers == (1, 2, 4)
+    default = _drop_learner()
+    for _ in range(10):
+        assert default.drop_negligible_layers() == []
+    assert default.probe.layers == (1, 2, 4)
+    recovering = _drop_learner(drop_layer_weight=0.01, drop_layer_publishes=2)
+    recovering.drop_negligible_layers()
+    with torch.no_grad():
+        _set_mix(recovering.probe, torch.tensor([4.0, -8.0, 4.0]))  # layer 4 is back
+    assert recovering.drop_negligible_layers() == []  # layer 4's run restarted; 2 is not last

@@ -27,7 +27,7 @@ from torch import Tensor
 from probes.learner import Learner
 from probes.metrics import choose_thresholds
 from probes.pooling import SUMMARIES
-from probes.probe import Probe
+from probes.probe import Probe, keep_layers, slice_layer_state
 from schemas import OperatingPoint, StateDtype, TrainingCounters
 from worker.learning.replay import Example, Prequential, ReplayBuffer, collate_chunks
 
@@ -51,6 +51,10 @@ class LearningConfig:
     layer_lr_scale: float = 30.0  # learning-rate multiplier of the layer-mix scalars
     operating_point: OperatingPoint = OperatingPoint()  # where calibrated thresholds go
     state_dtype: StateDtype = "float16"  # how replay stores hidden states
+    # Drop the deepest layers whose scalar-mix weight stayed below this for
+    # `drop_layer_publishes` publishes in a row (0: never; see drop_negligible_layers).
+    drop_layer_weight: float = 0.0
+    drop_layer_publishes: int = 5
 
     @classmethod
     def from_settings(cls, settings: Any) -> LearningConfig:
@@ -68,6 +72,8 @@ class LearningConfig:
             layer_lr_scale=settings.learn_layer_lr_scale,
             operating_point=settings.flag_operating_point,
             state_dtype=settings.state_dtype,
+            drop_layer_weight=settings.learn_drop_layer_weight,
+            drop_layer_publishes=settings.learn_drop_layer_publishes,
         )
 
 
@@ -91,14 +97,7 @@ class OnlineLearner:
         self.config = config
         self._dtype = getattr(torch, config.state_dtype)  # replay storage
         self.counters = counters or TrainingCounters()
-        self.learner = Learner(
-            probe,
-            lr=config.lr,
-            weight_decay=config.weight_decay,
-            layer_lr_scale=config.layer_lr_scale,
-            mix_entropy=config.mix_entropy,
-        )
-        self.learner.steps = self.counters.steps
+        self.learner = self._make_learner(probe)
         spec = probe.spec
         self.replay = ReplayBuffer(
             config.replay_size, len(spec.labels) + (1 if spec.task == "multilabel" else 0)
@@ -111,6 +110,19 @@ class OnlineLearner:
         )
         self.warmup: list[Example] | None = [] if fresh else None
         self.last_loss: float | None = None
+        self.low_weight_runs: dict[int, int] = {}  # layer -> publishes in a row below the bar
+
+    def _make_learner(self, probe: Probe) -> Learner:
+        c = self.config
+        learner = Learner(
+            probe,
+            lr=c.lr,
+            weight_decay=c.weight_decay,
+            layer_lr_scale=c.layer_lr_scale,
+            mix_entropy=c.mix_entropy,
+        )
+        learner.steps = self.counters.steps
+        return learner
 
     @property
     def warming_up(self) -> bool:
@@ -237,6 +249,48 @@ class OnlineLearner:
         )
         if chosen:
             self.probe.set_thresholds({**spec.thresholds, **chosen})
+
+    def drop_negligible_layers(self) -> list[int]:
+        """Once per publish: drop the deepest layers whose mix weight has stayed below
+        ``drop_layer_weight`` for ``drop_layer_publishes`` publishes in a row, so the next
+        version reads fewer layers and scorers stop their forward pass earlier. Returns the
+        layers dropped (usually none).
+
+        Only the deepest ones: a forward pass runs every block up to the deepest layer read,
+        so a negligible middle layer costs almost nothing and stays. Only for a scalar mix,
+        whose weights do not depend on the input. The probe keeps its other weights; the
+        remaining mix weights are renormalized, the optimizer momentum, EMA and replay
+        buffer are cut to the same layers. Off by default (see the setting's note)."""
+        c = self.config
+        if not c.drop_layer_weight or self.warming_up or self.probe.spec.layer_mix != "scalar_mix":
+            return []
+        layers = list(self.probe.layers)
+        for layer, w in zip(layers, self.probe.layer_weights().tolist(), strict=True):
+            low = w < c.drop_layer_weight
+            self.low_weight_runs[layer] = self.low_weight_runs.get(layer, 0) + 1 if low else 0
+        keep = len(layers)
+        while keep > 1 and self.low_weight_runs.get(layers[keep - 1], 0) >= c.drop_layer_publishes:
+            keep -= 1
+        if keep == len(layers):
+            return []
+        self._keep_first_layers(keep)
+        for layer in layers[keep:]:
+            self.low_weight_runs.pop(layer, None)
+        log.info("dropped layers %s: mix weight below %g", layers[keep:], c.drop_layer_weight)
+        return layers[keep:]
+
+    def _keep_first_layers(self, keep: int) -> None:
+        """Cut the probe, its optimizer state, EMA and replay to the first ``keep`` layers."""
+        pick = torch.arange(keep)
+        momentum = self.optimizer_state()
+        probe = keep_layers(self.probe, list(self.probe.layers[:keep]))
+        params = {k: v.shape for k, v in probe.named_parameters()}
+        self.probe, self.learner = probe, self._make_learner(probe)
+        self.load_optimizer_state(slice_layer_state(momentum, params, pick))
+        if self.ema is not None:
+            shapes = {k: v.shape for k, v in probe.state_dict().items()}
+            self.ema = slice_layer_state(self.ema, shapes, pick)
+        self.replay.keep_first_layers(keep)
 
     def metrics(self) -> dict[str, float]:
         """Prequential metrics and the layer-weight entropy, for the manifest."""

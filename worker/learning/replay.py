@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -85,6 +85,14 @@ class ReplayBuffer:
             return
         for e in examples:
             self.buckets[e.bucket].append(e)
+
+    def keep_first_layers(self, keep: int) -> None:
+        """Cut every stored example to its first ``keep`` layers (after the probe dropped
+        its deepest ones)."""
+        for bucket in self.buckets:
+            cut = [replace(e, x=e.x[:keep].clone()) for e in bucket]
+            bucket.clear()
+            bucket.extend(cut)
 
     def sample(self, n: int) -> list[Example]:
         """Up to ``n`` examples, classes in turn (random example within a class)."""

@@ -10,7 +10,9 @@
         train: Lion steps on new examples + a class-balanced replay sample
     publish  -- every N labels or T seconds: a new version (fenced by the lease
                 token) with counters and prequential metrics; only then are the
-                label offsets committed, so a crash loses no label
+                label offsets committed, so a crash loses no label; with
+                PROBEGUARD_LEARN_DROP_LAYER_WEIGHT the deepest layers whose mix weight
+                stayed negligible are dropped first (a shallower version, cheaper forward)
     rollout  -- every label is credited to the version(s) that judged its message
                 (evidence), and between batches the rollout policy promotes, trials
                 or rolls back versions (see worker.rollout.stages); the lease holder is the
@@ -541,6 +543,9 @@ class Updater:
             )
             return None
         start = time.perf_counter()
+        dropped = learner.drop_negligible_layers()
+        if dropped:
+            reason = f"{reason}; dropped layers {dropped} (mix weight stayed negligible)"
         learner.calibrate()
         metrics = learner.metrics()
         try:
