@@ -137,13 +137,20 @@ def fit_probes(args: argparse.Namespace) -> dict[str, Path]:
     log(f"depth search: {args.folds} folds per candidate over {depths or spec.layers} …")
     config = FitConfig(max_epochs=args.epochs)
     chosen, cv, search = select_depth(
-        spec, data, config, folds=args.folds, epsilon=args.depth_epsilon, depths=depths
+        spec,
+        data,
+        config,
+        folds=args.folds,
+        epsilon=args.depth_epsilon,
+        depths=depths,
+        progress=lambda row: log("  " + ", ".join(f"{k} {v:.4g}" for k, v in row.items())),
     )
     _print_depth(search)
     full_row = search.rows[-1]
     if full_row.depth == search.chosen:
         full = chosen
     else:
+        log(f"refit at full depth ({full_row.cv.epochs} epochs) …")
         full = refit(spec.model_copy(update={"layers": full_row.layers}), data, config, full_row.cv)
     save_fit(chosen, out["depth"], cache, cv=cv, depth=search)
     save_fit(full, out["full"], cache, cv=full_row.cv, depth=search)
