@@ -93,6 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--depth-epsilon", type=float, default=0.01, help="default: %(default)s")
     p.add_argument("--epochs", type=int, default=40, help="max epochs per fit (%(default)s)")
+    p.add_argument("--patience", type=int, default=6, help="early stopping (%(default)s)")
     p.add_argument("--configs", default="old,new,depth", help="default: %(default)s")
     p.add_argument("--messages", type=int, default=0, help="backlog size (default: all rows)")
     p.add_argument("--paced", type=int, default=60, help="paced messages (default: %(default)s)")
@@ -135,7 +136,7 @@ def fit_probes(args: argparse.Namespace) -> dict[str, Path]:
     if args.depth_candidates:
         depths = [int(x) for x in args.depth_candidates.split(",")]
     log(f"depth search: {args.folds} folds per candidate over {depths or spec.layers} …")
-    config = FitConfig(max_epochs=args.epochs)
+    config = FitConfig(max_epochs=args.epochs, patience=args.patience)
     chosen, cv, search = select_depth(
         spec,
         data,
