@@ -32,11 +32,18 @@ Per configuration, its own topics and scorer:
 then hits all alike); rates are averaged over rounds. Probe time per message comes from
 the scorer's metrics. The last line printed is one JSON object.
 
-Example::
+``--untrained DEPTH`` skips the fitting and serves random probes of the same shapes:
+throughput and latency alone (they depend only on the layers a probe reads).
 
-    python bench/score_e2e.py --data ../shared/data/toxicchat/validation.jsonl \\
+Examples (``PYTHONPATH=.``: the script imports this checkout's packages)::
+
+    PYTHONPATH=. python bench/score_e2e.py --data ../shared/data/toxicchat/validation.jsonl \\
         --train-data ../shared/data/toxicchat/train.jsonl --cache-root /work/cache \\
-        --fit-dir runs/e2e-probes --folds 3 --depth-candidates 11,15,30
+        --fit-dir runs/e2e-probes --folds 2 --depth-candidates 15,30 --patience 3
+    PYTHONPATH=. python bench/score_e2e.py --data ../shared/data/toxicchat/validation.jsonl \\
+        --fit-dir runs/e2e-untrained --untrained 15 --messages 96 --paced 24 --rounds 2
+
+Results: ``bench/score_e2e.md``.
 """
 
 from __future__ import annotations

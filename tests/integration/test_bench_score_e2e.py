@@ -51,3 +51,11 @@ def test_score_e2e_compares_configurations_with_real_probes(
     # Batching does not change what the same probe decides.
     assert rows["old"]["quality"] == rows["new"]["quality"]
     assert set(out["probes_cv"]) == {"full", "depth"} and "backlog_speedup" in out["meets"]
+    # --untrained: no fitting, random probes of the same shapes, no quality figures.
+    argv = ["--data", str(val), "--fit-dir", str(tmp_path / "untrained"), "--untrained", "2"]
+    argv += ["--configs", "new,depth", "--model", model, "--paced", "0", "--max-tokens", "64"]
+    assert bench.main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert not out["trained_probes"] and out["meets"]["cv_auprc_loss"] is None
+    assert [max(r["layers"]) for r in out["results"]] == [4, 2]
+    assert all(r["quality"] is None for r in out["results"])
