@@ -116,7 +116,13 @@ def main(argv: list[str] | None = None) -> int:
             batch_size=8,
         )
         if args.model == "tiny":
-            from tests.tiny_llm import make_tiny_llm
+            try:
+                from tests.tiny_llm import make_tiny_llm
+            except ModuleNotFoundError:
+                raise SystemExit(
+                    "--model tiny builds its LLM with tests/tiny_llm.py: run from the "
+                    "checkout as `PYTHONPATH=. python bench/propagation.py ...`"
+                ) from None
 
             extractor = HiddenStateExtractor(make_tiny_llm(), max_tokens=64)
         else:
