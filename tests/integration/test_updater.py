@@ -122,7 +122,10 @@ def test_labels_become_versions_that_scorers_serve_and_that_learn(
     assert last is not None and first is not None and last > first
     wait_until(lambda: scorer.watcher.versions()["toxicity"]["live"] == last, "scorer swap")
     after = p_correct(settings, "b", 16)
-    assert after > before + 0.1, (before, after)
+    # Later versions are better: the error (1 - mean probability of the true label) at
+    # least halves. Not "+0.1": with the watcher thread a scorer swaps within milliseconds,
+    # so `before` may already come from the 32-label version (0.90 once, then 1.0 after).
+    assert after > before and 1 - after <= 0.5 * (1 - before), (before, after)
     manifest = registry.manifest(last)
     assert manifest.parent is not None and manifest.counters.labels_seen >= 320
     assert manifest.metrics["prequential_n"] > 0 and "prequential_f1" in manifest.metrics
