@@ -44,11 +44,12 @@ from pathlib import Path
 
 import torch
 
-from probes.cache import HiddenStateCache
 from probes.dataset import ProbeDataset
-from probes.errors import CacheError
 from schemas import LLMFingerprint
 from worker.llm.extract import Extraction
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quality import cache_for  # bench/quality.py: the cache of a data file
 
 TARGET_GAP_F1_POINTS = 3.0
 
@@ -98,25 +99,6 @@ class CachedExtractor:
         hidden, mask, _ = self.data.batch(rows)
         assert mask is not None
         return Extraction(hidden[pick], mask, tuple(layers), index, errors)
-
-
-def cache_for(path: Path, root: Path) -> HiddenStateCache:
-    from worker.offline.build_cache import build_cache, cache_dir_for
-    from worker.settings import load_settings
-
-    settings = load_settings()
-    out = cache_dir_for(path, root, str(settings.model), settings.llm_quantize)
-    try:
-        cache = HiddenStateCache(out)
-        if not cache.missing_shards():
-            return cache
-    except CacheError:
-        pass
-    from worker.llm.extract import HiddenStateExtractor
-
-    log(f"building the cache of {path} in {out} (one LLM pass) …")
-    build_cache(path, out, HiddenStateExtractor.from_settings(settings))
-    return HiddenStateCache(out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,24 +83,24 @@ def log(msg: str) -> None:
 # --- data --------------------------------------------------------------------------------
 
 
-def cache_for(path: Path, root: Path) -> HiddenStateCache:
-    """The cache of ``path`` under ``root`` for the configured LLM; built when missing."""
-    from worker.offline.build_cache import cache_dir_for
+def cache_for(path: Path, root: Path, **overrides: Any) -> HiddenStateCache:
+    """The cache of ``path`` under ``root`` for the configured LLM (the environment's
+    settings, with ``overrides``); built when missing. The folder names how the LLM
+    computes (quantized, autocast: ``llm_variant``), so caches of each live apart."""
+    from worker.llm.extract import HiddenStateExtractor
+    from worker.offline.build_cache import build_cache, cache_dir_for, llm_variant
     from worker.settings import load_settings
 
-    settings = load_settings()
-    out = cache_dir_for(path, root, str(settings.model), settings.llm_quantize)
+    settings = load_settings(**overrides)
+    extractor = HiddenStateExtractor.from_settings(settings)
+    out = cache_dir_for(path, root, str(settings.model), llm_variant(extractor))
     try:
         cache = HiddenStateCache(out)
         if not cache.missing_shards():
             return cache
     except CacheError:
         pass  # not a cache yet: build it
-    from worker.llm.extract import HiddenStateExtractor
-    from worker.offline.build_cache import build_cache
-
     log(f"building the cache of {path} in {out} (one LLM pass) …")
-    extractor = HiddenStateExtractor.from_settings(settings)
     build_cache(path, out, extractor, batch_size=settings.batch_size, dtype=settings.state_dtype)
     return HiddenStateCache(out)
 

@@ -1,31 +1,39 @@
-"""Is the int8-quantized frozen LLM worth it on CPU? Speed of extraction, and probe quality
-when probes are trained and served on the quantized states.
+"""Is a cheaper frozen LLM worth it on CPU? Speed of extraction, and probe quality when
+probes are trained and served on its states. ``--variant``:
 
-Speed: the configured LLM (``PROBEGUARD_MODEL``, default SmolLM2-135M) loaded twice, as
-is (float32) and with ``llm_quantize=int8`` (torch dynamic int8 quantization of every
-``nn.Linear``), extracts the same ``--limit`` texts of ``--texts`` (the scorer's defaults:
-length-sorted micro-batches of at most ``batch_size`` texts and ``batch_tokens`` padded
-tokens, reading ``--layers``). The two run alternately, ``--repeats`` times each, keeping
-each one's fastest run; wall and process CPU seconds are both reported (on a shared machine
-the CPU-time ratio is the steadier one). Then how far int8 states move: the cosine of
-mean-pooled states float32 vs int8, and how much a text's int8 states depend on the texts
-batched with it (dynamic quantization picks one activation scale per tensor).
+- ``int8``: ``PROBEGUARD_LLM_QUANTIZE=int8``, torch dynamic int8 quantization of every
+  ``nn.Linear`` (its own fingerprint: float32 probes are refused there);
+- ``bf16``: ``PROBEGUARD_AUTOCAST=bfloat16``, the forward pass under ``torch.autocast``
+  (matmuls in bfloat16, weights and residual stream float32; the same fingerprint, so
+  float32 probes serve on it as they are). ``auto``, the default, picks it on CPUs with
+  AMX or AVX512-BF16.
+
+Speed: the configured LLM (``PROBEGUARD_MODEL``, default SmolLM2-135M) loaded twice, plain
+float32 (autocast off) and as the variant, extracts the same ``--limit`` texts of
+``--texts`` (the scorer's defaults: length-sorted micro-batches of at most ``batch_size``
+texts and ``batch_tokens`` padded tokens, reading ``--layers``). The two run alternately,
+``--repeats`` times each, keeping each one's fastest run; wall and process CPU seconds are
+both reported (on a shared machine the CPU-time ratio is the steadier one). Then how far
+the variant's states move: the cosine of mean-pooled states float32 vs variant, and how
+much a text's states depend on the texts batched with it (int8 dynamic quantization picks
+one activation scale per tensor).
 
 Quality: the rows of ``--data`` whose id hashes into ``--holdout-share`` (default 0.3,
 ``probes.select.held_out``) are held out; on the rest each ``--kinds`` probe is chosen by
-k-fold CV (as ``bench/quality.py`` does) once on float32 states (the cache under
-``--cache-root``) and once on int8 states (a cache of the same file built with the int8 LLM
-under ``--int8-cache-root``, reused when present), and scored on the held-out rows of the
-same kind of states. The cross column scores the float32 probe on int8 states: what serving
-it there would give, were the fingerprint not checked.
+k-fold CV (as ``bench/quality.py`` does) once on float32 states and once on the variant's
+(caches of the same file under ``--cache-root``, one folder per variant, reused when
+present), and scored on the held-out rows of the same kind of states. The cross column
+scores the float32 probe on the variant's states: what serving it there gives (for int8,
+were the fingerprint not checked).
 
-Example (on 2 cores shared with other jobs, load average 12: 16 min to build the int8
-cache, 11 and 6 min for the mean probe's CV on each kind of states; gate and mha take
-much longer)::
+Examples (int8 on 2 cores shared with other jobs, load average 12: 16 min to build the
+int8 cache, 11 and 6 min for the mean probe's CV on each kind of states)::
 
     D=../shared/data/toxicchat
     python bench/quantized_llm.py --texts $D/validation.jsonl --data $D/train.jsonl \\
-        --cache-root runs/cache --int8-cache-root runs/cache-int8
+        --cache-root runs/cache --variant int8
+    python bench/quantized_llm.py --texts $D/validation.jsonl --data $D/train.jsonl \\
+        --cache-root runs/cache --variant bf16 --kinds mha --folds 3
 
 Progress goes to stderr; the last stdout line is one JSON object.
 """
@@ -46,6 +54,13 @@ sys.path.insert(0, str(BENCH))
 
 import quality  # noqa: E402  (bench/quality.py: data loading, splits, specs, figures)
 
+# The variants' settings, and the plain float32 LLM they are compared with.
+PLAIN: dict[str, str] = {"llm_quantize": "none", "autocast": "off"}
+VARIANTS: dict[str, dict[str, str]] = {
+    "int8": {"llm_quantize": "int8", "autocast": "off"},
+    "bf16": {"llm_quantize": "none", "autocast": "bfloat16"},
+}
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -55,8 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", default="4,8,11,15,19,22,26,30", help="layers read (speed)")
     p.add_argument("--data", type=Path, help="labeled JSONL (quality); omit to skip quality")
     p.add_argument("--holdout-share", type=float, default=0.3)
-    p.add_argument("--cache-root", type=Path, default=Path("runs/cache"), help="float32 caches")
-    p.add_argument("--int8-cache-root", type=Path, default=Path("runs/cache-int8"))
+    p.add_argument("--variant", choices=sorted(VARIANTS), default="int8")
+    p.add_argument("--cache-root", type=Path, default=Path("runs/cache"), help="caches")
     p.add_argument("--wait-cache-s", type=float, default=0, help="for a float32 cache in build")
     p.add_argument("--kinds", default="mean", help="probe kinds (gate, mha: slow on 2 cores)")
     p.add_argument("--folds", type=int, default=5)
@@ -72,18 +87,19 @@ log = quality.log
 # --- speed -------------------------------------------------------------------------------
 
 
-def extractors() -> dict[str, Any]:
+def extractors(variant: str) -> dict[str, Any]:
     from worker.llm.extract import HiddenStateExtractor
     from worker.settings import load_settings
 
     out = {}
-    for name, quantize in (("float32", "none"), ("int8", "int8")):
+    for name, overrides in (("float32", PLAIN), (variant, VARIANTS[variant])):
         started = time.perf_counter()
-        out[name] = HiddenStateExtractor.from_settings(load_settings(llm_quantize=quantize))
+        out[name] = HiddenStateExtractor.from_settings(load_settings(**overrides))
         n = sum(isinstance(m, torch.nn.Linear) for m in out[name].llm.model.modules())
         fp = out[name].fingerprint
         log(f"{name}: loaded in {time.perf_counter() - started:.1f} s, {n} float nn.Linear, "
-            f"fingerprint {fp.digest} ({fp.quantization or 'not quantized'})")  # fmt: skip
+            f"fingerprint {fp.digest} ({fp.quantization or 'not quantized'}), "
+            f"autocast {out[name].autocast or 'off'}")  # fmt: skip
     return out
 
 
@@ -114,41 +130,24 @@ def pooled(ex: Any, texts: list[str], layer: int) -> torch.Tensor:
     return (h * m).sum(1) / m.sum(1)
 
 
-def drift(exs: dict[str, Any], texts: list[str], layer: int) -> dict[str, float]:
-    """Cosine of mean-pooled states float32 vs int8, and int8 alone vs batched."""
-    f32, q = pooled(exs["float32"], texts, layer), pooled(exs["int8"], texts, layer)
-    alone = torch.cat([pooled(exs["int8"], [t], layer) for t in texts])
+def drift(exs: dict[str, Any], variant: str, texts: list[str], layer: int) -> dict[str, Any]:
+    """Cosine of mean-pooled states float32 vs the variant, and the variant alone vs
+    batched."""
+    f32, q = pooled(exs["float32"], texts, layer), pooled(exs[variant], texts, layer)
+    alone = torch.cat([pooled(exs[variant], [t], layer) for t in texts])
     cos = torch.nn.functional.cosine_similarity
     f32_alone = torch.cat([pooled(exs["float32"], [t], layer) for t in texts])
     return {
         "layer": layer,
-        "cos_f32_vs_int8_min": round(float(cos(f32, q).min()), 4),
-        "cos_f32_vs_int8_mean": round(float(cos(f32, q).mean()), 4),
-        "cos_int8_alone_vs_batched_min": round(float(cos(alone, q).min()), 5),
-        "int8_alone_vs_batched_max_abs": round(float((alone - q).abs().max()), 5),
+        "cos_f32_vs_variant_min": round(float(cos(f32, q).min()), 4),
+        "cos_f32_vs_variant_mean": round(float(cos(f32, q).mean()), 4),
+        "cos_variant_alone_vs_batched_min": round(float(cos(alone, q).min()), 5),
+        "variant_alone_vs_batched_max_abs": round(float((alone - q).abs().max()), 5),
         "f32_alone_vs_batched_max_abs": round(float((f32_alone - f32).abs().max()), 5),
     }
 
 
 # --- quality -----------------------------------------------------------------------------
-
-
-def int8_cache(path: Path, root: Path, ex: Any) -> Any:
-    from probes.cache import HiddenStateCache
-    from probes.errors import CacheError
-    from worker.offline.build_cache import build_cache, cache_dir_for
-    from worker.settings import load_settings
-
-    out = cache_dir_for(path, root, str(load_settings().model), "int8")
-    try:
-        cache = HiddenStateCache(out)
-        if not cache.missing_shards():
-            return cache
-    except CacheError:
-        pass
-    log(f"building the int8 cache of {path} in {out} …")
-    build_cache(path, out, ex, batch_size=ex.batch_size)
-    return HiddenStateCache(out)
 
 
 def wait_for_cache(path: Path, root: Path, wait_s: float) -> None:
@@ -196,9 +195,12 @@ def probe_quality(kind: str, caches: dict[str, Any], args: argparse.Namespace) -
         row["dev_rows"], row["test_rows"] = len(dev), len(held[name])
         log(f"  {kind} on {name}: {row[name]}")
     probe, spec, thresholds = probes["float32"]
-    assert held["float32"].ids == held["int8"].ids
-    cross = predict_dataset(probe, held["int8"])
-    row["float32_probe_on_int8"] = quality.figures(spec, cross, held["int8"].targets, thresholds)
+    (variant,) = set(caches) - {"float32"}
+    assert held["float32"].ids == held[variant].ids
+    cross = predict_dataset(probe, held[variant])
+    row["float32_probe_on_variant"] = quality.figures(
+        spec, cross, held[variant].targets, thresholds
+    )
     return row
 
 
@@ -208,32 +210,37 @@ def main(argv: list[str] | None = None) -> int:
 
     layers = [int(x) for x in args.layers.split(",")]
     texts = [r.text for r in read_labeled(args.texts)][: args.limit]
-    exs = extractors()
+    variant = args.variant
+    exs = extractors(variant)
     log(f"speed: {len(texts)} texts of {args.texts}, layers {layers} …")
     sp = speed(exs, texts, layers, args.repeats)
-    ratio_wall = sp["int8"]["msg_s"] / sp["float32"]["msg_s"]
-    ratio_cpu = sp["float32"]["cpu_s"] / sp["int8"]["cpu_s"]
-    dr = drift(exs, texts[:32], layers[-1])
+    ratio_wall = sp[variant]["msg_s"] / sp["float32"]["msg_s"]
+    ratio_cpu = sp["float32"]["cpu_s"] / sp[variant]["cpu_s"]
+    dr = drift(exs, variant, texts[:32], layers[-1])
     print(f"{'LLM':<10}{'msg/s':>8}{'CPU s':>8}   ({len(texts)} texts, layers {layers})")
     for name, s in sp.items():
         print(f"{name:<10}{s['msg_s']:>8.2f}{s['cpu_s']:>8.1f}")
-    print(f"int8 / float32: {ratio_wall:.2f}x msg/s (wall), {ratio_cpu:.2f}x on CPU time")
+    print(f"{variant} / float32: {ratio_wall:.2f}x msg/s (wall), {ratio_cpu:.2f}x on CPU time")
     print(f"states: {dr}")
     out: dict[str, Any] = {
         "bench": "quantized_llm",
+        "variant": variant,
+        "settings": VARIANTS[variant],
         "texts": str(args.texts),
         "limit": len(texts),
         "layers": layers,
         "speed": sp,
-        "int8_speedup_wall": round(ratio_wall, 2),
-        "int8_speedup_cpu": round(ratio_cpu, 2),
+        "speedup_wall": round(ratio_wall, 2),
+        "speedup_cpu": round(ratio_cpu, 2),
         "states": dr,
     }
     if args.data is not None:
-        int8 = int8_cache(args.data, args.int8_cache_root, exs["int8"])
-        wait_for_cache(args.data, args.cache_root, args.wait_cache_s)
-        caches = {"float32": quality.cache_for(args.data, args.cache_root), "int8": int8}
         del exs
+        wait_for_cache(args.data, args.cache_root, args.wait_cache_s)
+        caches = {
+            "float32": quality.cache_for(args.data, args.cache_root, **PLAIN),
+            variant: quality.cache_for(args.data, args.cache_root, **VARIANTS[variant]),
+        }
         for name, c in caches.items():
             log(f"{name} cache: {c.root if hasattr(c, 'root') else ''} {c.manifest.llm.digest}")
         rows = []
@@ -242,9 +249,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(probe_quality(kind, caches, args))
         print()
         print(f"held-out AUPRC / F1 ({args.data}, {args.holdout_share} held out by id hash)")
-        print(f"{'kind':<6}{'float32':>16}{'int8':>16}{'f32 probe on int8':>20}")
+        print(f"{'kind':<6}{'float32':>16}{variant:>16}{'f32 probe on ' + variant:>20}")
         for r in rows:
-            f, q, x = r["float32"], r["int8"], r["float32_probe_on_int8"]
+            f, q, x = r["float32"], r[variant], r["float32_probe_on_variant"]
             print(
                 f"{r['kind']:<6}{f['auprc']:>9.3f} {f['f1']:.3f}{q['auprc']:>9.3f} {q['f1']:.3f}"
                 f"{x['auprc']:>13.3f} {x['f1']:.3f}"

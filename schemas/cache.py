@@ -67,6 +67,8 @@ class CacheManifest(WireModel):
     max_tokens: Annotated[int, Field(ge=1)]
     truncation: str
     dtype: StateDtype = "float16"
+    # The LLM ran under torch.autocast in this dtype (PROBEGUARD_AUTOCAST); None: as loaded.
+    autocast: Literal["bfloat16", "float16"] | None = None
     token_layers: list[Layer]
     summary_layers: list[Layer]
     summaries: list[SummaryKind]

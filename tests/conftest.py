@@ -18,6 +18,12 @@ import hypothesis  # noqa: F401  (imported early: see below)
 import pytest
 import redis
 
+# The LLM's autocast default ("auto") depends on the CPU (bfloat16 where it is native):
+# tests run float32 everywhere, so exact-equality checks hold on any machine, and the
+# autocast tests (tests/unit/test_autocast.py) ask for it explicitly. Worker processes that
+# tests start inherit this.
+os.environ["PROBEGUARD_AUTOCAST"] = "off"
+
 from tests.process_helpers import Threaded
 from worker.embedded import EmbeddedBroker, EmbeddedRedis
 from worker.kafka.clients import ensure_topics

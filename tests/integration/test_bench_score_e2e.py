@@ -12,6 +12,7 @@ import pytest
 
 from tests.tiny_llm import make_tiny_llm
 from tests.unit.offline_helpers import write_labeled
+from worker.llm.load import cpu_has_native_bf16
 
 pytestmark = pytest.mark.integration
 
@@ -40,9 +41,14 @@ def test_score_e2e_compares_configurations_with_real_probes(
     assert bench.main(argv) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     rows = {r["config"]: r for r in out["results"]}
-    assert list(rows) == ["old", "new", "depth"]
+    assert list(rows) == ["old", "new", "default", "depth"]
     assert rows["old"]["batch_size"] == 16 and rows["old"]["batch_tokens"] == 0
     assert rows["new"]["batch_size"] == 64 and rows["new"]["batch_tokens"] == 4096
+    # old and new compute in float32; default as PROBEGUARD_AUTOCAST's default does here.
+    assert rows["old"]["autocast"] is None and rows["new"]["autocast"] is None
+    native = "bfloat16" if cpu_has_native_bf16() else None
+    assert rows["default"]["autocast"] == rows["depth"]["autocast"] == native
+    assert out["judged"] == "default"
     # epsilon 1: the shallowest candidate; the full-depth probe reads every cached layer.
     assert max(rows["depth"]["layers"]) < max(rows["new"]["layers"])
     for r in rows.values():

@@ -76,6 +76,10 @@ _Seq = TypeVar("_Seq", str, list[int])
 _CHARS_PER_TOKEN = 32
 # Unicode Cc except \t \n \r.
 _CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+AUTOCAST_NAMES: dict[torch.dtype, Literal["bfloat16", "float16"]] = {
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+}
 
 
 @dataclass
@@ -184,6 +188,12 @@ class HiddenStateExtractor:
     @property
     def fingerprint(self) -> LLMFingerprint:
         return self.llm.fingerprint
+
+    @property
+    def autocast(self) -> Literal["bfloat16", "float16"] | None:
+        """The dtype the forward pass autocasts to (``PROBEGUARD_AUTOCAST``), None: off."""
+        dtype = self.llm.autocast
+        return None if dtype is None else AUTOCAST_NAMES[dtype]
 
     # --- the public call ------------------------------------------------------------------
 
@@ -435,8 +445,12 @@ class HiddenStateExtractor:
             if 0 in wanted:
                 handles.append(stack[0].register_forward_pre_hook(before_first, with_kwargs=True))
             handles += [stack[i - 1].register_forward_hook(after(i)) for i in wanted if 0 < i < top]
+            autocast = self.llm.autocast
             try:
-                output = self.llm.model(**kwargs)
+                with torch.autocast(
+                    self.llm.device.type, dtype=autocast, enabled=autocast is not None
+                ):
+                    output = self.llm.model(**kwargs)
             except _EarlyExit:
                 return
             if top in wanted:

@@ -109,6 +109,9 @@ class LoadedLLM:
     layer_stack: nn.ModuleList
     lm_head: nn.Module | None = None
     lm_head_missing: str | None = None  # set whenever lm_head is None
+    # Extraction runs the model under torch.autocast in this dtype (None: as loaded). Not
+    # part of the fingerprint: the states stay within bf16 rounding of the plain ones.
+    autocast: torch.dtype | None = None
 
     @property
     def num_layers(self) -> int:
@@ -215,13 +218,17 @@ def load_llm(settings: Settings, *, lm_head: bool = False) -> LoadedLLM:
     )
     if settings.llm_quantize != "none":
         llm = quantize_llm(llm, settings.llm_quantize)
+    autocast = resolve_autocast(settings.autocast, llm)
+    if autocast is not None:
+        llm = replace(llm, autocast=autocast)
     log.info(
-        "LLM %s ready in %.1f s on %s (%s%s): %d layers, hidden size %d, fingerprint %s",
+        "LLM %s ready in %.1f s on %s (%s%s%s): %d layers, hidden size %d, fingerprint %s",
         source.model_id,
         _since(started),
         llm.device,
         settings.dtype,
         f", {llm.fingerprint.quantization}" if llm.fingerprint.quantization else "",
+        f", autocast {str(autocast).removeprefix('torch.')}" if autocast is not None else "",
         llm.num_layers,
         llm.hidden_size,
         llm.fingerprint.digest,
@@ -330,6 +337,45 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(f"device {name!r} requested but MPS is not available")
     return device
+
+
+def resolve_autocast(setting: str, llm: LoadedLLM) -> torch.dtype | None:
+    """The dtype extraction autocasts ``llm``'s forward pass to, or None (``Settings.autocast``).
+
+    ``auto`` picks bfloat16 only where it is both native and a gain: float32 weights, not
+    quantized, on CUDA with bf16 support or on a CPU with AMX or AVX512-BF16 instructions
+    (elsewhere oneDNN emulates bf16, which can be slower than float32).
+    """
+    if setting == "off":
+        return None
+    if setting != "auto":
+        if llm.fingerprint.quantization is not None:
+            raise ConfigError(
+                f"autocast {setting} cannot apply to an LLM quantized "
+                f"({llm.fingerprint.quantization}): set PROBEGUARD_AUTOCAST=off"
+            )
+        return DTYPES[setting]
+    if llm.fingerprint.quantization is not None or llm.dtype != torch.float32:
+        return None
+    if llm.device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
+    if llm.device.type == "cpu":
+        return torch.bfloat16 if cpu_has_native_bf16() else None
+    return None
+
+
+def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (x86 ``amx_bf16`` or ``avx512_bf16``
+    flags; False where ``/proc/cpuinfo`` is missing, e.g. macOS)."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return False
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
 
 
 # --- loading ----------------------------------------------------------------------------

