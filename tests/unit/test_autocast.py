@@ -107,4 +107,4 @@ def test_settings_refuse_autocast_with_int8() -> None:
     with pytest.raises(ValidationError, match="PROBEGUARD_AUTOCAST=auto or off"):
         Settings(llm_quantize="int8", autocast="bfloat16")
     with pytest.raises(ValidationError):
-        Settings(autocast="float64")  # type: ignore[arg-type]
+        Settings(autocast="float64")
