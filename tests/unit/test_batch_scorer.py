@@ -6,6 +6,7 @@ import math
 from datetime import UTC, datetime
 from typing import Any
 
+import pytest
 import torch
 
 from probes.checkpoint import checkpoint_to_bytes
@@ -26,10 +27,12 @@ def messages() -> list[ChatMessage]:
     ]
 
 
-def served(extractor: HiddenStateExtractor, name: str, layers: list[int], seed: int) -> ServedProbe:
+def served(
+    extractor: HiddenStateExtractor, name: str, layers: list[int], seed: int, pool: str = "mean"
+) -> ServedProbe:
     spec = ProbeSpec(
         name=name,
-        token_pool="mean",
+        token_pool=pool,  # type: ignore[arg-type]
         layer_mix="scalar_mix",
         layers=layers,
         hidden_size=extractor.hidden_size,
@@ -123,3 +126,43 @@ def test_the_forward_pass_stops_at_the_deepest_layer_a_served_probe_reads() -> N
     with count_block_calls(ex.llm) as calls:
         BatchScorer(ex, {"toxicity": slot}).score(messages())
     assert [c > 0 for c in calls] == [True, True, True, False]  # the canary reads layer 3
+
+
+@pytest.mark.parametrize("pool", ["mean", "mha"])
+def test_probes_pay_for_real_tokens_not_the_polls_longest_message(
+    pool: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A poll's states are padded to its longest message; the probe runs on length-sorted
+    groups trimmed to their own width (at most PROBE_BATCH_TOKENS padded tokens per call),
+    with the same scores as one call over the padded poll."""
+    import worker.scoring.batch as batch_module
+
+    ex = HiddenStateExtractor(make_tiny_llm(), max_tokens=64)
+    probe = served(ex, "toxicity", [1, 2], seed=3, pool=pool)
+    now = datetime(2026, 11, 30, tzinfo=UTC)
+    texts = ["x" * 60] + [f"hi {i}" for i in range(20)] + ["medium length text here"] * 3
+    msgs = [
+        ChatMessage(message_id=f"m-{i}", conversation_id="c", text=t, created_at=now)
+        for i, t in enumerate(texts)
+    ]
+    whole = BatchScorer(ex, {"toxicity": ProbeSlot("toxicity", probe)}).score(msgs)
+    calls: list[tuple[int, int]] = []
+    original = probe.probe.predict_proba_many
+
+    def recording(hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        assert mask is not None
+        calls.append(tuple(mask.shape))  # type: ignore[arg-type]
+        return original(hidden, mask)
+
+    probe.probe.predict_proba_many = recording  # type: ignore[method-assign]
+    monkeypatch.setattr(batch_module, "PROBE_BATCH_TOKENS", 128)
+    grouped = BatchScorer(ex, {"toxicity": ProbeSlot("toxicity", probe)}).score(msgs)
+    widest = 61  # "<s>" + 60 characters
+    assert len(calls) > 1 and all(b * t <= 128 or b == 1 for b, t in calls)
+    padded = sum(b * t for b, t in calls)
+    assert padded < 0.5 * len(texts) * widest  # one call would have run 24 x 61
+    assert sorted(grouped.results) == list(range(len(texts)))
+    for pos, results in whole.results.items():
+        (a,), (b,) = results, grouped.results[pos]
+        assert a.flagged == b.flagged
+        assert a.scores == pytest.approx(b.scores, abs=1e-5)

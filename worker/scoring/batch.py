@@ -193,6 +193,10 @@ class BatchScorer:
                 out.flag_scores[(pos, slot.name)] = decided.flag_score[row]
 
 
+# Padded tokens per probe call (see _probabilities); as the extractor's batch_tokens.
+PROBE_BATCH_TOKENS = 4096
+
+
 @dataclass
 class _Run:
     served: ServedProbe
@@ -217,11 +221,47 @@ def _select_layers(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return hidden.index_select(0, torch.tensor(rows, device=hidden.device))
 
 
+def _length_groups(mask: torch.Tensor, budget: int) -> list[list[int]]:
+    """Rows of ``mask`` ``[B, T]`` sorted by real length, longest first, and cut into
+    groups of at most ``budget`` padded tokens (a group is as wide as its first row)."""
+    lengths = mask.sum(1).tolist()
+    groups: list[list[int]] = []
+    for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
+        if groups and (len(groups[-1]) + 1) * max(1, lengths[groups[-1][0]]) <= budget:
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    return groups
+
+
+def _probabilities(probe: Probe, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``probe``'s probabilities ``[B, C]`` for ``hidden`` ``[L, B, T, D]``, run on
+    length-sorted groups of rows trimmed to their own width: a poll's padding (its longest
+    message's width, for every row) would otherwise cost the probe as much as real tokens,
+    and the MHA probe's attention its square. Rows do not interact, so the result is the
+    same as one call's."""
+    B, T = mask.shape
+    if B * T <= PROBE_BATCH_TOKENS:
+        return probe.predict_proba_many(hidden, mask)
+    out: torch.Tensor | None = None
+    for rows in _length_groups(mask, PROBE_BATCH_TOKENS):
+        index = torch.tensor(rows, device=mask.device)
+        part = mask.index_select(0, index)  # [b, T]
+        real = part.any(0).nonzero().flatten()  # columns any of these rows uses
+        lo, hi = (int(real[0]), int(real[-1]) + 1) if len(real) else (0, 1)
+        probs = probe.predict_proba_many(hidden[:, :, lo:hi].index_select(1, index), part[:, lo:hi])
+        if out is None:
+            out = probs.new_empty(B, probs.shape[1])
+        out[index] = probs
+    assert out is not None
+    return out
+
+
 def _run(served: ServedProbe, ex: Extraction, layers: tuple[int, ...]) -> _Run:
     probe = served.probe
     spec = probe.spec
     hidden = _select_layers(ex.hidden, [layers.index(layer) for layer in probe.layers])
-    probs = probe.predict_proba_many(hidden, ex.mask).float().cpu()  # [B, C]
+    probs = _probabilities(probe, hidden, ex.mask).float().cpu()  # [B, C]
     non_finite = (~torch.isfinite(probs).all(dim=1)).nonzero().flatten().tolist()
     probs = torch.nan_to_num(probs, nan=0.0, posinf=1.0, neginf=0.0)  # those rows go unused
     decision = decide(spec, probs)
