@@ -311,20 +311,16 @@ def quality(
 def run_config(
     cfg: Config, llm: Any, checkpoint: Path, rows: list[dict[str, Any]], args: argparse.Namespace
 ) -> dict[str, Any]:
-    from dataclasses import replace
-
     from probes import load_checkpoint
     from probes.checkpoint import checkpoint_to_bytes
     from worker.kafka.clients import ensure_topics
     from worker.llm.extract import HiddenStateExtractor
-    from worker.llm.load import resolve_autocast
     from worker.scoring.scorer import Scorer
     from worker.settings import Settings
     from worker.store.checkpoints import CheckpointRegistry
     from worker.store.redis import Keys, make_redis
 
     tag = f"{cfg.name}-{uuid.uuid4().hex[:6]}"
-    llm = replace(llm, autocast=resolve_autocast(cfg.autocast, llm))
     settings = Settings(
         kafka_bootstrap=args.bootstrap,
         redis_url=args.redis_url,
@@ -452,7 +448,12 @@ def main(argv: list[str] | None = None) -> int:
     with EmbeddedBroker() as broker, EmbeddedRedis() as redis_server:
         args.bootstrap, args.redis_url = broker.bootstrap, redis_server.url
         log(f"loading {args.model} …")
-        llm = load_llm(Settings(model=args.model, metrics_port=0, autocast="off"))
+        # One LLM per autocast setting: autocast casts its linear layers in place.
+        llms = {
+            setting: load_llm(Settings(model=args.model, metrics_port=0, autocast=setting))
+            for setting in sorted({known[n].autocast for n in names})
+        }
+        llm = next(iter(llms.values()))
         if args.untrained is not None:
             checkpoints = untrained_probes(args, llm)
         cv: dict[str, dict[str, Any]] = {}
@@ -471,7 +472,10 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.rounds):
             order = names if i % 2 == 0 else names[::-1]
             done = [
-                run_config(known[n], llm, checkpoints[known[n].probe], rows, args) for n in order
+                run_config(
+                    known[n], llms[known[n].autocast], checkpoints[known[n].probe], rows, args
+                )
+                for n in order
             ]
             rounds.append(done)
     results = summarize(rounds, names)

@@ -16,7 +16,13 @@ from tests.tiny_llm import make_tiny_llm
 from worker.errors import ConfigError
 from worker.llm import load as load_module
 from worker.llm.extract import HiddenStateExtractor
-from worker.llm.load import cpu_has_native_bf16, load_llm, quantize_llm, resolve_autocast
+from worker.llm.load import (
+    apply_autocast,
+    cpu_has_native_bf16,
+    load_llm,
+    quantize_llm,
+    resolve_autocast,
+)
 from worker.settings import Settings
 
 TEXTS = [
@@ -108,3 +114,23 @@ def test_settings_refuse_autocast_with_int8() -> None:
         Settings(llm_quantize="int8", autocast="bfloat16")
     with pytest.raises(ValidationError):
         Settings(autocast="float64")
+
+
+def test_apply_autocast_casts_the_linear_layers_once_with_the_same_states() -> None:
+    """Autocast casts a frozen float32 weight on every call; pre-cast linear layers skip
+    that and give exactly the states autocast alone gives."""
+    alone = replace(make_tiny_llm(), autocast=torch.bfloat16)
+    cast = apply_autocast(make_tiny_llm(), "bfloat16")
+    assert cast.autocast is torch.bfloat16
+    linears = [m for m in cast.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.dtype == torch.bfloat16 for m in linears)
+    assert all(
+        m.weight.dtype == torch.float32
+        for m in alone.model.modules()
+        if hasattr(m, "weight") and isinstance(m, torch.nn.Linear)
+    )
+    a = HiddenStateExtractor(alone, max_tokens=64).extract(TEXTS, LAYERS).hidden
+    b = HiddenStateExtractor(cast, max_tokens=64).extract(TEXTS, LAYERS).hidden
+    assert b.dtype == torch.float32 and torch.equal(a, b)
+    plain = make_tiny_llm()
+    assert apply_autocast(plain, "off") is plain
