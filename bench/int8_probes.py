@@ -35,15 +35,13 @@ import torch
 
 from probes.cache import HiddenStateCache
 from probes.checkpoint import WeightFormat, checkpoint_to_bytes, probe_from_bytes
-from probes.dataset import ProbeDataset
-from probes.errors import CacheError
 from probes.fit import FitConfig, predict_dataset
 from probes.layerwise import fit_and_measure
 from probes.metrics import evaluate
 from probes.select import held_out
-from schemas import ProbeSpec
-from worker.offline.build_cache import cache_dir_for
-from worker.offline.fit_eval import ProbeOptions, default_flag_labels, load_split
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import quality
 
 KINDS = ("mean", "max", "gate", "mha")
 
@@ -68,47 +66,12 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def ready_cache(path: Path, root: Path, model: str) -> HiddenStateCache:
-    directory = cache_dir_for(path, root, model)
-    try:
-        cache = HiddenStateCache(directory)
-    except CacheError as exc:
-        raise SystemExit(f"no cache of {path} at {directory}: {exc}") from exc
-    if cache.missing_shards():
-        raise SystemExit(f"the cache {directory} is incomplete (still being built?)")
-    return cache
-
-
-def load(caches: list[HiddenStateCache], kind: str, target: str) -> ProbeDataset:
-    m = caches[0].manifest
-    layers = list(m.token_layers) if kind in ("gate", "mha") else list(m.summary_layers)
-    parts = [load_split(c, kind, layers, target) for c in caches]  # type: ignore[arg-type]
-    return ProbeDataset.concat([p.relabel(parts[0].labels) for p in parts])
-
-
-def spec_for(kind: str, data: ProbeDataset, hidden_size: int, target: str) -> ProbeSpec:
-    o = ProbeOptions(token_pool=kind)  # type: ignore[arg-type]
-    return ProbeSpec(
-        name=f"int8-{kind}",
-        token_pool=kind,  # type: ignore[arg-type]
-        layer_mix="scalar_mix",
-        layers=data.layers,
-        hidden_size=hidden_size,
-        task="multiclass" if target == "label" else "multilabel",
-        labels=data.labels,
-        flag_labels=default_flag_labels(data),
-        d_inner=o.d_inner,
-        num_heads=o.num_heads,
-        layer_norm=o.layer_norm,
-    )
-
-
 def run_kind(kind: str, caches: list[HiddenStateCache], args: argparse.Namespace) -> dict:
-    data = load(caches, kind, args.target)
+    data = quality.load(caches, kind, args.target)
     mask = held_out(data.ids, args.holdout_share)
     dev, test = data.subset((~mask).nonzero().flatten()), data.subset(mask.nonzero().flatten())
     llm = caches[0].manifest.llm
-    spec = spec_for(kind, dev, llm.hidden_size, args.target)
+    spec = quality.spec_for(kind, dev, llm.hidden_size, args.target, name="int8")
     epochs = args.mha_epochs if kind == "mha" else args.epochs
     config = FitConfig(max_epochs=epochs, patience=min(6, epochs), seed=args.seed)
     fitted = fit_and_measure(spec, dev, test, config)
@@ -143,7 +106,7 @@ def run_kind(kind: str, caches: list[HiddenStateCache], args: argparse.Namespace
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
-    caches = [ready_cache(p, args.cache_root, args.model_name) for p in args.data]
+    caches = [quality.ready_cache(p, args.cache_root, args.model_name) for p in args.data]
     rows = []
     for kind in [k for k in args.kinds.split(",") if k]:
         log(f"{kind}: fit once, write fp32 and int8, score the held-out rows …")

@@ -40,16 +40,17 @@ import torch
 from probes.cache import HiddenStateCache
 from probes.control import control_key, control_targets, label_predictability
 from probes.dataset import ProbeDataset
-from probes.errors import CacheError
 from probes.explain import class_layer_use
 from probes.fit import FitConfig
 from probes.layerwise import fit_and_measure, probe_layers
 from probes.select import held_out
 from schemas import ProbeSpec
-from worker.offline.build_cache import cache_dir_for
 from worker.offline.fit_eval import ProbeOptions, default_flag_labels, load_split
 from worker.offline.labeled import read_labeled
 from worker.plots import plot_class_layers, plot_layer_curve
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import quality
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,17 +76,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def ready_cache(path: Path, root: Path, model: str) -> HiddenStateCache:
-    directory = cache_dir_for(path, root, model)
-    try:
-        cache = HiddenStateCache(directory)
-    except CacheError as exc:
-        raise SystemExit(f"no cache of {path} at {directory}: {exc}") from exc
-    if cache.missing_shards():
-        raise SystemExit(f"the cache {directory} is incomplete (still being built?)")
-    return cache
 
 
 class Split:
@@ -145,7 +135,7 @@ def selectivity(split: Split, kind: str, args: argparse.Namespace) -> dict[str, 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
-    caches = [ready_cache(p, args.cache_root, args.model_name) for p in args.data]
+    caches = [quality.ready_cache(p, args.cache_root, args.model_name) for p in args.data]
     texts = {r.id: r.text for p in args.data for r in read_labeled(p)}
     out: dict[str, Any] = {"bench": "probe_science", "name": args.name, "target": args.target}
     out["data"] = [str(p) for p in args.data]

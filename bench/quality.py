@@ -105,6 +105,20 @@ def cache_for(path: Path, root: Path, **overrides: Any) -> HiddenStateCache:
     return HiddenStateCache(out)
 
 
+def ready_cache(path: Path, root: Path, model: str) -> HiddenStateCache:
+    """The complete cache of ``path`` under ``root`` (``cache_dir_for``), or exit saying why."""
+    from worker.offline.build_cache import cache_dir_for
+
+    directory = cache_dir_for(path, root, model)
+    try:
+        cache = HiddenStateCache(directory)
+    except CacheError as exc:
+        raise SystemExit(f"no cache of {path} at {directory}: {exc}") from exc
+    if cache.missing_shards():
+        raise SystemExit(f"the cache {directory} is incomplete (still being built?)")
+    return cache
+
+
 def load(caches: list[HiddenStateCache], kind: str, target: str) -> ProbeDataset:
     m = caches[0].manifest
     layers = list(m.token_layers) if kind in ("gate", "mha") else list(m.summary_layers)
@@ -119,10 +133,13 @@ def split(data: ProbeDataset, test: ProbeDataset | None, share: float) -> tuple[
     return data.subset((~mask).nonzero().flatten()), data.subset(mask.nonzero().flatten())
 
 
-def spec_for(kind: str, data: ProbeDataset, hidden_size: int, target: str) -> ProbeSpec:
+def spec_for(
+    kind: str, data: ProbeDataset, hidden_size: int, target: str, *, name: str = "quality"
+) -> ProbeSpec:
+    """The ``fit`` defaults' spec of a ``kind`` probe over ``data``'s layers and labels."""
     o = ProbeOptions(token_pool=kind)  # type: ignore[arg-type]
     return ProbeSpec(
-        name=f"quality-{kind}",
+        name=f"{name}-{kind}",
         token_pool=kind,  # type: ignore[arg-type]
         layer_mix="scalar_mix",
         layers=data.layers,
