@@ -33,6 +33,8 @@ Per configuration, its own topics and scorer:
    arrival, the rate achieved, and the median latency of each half of the stream (growing:
    the configuration fell behind; small polls make a forward pass less efficient than a
    backlog's full ones).
+3. ``same_rate`` (every configuration but ``old``): a stream as long at the ``old``
+   configuration's paced rate, so latencies compare at equal load.
 
 ``--rounds 2`` runs the configurations again in reverse order (load from other processes
 then hits all alike); rates are averaged over rounds. Probe time per message comes from
@@ -317,8 +319,19 @@ def quality(
     }
 
 
+def count_sum(histogram: Any) -> tuple[float, float]:
+    """A prometheus histogram's observation count and sum."""
+    samples = {s.name.rsplit("_", 1)[-1]: s.value for s in histogram.collect()[0].samples}
+    return samples["count"], samples["sum"]
+
+
 def run_config(
-    cfg: Config, llm: Any, checkpoint: Path, rows: list[dict[str, Any]], args: argparse.Namespace
+    cfg: Config,
+    llm: Any,
+    checkpoint: Path,
+    rows: list[dict[str, Any]],
+    args: argparse.Namespace,
+    same_rate_msg_s: float | None = None,
 ) -> dict[str, Any]:
     from probes import load_checkpoint
     from probes.checkpoint import checkpoint_to_bytes
@@ -378,18 +391,18 @@ def run_config(
     backlog_rate = n / (max(clock.arrived[k] for k in sent) - t0)
     log(f"  {backlog_rate:.2f} msg/s")
 
-    paced: dict[str, float] = {}
-    if args.paced or args.paced_seconds:
-        rate = 0.7 * backlog_rate
+    def stream(rate: float, tag_: str) -> dict[str, float]:
         count = max(args.paced, round(rate * args.paced_seconds))
         texts = [rows[(n + i) % len(rows)]["text"] for i in range(count)]
         log(f"[{cfg.name}] paced: {count} messages at {rate:.2f} msg/s …")
+        polls, polled = count_sum(scorer.metrics.batch_size)
         t1 = time.time()
-        sent_paced = produce(settings, chat_records(texts, f"p{tag}"), rate)
-        clock.wait_for(set(sent_paced), timeout_s=3600)
-        lat = [1000 * (clock.arrived[k] - t) for k, t in sent_paced.items()]
-        done = max(clock.arrived[k] for k in sent_paced) - t1
-        paced = {
+        sent = produce(settings, chat_records(texts, tag_), rate)
+        clock.wait_for(set(sent), timeout_s=3600)
+        lat = [1000 * (clock.arrived[k] - t) for k, t in sent.items()]
+        done = max(clock.arrived[k] for k in sent) - t1
+        polls_now, polled_now = count_sum(scorer.metrics.batch_size)
+        out = {
             "offered_msg_s": round(rate, 3),
             "messages": count,
             "msg_s": round(count / done, 3),
@@ -399,8 +412,19 @@ def run_config(
             "p50_ms": round(percentile(lat, 0.5), 1),
             "p99_ms": round(percentile(lat, 0.99), 1),
             "mean_ms": round(statistics.mean(lat), 1),
+            "mean_poll": round((polled_now - polled) / max(1.0, polls_now - polls), 1),
         }
-        log(f"  p50 {paced['p50_ms']} ms, p99 {paced['p99_ms']} ms")
+        log(f"  p50 {out['p50_ms']} ms, p99 {out['p99_ms']} ms, mean poll {out['mean_poll']}")
+        return out
+
+    paced: dict[str, float] = {}
+    if args.paced or args.paced_seconds:
+        paced = stream(0.7 * backlog_rate, f"p{tag}")
+    # The same offered rate for every configuration (the old one's paced rate): what the
+    # latency is at equal load, where the old configuration sets the pace.
+    same_rate: dict[str, float] = {}
+    if same_rate_msg_s and (args.paced or args.paced_seconds):
+        same_rate = stream(same_rate_msg_s, f"s{tag}")
     scorer.stop()
     thread.join(60)
     clock.stop.set()
@@ -417,6 +441,7 @@ def run_config(
         "layers": list(probe.layers),
         "backlog_msg_s": round(backlog_rate, 3),
         "paced": paced,
+        "same_rate": same_rate,
         "quality": quality(rows, first, clock, flag) if args.untrained is None else None,
         "probe_ms_per_message": round(1000 * m.probe_seconds._sum.get() / max(1.0, scored), 3),
     }
@@ -433,10 +458,12 @@ def summarize(rounds: list[list[dict[str, Any]]], names: list[str]) -> list[dict
         row = dict(runs[0])
         row["backlog_msg_s"] = round(statistics.fmean(r["backlog_msg_s"] for r in runs), 3)
         row["backlog_by_round"] = [r["backlog_msg_s"] for r in runs]
-        if row["paced"]:
-            row["paced"] = dict(row["paced"])
-            for key in ("msg_s", "p50_ms", "p99_ms"):
-                row["paced"][key] = round(statistics.fmean(r["paced"][key] for r in runs), 3)
+        for phase in ("paced", "same_rate"):
+            measured = [r[phase] for r in runs if r[phase]]
+            if measured:
+                row[phase] = dict(measured[0])
+                for key in ("msg_s", "p50_ms", "p99_ms"):
+                    row[phase][key] = round(statistics.fmean(m[key] for m in measured), 3)
         out.append(row)
     base = out[0]
     for row in out:
@@ -484,14 +511,17 @@ def main(argv: list[str] | None = None) -> int:
                 )
         log(f"probes (cross-validated on the training cache): {cv}")
         rounds = []
+        same: float | None = None  # the old configuration's paced rate, once measured
         for i in range(args.rounds):
             order = names if i % 2 == 0 else names[::-1]
-            done = [
-                run_config(
-                    known[n], llms[known[n].autocast], checkpoints[known[n].probe], rows, args
-                )
-                for n in order
-            ]
+            done = []
+            for n in order:
+                cfg = known[n]
+                llm_n, ckpt = llms[cfg.autocast], checkpoints[cfg.probe]
+                r = run_config(cfg, llm_n, ckpt, rows, args, None if n == "old" else same)
+                if n == "old" and r["paced"] and same is None:
+                    same = r["paced"]["offered_msg_s"]
+                done.append(r)
             rounds.append(done)
     results = summarize(rounds, names)
     trained = args.untrained is None
@@ -515,13 +545,15 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     head = f"{'config':8}{'layers':>7}{'msg/s':>8}{'×':>6}{'paced':>8}{'×':>6}"
-    print(head + f"{'p50 ms':>9}{'p99 ms':>9}{'F1':>7}{'AUPRC':>7}")
+    print(head + f"{'p50 ms':>9}{'p99 ms':>9}{'same-rate p50/p99':>19}{'F1':>7}{'AUPRC':>7}")
+    none = {"msg_s": 0.0, "p50_ms": 0.0, "p99_ms": 0.0}
     for r in results:
-        p = r["paced"] or {"msg_s": 0.0, "p50_ms": 0.0, "p99_ms": 0.0}
+        p, same = r["paced"] or none, r["same_rate"] or r["paced"] or none
         print(
             f"{r['config']:8}{max(r['layers']):>7}{r['backlog_msg_s']:>8.2f}"
             f"{r['backlog_speedup']:>6.2f}{p['msg_s']:>8.2f}{r.get('paced_speedup', 0):>6.2f}"
             f"{p['p50_ms']:>9.0f}{p['p99_ms']:>9.0f}"
+            f"{same['p50_ms']:>10.0f} /{same['p99_ms']:>6.0f}"
             + (f"{r['quality']['f1']:>7.3f}{r['quality']['auprc']:>7.3f}" if r["quality"] else "")
         )
     print(json.dumps(result))

@@ -52,10 +52,15 @@ def test_score_e2e_compares_configurations_with_real_probes(
     assert out["judged"] == "default"
     # epsilon 1: the shallowest candidate; the full-depth probe reads every cached layer.
     assert max(rows["depth"]["layers"]) < max(rows["new"]["layers"])
+    old_rate = rows["old"]["paced"]["offered_msg_s"]
     for r in rows.values():
         assert r["quality"]["rows"] == 40 and 0 <= r["quality"]["auprc"] <= 1
         assert r["backlog_msg_s"] > 0 and r["paced"]["p99_ms"] > 0
         assert r["paced"]["messages"] == 8 and r["paced"]["p50_second_half_ms"] > 0
+        assert r["paced"]["mean_poll"] >= 1
+        # Every configuration but old also streams at old's paced rate.
+        same = r["same_rate"]
+        assert not same if r is rows["old"] else same["offered_msg_s"] == old_rate
     # Batching does not change what the same probe decides.
     assert rows["old"]["quality"] == rows["new"]["quality"]
     assert set(out["probes_cv"]) == {"full", "depth"} and "backlog_speedup" in out["meets"]
