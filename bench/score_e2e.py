@@ -548,12 +548,12 @@ def main(argv: list[str] | None = None) -> int:
     print(head + f"{'p50 ms':>9}{'p99 ms':>9}{'same-rate p50/p99':>19}{'F1':>7}{'AUPRC':>7}")
     none = {"msg_s": 0.0, "p50_ms": 0.0, "p99_ms": 0.0}
     for r in results:
-        p, same = r["paced"] or none, r["same_rate"] or r["paced"] or none
+        p, at_old = r["paced"] or none, r["same_rate"] or r["paced"] or none
         print(
             f"{r['config']:8}{max(r['layers']):>7}{r['backlog_msg_s']:>8.2f}"
             f"{r['backlog_speedup']:>6.2f}{p['msg_s']:>8.2f}{r.get('paced_speedup', 0):>6.2f}"
             f"{p['p50_ms']:>9.0f}{p['p99_ms']:>9.0f}"
-            f"{same['p50_ms']:>10.0f} /{same['p99_ms']:>6.0f}"
+            f"{at_old['p50_ms']:>10.0f} /{at_old['p99_ms']:>6.0f}"
             + (f"{r['quality']['f1']:>7.3f}{r['quality']['auprc']:>7.3f}" if r["quality"] else "")
         )
     print(json.dumps(result))
