@@ -227,16 +227,14 @@ class VerdictClock:
     def __init__(self, settings: Any) -> None:
         from kafka import KafkaConsumer
 
-        from worker.kafka.clients import client_config
+        from worker.kafka.clients import reader_config
 
         self.arrived: dict[bytes, float] = {}
         self.payload: dict[bytes, bytes] = {}
         self.stop = threading.Event()
         self.consumer = KafkaConsumer(
             settings.topic_verdicts,
-            **client_config(settings),
-            auto_offset_reset="earliest",
-            enable_auto_commit=False,
+            **reader_config(settings),
         )
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()

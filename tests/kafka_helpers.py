@@ -8,7 +8,7 @@ from typing import Any
 
 from kafka import KafkaConsumer
 
-from worker.kafka.clients import client_config, make_producer
+from worker.kafka.clients import client_config, make_producer, reader_config
 from worker.settings import Settings
 
 
@@ -34,9 +34,7 @@ def drain(
     timeout_s: float = 60.0,
 ) -> list[Any]:
     """Read ``topic`` from the beginning (no group) until ``until(records)`` or the timeout."""
-    consumer = KafkaConsumer(
-        topic, **client_config(settings), auto_offset_reset="earliest", enable_auto_commit=False
-    )
+    consumer = KafkaConsumer(topic, **reader_config(settings))
     records: list[Any] = []
     try:
         deadline = time.monotonic() + timeout_s

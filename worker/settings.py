@@ -53,6 +53,10 @@ class Settings(BaseSettings):
     kafka_session_timeout_ms: PositiveInt = 6000
     kafka_heartbeat_interval_ms: PositiveInt = 1000
     kafka_max_poll_interval_ms: PositiveInt = 300_000
+    # How long a consumer's fetch may wait for data. Apache Kafka answers as soon as a
+    # record arrives; tansu holds the fetch for the whole wait (measured: p50 129 ms per
+    # hop at kafka-python's 500, 9.6 ms at 50). Idle consumers then ask 20 times a second.
+    kafka_fetch_max_wait_ms: Annotated[int, Field(ge=1, le=30_000)] = 50
     kafka_request_timeout_ms: PositiveInt = 30_000
 
     topic_chat: str = "chat.messages"

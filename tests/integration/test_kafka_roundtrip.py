@@ -20,6 +20,7 @@ from worker.kafka.clients import (
     ensure_topics,
     make_consumer,
     make_producer,
+    reader_config,
 )
 from worker.settings import Settings
 
@@ -163,3 +164,20 @@ def test_ensure_topics_is_idempotent(settings: Settings) -> None:
         assert consumer.partitions_for_topic(settings.topic_chat) == {0, 1, 2}
     finally:
         consumer.close()
+
+
+def test_consumers_wait_for_data_as_configured(settings: Settings) -> None:
+    """tansu holds a fetch for the whole wait even when a record arrives (each hop cost a
+    median 129 ms at kafka-python's 500 ms default), so every consumer takes the setting."""
+    assert Settings().kafka_fetch_max_wait_ms == 50
+    tuned = settings.model_copy(update={"kafka_fetch_max_wait_ms": 37})
+    grouped = make_consumer(tuned, f"{tuned.group_scorer}-wait", [tuned.topic_chat])
+    reader = KafkaConsumer(tuned.topic_chat, **reader_config(tuned))
+    try:
+        assert grouped.config["fetch_max_wait_ms"] == 37
+        assert reader.config["fetch_max_wait_ms"] == 37
+        assert reader.config["auto_offset_reset"] == "earliest"
+        assert not reader.config["enable_auto_commit"]
+    finally:
+        grouped.close()
+        reader.close()

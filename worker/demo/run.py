@@ -30,7 +30,7 @@ from probes import spread_layers
 from schemas import ChatMessage, HumanLabel, LabeledText, ProbeSpec, Verdict, utcnow
 from worker.demo.figures import final_figures, snapshot
 from worker.embedded import EmbeddedBroker, EmbeddedRedis
-from worker.kafka.clients import client_config, ensure_topics, make_producer
+from worker.kafka.clients import ensure_topics, make_producer, reader_config
 from worker.learning.updater import Updater
 from worker.llm.extract import HiddenStateExtractor
 from worker.offline.labeled import read_labeled
@@ -296,9 +296,7 @@ class DemoRun:
             settings.topic_verdicts,
             settings.topic_review,
             settings.topic_dead_letter,
-            **client_config(settings),
-            auto_offset_reset="earliest",
-            enable_auto_commit=False,
+            **reader_config(settings),
         )
         try:
             while not self.stop.is_set():

@@ -134,6 +134,17 @@ def make_producer(settings: Settings, **overrides: Any) -> KafkaProducer:
         ) from exc
 
 
+def reader_config(settings: Settings) -> dict[str, Any]:
+    """``client_config`` for a consumer that reads a topic from the start outside any group
+    (views, benchmarks, tests), with the settings' fetch wait."""
+    return {
+        **client_config(settings),
+        "auto_offset_reset": "earliest",
+        "enable_auto_commit": False,
+        "fetch_max_wait_ms": settings.kafka_fetch_max_wait_ms,
+    }
+
+
 def make_consumer(
     settings: Settings,
     group_id: str,
@@ -152,6 +163,7 @@ def make_consumer(
         session_timeout_ms=settings.kafka_session_timeout_ms,
         heartbeat_interval_ms=settings.kafka_heartbeat_interval_ms,
         max_poll_interval_ms=settings.kafka_max_poll_interval_ms,
+        fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
     )
     cfg.update(overrides)
     try:
