@@ -122,7 +122,7 @@ class Settings(BaseSettings):
         "only); probes trained on unquantized states are refused, and vice versa.",
     )
     # Mixed precision for the frozen LLM (torch.autocast): matmuls in bfloat16, weights,
-    # norms and the residual stream in `dtype`. bench/quantized_llm.py --variant bf16: 2.5x
+    # norms and the residual stream in `dtype`. bench/quantized_llm.py --variant bf16: 2.9x
     # the msg/s of float32 on an AMX CPU, states within bf16 rounding (token cosine >= 0.998).
     autocast: Literal["auto", "bfloat16", "float16", "off"] = Field(
         "auto",
@@ -302,6 +302,12 @@ class Settings(BaseSettings):
                 f"in float32 only, not device={self.device} dtype={self.dtype}: set "
                 "PROBEGUARD_LLM_QUANTIZE=none, or PROBEGUARD_DEVICE=cpu and "
                 "PROBEGUARD_DTYPE=float32"
+            )
+        if self.dtype != "float32" and self.autocast not in ("auto", "off"):
+            raise ValueError(
+                f"autocast={self.autocast} mixes precision into float32 weights; with "
+                f"dtype={self.dtype} the LLM already computes in {self.dtype}: set "
+                "PROBEGUARD_AUTOCAST=auto or off"
             )
         if self.llm_quantize != "none" and self.autocast not in ("auto", "off"):
             raise ValueError(

@@ -80,6 +80,8 @@ def test_resolve_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
     half = make_tiny_llm()
     half.model.to(torch.bfloat16)  # type: ignore[arg-type]
     assert resolve_autocast("auto", half) is None  # weights already in bf16
+    with pytest.raises(ConfigError, match="applies to float32 weights"):
+        resolve_autocast("float16", half)
 
 
 @pytest.mark.parametrize(
@@ -107,11 +109,14 @@ def test_load_llm_applies_the_setting(tmp_path: Path) -> None:
     assert mixed.fingerprint == plain.fingerprint
 
 
-def test_settings_refuse_autocast_with_int8() -> None:
+def test_settings_refuse_autocast_where_it_cannot_apply() -> None:
     assert Settings(llm_quantize="int8", autocast="auto").autocast == "auto"
     assert Settings(llm_quantize="int8", autocast="off").autocast == "off"
     with pytest.raises(ValidationError, match="PROBEGUARD_AUTOCAST=auto or off"):
         Settings(llm_quantize="int8", autocast="bfloat16")
+    with pytest.raises(ValidationError, match="already computes in bfloat16"):
+        Settings(dtype="bfloat16", autocast="bfloat16")
+    assert Settings(dtype="bfloat16", autocast="auto").autocast == "auto"  # resolves off
     with pytest.raises(ValidationError):
         Settings(autocast="float64")
 

@@ -370,6 +370,11 @@ def resolve_autocast(setting: str, llm: LoadedLLM) -> torch.dtype | None:
                 f"autocast {setting} cannot apply to an LLM quantized "
                 f"({llm.fingerprint.quantization}): set PROBEGUARD_AUTOCAST=off"
             )
+        if llm.dtype != torch.float32:
+            raise ConfigError(
+                f"autocast {setting} applies to float32 weights; this LLM is in {llm.dtype}: "
+                "set PROBEGUARD_AUTOCAST=off"
+            )
         return DTYPES[setting]
     if llm.fingerprint.quantization is not None or llm.dtype != torch.float32:
         return None
