@@ -382,7 +382,7 @@ def run_config(
     texts = [rows[i % len(rows)]["text"] for i in range(n)]
 
     log(f"[{cfg.name}] backlog: {n} messages ({cfg.what}, layers {list(probe.layers)}) …")
-    records = chat_records(texts[:n], f"b{tag}")
+    records = chat_records(texts, f"b{tag}")
     t0 = time.time()
     sent = produce(settings, records, None)
     clock.wait_for(set(sent), timeout_s=3600)
@@ -415,14 +415,11 @@ def run_config(
         log(f"  p50 {out['p50_ms']} ms, p99 {out['p99_ms']} ms, mean poll {out['mean_poll']}")
         return out
 
-    paced: dict[str, float] = {}
-    if args.paced or args.paced_seconds:
-        paced = stream(0.7 * backlog_rate, f"p{tag}")
+    streams = bool(args.paced or args.paced_seconds)
+    paced = stream(0.7 * backlog_rate, f"p{tag}") if streams else {}
     # The same offered rate for every configuration (the old one's paced rate): what the
     # latency is at equal load, where the old configuration sets the pace.
-    same_rate: dict[str, float] = {}
-    if same_rate_msg_s and (args.paced or args.paced_seconds):
-        same_rate = stream(same_rate_msg_s, f"s{tag}")
+    same_rate = stream(same_rate_msg_s, f"s{tag}") if streams and same_rate_msg_s else {}
     scorer.stop()
     thread.join(60)
     clock.stop.set()

@@ -54,7 +54,7 @@ import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import torch
 
@@ -76,10 +76,6 @@ _Seq = TypeVar("_Seq", str, list[int])
 _CHARS_PER_TOKEN = 32
 # Unicode Cc except \t \n \r.
 _CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
-AUTOCAST_NAMES: dict[torch.dtype, Literal["bfloat16", "float16"]] = {
-    torch.bfloat16: "bfloat16",
-    torch.float16: "float16",
-}
 
 
 @dataclass
@@ -193,7 +189,7 @@ class HiddenStateExtractor:
     def autocast(self) -> Literal["bfloat16", "float16"] | None:
         """The dtype the forward pass autocasts to (``PROBEGUARD_AUTOCAST``), None: off."""
         dtype = self.llm.autocast
-        return None if dtype is None else AUTOCAST_NAMES[dtype]
+        return None if dtype is None else cast(Any, str(dtype).removeprefix("torch."))
 
     # --- the public call ------------------------------------------------------------------
 
@@ -322,22 +318,8 @@ class HiddenStateExtractor:
         return [content[a:b] for a, b in itertools.pairwise(bounds)]
 
     def _micro_batches(self, pieces: list[_Piece]) -> list[list[_Piece]]:
-        """Longest first; a micro-batch closes at ``batch_size`` pieces or when one more
-        would pad it past ``batch_tokens`` (its width is its first, longest piece)."""
-        ordered = sorted(pieces, key=lambda p: -len(p.ids))  # stable: equal lengths keep order
-        budget = self.batch_tokens
-        batches: list[list[_Piece]] = []
-        for piece in ordered:
-            current = batches[-1] if batches else None
-            if (
-                current is None
-                or len(current) >= self.batch_size
-                or (budget is not None and len(current[0].ids) * (len(current) + 1) > budget)
-            ):
-                batches.append([piece])
-            else:
-                current.append(piece)
-        return batches
+        groups = length_batches([len(p.ids) for p in pieces], self.batch_tokens, self.batch_size)
+        return [[pieces[i] for i in group] for group in groups]
 
     # --- running the model ----------------------------------------------------------------
 
@@ -458,6 +440,26 @@ class HiddenStateExtractor:
         finally:
             for handle in handles:
                 handle.remove()
+
+
+def length_batches(
+    lengths: Sequence[int], budget: int | None, max_items: int | None = None
+) -> list[list[int]]:
+    """Indices of ``lengths`` longest first (equal lengths keep their order), cut into
+    batches: one closes at ``max_items`` or when one more would pad it past ``budget``
+    tokens (its width is its first, longest item)."""
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        current = batches[-1] if batches else None
+        if (
+            current is None
+            or (max_items is not None and len(current) >= max_items)
+            or (budget is not None and lengths[current[0]] * (len(current) + 1) > budget)
+        ):
+            batches.append([i])
+        else:
+            current.append(i)
+    return batches
 
 
 def clean_text(item: object, *, max_chars: int | None = None, keep: Truncation = "head") -> str:

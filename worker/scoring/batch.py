@@ -28,6 +28,7 @@ import torch
 from probes.decision import decide
 from probes.probe import Probe
 from schemas import ChatMessage, CheckpointManifest, ProbeDecision, ProbeResult, ShadowResult
+from worker.llm.extract import length_batches
 
 if TYPE_CHECKING:
     from worker.llm.extract import Extraction, HiddenStateExtractor
@@ -221,19 +222,6 @@ def _select_layers(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return hidden.index_select(0, torch.tensor(rows, device=hidden.device))
 
 
-def _length_groups(mask: torch.Tensor, budget: int) -> list[list[int]]:
-    """Rows of ``mask`` ``[B, T]`` sorted by real length, longest first, and cut into
-    groups of at most ``budget`` padded tokens (a group is as wide as its first row)."""
-    lengths = mask.sum(1).tolist()
-    groups: list[list[int]] = []
-    for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
-        if groups and (len(groups[-1]) + 1) * max(1, lengths[groups[-1][0]]) <= budget:
-            groups[-1].append(row)
-        else:
-            groups.append([row])
-    return groups
-
-
 def _probabilities(probe: Probe, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``probe``'s probabilities ``[B, C]`` for ``hidden`` ``[L, B, T, D]``, run on
     length-sorted groups of rows trimmed to their own width: a poll's padding (its longest
@@ -244,7 +232,7 @@ def _probabilities(probe: Probe, hidden: torch.Tensor, mask: torch.Tensor) -> to
     if B * T <= PROBE_BATCH_TOKENS:
         return probe.predict_proba_many(hidden, mask)
     out: torch.Tensor | None = None
-    for rows in _length_groups(mask, PROBE_BATCH_TOKENS):
+    for rows in length_batches(mask.sum(1).tolist(), PROBE_BATCH_TOKENS):
         index = torch.tensor(rows, device=mask.device)
         part = mask.index_select(0, index)  # [b, T]
         real = part.any(0).nonzero().flatten()  # columns any of these rows uses
