@@ -8,8 +8,8 @@ blob, int8/fp32 bytes, held-out F1 and AUPRC of each, int8/fp32 F1, and the larg
 change of a probability. Goal (issue 17): >= 95 % of the fp32 F1 at <= 30 % of the bytes.
 
 Data: the rows of the ``--data`` files whose id hashes into ``--holdout-share`` (0.3,
-``probes.select.held_out``) are held out; the probe is fitted on the rest with early
-stopping and thresholds on an id-hashed 15 % of them (``probes.layerwise.fit_and_measure``),
+``probes.offline.select.held_out``) are held out; the probe is fitted on the rest with early
+stopping and thresholds on an id-hashed 15 % of them (``probes.offline.layerwise.fit_and_measure``),
 so nothing reported was tuned on the held-out rows. Hidden states come from the caches
 under ``--cache-root`` (read only; a missing or incomplete cache is an error, never built
 here). Kinds: ``mean``/``max`` pool every cached layer (0..top), ``gate``/``mha`` the 8
@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 
-from probes.cache import HiddenStateCache
 from probes.checkpoint import WeightFormat, checkpoint_to_bytes, probe_from_bytes
-from probes.fit import FitConfig, predict_dataset
-from probes.layerwise import fit_and_measure
 from probes.metrics import evaluate
-from probes.select import held_out
+from probes.offline.cache import HiddenStateCache
+from probes.offline.fit import FitConfig, predict_dataset
+from probes.offline.layerwise import fit_and_measure
+from probes.offline.select import held_out
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quality

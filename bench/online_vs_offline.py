@@ -8,10 +8,10 @@ over 8 spread layers) and are scored on the same held-out rows, which neither sa
 One run on the embedded broker and Redis:
 
 1. Data: the rows of every ``--data`` file whose id hashes into ``--holdout-share`` (0.3,
-   ``probes.select.held_out``, as in ``bench/quality.py``) are held out; the rest are the
+   ``probes.offline.select.held_out``, as in ``bench/quality.py``) are held out; the rest are the
    training labels. Hidden states come from caches under ``--cache-root`` (built with the
    configured LLM when missing; the same caches as ``bench/quality.py``).
-2. Offline: ``fit``'s default selection (``probes.select.fit_cv``, 5 folds) on the training
+2. Offline: ``fit``'s default selection (``probes.offline.select.fit_cv``, 5 folds) on the training
    rows, then a refit on all of them.
 3. Online: every training row becomes a ``HumanLabel`` (with its text) on the labels topic,
    in file order; one ``Updater`` with default settings learns from the stream (test then
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from probes.dataset import ProbeDataset
+from probes.offline.dataset import ProbeDataset
 from schemas import LLMFingerprint
 from worker.llm.extract import Extraction
 
@@ -103,9 +103,9 @@ class CachedExtractor:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from probes.fit import FitConfig, predict_dataset
     from probes.metrics import evaluate
-    from probes.select import fit_cv, held_out
+    from probes.offline.fit import FitConfig, predict_dataset
+    from probes.offline.select import fit_cv, held_out
     from schemas import HumanLabel, utcnow
     from worker.embedded import EmbeddedBroker, EmbeddedRedis
     from worker.kafka.clients import ensure_topics, make_producer

@@ -5,13 +5,13 @@ Question: on one data set, (1) how well does a probe read the task from each lay
 MHA over the 8 token-level layers), (2) how much of each probe kind's score is the
 states' doing rather than the probe's: selectivity = task score - control-task score
 (Hewitt & Liang; control labels from each message's first word, same class balance,
-``probes.control``), per layer and for each kind with all its layers, and (3) which layers
-lift each class's logit (``probes.explain.class_layer_use`` of a mean-pooled scalar-mix
+``probes.offline.control``), per layer and for each kind with all its layers, and (3) which layers
+lift each class's logit (``probes.offline.layerwise.class_layer_use`` of a mean-pooled scalar-mix
 probe on the held-out rows).
 
 Data: the rows of the ``--data`` files whose id hashes into ``--holdout-share`` (0.3,
-``probes.select.held_out``) are held out; every probe is fitted on the rest, with early
-stopping and thresholds on an id-hashed 15 % of them (``probes.layerwise``). Every
+``probes.offline.select.held_out``) are held out; every probe is fitted on the rest, with early
+stopping and thresholds on an id-hashed 15 % of them (``probes.offline.layerwise``). Every
 figure is measured on the held-out rows; nothing was tuned on them. Caches are read from
 ``--cache-root`` (never built here). Figures go to ``--out`` as PNG.
 
@@ -37,13 +37,12 @@ from typing import Any
 
 import torch
 
-from probes.cache import HiddenStateCache
-from probes.control import control_key, control_targets, label_predictability
-from probes.dataset import ProbeDataset
-from probes.explain import class_layer_use
-from probes.fit import FitConfig
-from probes.layerwise import fit_and_measure, probe_layers
-from probes.select import held_out
+from probes.offline.cache import HiddenStateCache
+from probes.offline.control import control_key, control_targets, label_predictability
+from probes.offline.dataset import ProbeDataset
+from probes.offline.fit import FitConfig
+from probes.offline.layerwise import class_layer_use, fit_and_measure, probe_layers
+from probes.offline.select import held_out
 from schemas import ProbeSpec
 from worker.offline.fit_eval import ProbeOptions, default_flag_labels, load_split
 from worker.offline.labeled import read_labeled

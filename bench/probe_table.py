@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from probes.cache import HiddenStateCache
-from probes.fit import FitConfig, FitResult
+from probes.offline.cache import HiddenStateCache
+from probes.offline.fit import FitConfig, FitResult
 from schemas import LayerMix, TokenPool
 from worker.commands._common import dir_size
 from worker.offline.fit_eval import ProbeOptions, save_fit, train_probe

@@ -7,7 +7,7 @@ embeddings + logistic regression)? The fold figures (each at choices made on the
 folds) and the held-out figures are printed side by side.
 
 Data: the rows of every ``--data`` file whose id hashes into ``--holdout-share`` (default
-0.3; ``probes.select.held_out``, deterministic) are the held-out rows, the rest the
+0.3; ``probes.offline.select.held_out``, deterministic) are the held-out rows, the rest the
 development rows; with ``--test FILE`` that file is the held-out split instead. Hidden
 states come from caches under ``--cache-root`` (one per file and LLM), built with the
 configured LLM (``PROBEGUARD_MODEL``) when missing and reused after. The peers read the
@@ -42,12 +42,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from probes.cache import HiddenStateCache
-from probes.dataset import ProbeDataset
 from probes.errors import CacheError
-from probes.fit import FitConfig
 from probes.metrics import choose_thresholds, evaluate
-from probes.select import fit_cv, held_out, stratified_folds
+from probes.offline.cache import HiddenStateCache
+from probes.offline.dataset import ProbeDataset
+from probes.offline.fit import FitConfig
+from probes.offline.select import fit_cv, held_out, stratified_folds
 from schemas import OperatingPoint, ProbeSpec
 from worker.offline.fit_eval import ProbeOptions, default_flag_labels, load_split
 from worker.offline.labeled import read_labeled
@@ -194,7 +194,7 @@ def run_probe(kind: str, caches, test_caches, args, point) -> dict[str, Any]:
             log(f"  {kind} fold {row['fold']} epoch {row['epoch']} val AUPRC {auprc:.3f}")
 
     result, cv = fit_cv(spec, dev, config, folds=args.folds, progress=progress)
-    from probes.fit import predict_dataset
+    from probes.offline.fit import predict_dataset
 
     probs = predict_dataset(result.probe, held)
     folds = [

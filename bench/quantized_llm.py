@@ -19,7 +19,7 @@ much a text's states depend on the texts batched with it (int8 dynamic quantizat
 one activation scale per tensor).
 
 Quality: the rows of ``--data`` whose id hashes into ``--holdout-share`` (default 0.3,
-``probes.select.held_out``) are held out; on the rest each ``--kinds`` probe is chosen by
+``probes.offline.select.held_out``) are held out; on the rest each ``--kinds`` probe is chosen by
 k-fold CV (as ``bench/quality.py`` does) once on float32 states and once on the variant's
 (caches of the same file under ``--cache-root``, one folder per variant, reused when
 present), and scored on the held-out rows of the same kind of states. The cross column
@@ -152,8 +152,8 @@ def drift(exs: dict[str, Any], variant: str, texts: list[str], layer: int) -> di
 
 def wait_for_cache(path: Path, root: Path, wait_s: float) -> None:
     """Wait up to ``wait_s`` for a float32 cache that another process is still building."""
-    from probes.cache import HiddenStateCache
     from probes.errors import CacheError
+    from probes.offline.cache import HiddenStateCache
     from worker.offline.build_cache import cache_dir_for
     from worker.settings import load_settings
 
@@ -171,8 +171,8 @@ def wait_for_cache(path: Path, root: Path, wait_s: float) -> None:
 
 
 def probe_quality(kind: str, caches: dict[str, Any], args: argparse.Namespace) -> dict:
-    from probes.fit import FitConfig, predict_dataset
-    from probes.select import fit_cv
+    from probes.offline.fit import FitConfig, predict_dataset
+    from probes.offline.select import fit_cv
 
     config = FitConfig(max_epochs=args.epochs, patience=args.patience, seed=args.seed)
     held: dict[str, Any] = {}

@@ -17,7 +17,7 @@ validation):
 
 The probes: MHA (``fit``'s default kind) fitted on the hidden-state cache of
 ``--train-data`` under ``--cache-root``, with ``fit --depth auto``'s search
-(:func:`probes.select.select_depth`, ``--folds`` folds per candidate in
+(:func:`probes.offline.select.select_depth`, ``--folds`` folds per candidate in
 ``--depth-candidates``); the full-depth probe is refit from the same search's full-depth
 cross-validation. Both are saved in ``--fit-dir`` and reused by later runs (delete it to
 refit).
@@ -185,8 +185,8 @@ def fit_probes(args: argparse.Namespace) -> dict[str, Path]:
         raise SystemExit("no probes in --fit-dir: give --train-data and --cache-root to fit them")
     from quality import cache_for  # bench/quality.py, beside this script
 
-    from probes.fit import FitConfig
-    from probes.select import refit, select_depth
+    from probes.offline.fit import FitConfig
+    from probes.offline.select import refit, select_depth
     from worker.commands.fit import _print_depth
     from worker.offline.fit_eval import ProbeOptions, prepare, save_fit
 

@@ -21,7 +21,7 @@ from probes.checkpoint import (
 from probes.decision import Decision, decide
 from probes.errors import CacheError, CheckpointError, IncompatibleCheckpoint, ProbeError
 from probes.kinds import LAYER_MIXES, TOKEN_POOLS, probe_kinds
-from probes.layer_mix import spread_layers
+from probes.kinds.layer_mix import spread_layers
 from probes.learner import Learner
 from probes.probe import Probe, build_probe, weight_entropy
 from probes.targets import encode_target, encode_targets

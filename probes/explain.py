@@ -36,14 +36,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from probes.dataset import ProbeDataset
 from probes.probe import Probe
 
 __all__ = [
     "ClassLayerUse",
     "LayerBreakdown",
     "TokenWeights",
-    "class_layer_use",
     "class_layer_use_batches",
     "layer_breakdown",
     "token_weights",
@@ -148,22 +146,12 @@ class ClassLayerUse:
 
 
 @torch.no_grad()
-def class_layer_use(probe: Probe, data: ProbeDataset, batch_size: int = 128) -> ClassLayerUse:
-    """Per-class, per-layer contributions of ``probe`` over every row of ``data`` (whose
-    layers and labels must be the probe's; see :class:`ClassLayerUse`)."""
-    batches = (
-        data.batch(torch.arange(start, min(start + batch_size, len(data))))
-        for start in range(0, len(data), batch_size)
-    )
-    return class_layer_use_batches(probe, batches)
-
-
-@torch.no_grad()
 def class_layer_use_batches(
     probe: Probe, batches: Iterable[tuple[Tensor, Tensor | None, Tensor]]
 ) -> ClassLayerUse:
-    """:func:`class_layer_use` over ``(hidden, mask, targets)`` batches (what
-    ``ProbeDataset.batch`` or the updater's replay buffer give)."""
+    """Per-class, per-layer contributions over ``(hidden, mask, targets)`` batches (what
+    ``ProbeDataset.batch`` or the updater's replay buffer give; over a whole dataset:
+    :func:`probes.offline.layerwise.class_layer_use`)."""
     C, L = len(probe.labels), len(probe.layers)
     bias = probe.head.bias.detach()  # [C]
     total = torch.zeros(C, L, dtype=torch.float64)

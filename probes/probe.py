@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-# Imported for their registration side effect.
-from probes import gate, layer_mix, mha, pooling  # noqa: F401
 from probes.errors import ProbeError
+
+# Importing the kinds registers every one of them.
 from probes.kinds import LAYER_MIXES, TOKEN_POOLS, LayerMixModule, TokenPoolModule
 from schemas import ProbeSpec
 

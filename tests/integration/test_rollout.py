@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from probes.decision import decide
+from probes.kinds.pooling import masked_mean
 from probes.learner import Learner
-from probes.pooling import masked_mean
 from probes.probe import Probe, build_probe
 from schemas import Verdict
 from tests.conftest import RedisNamespace

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from probes.cache import HiddenStateCache, shard_path
 from probes.errors import CacheError
-from probes.pooling import masked_max, masked_mean
+from probes.kinds.pooling import masked_max, masked_mean
+from probes.offline.cache import HiddenStateCache, shard_path
 from tests.unit.offline_helpers import tiny_extractor, write_labeled
 from worker.errors import OfflineError
 from worker.offline.build_cache import build_cache, default_token_layers
@@ -123,7 +123,7 @@ def test_bad_input_lines_are_named(tmp_path, extractor) -> None:
 def test_bf16_caches_hold_what_fp16_cannot(tmp_path, extractor) -> None:
     # Gemma 3's residual stream reaches |h| ~ 1e5 in its middle layers: fp16 (max 65504)
     # refuses such a shard and names the fix; a bf16 cache stores it, finite and close.
-    from probes.cache import shard_tensors
+    from probes.offline.cache import shard_tensors
 
     data = write_labeled(tmp_path / "d.jsonl", 6)
     fp16 = build_cache(data, tmp_path / "a", extractor, token_layers=[2], progress=False)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from probes import ProbeError
-from probes.control import control_key, control_targets, label_predictability
+from probes.offline.control import control_key, control_targets, label_predictability
 
 
 def zipf_keys(n: int, vocab: int = 400, seed: int = 0) -> list[str]:

@@ -9,7 +9,8 @@
                                                                    demo over the rest)
     entry     commands, cli                                        anything
 
-``schemas`` and ``probes`` import no Kafka, Redis or transformers, and nothing of worker.
+``schemas`` and ``probes`` import no Kafka, Redis or transformers, and nothing of worker;
+the probe core (``probes``, ``probes.kinds``) never imports ``probes.offline``.
 Every import counts: top-level, lazy (inside functions) and ``TYPE_CHECKING`` ones.
 """
 
@@ -79,6 +80,10 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+def _offline(module: str) -> bool:
+    return module == "probes.offline" or module.startswith("probes.offline.")
+
+
 def layer_violations(package: str) -> list[str]:
     found = []
     for path in sorted((ROOT / package).rglob("*.py")):
@@ -89,6 +94,8 @@ def layer_violations(package: str) -> list[str]:
             if package in ("schemas", "probes"):
                 if top in OUTSIDE_SYSTEMS or (package == "schemas" and top == "probes"):
                     found.append(where)
+                elif _offline(target) and not _offline(me):
+                    found.append(f"{where} (the probe core may not import probes.offline)")
                 continue
             if top != "worker":
                 continue
@@ -118,11 +125,14 @@ def test_the_check_catches_an_upward_import(tmp_path: Path, monkeypatch) -> None
         "from worker.scoring.scorer import Scorer\n"
         "def f():\n    from worker.demo.run import DemoRun\n"
     )
-    (tmp_path / "probes").mkdir()
-    (tmp_path / "probes" / "bad.py").write_text("import redis\nfrom worker import cli\n")
+    (tmp_path / "probes" / "offline").mkdir(parents=True)
+    (tmp_path / "probes" / "bad.py").write_text(
+        "import redis\nfrom worker import cli\nfrom probes.offline.fit import fit\n"
+    )
+    (tmp_path / "probes" / "offline" / "ok.py").write_text("from probes.offline.fit import fit\n")
     monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", tmp_path)
     assert len(layer_violations("worker")) == 2
-    assert len(layer_violations("probes")) == 2
+    assert len(layer_violations("probes")) == 3
 
 
 def test_every_name_in_all_exists() -> None:

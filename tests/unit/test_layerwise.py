@@ -5,11 +5,10 @@ from __future__ import annotations
 import torch
 
 from probes import build_probe
-from probes.control import control_targets
-from probes.dataset import ProbeDataset
-from probes.explain import class_layer_use
-from probes.fit import FitConfig
-from probes.layerwise import layer_slice, probe_layers
+from probes.offline.control import control_targets
+from probes.offline.dataset import ProbeDataset
+from probes.offline.fit import FitConfig
+from probes.offline.layerwise import class_layer_use, layer_slice, probe_layers
 from schemas import ProbeSpec
 from tests.unit.synthetic import D
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from probes import load_checkpoint
-from probes.cache import HiddenStateCache
+from probes.offline.cache import HiddenStateCache
 from tests.tiny_llm import make_tiny_llm
 from tests.unit.offline_helpers import write_labeled
 from worker.cli import main

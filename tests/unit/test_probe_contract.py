@@ -19,8 +19,8 @@ from probes import (
     probe_kinds,
     save_checkpoint,
 )
+from probes.kinds.pooling import SUMMARIES
 from probes.learner import Learner
-from probes.pooling import SUMMARIES
 from schemas import ProbeSpec
 from schemas.probe import LayerMix, TokenPool
 from tests.unit.synthetic import FINGERPRINT, make_spec, random_batch, toy_task
@@ -211,7 +211,7 @@ def test_invalid_inputs_are_named() -> None:
 def test_span_pooling_equals_the_masked_reference(layout: str) -> None:
     """Mean/max read only each row's real tokens when they form one run; any mask layout
     gives the masked reference, and NaN in the padding never leaks in."""
-    from probes.pooling import masked_max, masked_mean, real_spans
+    from probes.kinds.pooling import masked_max, masked_mean, real_spans
 
     g = torch.Generator().manual_seed(3)
     L, B, T, D = 3, 5, 9, 4
@@ -236,7 +236,7 @@ def test_span_pooling_equals_the_masked_reference(layout: str) -> None:
     torch.testing.assert_close(masked_max(hidden, mask), max_ref)
 
     # The scoring gate takes the same span path; compare with its masked formula.
-    from probes.gate import ScoringGate
+    from probes.kinds.gate import ScoringGate
     from tests.registry_helpers import toxicity_spec
 
     gate = ScoringGate(

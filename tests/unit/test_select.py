@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from probes import ProbeError
-from probes.dataset import ProbeDataset
-from probes.fit import FitConfig, predict_dataset
-from probes.select import (
+from probes.offline.dataset import ProbeDataset
+from probes.offline.fit import FitConfig, predict_dataset
+from probes.offline.select import (
     choose_depth,
     cross_validate,
     depth_candidates,
@@ -20,7 +20,7 @@ from probes.select import (
     select_depth,
     stratified_folds,
 )
-from tests.unit.test_train import spec_for, token_dataset
+from tests.unit.test_fit import spec_for, token_dataset
 
 
 def test_folds_are_stratified_and_cover_every_row() -> None:

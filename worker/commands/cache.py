@@ -107,7 +107,7 @@ def _build(args: argparse.Namespace) -> int:
 
 @offline_errors
 def _info(args: argparse.Namespace) -> int:
-    from probes.cache import HiddenStateCache
+    from probes.offline.cache import HiddenStateCache
 
     cache = HiddenStateCache(args.cache)
     return _report(args.cache, cache.manifest, as_json=args.json, missing=cache.missing_shards())
@@ -116,7 +116,7 @@ def _info(args: argparse.Namespace) -> int:
 def _report(
     out: Path, manifest: CacheManifest, *, as_json: bool, missing: list[int] | None = None
 ) -> int:
-    from probes.cache import HiddenStateCache
+    from probes.offline.cache import HiddenStateCache
 
     cache = HiddenStateCache(out)
     missing = cache.missing_shards() if missing is None else missing

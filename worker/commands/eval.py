@@ -68,7 +68,7 @@ def _run(args: argparse.Namespace) -> int:
 
     _check_science(args)
     if args.cache is not None:
-        from probes.cache import HiddenStateCache
+        from probes.offline.cache import HiddenStateCache
 
         probe, report = evaluate_on_cache(args.checkpoint, HiddenStateCache(args.cache))
     else:
@@ -101,8 +101,8 @@ def _run(args: argparse.Namespace) -> int:
 def _science(args: argparse.Namespace, probe: Any, report: dict[str, Any]) -> None:
     import logging
 
-    from probes.cache import HiddenStateCache
-    from probes.fit import FitConfig
+    from probes.offline.cache import HiddenStateCache
+    from probes.offline.fit import FitConfig
     from worker.offline import probe_science as ps
 
     cache = HiddenStateCache(args.cache)

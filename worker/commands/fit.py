@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 from worker.commands._common import layer_list, offline_errors, print_json
 
 if TYPE_CHECKING:
-    from probes.select import CVResult, DepthSearch
+    from probes.offline.select import CVResult, DepthSearch
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     from probes import LAYER_MIXES, TOKEN_POOLS
-    from probes.fit import FitConfig
+    from probes.offline.fit import FitConfig
     from worker.offline.fit_eval import ProbeOptions
 
     d, o = FitConfig(), ProbeOptions()
@@ -155,8 +155,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 @offline_errors
 def _run(args: argparse.Namespace) -> int:
-    from probes.cache import HiddenStateCache
-    from probes.fit import FitConfig
+    from probes.offline.cache import HiddenStateCache
+    from probes.offline.fit import FitConfig
     from schemas import OperatingPoint
     from worker.offline.fit_eval import ProbeOptions, save_fit, train_probe, train_probe_depth
     from worker.settings import load_settings

@@ -29,7 +29,7 @@ import torch
 from probes.checkpoint import MANIFEST_FILE, TENSORS_FILE, probe_from_bytes
 from probes.decision import decide
 from probes.explain import layer_breakdown, token_weights
-from probes.pooling import real_token_index
+from probes.kinds.pooling import real_token_index
 from worker.errors import ExplainError, ExtractionInputError, LensUnavailable
 from worker.llm.lens import LogitLens
 

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from probes.kinds.pooling import SUMMARIES
 from probes.learner import Learner
 from probes.metrics import choose_thresholds
-from probes.pooling import SUMMARIES
 from probes.probe import Probe, keep_layers, slice_layer_state
 from schemas import OperatingPoint, StateDtype, TrainingCounters
 from worker.learning.replay import Example, Prequential, ReplayBuffer, collate_chunks

@@ -1,6 +1,6 @@
 """Build a hidden-state cache: run the extractor once over a labeled file, shard by shard.
 
-What is stored, and why (see ``probes.cache`` for the byte layout):
+What is stored, and why (see ``probes.offline.cache`` for the byte layout):
 
 - **per-layer summaries** (mean, max, first, last over real tokens) for every
   layer: all that the separable probes (mean/max/first/last pooling, with any
@@ -27,7 +27,8 @@ from typing import Protocol
 import torch
 from tqdm import tqdm
 
-from probes.cache import (
+from probes.errors import ProbeError
+from probes.offline.cache import (
     MANIFEST,
     HiddenStateCache,
     concat_batches,
@@ -36,7 +37,6 @@ from probes.cache import (
     write_manifest,
     write_shard,
 )
-from probes.errors import ProbeError
 from schemas import (
     CacheManifest,
     CacheSource,

@@ -22,12 +22,12 @@ from probes import (
     load_checkpoint,
     save_checkpoint,
 )
-from probes.cache import HiddenStateCache, features_for
 from probes.checkpoint import WeightFormat
-from probes.dataset import ProbeDataset
-from probes.fit import FitConfig, FitResult, fit, predict_dataset
 from probes.metrics import evaluate
-from probes.select import CVResult, DepthSearch, fit_cv, select_depth
+from probes.offline.cache import HiddenStateCache, features_for
+from probes.offline.dataset import ProbeDataset
+from probes.offline.fit import FitConfig, FitResult, fit, predict_dataset
+from probes.offline.select import CVResult, DepthSearch, fit_cv, select_depth
 from schemas import LabeledText, LayerMix, ProbeSpec, TokenPool, TrainingCounters
 from worker.errors import OfflineError
 from worker.offline.build_cache import ExtractorLike
@@ -123,8 +123,8 @@ def train_probe(
     """Build a probe for ``opts``, load its features and fit it.
 
     Model selection: with ``val_cache``, early stopping and thresholds on that file
-    (:func:`probes.fit.fit`); else with ``folds >= 2``, k-fold cross-validation on the
-    cache, then a refit on all of it (:func:`probes.select.fit_cv`; the second value);
+    (:func:`probes.offline.fit.fit`); else with ``folds >= 2``, k-fold cross-validation on the
+    cache, then a refit on all of it (:func:`probes.offline.select.fit_cv`; the second value);
     else on a stratified ``val_fraction`` of the cache."""
     layers = _layers_for(cache, opts)
     data = load_split(cache, opts.token_pool, layers, opts.target)
@@ -174,7 +174,7 @@ def train_probe_depth(
     """Like :func:`train_probe` with k-fold selection, and the depth too: each candidate
     deepest layer (``depths``, default every layer of ``opts``) is cross-validated with the
     layers up to it, the shallowest within ``epsilon`` mean AUPRC of the best is refit
-    (:func:`probes.select.select_depth`). The probe's ``layers`` record the choice."""
+    (:func:`probes.offline.select.select_depth`). The probe's ``layers`` record the choice."""
     if folds < 2:
         raise OfflineError(f"a depth search cross-validates: it needs --folds >= 2, got {folds}")
     spec, data = prepare(cache, opts)

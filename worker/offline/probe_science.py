@@ -1,6 +1,6 @@
 """What a probe knows and where, on caches: per-layer curves, control tasks and selectivity,
-per-class layer use. The glue between caches, labeled files and :mod:`probes.layerwise`,
-:mod:`probes.control` and :func:`probes.explain.class_layer_use`; ``eval`` and
+per-class layer use. The glue between caches, labeled files and :mod:`probes.offline.layerwise`,
+:mod:`probes.offline.control` and :func:`probes.offline.layerwise.class_layer_use`; ``eval`` and
 ``bench/probe_science.py`` call these.
 """
 
@@ -15,12 +15,11 @@ from typing import Any
 from torch import Tensor
 
 from probes import ProbeError
-from probes.cache import HiddenStateCache
-from probes.control import control_key, control_targets, label_predictability
-from probes.dataset import ProbeDataset
-from probes.explain import class_layer_use
-from probes.fit import FitConfig
-from probes.layerwise import fit_and_measure, probe_layers
+from probes.offline.cache import HiddenStateCache
+from probes.offline.control import control_key, control_targets, label_predictability
+from probes.offline.dataset import ProbeDataset
+from probes.offline.fit import FitConfig
+from probes.offline.layerwise import class_layer_use, fit_and_measure, probe_layers
 from probes.probe import Probe
 from schemas import ProbeSpec
 from worker.errors import OfflineError

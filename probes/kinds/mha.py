@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from probes.kinds import TokenPoolModule, register_token_pool
-from probes.pooling import masked_mean
+from probes.kinds.base import TokenPoolModule, register_token_pool
+from probes.kinds.pooling import masked_mean
 from schemas import ProbeSpec
 
 __all__ = ["DowncastMHA"]

@@ -44,10 +44,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from probes.dataset import ProbeDataset
 from probes.errors import ProbeError
-from probes.fit import FitConfig, FitResult, epoch_score, fit
 from probes.metrics import choose_thresholds, evaluate
+from probes.offline.dataset import ProbeDataset
+from probes.offline.fit import FitConfig, FitResult, epoch_score, fit
 from probes.probe import build_probe
 from schemas import ProbeSpec
 

@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from probes.kinds import TokenPoolModule, register_token_pool
+from probes.kinds.base import TokenPoolModule, register_token_pool
 from schemas import ProbeSpec
 
 __all__ = [

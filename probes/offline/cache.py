@@ -36,9 +36,9 @@ from safetensors.torch import save as st_save
 from torch import Tensor
 
 from probes._io import atomic_write
-from probes.dataset import ProbeDataset
 from probes.errors import CacheError
-from probes.pooling import SUMMARIES
+from probes.kinds.pooling import SUMMARIES
+from probes.offline.dataset import ProbeDataset
 from schemas import CacheManifest, Task, describe_error
 
 __all__ = [

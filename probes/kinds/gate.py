@@ -15,8 +15,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from probes.kinds import TokenPoolModule, register_token_pool
-from probes.pooling import per_span, real_spans
+from probes.kinds.base import TokenPoolModule, register_token_pool
+from probes.kinds.pooling import per_span, real_spans
 from schemas import ProbeSpec
 
 __all__ = ["ScoringGate"]

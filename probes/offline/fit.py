@@ -11,7 +11,7 @@ is scored and the monitored metric decides early stopping. The best epoch's
 weights are restored and the decision thresholds are chosen on validation (at
 ``config.operating_point``). Without a validation split (``val=None``) it trains
 exactly ``max_epochs`` epochs and leaves the thresholds alone: that is how
-:mod:`probes.select` refits on all rows once cross-validation chose the epochs
+:mod:`probes.offline.select` refits on all rows once cross-validation chose the epochs
 and thresholds.
 """
 
@@ -26,10 +26,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from probes.dataset import ProbeDataset
 from probes.errors import ProbeError
 from probes.learner import Learner
 from probes.metrics import choose_thresholds, evaluate
+from probes.offline.dataset import ProbeDataset
 from probes.probe import Probe
 from schemas import OperatingPoint, ProbeSpec
 

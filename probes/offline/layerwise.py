@@ -8,9 +8,9 @@
 
 For each layer ``l`` of the data, a probe of ``spec``'s kind reads layer ``l`` alone
 (``layer_mix="single"``) and is fitted on ``train`` with early stopping and thresholds on
-a fixed, id-hashed share of ``train`` (:func:`probes.select.held_out`, ``val_share``);
+a fixed, id-hashed share of ``train`` (:func:`probes.offline.select.held_out`, ``val_share``);
 its headline F1 and AUPRC are measured on ``test``, which no choice saw. With ``control``
-targets (:mod:`probes.control`) the same probe is fitted and measured again on them,
+targets (:mod:`probes.offline.control`) the same probe is fitted and measured again on them,
 and **selectivity** = task metric - control metric (Hewitt & Liang): a probe that only
 learns surface features from a layer scores as well on the control and has selectivity
 near 0.
@@ -23,17 +23,19 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from probes.dataset import ProbeDataset
 from probes.errors import ProbeError
-from probes.fit import FitConfig, fit, predict_dataset
+from probes.explain import ClassLayerUse, class_layer_use_batches
 from probes.metrics import evaluate
-from probes.probe import build_probe
-from probes.select import held_out
+from probes.offline.dataset import ProbeDataset
+from probes.offline.fit import FitConfig, fit, predict_dataset
+from probes.offline.select import held_out
+from probes.probe import Probe, build_probe
 from schemas import ProbeSpec
 
-__all__ = ["fit_and_measure", "layer_slice", "probe_layers"]
+__all__ = ["class_layer_use", "fit_and_measure", "layer_slice", "probe_layers"]
 
 
 def layer_slice(data: ProbeDataset, layers: list[int]) -> ProbeDataset:
@@ -114,3 +116,14 @@ def probe_layers(
             progress(row)
         rows.append(row)
     return rows
+
+
+@torch.no_grad()
+def class_layer_use(probe: Probe, data: ProbeDataset, batch_size: int = 128) -> ClassLayerUse:
+    """Per-class, per-layer contributions of ``probe`` over every row of ``data`` (whose
+    layers and labels must be the probe's; see :class:`ClassLayerUse`)."""
+    batches = (
+        data.batch(torch.arange(start, min(start + batch_size, len(data))))
+        for start in range(0, len(data), batch_size)
+    )
+    return class_layer_use_batches(probe, batches)

@@ -16,7 +16,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from probes.kinds import LayerMixModule, register_layer_mix
+from probes.kinds.base import LayerMixModule, register_layer_mix
 from schemas import ProbeSpec
 
 __all__ = ["LayerGate", "ScalarMix", "SingleLayer", "spread_layers"]

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from probes import ProbeError, build_probe
-from probes.dataset import ProbeDataset
-from probes.fit import FitConfig, class_weights, fit, predict_dataset
-from probes.pooling import masked_mean
+from probes.kinds.pooling import masked_mean
+from probes.offline.dataset import ProbeDataset
+from probes.offline.fit import FitConfig, class_weights, fit, predict_dataset
 from schemas import ProbeSpec
 from tests.unit.synthetic import D, toy_task
 
