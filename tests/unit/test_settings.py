@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from schemas import Limits
 from worker.errors import ConfigError
 from worker.kafka.clients import client_config
 from worker.settings import Settings
@@ -166,7 +167,40 @@ def test_keys_docstring_table_lists_every_key() -> None:
     assert "worker/store/redis.py" in readme and "`Keys`" in readme
 
 
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``PROBEGUARD_*`` (or ``REDIS_URL``) variable of the machine reaches ``Settings()``."""
+    import os
+
+    for name in list(os.environ):
+        if name.upper().startswith("PROBEGUARD_") or name.upper() == "REDIS_URL":
+            monkeypatch.delenv(name)
+
 
 def test_every_setting_is_described() -> None:
     bare = [n for n, f in Settings.model_fields.items() if not (f.description or "").strip()]
     assert not bare, f"settings without description=: {bare}"
+
+
+@pytest.mark.usefixtures("clean_env")
+def test_defaults_are_the_settings_defaults() -> None:
+    from worker.settings import DEFAULTS
+
+    assert Settings() == DEFAULTS  # model_construct() skips the environment, not the defaults
+
+
+@pytest.mark.usefixtures("clean_env")
+def test_slices_default_to_the_settings_defaults() -> None:
+    """Each default is stated once, in `Settings`: the slices' own defaults agree with it."""
+    from worker.learning.online_learner import LearningConfig
+    from worker.rollout.policy import Policy
+    from worker.store.evidence import EvidenceStore
+
+    settings = Settings()
+    assert LearningConfig.from_settings(settings) == LearningConfig()
+    assert Policy.from_settings(settings) == Policy()
+    assert Policy().mode == settings.rollout_mode == "auto_live"
+    store = EvidenceStore.from_settings(None, settings)
+    default = EvidenceStore(None, Keys(settings.redis_prefix))
+    assert (store.pairs_max, store.marker_ttl_s) == (default.pairs_max, default.marker_ttl_s)
+    assert settings.limits == Limits()  # the wire limits default to the schemas' own

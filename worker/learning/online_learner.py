@@ -30,6 +30,7 @@ from probes.metrics import choose_thresholds
 from probes.probe import Probe, keep_layers, slice_layer_state
 from schemas import OperatingPoint, StateDtype, TrainingCounters
 from worker.learning.replay import Example, Prequential, ReplayBuffer, collate_chunks
+from worker.settings import DEFAULTS, Settings
 
 __all__ = ["LearningConfig", "OnlineLearner"]
 
@@ -38,26 +39,29 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LearningConfig:
-    lr: float = 3e-4  # Lion learning rate (its step size is fixed: lr · sign)
-    weight_decay: float = 0.01
-    batch_size: int = 32  # new examples per step; at least as many replayed join them
-    steps_per_batch: int = 2  # Lion steps on each mini-batch
-    replay_size: int = 1024  # class-balanced memory, examples
-    prequential_window: int = 500  # test-then-train window, examples
-    stats_warmup: int = 64  # a fresh probe's normalization comes from this many examples
-    ema_decay: float | None = None  # publish an EMA of the weights (None: the weights)
-    calibrate_min_positives: int = 20  # positives a label needs before its threshold moves
-    mix_entropy: float = 0.05  # weight of the layer-mix entropy penalty (see probes.learner)
-    layer_lr_scale: float = 30.0  # learning-rate multiplier of the layer-mix scalars
-    operating_point: OperatingPoint = OperatingPoint()  # where calibrated thresholds go
-    state_dtype: StateDtype = "float16"  # how replay stores hidden states
+    """The updater's learning settings; every default is the ``PROBEGUARD_*`` setting's
+    (``DEFAULTS``), so ``LearningConfig()`` and ``from_settings(Settings())`` agree."""
+
+    lr: float = DEFAULTS.learn_lr  # Lion learning rate (its step size is fixed: lr · sign)
+    weight_decay: float = DEFAULTS.learn_weight_decay
+    batch_size: int = DEFAULTS.learn_batch_size  # new examples per step; as many replayed join
+    steps_per_batch: int = DEFAULTS.learn_steps_per_batch  # Lion steps on each mini-batch
+    replay_size: int = DEFAULTS.replay_size  # class-balanced memory, examples
+    prequential_window: int = DEFAULTS.prequential_window  # test-then-train window, examples
+    stats_warmup: int = DEFAULTS.stats_warmup  # a fresh probe's normalization comes from these
+    ema_decay: float | None = DEFAULTS.ema_decay  # publish an EMA of the weights (None: weights)
+    calibrate_min_positives: int = DEFAULTS.calibrate_min_positives  # before a threshold moves
+    mix_entropy: float = DEFAULTS.learn_mix_entropy  # layer-mix entropy penalty (probes.learner)
+    layer_lr_scale: float = DEFAULTS.learn_layer_lr_scale  # lr multiplier of the mix scalars
+    operating_point: OperatingPoint = DEFAULTS.flag_operating_point  # where thresholds go
+    state_dtype: StateDtype = DEFAULTS.state_dtype  # how replay stores hidden states
     # Drop the deepest layers whose scalar-mix weight stayed below this for
     # `drop_layer_publishes` publishes in a row (0: never; see drop_negligible_layers).
-    drop_layer_weight: float = 0.0
-    drop_layer_publishes: int = 5
+    drop_layer_weight: float = DEFAULTS.learn_drop_layer_weight
+    drop_layer_publishes: int = DEFAULTS.learn_drop_layer_publishes
 
     @classmethod
-    def from_settings(cls, settings: Any) -> LearningConfig:
+    def from_settings(cls, settings: Settings) -> LearningConfig:
         return cls(
             lr=settings.learn_lr,
             weight_decay=settings.learn_weight_decay,

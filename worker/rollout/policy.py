@@ -41,13 +41,11 @@ from __future__ import annotations
 import math
 from collections.abc import Set
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
+from worker.settings import DEFAULTS, Settings
 from worker.store.checkpoints import Stages
 from worker.store.evidence import Confusion, Evidence
-
-if TYPE_CHECKING:
-    from worker.settings import Settings
 
 __all__ = ["Action", "Mode", "Policy", "RolloutDecision", "Situation", "next_action"]
 
@@ -58,17 +56,22 @@ Number = float | int | str | bool | None
 
 @dataclass(frozen=True)
 class Policy:
-    """The thresholds of the automatic rollout (``PROBEGUARD_*`` settings of the same name)."""
+    """The thresholds of the automatic rollout (``PROBEGUARD_*`` settings of the same name).
 
-    mode: Mode = "canary"
-    canary_share: float = 0.1
-    promote_min_labels: int = 200
-    promote_epsilon: float = 0.02  # ε: promote when canary F1 >= live F1 - ε
-    rollback_delta: float = 0.05  # δ: roll back when canary F1 < live F1 - δ
-    rollback_min_labels: int = 50
-    rollback_flag_rate_factor: float = 2.0  # k
-    rollback_min_messages: int = 200
-    refusal_grace_s: float = 10.0  # how long a refusal waits for other scorers' loads
+    Every default is the setting's (``DEFAULTS``), so ``Policy()`` and
+    ``from_settings(Settings())`` agree."""
+
+    mode: Mode = DEFAULTS.rollout_mode
+    canary_share: float = DEFAULTS.canary_share
+    promote_min_labels: int = DEFAULTS.promote_min_labels
+    promote_epsilon: float = DEFAULTS.promote_epsilon  # ε: promote when canary F1 >= live F1 - ε
+    rollback_delta: float = DEFAULTS.rollback_delta  # δ: roll back when canary F1 < live F1 - δ
+    rollback_min_labels: int = DEFAULTS.rollback_min_labels
+    rollback_flag_rate_factor: float = DEFAULTS.rollback_flag_rate_factor  # k
+    rollback_min_messages: int = DEFAULTS.rollback_min_messages
+    # How long a refusal waits for other scorers' loads: every scorer re-reads the stages
+    # at least every stage_check_interval_s.
+    refusal_grace_s: float = 2 * DEFAULTS.stage_check_interval_s
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Policy:
@@ -81,7 +84,6 @@ class Policy:
             rollback_min_labels=settings.rollback_min_labels,
             rollback_flag_rate_factor=settings.rollback_flag_rate_factor,
             rollback_min_messages=settings.rollback_min_messages,
-            # Every scorer re-reads the stages at least this often.
             refusal_grace_s=2 * settings.stage_check_interval_s,
         )
 

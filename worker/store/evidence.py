@@ -42,6 +42,7 @@ from pydantic import ValidationError
 
 from probes.metrics import precision_recall_f1
 from schemas import DecidedRecord, ProbeDecision
+from worker.settings import DEFAULTS, Settings
 from worker.store.redis import Keys
 
 __all__ = ["Confusion", "Evidence", "EvidenceStore"]
@@ -167,8 +168,8 @@ class EvidenceStore:
         client: Any,
         keys: Keys,
         *,
-        pairs_max: int = 2000,
-        marker_ttl_s: int = 7 * 86400,
+        pairs_max: int = DEFAULTS.evidence_pairs,
+        marker_ttl_s: int = DEFAULTS.text_cache_ttl_s,
         cache: Any = None,
     ) -> None:
         self.client: Any = client
@@ -179,7 +180,7 @@ class EvidenceStore:
         self.marker_ttl_s = marker_ttl_s
 
     @classmethod
-    def from_settings(cls, client: Any, settings: Any, *, cache: Any = None) -> EvidenceStore:
+    def from_settings(cls, client: Any, settings: Settings, *, cache: Any = None) -> EvidenceStore:
         """Under ``settings.redis_prefix``; label markers live as long as cached texts (and
         with them in ``cache``, the text cache's client, when given)."""
         return cls(
