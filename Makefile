@@ -52,7 +52,7 @@ lint: $(STAMP)  ## ruff (lint + format check) and mypy
 demo: $(STAMP)  ## the main job: broker + Redis + scorer + updater on a replayed stream, report
 	$(BIN)/probeguard demo
 
-console: $(STAMP)  ## serve the web console (PROBEGUARD_CONSOLE_USERS, see README)
+console: $(STAMP)  ## serve the web console (PROBEGUARD_CONSOLE_USERS, see docs/console.md)
 	$(BIN)/probeguard console
 
 up: $(STAMP)  ## run the embedded Kafka-protocol broker + Redis in the foreground

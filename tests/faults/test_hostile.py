@@ -1,4 +1,4 @@
-"""Hostile input and bad days (issue 13): every input accounted for, nothing stalls.
+"""Hostile input and bad days: every input accounted for, nothing stalls.
 
 Like test_faults.py, each test owns its broker and Redis and adds a row to the summary
 table. Rows about labels count "verdicts" as labels learned (reflected in a published
@@ -66,7 +66,7 @@ def learned(reg: CheckpointRegistry) -> int:
 def test_oversized_and_garbage_payloads_on_every_partition(
     stack: Stack, threads: list[Threaded]
 ) -> None:
-    # The operator's scenario of issue 13: 900 KB on each partition used to stall it for
+    # The operator's scenario: 900 KB on each partition used to stall it for
     # good (a dead letter over the producer's 1 MiB limit, retried forever).
     s = stack.settings
     scorer = Scorer(s, extractor(), make_redis(s), worker_id="scorer-f")

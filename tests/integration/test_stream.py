@@ -159,7 +159,7 @@ def _per_partition(settings: Settings, topic: str, records: list[tuple[int, byte
 def test_oversized_payloads_on_every_partition_are_bounded_letters_and_no_partition_stalls(
     settings: Settings,
 ) -> None:
-    # The operator's scenario of issue 13: 900 KB of text (valid JSON, over the text limit)
+    # The operator's scenario: 900 KB of text (valid JSON, over the text limit)
     # and 900 KB of garbage on each partition, then ordinary messages. Their letters used
     # to exceed the producer's 1 MiB limit, and the loop rewound forever.
     ensure_topics(

@@ -82,7 +82,7 @@ class LiveView:
 
         A handler writing to the terminal directly moves the cursor behind rich's back:
         the next refresh then redraws too few lines up, so every refresh left a partial
-        frame behind, interleaved with the log lines (issue 16). While ``Live`` runs,
+        frame behind, interleaved with the log lines. While ``Live`` runs,
         ``sys.stderr``/``sys.stdout`` are its proxies; pointing the handlers at them keeps
         every line and the frame in place. (``worker.logs.StderrHandler`` follows
         ``sys.stderr`` by itself; this catches handlers bound to the terminal, e.g. a
