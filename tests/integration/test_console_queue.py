@@ -12,8 +12,8 @@ from schemas import DeadLetter, HumanLabel, ReviewRequest, utcnow
 from tests.conftest import RedisNamespace
 from tests.kafka_helpers import committed_total, drain, produce_raw
 from tests.process_helpers import wait_until
-from worker.console.queue import ReviewQueue
 from worker.errors import ReviewError
+from worker.review.queue import ReviewQueue
 from worker.settings import Settings
 
 pytestmark = pytest.mark.integration

@@ -11,9 +11,9 @@ from kafka import TopicPartition
 from worker.cli import main
 from worker.console.auth import LoginThrottle, hash_password, parse_users
 from worker.console.charts import bar_chart, line_chart
-from worker.console.queue import OffsetTracker
 from worker.console.web import safe_next
 from worker.errors import ConfigError
+from worker.review.queue import OffsetTracker
 
 TEMPLATES = Path(__file__).parents[2] / "worker" / "console" / "templates"
 

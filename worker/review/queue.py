@@ -35,9 +35,9 @@ from kafka.structs import OffsetAndMetadata
 from pydantic import ValidationError
 
 from schemas import DeadLetter, HumanLabel, ProbeSpec, ReviewRequest, describe_error, utcnow
-from worker.console.claims import ClaimStore, is_done
 from worker.errors import ReviewError
 from worker.kafka.clients import consumer_lag, make_consumer, make_producer
+from worker.review.claims import ClaimStore, is_done
 from worker.settings import Settings
 from worker.store.redis import Keys
 
