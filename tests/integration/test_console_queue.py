@@ -3,17 +3,21 @@ claim timeouts, redelivery after a restart, bad payloads, leaving."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+from kafka import TopicPartition
+from kafka.errors import KafkaTimeoutError
 
 from schemas import DeadLetter, HumanLabel, ReviewRequest, utcnow
 from tests.conftest import RedisNamespace
 from tests.kafka_helpers import committed_total, drain, produce_raw
 from tests.process_helpers import wait_until
 from worker.errors import ReviewError
-from worker.review.queue import ReviewQueue
+from worker.review.queue import ReviewItem, ReviewQueue
 from worker.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -187,3 +191,57 @@ def test_leaving_releases_the_claim_and_sends_held_answers(
     (label,) = labels(s, 1)  # sent at once, not after 300 s
     assert label.message_id == first.request.message_id
     assert q.next_item("ben") is not None  # the released item is free
+
+
+def request(mid: str, text: str = "some text") -> ReviewRequest:
+    return ReviewRequest(
+        message_id=mid,
+        text=text,
+        probe="toxicity",
+        version=1,
+        scores={"ok": 0.4, "toxic": 0.6},
+        reason="uncertain",
+        created_at=utcnow(),
+    )
+
+
+class _FlakyProducer:
+    """``send`` raises the first ``failures`` times (as kafka-python does when the
+    topic's metadata cannot be fetched within ``max_block_ms``), then succeeds."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.sent: list[tuple[str, bytes]] = []
+
+    def send(self, topic: str, key: bytes | None = None, value: bytes = b"") -> Any:
+        if self.failures:
+            self.failures -= 1
+            raise KafkaTimeoutError("Failed to update metadata after 60.0 secs.")
+        self.sent.append((topic, value))
+        return self
+
+    def get(self, timeout: float | None = None) -> None:
+        return None
+
+
+def test_the_flusher_keeps_answers_whose_send_raised(
+    qsettings: Settings, redis_ns: RedisNamespace
+) -> None:
+    """M7: an answer whose ``send()`` raised stays held and is sent on a later round."""
+    q = ReviewQueue(qsettings, redis_ns.client)
+    q.producer = _FlakyProducer(failures=1)
+    req = request("m7-1")
+    key = f"{req.probe}:{req.message_id}"
+    q.items[key] = ReviewItem(
+        key, req, ("ok", "toxic"), False, (), [(TopicPartition("t", 0), 0)], time.time()
+    )
+    assert q.next_item("ann") is not None
+    q.answer("ann", key, ["toxic"])
+    q._send_due()  # raises inside send(): the answer must not be lost
+    assert not q.sending and q.stats().held == 1 and q.send_failures == 1
+    for stack in q.held.values():  # skip the retry backoff
+        for h in stack:
+            h.due = 0.0
+    q._send_due()
+    assert len(q.producer.sent) == 1 and q.sent == 1
+    assert not q.sending and q.stats().held == 0 and key not in q.items

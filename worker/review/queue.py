@@ -456,7 +456,7 @@ class ReviewQueue:
         while not self._stop.wait(0.1):
             try:
                 self._send_due()
-            except Exception as exc:  # keep the thread; the answers stay held
+            except Exception as exc:  # keep the thread; _send_due keeps the answers
                 log.warning("sending labels: %s", exc)
 
     def _send_due(self) -> None:
@@ -469,15 +469,22 @@ class ReviewQueue:
         if not due:
             return
         topic = self.settings.topic_labels
-        futures = [
-            self.producer.send(topic, key=h.label.message_id.encode(), value=h.label.encode())
-            for h in due
-        ]
-        for h, future in zip(due, futures, strict=True):
+        futures = []
+        for i, h in enumerate(due):
+            mid = h.label.message_id
+            try:
+                futures.append(
+                    (h, self.producer.send(topic, key=mid.encode(), value=h.label.encode()))
+                )
+            except Exception as exc:  # e.g. KafkaTimeoutError: no metadata within max_block_ms
+                for rest in due[i:]:  # the next sends would block as long: all wait a round
+                    self._retry(rest, f"label for {mid} not sent: {_why(exc)}")
+                break
+        for h, future in futures:
             try:
                 future.get(timeout=self.settings.kafka_request_timeout_ms / 1000 + 60)
-            except KafkaError as exc:
-                self._retry(h, f"label for {h.label.message_id} not acknowledged: {exc}")
+            except Exception as exc:  # whatever it was, the answer is kept and sent again
+                self._retry(h, f"label for {h.label.message_id} not acknowledged: {_why(exc)}")
                 continue
             self._acknowledged(h)
 
@@ -511,6 +518,10 @@ class _Revoked(ConsumerRebalanceListener):
 
     def on_partitions_assigned(self, assigned: Any) -> None:
         pass
+
+
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _lost(holder: str | None) -> str:
