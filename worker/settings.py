@@ -262,6 +262,9 @@ class Settings(BaseSettings):
     console_claim_ttl_s: Annotated[int, Field(ge=5, le=86_400)] = 60
     console_undo_s: Annotated[float, Field(ge=0.0, le=600.0)] = 10.0
     console_max_items: Annotated[int, Field(ge=1, le=100_000)] = 1000
+    # A skipped item is put back at the end of the review topic this long after its first
+    # skip (its partition's commits move on; it comes round again for everyone).
+    console_skip_s: Annotated[float, Field(ge=1.0, le=86_400.0)] = 600.0
     console_explain: bool = True  # load the LLM to explain queued items and the explain page
 
     # --- Process identity -----------------------------------------------
