@@ -517,6 +517,12 @@ class Settings(BaseSettings):
         description="Load the LLM to explain queued items and the explain page's texts "
         "(`false`: no explanations).",
     )
+    console_skip_s: Annotated[float, Field(ge=1.0, le=86_400.0)] = Field(
+        600.0,
+        description="A skipped review item is put back at the end of the review topic this "
+        "long after its first skip, seconds: its partition's commits move on and it comes "
+        "round again for everyone.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:

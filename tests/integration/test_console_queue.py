@@ -1,19 +1,23 @@
-"""The console's review queue on the real broker and Redis, without a browser:
-claim timeouts, redelivery after a restart, bad payloads, leaving."""
+"""The review queue on the real broker and Redis, without a browser: claim timeouts,
+abandoned screens, skips, redelivery after a restart, bad payloads, failed sends, leaving."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+from kafka import TopicPartition
+from kafka.errors import KafkaTimeoutError
 
 from schemas import DeadLetter, HumanLabel, ReviewRequest, utcnow
 from tests.conftest import RedisNamespace
 from tests.kafka_helpers import committed_total, drain, produce_raw
 from tests.process_helpers import wait_until
-from worker.console.queue import ReviewQueue
 from worker.errors import ReviewError
+from worker.review.queue import ReviewItem, ReviewQueue
 from worker.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -44,28 +48,40 @@ def start(settings: Settings, redis_ns: RedisNamespace, queues: list[ReviewQueue
     return q
 
 
-def put(settings: Settings, n: int) -> list[str]:
+def request(mid: str, text: str = "some text") -> ReviewRequest:
+    return ReviewRequest(
+        message_id=mid,
+        text=text,
+        probe="toxicity",
+        version=1,
+        scores={"ok": 0.4, "toxic": 0.6},
+        reason="uncertain",
+        created_at=utcnow(),
+    )
+
+
+def put(settings: Settings, n: int, key: bytes | None = None) -> list[str]:
+    """``n`` review requests, keyed by their ids (or all by ``key``: one partition)."""
     ids = [f"q-{uuid.uuid4().hex[:6]}-{i}" for i in range(n)]
     produce_raw(
         settings,
         settings.topic_review,
-        [
-            (
-                mid.encode(),
-                ReviewRequest(
-                    message_id=mid,
-                    text=f"text {i}",
-                    probe="toxicity",
-                    version=1,
-                    scores={"ok": 0.4, "toxic": 0.6},
-                    reason="uncertain",
-                    created_at=utcnow(),
-                ).encode(),
-            )
-            for i, mid in enumerate(ids)
-        ],
+        [(key or mid.encode(), request(mid, f"text {i}").encode()) for i, mid in enumerate(ids)],
     )
     return ids
+
+
+def offer(q: ReviewQueue, reviewer: str, what: str, timeout_s: float) -> ReviewItem:
+    """The item ``q`` offers ``reviewer`` once it offers one (asking as a page would)."""
+    got: list[ReviewItem] = []
+
+    def asked() -> bool:
+        item = q.next_item(reviewer)
+        got.extend([item] if item is not None else [])
+        return bool(got)
+
+    wait_until(asked, what, timeout_s)
+    return got[0]
 
 
 def labels(settings: Settings, n: int) -> list[HumanLabel]:
@@ -83,7 +99,7 @@ def test_a_timed_out_claim_moves_on_and_the_late_answer_is_refused(
     assert item is not None and q.next_item("ben") is None  # claimed: nothing for ben
     redis_ns.client.delete(redis_ns.keys.review_claim(item.key))  # ann's claim expires
     assert q.next_item("ben") is None  # ann still has it on screen in this console...
-    q.current.pop("ann")  # ...until her page goes (as after another console's restart)
+    q.current.pop("ann")  # ...until her page goes (the lease: see the abandoned-screen test)
     got = q.next_item("ben")
     assert got is not None and got.key == item.key
     with pytest.raises(ReviewError, match="no longer yours"):
@@ -187,3 +203,134 @@ def test_leaving_releases_the_claim_and_sends_held_answers(
     (label,) = labels(s, 1)  # sent at once, not after 300 s
     assert label.message_id == first.request.message_id
     assert q.next_item("ben") is not None  # the released item is free
+
+
+def test_one_oversized_bad_record_costs_only_itself(
+    qsettings: Settings, redis_ns: RedisNamespace, queues: list[ReviewQueue]
+) -> None:
+    """H1: the valid items polled with a bad record larger than a dead letter may hold
+    are still offered, and the bad one is dead-lettered bounded (a prefix, its size)."""
+    key, topic = b"one-partition", qsettings.topic_review
+    ids = [f"h1-{uuid.uuid4().hex[:6]}-{i}" for i in range(3)]
+    r1, r2, r3 = (request(mid).encode() for mid in ids)
+    produce_raw(qsettings, topic, [(key, r1), (key, b"x" * 70_000), (key, r2), (key, r3)])
+    q = start(qsettings, redis_ns, queues)
+    wait_until(lambda: q.stats().waiting == 3, "the three valid items", timeout_s=20)
+    (dead,) = drain(qsettings, qsettings.topic_dead_letter, lambda rs: len(rs) >= 1, 20)
+    letter = DeadLetter.decode(dead.value)
+    assert letter.error_kind == "invalid_json" and letter.source_offset == 1
+    assert letter.payload_size == 70_000 and letter.truncated
+    offered = []
+    while (item := q.next_item("ann")) is not None:
+        offered.append(item.request.message_id)
+        q.answer("ann", item.key, ["ok"])
+    assert offered == ids
+    group = qsettings.group_console
+    wait_until(lambda: committed_total(qsettings, group, topic) == 4, "all four committed", 20)
+
+
+def test_an_abandoned_screen_frees_its_item_when_the_claim_expires(
+    qsettings: Settings, redis_ns: RedisNamespace, queues: list[ReviewQueue]
+) -> None:
+    """H2: a tab closed without signing out holds its item only as long as the claim."""
+    s = qsettings.model_copy(update={"console_claim_ttl_s": 5})
+    put(s, 1)
+    q = start(s, redis_ns, queues)
+    wait_until(lambda: q.stats().waiting == 1, "the item to arrive")
+    item = q.next_item("ann")  # ...and ann's tab is closed: no heartbeat, no sign-out
+    assert item is not None and q.next_item("ben") is None
+    got = offer(q, "ben", "ben's offer", 15)
+    assert got.key == item.key and q.stats().claims_expired == 1
+    q.answer("ben", item.key, ["ok"])
+    group, topic = s.group_console, s.topic_review
+    wait_until(lambda: committed_total(s, group, topic) == 1, "its offset committed", 20)
+    with pytest.raises(ReviewError, match="no longer yours"):
+        q.answer("ann", item.key, ["toxic"])
+
+
+def test_skipped_items_do_not_stop_the_queue_at_the_cap(
+    qsettings: Settings, redis_ns: RedisNamespace, queues: list[ReviewQueue]
+) -> None:
+    """H2: items every reviewer skipped are set aside, not counted toward the cap."""
+    s = qsettings.model_copy(update={"console_max_items": 2})
+    ids = put(s, 2)
+    q = start(s, redis_ns, queues)
+    wait_until(lambda: len(q.items) == 2, "the first two items")
+    ids += put(s, 1)
+    time.sleep(1.0)
+    assert len(q.items) == 2  # at the cap: the consumer is paused
+    skipped = []
+    for _ in range(2):
+        item = q.next_item("ben")
+        assert item is not None
+        q.skip("ben", item.key)
+        skipped.append(item.request.message_id)
+    got = offer(q, "ben", "the third item", 30)
+    assert got.request.message_id == (set(ids) - set(skipped)).pop()
+
+
+def test_a_skipped_item_goes_back_to_the_tail_and_unpins_its_partition(
+    qsettings: Settings, redis_ns: RedisNamespace, queues: list[ReviewQueue]
+) -> None:
+    """H2: a skip hides the item from that reviewer; after ``console_skip_s`` it is put
+    back at the end of the review topic (commits move past it) and offered again."""
+    s = qsettings.model_copy(update={"console_skip_s": 1.0})
+    first, second = put(s, 2, key=b"one-partition")
+    q = start(s, redis_ns, queues)
+    wait_until(lambda: q.stats().waiting == 2, "the items to arrive")
+    item = q.next_item("ben")
+    assert item is not None and item.request.message_id == first
+    q.skip("ben", item.key)
+    other = q.next_item("ben")
+    assert other is not None and other.request.message_id == second
+    q.answer("ben", other.key, ["ok"])
+    group, topic = s.group_console, s.topic_review
+    wait_until(lambda: committed_total(s, group, topic) >= 2, "both first offsets committed", 20)
+    assert q.stats().requeued == 1
+    again = offer(q, "ben", "the item again", 20)
+    assert again.request.message_id == first
+    q.answer("ben", again.key, ["toxic"])
+    wait_until(lambda: committed_total(s, group, topic) == 3, "the copy committed too", 20)
+    assert sorted(lb.message_id for lb in labels(s, 2)) == sorted([second, first])
+
+
+class _FlakyProducer:
+    """``send`` raises the first ``failures`` times (as kafka-python does when the
+    topic's metadata cannot be fetched within ``max_block_ms``), then succeeds."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.sent: list[tuple[str, bytes]] = []
+
+    def send(self, topic: str, key: bytes | None = None, value: bytes = b"") -> Any:
+        if self.failures:
+            self.failures -= 1
+            raise KafkaTimeoutError("Failed to update metadata after 60.0 secs.")
+        self.sent.append((topic, value))
+        return self
+
+    def get(self, timeout: float | None = None) -> None:
+        return None
+
+
+def test_the_flusher_keeps_answers_whose_send_raised(
+    qsettings: Settings, redis_ns: RedisNamespace
+) -> None:
+    """M7: an answer whose ``send()`` raised stays held and is sent on a later round."""
+    q = ReviewQueue(qsettings, redis_ns.client)
+    q.producer = _FlakyProducer(failures=1)
+    req = request("m7-1")
+    key = f"{req.probe}:{req.message_id}"
+    q.items[key] = ReviewItem(
+        key, req, ("ok", "toxic"), False, (), [(TopicPartition("t", 0), 0)], time.time()
+    )
+    assert q.next_item("ann") is not None
+    q.answer("ann", key, ["toxic"])
+    q._send_due()  # raises inside send(): the answer must not be lost
+    assert not q.sending and q.stats().held == 1 and q.send_failures == 1
+    for stack in q.held.values():  # skip the retry backoff
+        for h in stack:
+            h.due = 0.0
+    q._send_due()
+    assert len(q.producer.sent) == 1 and q.sent == 1
+    assert not q.sending and q.stats().held == 0 and key not in q.items

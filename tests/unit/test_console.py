@@ -11,9 +11,9 @@ from kafka import TopicPartition
 from worker.cli import main
 from worker.console.auth import LoginThrottle, hash_password, parse_users
 from worker.console.charts import bar_chart, line_chart
-from worker.console.queue import OffsetTracker
 from worker.console.web import safe_next
 from worker.errors import ConfigError
+from worker.kafka.offsets import OffsetTracker
 
 TEMPLATES = Path(__file__).parents[2] / "worker" / "console" / "templates"
 
@@ -76,6 +76,10 @@ def test_offsets_commit_up_to_the_oldest_unanswered_item() -> None:
     t.resolve(tp, 3)
     t.resolve(other, 7)
     assert t.committable() == {tp: 5, other: 8}
+    t.done(t.committable())
+    t.reached(tp, 9)  # offsets 5-8 needed no work (dead letters, items already answered)
+    t.seen(tp, 9)
+    assert t.committable() == {tp: 9}
     t.forget({tp})
     assert tp not in t.committable()
 

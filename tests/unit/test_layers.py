@@ -4,7 +4,7 @@
 
     root      settings, errors, logs, health, plots, embedded     no sub-package
     adapters  llm (transformers), kafka, store (Redis)            root only
-    domain    scoring, learning, rollout                          + adapters
+    domain    scoring, learning, rollout, review                  + adapters
     apps      offline, explain, demo, console                     + domain (and each other,
                                                                    demo over the rest)
     entry     commands, cli                                        anything
@@ -33,6 +33,7 @@ RANK = {
     "scoring": 2,
     "learning": 2,
     "rollout": 2,
+    "review": 2,
     "offline": 3,
     "explain": 3,
     "console": 3,

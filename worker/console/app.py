@@ -29,7 +29,7 @@ from starlette.responses import Response
 from worker.console import web
 from worker.console.auth import LoginThrottle, User, hash_password
 from worker.console.explainer import Explainer, SpecCache
-from worker.console.queue import ReviewQueue
+from worker.review.queue import ReviewQueue
 from worker.settings import Settings
 from worker.store.evidence import EvidenceStore
 from worker.store.redis import Keys, make_text_redis

@@ -17,8 +17,8 @@ from pydantic import ValidationError
 from schemas import DecidedRecord
 from worker.console import web
 from worker.console.app import Console, console_of, flash, see_other, user_of
-from worker.console.queue import ReviewItem
 from worker.errors import ExplainError, ReviewError
+from worker.review.queue import ReviewItem
 
 __all__ = ["router"]
 

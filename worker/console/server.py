@@ -20,9 +20,9 @@ import uvicorn
 from worker.console.app import Console, create_app
 from worker.console.auth import User, parse_users
 from worker.console.explainer import Explainer, SpecCache
-from worker.console.queue import ReviewQueue
 from worker.errors import ConfigError, StackError
 from worker.kafka.clients import ensure_topics
+from worker.review.queue import ReviewQueue
 from worker.settings import Settings
 from worker.store.redis import Keys, make_redis
 

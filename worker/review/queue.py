@@ -1,26 +1,47 @@
-"""The review queue behind the console: ``moderation.review`` in, ``HumanLabel`` out.
+"""The review queue: ``moderation.review`` in, ``HumanLabel`` out.
 
-    consumer thread   polls the review topic as its own group (``PROBEGUARD_GROUP_CONSOLE``)
-                      -> items in memory, oldest first (bounded: the consumer pauses
-                      at ``console_max_items``); bad payloads -> dead-letter topic
-    reviewer          next_item() claims the oldest free item in Redis (a TTL claim, see
-                      claims.py), answer() / skip() / undo() / leave()
+    consumer thread   the shared :class:`~worker.kafka.batch_loop.BatchLoop` on the review
+                      topic, as the console's own group (``PROBEGUARD_GROUP_CONSOLE``): a
+                      record that does not decode costs only itself and is dead-lettered
+                      bounded (``DeadLetter.bounded``: a prefix, its size and sha256); the
+                      valid ones become items in memory, oldest first
+    reviewer          next_item() claims the oldest free item (a TTL claim in Redis, see
+                      claims.py), answer() / skip() / undo() / heartbeat() / leave()
     flusher thread    an answer waits ``console_undo_s`` for an undo, then is produced on
                       the labels topic; after the broker's acknowledgement the item is
-                      marked done in Redis and its offset becomes committable
-    consumer thread   commits, per partition, up to the oldest item still unanswered
+                      marked done in Redis and its offset resolved
+    consumer thread   commits, per partition, up to the oldest offset still open
+                      (:class:`~worker.kafka.offsets.OffsetTracker`: items are answered in
+                      any order, so the loop's own per-batch commits are off)
 
-So a review offset is committed only after the label for it (and for every item
-before it in the partition) was acknowledged; a console killed at any point loses no
-label and asks again at most the items whose labels were not acknowledged yet (a
-redelivered item that was labeled is recognised by its ``done`` marker).
+An item leaves the queue when it is answered, or when it is put back at the end of the
+review topic; nothing else holds it or its partition's commits:
+
+- **A claim is a lease.** An item is on a reviewer's screen for ``console_claim_ttl_s``,
+  renewed (with its Redis claim) while the page is open (``heartbeat``). A screen that is
+  not renewed in time (a closed tab) loses the item: it is offered to the next reviewer
+  who asks, and the late answer is refused (``claims_expired`` counts these).
+- **A skip sets the item aside.** It is not offered to that reviewer again, and set-aside
+  items do not count toward ``console_max_items``, so skips never pause the consumer.
+  ``console_skip_s`` after its first skip, or at once while more than
+  ``console_max_items`` items are set aside, an item that is not on a screen is put back
+  at the end of the review topic: the same request is produced, and only once the broker
+  has acknowledged it are the item's offsets resolved (``requeued`` counts these). Its
+  partition's commits move past it, and it comes round again for everyone, the reviewers
+  who skipped it included; an item that everyone keeps skipping circulates at the pace of
+  the skips and never holds the queue.
+
+So a review offset is committed only after the label for it (and for every item before it
+in the partition) was acknowledged, or its request was acknowledged at the end of the
+topic: a console killed at any point loses no label and asks again at most the items
+whose labels were not acknowledged yet (a redelivered item that was labeled is
+recognised by its ``done`` marker).
 
 Items are keyed ``probe:message_id``: one message queued for two probes is two items.
 """
 
 from __future__ import annotations
 
-import base64
 import logging
 import threading
 import time
@@ -32,16 +53,17 @@ import redis
 from kafka import ConsumerRebalanceListener, TopicPartition
 from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
-from pydantic import ValidationError
 
-from schemas import DeadLetter, HumanLabel, ProbeSpec, ReviewRequest, describe_error, utcnow
-from worker.console.claims import ClaimStore, is_done
-from worker.errors import ReviewError
+from schemas import HumanLabel, ProbeSpec, ReviewRequest, utcnow
+from worker.errors import ReviewError, TransientError
+from worker.kafka.batch_loop import BatchLoop, Item, Outgoing
 from worker.kafka.clients import consumer_lag, make_consumer, make_producer
+from worker.kafka.offsets import OffsetTracker
+from worker.review.claims import ClaimStore, is_done
 from worker.settings import Settings
 from worker.store.redis import Keys
 
-__all__ = ["OffsetTracker", "QueueStats", "ReviewItem", "ReviewQueue"]
+__all__ = ["QueueStats", "ReviewItem", "ReviewQueue"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +79,8 @@ class ReviewItem:
     flag_labels: tuple[str, ...]
     offsets: list[tuple[TopicPartition, int]]  # more than one when the request came twice
     arrived: float
+    record_key: bytes | None = None  # the Kafka key it came with (kept when put back)
+    set_aside: float | None = None  # monotonic time of its first skip
 
 
 @dataclass
@@ -77,46 +101,15 @@ class QueueStats:
     rates: dict[str, int]  # reviewer -> answers in the last 10 minutes (all consoles)
     send_failures: int
     last_error: str
+    set_aside: int = 0  # waiting items someone skipped (not counted toward the cap)
+    claims_expired: int = 0  # screens that lost their item to the lease (closed tabs)
+    requeued: int = 0  # skipped items put back at the end of the topic since start
+    dead_letters: int = 0  # records that did not decode, dead-lettered since start
 
     @property
     def depth(self) -> int:
         """Items still waiting for a human: fetched and unanswered, plus not yet fetched."""
         return self.waiting + self.claimed + self.lag
-
-
-class OffsetTracker:
-    """Per partition: the offsets seen and not yet resolved; commits stop at the oldest."""
-
-    def __init__(self) -> None:
-        self.open: dict[TopicPartition, set[int]] = {}
-        self.next: dict[TopicPartition, int] = {}  # highest offset seen + 1
-        self.committed: dict[TopicPartition, int] = {}
-
-    def seen(self, tp: TopicPartition, offset: int) -> None:
-        self.open.setdefault(tp, set()).add(offset)
-        self.next[tp] = max(self.next.get(tp, 0), offset + 1)
-
-    def resolve(self, tp: TopicPartition, offset: int) -> None:
-        self.open.get(tp, set()).discard(offset)
-
-    def committable(self) -> dict[TopicPartition, int]:
-        out = {}
-        for tp, nxt in self.next.items():
-            pending = self.open.get(tp)
-            position = min(pending) if pending else nxt
-            if position > self.committed.get(tp, -1):
-                out[tp] = position
-        return out
-
-    def done(self, offsets: dict[TopicPartition, int]) -> None:
-        for tp, position in offsets.items():
-            self.committed[tp] = max(self.committed.get(tp, -1), position)
-
-    def forget(self, tps: set[TopicPartition]) -> None:
-        for tp in tps:
-            self.open.pop(tp, None)
-            self.next.pop(tp, None)
-            self.committed.pop(tp, None)
 
 
 class ReviewQueue:
@@ -142,18 +135,24 @@ class ReviewQueue:
         self.lock = threading.RLock()
         self.items: dict[str, ReviewItem] = {}  # insertion order = arrival order
         self.current: dict[str, str] = {}  # reviewer -> item key on their screen
+        self.leases: dict[str, float] = {}  # reviewer -> monotonic end of that screen's lease
         self.skipped: dict[str, set[str]] = {}
         self.held: dict[str, list[_Held]] = {}  # reviewer -> answers in the undo window
         self.sending: set[str] = set()
+        self.requeuing: set[str] = set()  # being put back at the end of the topic
         self.tracker = OffsetTracker()
         self.lag = 0
         self.sent = 0
         self.send_failures = 0
+        self.claims_expired = 0
+        self.requeued = 0
         self.last_error = ""
+        self._read_to: dict[TopicPartition, int] = {}  # positions of completed batches
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.producer: Any = None
         self.consumer: Any = None
+        self.loop: BatchLoop[ReviewRequest] | None = None
         self.ready = threading.Event()  # the consumer has joined its group
 
     # --- life cycle ------------------------------------------------------------
@@ -163,6 +162,18 @@ class ReviewQueue:
         self.producer = make_producer(s)
         self.consumer = make_consumer(s, s.group_console)
         self.consumer.subscribe([s.topic_review], listener=_Revoked(self))
+        self.loop = BatchLoop(
+            consumer=self.consumer,
+            producer=self.producer,
+            model=ReviewRequest,
+            decode=lambda raw: ReviewRequest.decode(raw, s.limits),
+            handler=self._take,
+            dead_letter_topic=s.topic_dead_letter,
+            worker_id=self.worker_id,
+            max_batch=200,
+            max_wait_ms=200,
+            defer_commits=True,  # committed by self.tracker, up to the oldest open item
+        )
         for name, target in (("review-consumer", self._consume), ("review-flusher", self._flush)):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
@@ -177,6 +188,8 @@ class ReviewQueue:
                     h.due = 0.0
         self._send_due()
         self._stop.set()
+        if self.loop is not None:
+            self.loop.stop()
         for t in self._threads:
             t.join(30)
         if self.consumer is not None:
@@ -191,20 +204,18 @@ class ReviewQueue:
         """The reviewer's claimed item, else the oldest free one, now claimed; None if
         nothing is left for them."""
         with self.lock:
-            key = self.current.get(reviewer)
-            if key is not None:
-                if key in self.items and self.claims.claim(key, reviewer) == reviewer:
-                    return self.items[key]
-                self.current.pop(reviewer, None)
+            if self._renew(reviewer):
+                return self.items[self.current[reviewer]]
+            self._expire_leases()
             busy = self._busy() | self.skipped.get(reviewer, set())
             free = [it for k, it in self.items.items() if k not in busy]
             for key in [it.key for it in sorted(free, key=lambda it: it.request.created_at)]:
                 holder = self.claims.claim(key, reviewer)
                 if holder == reviewer:
-                    self.current[reviewer] = key
+                    self._hold(reviewer, key)
                     return self.items[key]
                 if is_done(holder):  # answered through another console
-                    self._resolve(self.items.pop(key))
+                    self._drop(self.items[key])
             return None
 
     def answer(self, reviewer: str, key: str, labels: list[str]) -> HumanLabel:
@@ -217,21 +228,23 @@ class ReviewQueue:
             holder = self.claims.claim(
                 key, reviewer, ttl_s=self.settings.console_claim_ttl_s + undo_s
             )
+            self._unhold(reviewer)
             if holder != reviewer:
-                self.current.pop(reviewer, None)
                 raise ReviewError(_lost(holder))
             self.held.setdefault(reviewer, []).append(
                 _Held(item, reviewer, label, time.monotonic() + undo_s)
             )
-            self.current.pop(reviewer, None)
             return label
 
     def skip(self, reviewer: str, key: str) -> None:
-        """Hand the item back for the other reviewers; this reviewer is not offered it again."""
+        """Hand the item back for the other reviewers; this reviewer is not offered it
+        again until it comes round from the end of the topic (see the module docstring)."""
         with self.lock:
-            self._mine(reviewer, key)
-            self.current.pop(reviewer, None)
+            item = self._mine(reviewer, key)
+            self._unhold(reviewer)
             self.skipped.setdefault(reviewer, set()).add(key)
+            if item.set_aside is None:
+                item.set_aside = time.monotonic()
             self.claims.release(key, reviewer)
 
     def undo(self, reviewer: str) -> ReviewItem:
@@ -245,11 +258,11 @@ class ReviewQueue:
                     f"{self.settings.console_undo_s:g} s after they are given"
                 )
             h = stack.pop()
-            previous = self.current.pop(reviewer, None)
+            previous = self._unhold(reviewer)
             if previous is not None and previous != h.item.key:
                 self.claims.release(previous, reviewer)
             self.claims.claim(h.item.key, reviewer)
-            self.current[reviewer] = h.item.key
+            self._hold(reviewer, h.item.key)
             return h.item
 
     def undoable(self, reviewer: str) -> int:
@@ -257,20 +270,14 @@ class ReviewQueue:
             return len(self.held.get(reviewer, []))
 
     def heartbeat(self, reviewer: str) -> bool:
-        """Renew the claim on the reviewer's current item; False if it was lost."""
+        """Renew the lease and claim on the reviewer's current item; False if it was lost."""
         with self.lock:
-            key = self.current.get(reviewer)
-            if key is None:
-                return True
-            if self.claims.claim(key, reviewer) == reviewer:
-                return True
-            self.current.pop(reviewer, None)
-            return False
+            return reviewer not in self.current or self._renew(reviewer)
 
     def leave(self, reviewer: str) -> None:
         """The reviewer logs out: their claim is released, their answers are sent now."""
         with self.lock:
-            key = self.current.pop(reviewer, None)
+            key = self._unhold(reviewer)
             if key is not None:
                 self.claims.release(key, reviewer)
             for h in self.held.get(reviewer, []):
@@ -279,23 +286,76 @@ class ReviewQueue:
 
     def stats(self) -> QueueStats:
         with self.lock:
+            self._expire_leases()
             busy = self._busy()
             claimed = len(self.current)
             held = sum(len(v) for v in self.held.values())
             waiting = sum(1 for k in self.items if k not in busy)
+            aside = sum(
+                1 for k, it in self.items.items() if k not in busy and it.set_aside is not None
+            )
             lag, sent, failures, error = self.lag, self.sent, self.send_failures, self.last_error
+            expired, requeued = self.claims_expired, self.requeued
+        dead = self.loop.stats.dead_letters if self.loop is not None else 0
         try:
             rates = self.claims.rates()
         except (redis.RedisError, OSError):
             rates = {}
-        return QueueStats(waiting, claimed, held, lag, sent, rates, failures, error)
+        return QueueStats(
+            waiting,
+            claimed,
+            held,
+            lag,
+            sent,
+            rates,
+            failures,
+            error,
+            aside,
+            expired,
+            requeued,
+            dead,
+        )
 
     # --- inside ----------------------------------------------------------------
 
     def _busy(self) -> set[str]:
-        """Keys on a screen, in an undo window, or being sent (not offered again)."""
+        """Keys on a screen, in an undo window, being sent or put back (not offered)."""
         held = {h.item.key for stack in self.held.values() for h in stack}
-        return set(self.current.values()) | held | self.sending
+        return set(self.current.values()) | held | self.sending | self.requeuing
+
+    def _hold(self, reviewer: str, key: str) -> None:
+        """``key`` is on the reviewer's screen for one claim TTL (renewed by heartbeats)."""
+        self.current[reviewer] = key
+        self.leases[reviewer] = time.monotonic() + self.settings.console_claim_ttl_s
+
+    def _unhold(self, reviewer: str) -> str | None:
+        self.leases.pop(reviewer, None)
+        return self.current.pop(reviewer, None)
+
+    def _renew(self, reviewer: str) -> bool:
+        """Renew the lease and claim on the reviewer's current item; False (and the
+        item is off their screen) if the lease ran out or the claim was lost."""
+        key = self.current.get(reviewer)
+        if key is None:
+            return False
+        live = self.leases.get(reviewer, 0.0) > time.monotonic()
+        if live and key in self.items and self.claims.claim(key, reviewer) == reviewer:
+            self._hold(reviewer, key)
+            return True
+        if not live:
+            self.claims_expired += 1
+        self._unhold(reviewer)
+        return False
+
+    def _expire_leases(self) -> None:
+        """Screens whose lease ran out (closed tabs) give their items up."""
+        now = time.monotonic()
+        for reviewer, until in list(self.leases.items()):
+            if until <= now:
+                key = self._unhold(reviewer)
+                if key is not None:
+                    self.claims_expired += 1
+                    log.info("review item %s: %s's screen lease ran out", key, reviewer)
 
     def _mine(self, reviewer: str, key: str) -> ReviewItem:
         item = self.items.get(key)
@@ -326,58 +386,61 @@ class ReviewQueue:
             raise ReviewError(f"choose exactly one label, got {len(labels)}")
         return HumanLabel(label=labels[0], **common)
 
-    def _resolve(self, item: ReviewItem) -> None:
+    def _drop(self, item: ReviewItem) -> None:
+        """The item is done with (answered, or put back): out of memory, offsets resolved."""
+        self.items.pop(item.key, None)
         for tp, offset in item.offsets:
             self.tracker.resolve(tp, offset)
+        for keys in self.skipped.values():
+            keys.discard(item.key)
 
     # --- the consumer thread ---------------------------------------------------
 
     def _consume(self) -> None:
-        consumer = self.consumer
+        assert self.loop is not None
         while not self._stop.is_set():
             try:
-                batch = consumer.poll(timeout_ms=200, max_records=200)
-                if consumer.assignment():
+                self.loop.run_once()  # decode, dead-letter, self._take, produce the letters
+                self._read_to = _positions(self.consumer)
+                if self.consumer.assignment():
                     self.ready.set()
-                for tp, records in batch.items():
-                    self._arrive(tp, records)
+                with self.lock:
+                    self._expire_leases()
+                self._requeue_due()
                 self._commit()
                 self._flow_control()
             except Exception as exc:  # the loop must outlive a Redis or broker hiccup
                 log.warning("review consumer: %s; retrying", exc)
+                self._reread()
                 self._stop.wait(1.0)
 
-    def _arrive(self, tp: TopicPartition, records: list[Any]) -> None:
-        for r in records:
+    def _take(self, items: list[Item[ReviewRequest]]) -> list[Outgoing]:
+        """The batch loop's handler: valid requests become items (nothing to produce)."""
+        for it in items:
             try:
-                self._add(tp, r)
-            except (redis.RedisError, OSError, KafkaError) as exc:
-                # Not taken: read it again (and everything after it in this partition).
-                log.warning("review item %s@%d not taken (%s); re-reading", tp, r.offset, exc)
-                self.consumer.seek(tp, r.offset)
-                return
+                self._add(it)
+            except (redis.RedisError, OSError) as exc:
+                # The loop reads the batch again after a backoff; the items taken already
+                # recognise their second delivery.
+                raise TransientError(f"review items not taken: {exc}") from exc
+        return []
 
-    def _add(self, tp: TopicPartition, r: Any) -> None:
-        try:
-            req = ReviewRequest.decode(r.value or b"", self.settings.limits)
-        except ValidationError as exc:
-            self._dead_letter(r, *describe_error(exc))
-            with self.lock:
-                self.tracker.seen(tp, r.offset)
-                self.tracker.resolve(tp, r.offset)
-            return
+    def _add(self, it: Item[ReviewRequest]) -> None:
+        req, tp, offset = it.value, TopicPartition(it.topic, it.partition), it.offset
         key = f"{req.probe}:{req.message_id}"
         with self.lock:
-            if key in self.items:  # asked twice (e.g. redelivered): one answer serves both
-                self.items[key].offsets.append((tp, r.offset))
-                self.tracker.seen(tp, r.offset)
+            known = self.items.get(key)
+            if known is not None:  # asked twice (e.g. redelivered): one answer serves both
+                if (tp, offset) not in known.offsets:
+                    known.offsets.append((tp, offset))
+                self.tracker.seen(tp, offset)
                 return
         done = is_done(self.claims.holder(key))
         spec = None if done else self.spec_of(req.probe, req.version)
         with self.lock:
-            self.tracker.seen(tp, r.offset)
+            self.tracker.seen(tp, offset)
             if done:  # labeled already (a restart before the commit): nothing to ask
-                self.tracker.resolve(tp, r.offset)
+                self.tracker.resolve(tp, offset)
                 return
             choices = tuple(spec.labels) if spec else tuple(req.scores)
             self.items[key] = ReviewItem(
@@ -386,30 +449,60 @@ class ReviewQueue:
                 choices=choices,
                 multilabel=spec is not None and spec.task == "multilabel",
                 flag_labels=tuple(spec.flag_labels) if spec else (),
-                offsets=[(tp, r.offset)],
+                offsets=[(tp, offset)],
                 arrived=time.time(),
+                record_key=it.key,
             )
 
-    def _dead_letter(self, r: Any, kind: Any, message: str) -> None:
-        letter = DeadLetter(
-            source_topic=r.topic,
-            source_partition=r.partition,
-            source_offset=r.offset,
-            key_b64=base64.b64encode(r.key).decode() if r.key is not None else None,
-            payload_b64=base64.b64encode(r.value or b"").decode(),
-            error_kind=kind,
-            error_message=message[:4000],
-            worker_id=self.worker_id,
-            created_at=utcnow(),
-        )
-        log.info("review dead letter %s:%d@%d: %s", r.topic, r.partition, r.offset, message[:200])
-        future = self.producer.send(
-            self.settings.topic_dead_letter, key=r.key, value=letter.encode()
-        )
-        future.get(timeout=60)
+    def _reread(self) -> None:
+        """After a failure outside the loop's own handling, read again from the end of
+        the last completed batch (what was read since may not have become items)."""
+        try:
+            assigned = self.consumer.assignment()
+            for tp, position in self._read_to.items():
+                if tp in assigned:
+                    self.consumer.seek(tp, position)
+        except Exception as exc:  # the next poll reports a broken consumer
+            log.warning("review consumer: cannot seek back (%s)", exc)
+
+    def _requeue_due(self) -> None:
+        """Put set-aside items back at the end of the topic (see the module docstring)."""
+        now, s = time.monotonic(), self.settings
+        with self.lock:
+            busy = self._busy()
+            aside = sorted(
+                (it for k, it in self.items.items() if it.set_aside is not None and k not in busy),
+                key=lambda it: it.set_aside or 0.0,
+            )
+            extra = len(aside) - s.console_max_items
+            due = [
+                it
+                for i, it in enumerate(aside)
+                if i < extra or (it.set_aside or 0.0) + s.console_skip_s <= now
+            ]
+            self.requeuing.update(it.key for it in due)
+        for item in due:
+            try:
+                self.producer.send(
+                    s.topic_review, key=item.record_key, value=item.request.encode()
+                ).get(timeout=s.kafka_request_timeout_ms / 1000 + 60)
+            except Exception as exc:  # kept aside; tried again after the next poll
+                why = f"skipped item {item.key} not put back: {_why(exc)}"
+                log.warning("%s; retrying", why)
+                with self.lock:
+                    self.requeuing.discard(item.key)
+                    self.last_error = why[:300]
+                continue
+            with self.lock:
+                self.requeuing.discard(item.key)
+                self._drop(item)
+                self.requeued += 1
+            log.info("review item %s put back at the end of %s", item.key, s.topic_review)
 
     def _commit(self) -> None:
         with self.lock:
+            for tp, position in self._read_to.items():
+                self.tracker.reached(tp, position)  # dead letters and done items included
             offsets = self.tracker.committable()
         if not offsets:
             return
@@ -422,11 +515,14 @@ class ReviewQueue:
             self.tracker.done(offsets)
 
     def _flow_control(self) -> None:
+        """Pause while ``console_max_items`` items can be offered; set-aside ones do not
+        count (they are bounded by being put back)."""
         consumer = self.consumer
         assigned = consumer.assignment()
         with self.lock:
-            full = len(self.items) >= self.settings.console_max_items
-        if full:
+            busy = self._busy()
+            counted = sum(1 for k, it in self.items.items() if it.set_aside is None or k in busy)
+        if counted >= self.settings.console_max_items:
             consumer.pause(*assigned)
         elif consumer.paused():
             consumer.resume(*consumer.paused())
@@ -446,9 +542,11 @@ class ReviewQueue:
                     del self.items[key]
             for reviewer, key in list(self.current.items()):
                 if key not in self.items:
-                    del self.current[reviewer]
+                    self._unhold(reviewer)
                     self.claims.release(key, reviewer)
             self.tracker.forget(tps)
+            for tp in tps:
+                self._read_to.pop(tp, None)
 
     # --- the flusher thread ----------------------------------------------------
 
@@ -456,7 +554,7 @@ class ReviewQueue:
         while not self._stop.wait(0.1):
             try:
                 self._send_due()
-            except Exception as exc:  # keep the thread; the answers stay held
+            except Exception as exc:  # keep the thread; _send_due keeps the answers
                 log.warning("sending labels: %s", exc)
 
     def _send_due(self) -> None:
@@ -469,15 +567,22 @@ class ReviewQueue:
         if not due:
             return
         topic = self.settings.topic_labels
-        futures = [
-            self.producer.send(topic, key=h.label.message_id.encode(), value=h.label.encode())
-            for h in due
-        ]
-        for h, future in zip(due, futures, strict=True):
+        futures = []
+        for i, h in enumerate(due):
+            mid = h.label.message_id
+            try:
+                futures.append(
+                    (h, self.producer.send(topic, key=mid.encode(), value=h.label.encode()))
+                )
+            except Exception as exc:  # e.g. KafkaTimeoutError: no metadata within max_block_ms
+                for rest in due[i:]:  # the next sends would block as long: all wait a round
+                    self._retry(rest, f"label for {mid} not sent: {_why(exc)}")
+                break
+        for h, future in futures:
             try:
                 future.get(timeout=self.settings.kafka_request_timeout_ms / 1000 + 60)
-            except KafkaError as exc:
-                self._retry(h, f"label for {h.label.message_id} not acknowledged: {exc}")
+            except Exception as exc:  # whatever it was, the answer is kept and sent again
+                self._retry(h, f"label for {h.label.message_id} not acknowledged: {_why(exc)}")
                 continue
             self._acknowledged(h)
 
@@ -488,8 +593,7 @@ class ReviewQueue:
             log.warning("review item %s not marked done (%s)", h.item.key, exc)
         with self.lock:
             self.sending.discard(h.item.key)
-            self.items.pop(h.item.key, None)
-            self._resolve(h.item)
+            self._drop(h.item)
             self.sent += 1
 
     def _retry(self, h: _Held, why: str) -> None:
@@ -511,6 +615,21 @@ class _Revoked(ConsumerRebalanceListener):
 
     def on_partitions_assigned(self, assigned: Any) -> None:
         pass
+
+
+def _positions(consumer: Any) -> dict[TopicPartition, int]:
+    """Where the consumer stands on each assigned partition (after a completed batch:
+    every record before it became an item, a dead letter, or was found done)."""
+    out = {}
+    for tp in consumer.assignment():
+        position = consumer.position(tp)
+        if position is not None:
+            out[tp] = position
+    return out
+
+
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _lost(holder: str | None) -> str:
