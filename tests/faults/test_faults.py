@@ -270,7 +270,7 @@ def test_bad_checkpoints_are_refused_counted_and_scoring_continues(
         reg.promote(bad)
         refused_now = scorer.watcher.refused["toxicity"]
         wait_until(partial(operator.contains, refused_now, bad), f"v{bad} refused")
-    refused = scorer.metrics.registry.get_sample_value(
+    refused = scorer.metrics.collector.get_sample_value(
         "probeguard_scorer_checkpoints_refused_total", {"probe": "toxicity"}
     )
     assert refused == 3

@@ -318,7 +318,7 @@ def test_text_cache_at_maxmemory_leaves_publishing_and_rollback_working(
         assert not missing
         with pytest.raises(redis.exceptions.ResponseError, match=r"OOM|maxmemory"):
             client.set("probe-the-cache", b"x" * 100_000)
-        errors = scorer.metrics.registry.get_sample_value("probeguard_scorer_redis_errors_total")
+        errors = scorer.metrics.collector.get_sample_value("probeguard_scorer_redis_errors_total")
         assert errors is not None and errors > 0  # the cache writes failed
         # The control plane goes on: publishing (labels carry their text) and a rollback.
         before = reg.stages().live

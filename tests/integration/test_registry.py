@@ -7,11 +7,14 @@ import threading
 import time
 
 import pytest
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 from schemas import CheckpointManifest, LLMFingerprint, ProbeSpec, utcnow
 from tests.conftest import RedisNamespace
 from worker.errors import Fenced, RegistryError, UnknownVersion
-from worker.store.checkpoints import CheckpointRegistry
+from worker.store.checkpoints import OPTIM_MAGIC, CheckpointRegistry, Stages
 from worker.store.lease import Lease
 
 pytestmark = pytest.mark.integration
@@ -181,3 +184,74 @@ def test_versions_strictly_increase_under_concurrency(registry: CheckpointRegist
     for t in threads:
         t.join()
     assert len(set(seen)) == 200
+
+
+def _momentum() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"mix.weights": torch.randn(2, generator=g), "head.weight": torch.randn(2, 8)}
+
+
+def test_optimizer_state_round_trips_signed_and_forgeries_are_refused(
+    redis_ns: RedisNamespace,
+) -> None:
+    signed = CheckpointRegistry(redis_ns.client, redis_ns.keys, "tox", signing_key=b"k" * 32)
+    key = redis_ns.keys.optim("tox", 3)
+    saved = _momentum()
+    assert signed.load_optimizer_state(3) is None  # none published
+    signed.save_optimizer_state(3, saved)
+    restored = signed.load_optimizer_state(3)
+    assert restored is not None and set(restored) == set(saved)
+    for name, t in saved.items():
+        assert torch.equal(restored[name], t)
+    genuine = redis_ns.client.get(key)
+    assert isinstance(genuine, bytes) and genuine.startswith(OPTIM_MAGIC)
+
+    def refused(raw: bytes, reg: CheckpointRegistry = signed) -> str:
+        redis_ns.client.set(key, raw)
+        with pytest.raises(RegistryError) as info:
+            reg.load_optimizer_state(3)
+        return str(info.value)
+
+    assert "unsigned" in refused(st_save(saved))  # written without the key
+    assert "does not verify" in refused(genuine[:-1] + bytes([genuine[-1] ^ 1]))  # tampered
+    other = CheckpointRegistry(redis_ns.client, redis_ns.keys, "tox", signing_key=b"j" * 32)
+    assert "does not verify" in refused(genuine, other)  # another deployment's key
+    redis_ns.client.set(key, genuine)
+    assert signed.load_optimizer_state(4) is None  # bound to its version: copy it to v4...
+    redis_ns.client.set(redis_ns.keys.optim("tox", 4), genuine)
+    with pytest.raises(RegistryError, match="does not verify"):
+        signed.load_optimizer_state(4)  # ...and it does not verify there
+    # The updater's own framing before the registry signed this state: refused, logged by
+    # the updater, and its momentum starts afresh.
+    assert "older scheme" in refused(b"PGOPT1" + b"\0" * 32 + st_save(saved))
+    nan = {**saved, "head.weight": torch.full((2, 8), float("nan"))}
+    unkeyed = CheckpointRegistry(redis_ns.client, redis_ns.keys, "tox")
+    assert "not finite" in refused(st_save(nan), unkeyed)
+    assert "unreadable" in refused(b"not safetensors", unkeyed)
+
+
+def test_without_a_key_optimizer_state_is_plain_safetensors(registry: CheckpointRegistry) -> None:
+    saved = _momentum()
+    registry.save_optimizer_state(5, saved)
+    raw = registry.client.get(registry.keys.optim("tox", 5))
+    assert st_load(raw).keys() == saved.keys()  # stored as before, no framing
+    restored = registry.load_optimizer_state(5)
+    assert restored is not None
+    for name, t in saved.items():
+        assert torch.equal(restored[name], t)
+    registry.save_optimizer_state(6, {})  # nothing to store
+    assert registry.client.get(registry.keys.optim("tox", 6)) is None
+
+
+def test_stage_signatures_are_unchanged_by_the_shared_mac(redis_ns: RedisNamespace) -> None:
+    """Stage records signed before the registry's one ``mac`` still verify."""
+    import hmac
+    import json
+
+    reg = CheckpointRegistry(redis_ns.client, redis_ns.keys, "tox", signing_key=b"k" * 32)
+    st = Stages(live=2, canary=3, canary_share=0.25, seq=7)
+    shas = {2: "a" * 64, 3: "b" * 64}
+    record = ["probeguard-stages/1", redis_ns.keys.prefix, "tox", 2, "a" * 64, 3, "b" * 64]
+    message = json.dumps([*record, 0.25, 7], separators=(",", ":")).encode()
+    before = hmac.new(b"k" * 32, message, hashlib.sha256).hexdigest()
+    assert reg.stage_signature(st, shas) == before

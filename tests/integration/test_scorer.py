@@ -346,7 +346,7 @@ def test_a_device_fault_stalls_the_scorer_visibly_and_dead_letters_nothing(
     produce_raw(settings, settings.topic_chat, [(f"m-{i}".encode(), chat(i)) for i in range(6)])
     wait_until(lambda: "stalled" in _readyz(scorer.port)[1], "/readyz to report the stall", 60)
     assert _readyz(scorer.port)[0] == 503
-    metrics = scorer.metrics.registry
+    metrics = scorer.metrics.collector
     retries = metrics.get_sample_value(
         "probeguard_scorer_loop_retries_total", {"reason": "transient"}
     )

@@ -228,15 +228,17 @@ def test_optimizer_state_is_signed_and_forged_momentum_is_refused(
         again = Updater(settings, updater_extractor(), redis_ns.client, worker_id="u-2")
         again._resume()
         assert again.learner is not None
-        return len(again.learner.learner.optimizer.state)
+        restored = again.learner.optimizer_state()
+        for name, t in restored.items():  # the published momentum, tensor for tensor
+            assert torch.equal(t, saved[name]), name
+        return len(again.learner.lion.optimizer.state)
 
-    assert momentum_restored() > 0  # the signed state is restored
+    assert updater.learner is not None
+    saved = updater.learner.optimizer_state()  # nothing learned since the last publish
+    assert saved and momentum_restored() == len(saved)  # the signed state is restored
     genuine = redis_ns.client.get(optim_key)
     assert isinstance(genuine, bytes)
-    forged = {
-        name: torch.full_like(t, 1e3)
-        for name, t in updater.learner.optimizer_state().items()  # type: ignore[union-attr]
-    }
+    forged = {name: torch.full_like(t, 1e3) for name, t in saved.items()}
     redis_ns.client.set(optim_key, st_save(forged))  # written without the key
     assert momentum_restored() == 0
     redis_ns.client.set(optim_key, genuine[:-1] + bytes([genuine[-1] ^ 1]))  # tampered

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import signal
 import time
@@ -13,6 +15,7 @@ import torch
 
 from probes.checkpoint import probe_from_bytes
 from schemas import DeadLetter, Verdict
+from schemas.messages import DEAD_LETTER_PAYLOAD_BYTES
 from tests.conftest import RedisNamespace
 from tests.kafka_helpers import drain, produce_raw
 from tests.process_helpers import Threaded, settings_env, spawn, tiny_model_dir, wait_until
@@ -178,24 +181,26 @@ def test_unjoinable_and_unknown_labels_are_dead_lettered(
             ).encode(),
         )
     )
-    records.append(
-        (
-            None,
-            json.dumps(
-                {
-                    "message_id": "x-1",
-                    "label": "spam",
-                    "text": "buy now",
-                    "labeler_id": "bob",
-                    "created_at": "2026-11-30T12:00:00Z",
-                }
-            ).encode(),
-        )
-    )
+    # An unknown label on a valid but large text (~360 kB as JSON): its letter is bounded.
+    spam = json.dumps(
+        {
+            "message_id": "x-1",
+            "label": "spam",
+            "text": "buy now " + "\U0001f4b0" * 30_000,
+            "labeler_id": "bob",
+            "created_at": "2026-11-30T12:00:00Z",
+        }
+    ).encode()
+    records.append((None, spam))
     produce_raw(settings, settings.topic_labels, records)
     dead = drain(settings, settings.topic_dead_letter, lambda rs: len(rs) >= 2, 60)
-    kinds = sorted(DeadLetter.decode(r.value).error_kind for r in dead)
-    assert kinds == ["unjoinable", "unknown_label"]
+    letters = {DeadLetter.decode(r.value).error_kind: r.value for r in dead}
+    assert sorted(letters) == ["unjoinable", "unknown_label"]
+    unknown = DeadLetter.decode(letters["unknown_label"])
+    assert unknown.truncated and unknown.payload_size == len(spam)
+    assert unknown.payload_sha256 == hashlib.sha256(spam).hexdigest()
+    assert base64.b64decode(unknown.payload_b64) == spam[:DEAD_LETTER_PAYLOAD_BYTES]
+    assert len(letters["unknown_label"]) < 2 * DEAD_LETTER_PAYLOAD_BYTES
     wait_until(
         lambda: updater.labels_seen >= 21,
         "the joinable labels learned",
@@ -480,7 +485,7 @@ def test_layers_whose_weight_stays_negligible_are_dropped_and_scorers_serve_it(
     events = [e for _, e in registry.history(100) if e.kind == "published"]
     assert any("dropped layers" in e.reason for e in events)
     wait_until(lambda: scorer.watcher.versions()["toxicity"]["live"] == first, "scorer swap")
-    assert scorer.scoring.layers() == tuple(seed_layers[:1])
+    assert scorer.batch_scorer.layers() == tuple(seed_layers[:1])
     produce_raw(settings, settings.topic_labels, [(None, label(i)) for i in range(32, 96)])
     wait_until(lambda: (registry.stages().live or 0) > first, "a later version")
     later = registry.manifest(registry.stages().live or 0)

@@ -7,8 +7,9 @@ broker fails.
 
 from __future__ import annotations
 
+import base64
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,8 +17,9 @@ from kafka import TopicPartition
 from kafka.errors import KafkaTimeoutError, MessageSizeTooLargeError
 
 from schemas import ChatMessage, DeadLetter
+from schemas.messages import DEAD_LETTER_PAYLOAD_BYTES
 from worker.errors import TransientError
-from worker.kafka.batch_loop import BatchLoop, Item, Outgoing
+from worker.kafka.batch_loop import BatchLoop, Between, Item, Outgoing, Reject
 
 TOPIC = "chat"
 
@@ -237,3 +239,78 @@ def test_no_batch_after_between_batches_stops_the_loop() -> None:
     loop.between_batches = loop.stop  # e.g. the lease was lost
     loop.run()
     assert consumer.position == 0 and producer.sent == []
+
+
+def test_a_handler_rejects_by_value_and_each_reject_is_one_letter() -> None:
+    consumer = Consumer([chat(0), chat(1), chat(2)])
+    producer = Producer()
+    kinds: list[str] = []
+    attempts: list[int] = []
+
+    def handler(items: list[Item[ChatMessage]]) -> Sequence[Outgoing | Reject]:
+        attempts.append(len(items))
+        if len(attempts) == 1:
+            raise RuntimeError("flaky")  # a failed attempt leaves no letter behind
+        keep = [i for i in items if i.offset != 1]
+        return [*verdicts(keep), Reject(items[1], "unknown_label", "no such label")]
+
+    loop, _ = make_loop(consumer, producer, handler, on_dead_letter=kinds.append)
+    loop.run_once()
+    assert attempts == [3, 3]
+    assert producer.topic("verdicts") == [b"m-0", b"m-2"] and consumer.commits == [3]
+    (letter,) = letters(producer)
+    assert letter.error_kind == "unknown_label" and letter.source_offset == 1
+    assert letter.error_message == "no such label" and letter.worker_id == "w"
+    assert kinds == ["unknown_label"] and loop.stats.dead_letters == 1
+
+
+def test_a_rejected_large_input_is_a_bounded_letter() -> None:
+    huge = chat(1, "\U0001f600" * 30_000)
+    consumer = Consumer([huge])
+    producer = Producer()
+
+    def handler(items: list[Item[ChatMessage]]) -> Sequence[Outgoing | Reject]:
+        return [Reject(i, "unscorable", "too long to read " * 1000) for i in items]
+
+    loop, _ = make_loop(consumer, producer, handler)
+    loop.run_once()
+    (letter,) = letters(producer)
+    assert letter.error_kind == "unscorable" and letter.truncated
+    assert letter.payload_size == len(huge) > DEAD_LETTER_PAYLOAD_BYTES
+    assert base64.b64decode(letter.payload_b64) == huge[:DEAD_LETTER_PAYLOAD_BYTES]
+    assert len(letter.error_message) == 4000 and consumer.commits == [1]
+
+
+def _answers(*answers: Between | None) -> Iterator[Between | None]:
+    yield from answers
+    while True:
+        yield Between.STOP
+
+
+def test_deferred_offsets_are_committed_when_between_batches_says_so() -> None:
+    consumer = Consumer([chat(i) for i in range(6)])
+    producer = Producer()
+    answers = _answers(Between.POLL, None, Between.COMMIT, Between.POLL)
+    loop, _ = make_loop(consumer, producer, verdicts, max_batch=2, defer_commits=True)
+    commits_seen: list[list[int]] = []
+
+    def between() -> Between | None:
+        commits_seen.append(list(consumer.commits))
+        return next(answers)
+
+    loop.between_batches = between
+    loop.run()
+    # Three batches polled; the commit comes only when asked, and covers all of them so far.
+    assert commits_seen == [[], [], [], [4], [4]]
+    assert consumer.commits == [4] and consumer.position == 6
+    assert loop.pending  # the third batch: left for whoever publishes it (or redelivered)
+
+
+def test_stop_from_between_batches_polls_no_more_and_commits_nothing() -> None:
+    consumer = Consumer([chat(i) for i in range(4)])
+    producer = Producer()
+    answers = _answers(Between.POLL)
+    loop, _ = make_loop(consumer, producer, verdicts, max_batch=2, defer_commits=True)
+    loop.between_batches = lambda: next(answers)
+    loop.run()
+    assert consumer.position == 2 and consumer.commits == [] and loop.stop_event.is_set()

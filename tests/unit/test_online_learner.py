@@ -9,7 +9,8 @@ from probes import Probe, ProbeError, build_probe
 from probes.learner import Learner
 from schemas import TrainingCounters
 from tests.unit.synthetic import NUM_LAYERS, make_spec, toy_task
-from worker.learning.online_learner import LearningConfig, OnlineLearner
+from worker.learning.online_learner import Labeled, LearningConfig, OnlineLearner
+from worker.llm.extract import Extraction
 
 KINDS = [("mean", "scalar_mix"), ("gate", "scalar_mix"), ("mha", "scalar_mix"), ("max", "gate")]
 
@@ -34,7 +35,7 @@ def test_fresh_probe_warms_up_before_its_first_step() -> None:
     hidden, mask, y = toy_task(NUM_LAYERS, "multiclass", n=8)
     hidden = hidden[torch.tensor(learner.probe.layers) - 1]
     assert learner.learn(hidden, mask, y, y.tolist()) == 0
-    assert learner.warming_up and learner.learner.steps == 0
+    assert learner.warming_up and learner.lion.steps == 0
     assert torch.equal(learner.probe.scale, torch.ones_like(learner.probe.scale))
     # The second batch completes the warm-up: normalization fixed, all 16 examples learned.
     steps = learner.learn(hidden, mask, y, y.tolist())
@@ -146,6 +147,36 @@ def test_rows_that_overflow_half_precision_are_named_not_learned(pool: str, mix:
     assert not learner.warming_up
     assert all(torch.isfinite(p).all() for p in learner.probe.parameters())
     assert learner.last_loss is not None and torch.isfinite(torch.tensor(learner.last_loss))
+
+
+def test_learn_extraction_sets_aside_unreadable_and_unusable_rows_by_position() -> None:
+    # Six labeled texts: the model could not read input 1, input 4's states overflow fp16.
+    # The four others are learned from, each with its own target.
+    learner = _learner(stats_warmup=1)
+    hidden, mask, _ = toy_task(NUM_LAYERS, "multiclass", n=5, seed=3)
+    hidden = hidden[torch.tensor(learner.probe.layers) - 1].clone()  # [L, 5, T, D]
+    hidden[:, 3, 0] = 1e6  # a real token (every row has at least two): inf in fp16
+    targets = [0, 2, 1, 2, 0, 1]
+    labeled = [Labeled(f"text {i}", torch.tensor(t), t) for i, t in enumerate(targets)]
+    ex = Extraction(
+        hidden=hidden, mask=mask, layers=learner.probe.layers, index=[0, 2, 3, 4, 5],
+        errors={1: "unreadable: empty after cleaning"},
+    )  # fmt: skip
+    learned = learner.learn_extraction(ex, labeled)
+    assert learned.unusable == {
+        1: "unreadable: empty after cleaning",
+        4: "hidden states not finite as float16 (NaN, inf or overflow)",
+    }
+    assert learned.examples == 4 and learned.steps > 0
+    kept = [targets[p] for p in (0, 2, 3, 5)]
+    assert learner.counters.labels_seen == 4
+    assert learner.counters.per_label == {
+        n: kept.count(i) for i, n in enumerate(learner.probe.spec.labels) if i in kept
+    }
+    nothing = learner.learn_extraction(  # no row readable: mean pooling has nothing to pool
+        Extraction(hidden[:, :0], mask[:0], learner.probe.layers, [], {0: "x"}), labeled[:1]
+    )
+    assert (nothing.steps, nothing.examples, nothing.unusable) == (0, 0, {0: "x"})
 
 
 def _graded_stream(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -286,7 +317,7 @@ def test_the_updater_drops_only_deepest_layers_that_stayed_negligible() -> None:
     for name, momentum in learner.optimizer_state().items():
         assert momentum.shape == params[name].shape
     _feed(learner, seed=2, n=16)  # keeps learning on the shallower probe
-    assert learner.learner.steps > 0 and learner.drop_negligible_layers() == []
+    assert learner.lion.steps > 0 and learner.drop_negligible_layers() == []
 
 
 def test_a_negligible_middle_layer_stays_and_the_default_never_drops() -> None:

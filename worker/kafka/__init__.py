@@ -1,1 +1,2 @@
-"""Kafka plumbing: client factories and the at-least-once batch loop every role runs."""
+"""Kafka plumbing: client factories, the at-least-once batch loop every role runs, and
+:class:`~worker.kafka.runtime.RoleRuntime`, the scaffolding every role shares."""

@@ -3,8 +3,13 @@
     poll (bounded by count and wait) -> decode each record with its schema
       -> invalid ones become DeadLetters (with the reason and a bounded payload prefix)
       -> the valid ones go to the handler, which returns records to produce
+         (:class:`Outgoing`) and the inputs it rejects (:class:`Reject`: dead letters)
       -> produce everything, wait for the broker's acknowledgements
       -> only then commit the polled offsets
+
+The loop calls its role, never the other way round: a handler returns values, and
+``between_batches`` answers what the loop does next (:class:`Between`: poll on, commit
+what is pending, or stop).
 
 Failures cost only what failed:
 
@@ -39,6 +44,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Generic, TypeVar
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
@@ -55,7 +61,7 @@ from pydantic import ValidationError
 from schemas import DeadLetter, DeadLetterKind, WireModel, describe_error, utcnow
 from worker.errors import TransientError
 
-__all__ = ["REFUSED", "BatchLoop", "Item", "LoopStats", "Outgoing"]
+__all__ = ["REFUSED", "BatchLoop", "Between", "Item", "LoopStats", "Outgoing", "Reject"]
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +109,25 @@ class Outgoing:
     fallback: Outgoing | None = field(default=None, repr=False)
 
 
+@dataclass(frozen=True)
+class Reject:
+    """An input the handler cannot process (a label that names no known class, a text
+    the model cannot read): the loop dead-letters it as ``kind`` with ``reason``, bounded
+    like every dead letter (:meth:`schemas.DeadLetter.bounded`)."""
+
+    item: Item[Any] = field(repr=False)
+    kind: DeadLetterKind
+    reason: str
+
+
+class Between(Enum):
+    """What the loop does after ``between_batches``: the role's answer."""
+
+    POLL = "poll"  # poll the next batch
+    COMMIT = "commit"  # commit every offset pending so far (``defer_commits``), then poll
+    STOP = "stop"  # poll no more (e.g. the lease was lost); nothing pending is committed
+
+
 @dataclass
 class LoopStats:
     batches: int = 0
@@ -131,7 +156,7 @@ class BatchLoop(Generic[T]):
         consumer: KafkaConsumer,
         producer: KafkaProducer,
         model: type[T],
-        handler: Callable[[list[Item[T]]], Sequence[Outgoing]],
+        handler: Callable[[list[Item[T]]], Sequence[Outgoing | Reject]],
         dead_letter_topic: str,
         worker_id: str,
         decode: Callable[[bytes], T] | None = None,
@@ -140,7 +165,7 @@ class BatchLoop(Generic[T]):
         max_attempts: int = 3,
         backoff_s: float = 1.0,
         produce_timeout_s: float = 60.0,
-        between_batches: Callable[[], None] | None = None,
+        between_batches: Callable[[], Between | None] | None = None,
         on_dead_letter: Callable[[str], None] | None = None,
         on_event: Callable[[str], None] | None = None,
         defer_commits: bool = False,
@@ -162,8 +187,8 @@ class BatchLoop(Generic[T]):
         # "retry_produce", "retry_handler", "retry_transient", "commit_failure", "refused",
         # "dropped": roles count them as metrics.
         self.on_event = on_event
-        # Deferred: offsets accumulate until commit_pending() (the updater commits only
-        # once a published checkpoint reflects the labels).
+        # Deferred: offsets accumulate until between_batches answers Between.COMMIT (the
+        # updater commits only once a published checkpoint reflects the labels).
         self.defer_commits = defer_commits
         self.pending: dict[TopicPartition, OffsetAndMetadata] = {}
         self.stats = LoopStats()
@@ -181,7 +206,7 @@ class BatchLoop(Generic[T]):
         group_id: str,
         topic: str,
         model: type[T],
-        handler: Callable[[list[Item[T]]], Sequence[Outgoing]],
+        handler: Callable[[list[Item[T]]], Sequence[Outgoing | Reject]],
         worker_id: str,
         **options: Any,
     ) -> BatchLoop[T]:
@@ -213,12 +238,19 @@ class BatchLoop(Generic[T]):
         """Run until :meth:`stop`; the batch in hand is finished and committed first."""
         while not self.stop_event.is_set():
             if self.between_batches is not None:
-                self.between_batches()  # e.g. hot-swap a probe: only ever between batches
+                # e.g. hot-swap a probe or publish a version: only ever between batches
+                after = self.between_batches()
+                if after is Between.STOP:
+                    self.stop()
+                elif after is Between.COMMIT:
+                    self.commit_pending()
                 if self.stop_event.is_set():
                     break  # e.g. the lease was lost: not one more batch
             self.run_once()
 
     def stop(self) -> None:
+        """Finish the batch in hand (nothing more is dead-lettered) and poll no more.
+        Safe from another thread or a signal handler."""
         self.stop_event.set()
 
     def stalled_s(self) -> float:
@@ -275,8 +307,9 @@ class BatchLoop(Generic[T]):
         return items, dead
 
     def _handle(self, items: list[Item[T]], attempts: int) -> list[Outgoing]:
-        """The handler's records for ``items``; a record it keeps failing on is
-        dead-lettered alone (halving the batch until the failure is isolated).
+        """The handler's records for ``items``, its rejects as dead letters; a record it
+        keeps failing on is dead-lettered alone (halving the batch until the failure is
+        isolated).
 
         Raises :class:`_Rewind` on a :class:`TransientError`, and on any failure once the
         loop is stopping (the next owner retries; nothing is dead-lettered).
@@ -285,7 +318,7 @@ class BatchLoop(Generic[T]):
             return []
         for attempt in range(1, attempts + 1):
             try:
-                return list(self.handler(items))
+                results = list(self.handler(items))
             except TransientError as exc:
                 self._failed("retry_transient", f"dependency unavailable: {exc}")
                 log.warning("dependency unavailable (%s); retrying the batch later", exc)
@@ -306,20 +339,25 @@ class BatchLoop(Generic[T]):
                     self.stop_event.wait(self.backoff_s)
                 else:
                     log.warning("handler failed on %d records: %s; isolating", len(items), why)
+            else:
+                return [
+                    self._dead(r.item, r.kind, r.reason) if isinstance(r, Reject) else r
+                    for r in results
+                ]
         half = len(items) // 2
         return self._handle(items[:half], 1) + self._handle(items[half:], 1)
 
     def _dead_record(self, r: Any, kind: DeadLetterKind, message: str) -> Outgoing:
-        return self.dead_letter(
+        return self._dead_letter(
             r.topic, r.partition, r.offset, r.key, r.value or b"", kind, message
         )
 
-    def _dead(self, item: Item[T], kind: DeadLetterKind, message: str) -> Outgoing:
-        return self.dead_letter(
+    def _dead(self, item: Item[Any], kind: DeadLetterKind, message: str) -> Outgoing:
+        return self._dead_letter(
             item.topic, item.partition, item.offset, item.key, item.payload, kind, message
         )
 
-    def dead_letter(
+    def _dead_letter(
         self,
         topic: str,
         partition: int,
@@ -329,7 +367,8 @@ class BatchLoop(Generic[T]):
         kind: DeadLetterKind,
         message: str,
     ) -> Outgoing:
-        """A DeadLetter record for the dead-letter topic (handlers use it for their own rejects).
+        """A DeadLetter record for the dead-letter topic (decode failures, handler
+        failures, :class:`Reject` results, refused outputs).
 
         Bounded whatever the payload (a prefix, its size and sha256); should the broker
         still refuse it, a letter without the payload prefix is sent instead.

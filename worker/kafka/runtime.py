@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from schemas.base import WireModel
 from worker.health import Health, HealthServer
-from worker.kafka.batch_loop import BatchLoop, Item, Outgoing
+from worker.kafka.batch_loop import BatchLoop, Item, Outgoing, Reject
 
 __all__ = ["RoleRuntime"]
 
@@ -34,7 +34,7 @@ class RoleRuntime:
     def __init__(
         self,
         settings: Any,
-        metrics: CollectorRegistry,
+        collector: CollectorRegistry,
         *,
         role: str,
         worker_id: str,
@@ -46,28 +46,28 @@ class RoleRuntime:
             f"probeguard_{role}_loop_retries",
             "Batch attempts that failed and were retried (produce, handler, dependency)",
             ["reason"],
-            registry=metrics,
+            registry=collector,
         )
         self.refused = Counter(
             f"probeguard_{role}_records_refused",
             "Records the broker refused (too large, invalid); their inputs were dead-lettered",
-            registry=metrics,
+            registry=collector,
         )
         self.commit_failures = Counter(
             f"probeguard_{role}_commit_failures",
             "Offset commits that failed (the records will be redelivered)",
-            registry=metrics,
+            registry=collector,
         )
         self.stalled = Gauge(
             f"probeguard_{role}_stalled_seconds",
             "How long the batch in hand has failed to complete (0 while progressing)",
-            registry=metrics,
+            registry=collector,
         )
         self.stalled.set_function(lambda: self.loop.stalled_s() if self.loop is not None else 0.0)
         # A loop that has not come back from a poll for longer than Kafka allows is dead.
         self.health = Health(stale_after_s=max(60.0, settings.kafka_max_poll_interval_ms / 1000))
         port = settings.metrics_port if metrics_port is None else metrics_port
-        self.server = HealthServer(metrics, self.health, port) if port else None
+        self.server = HealthServer(collector, self.health, port) if port else None
         self.stop_event = threading.Event()
         self.loop: BatchLoop[Any] | None = None
 
@@ -93,7 +93,7 @@ class RoleRuntime:
         group_id: str,
         topic: str,
         model: type[T],
-        handler: Callable[[list[Item[T]]], Sequence[Outgoing]],
+        handler: Callable[[list[Item[T]]], Sequence[Outgoing | Reject]],
         dead_letters: Counter,
         **options: Any,
     ) -> BatchLoop[T]:

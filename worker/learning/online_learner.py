@@ -1,7 +1,9 @@
 """The updater's learning core: a probe learning from a stream of labeled hidden states.
 
 No Kafka, no Redis, no LLM: hidden states and targets in, a publishable probe out.
-Per batch (:meth:`OnlineLearner.learn`):
+Per batch (:meth:`OnlineLearner.learn_extraction` takes the LLM's extraction of the
+labeled texts and sets aside the rows it cannot learn from; :meth:`OnlineLearner.learn`
+takes the tensors):
 
     test   -- score the batch with the probe as it is (windowed prequential metrics)
     warm   -- a fresh probe first collects ``stats_warmup`` examples and fixes its input
@@ -18,8 +20,9 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -32,7 +35,10 @@ from schemas import OperatingPoint, StateDtype, TrainingCounters
 from worker.learning.replay import Example, Prequential, ReplayBuffer, collate_chunks
 from worker.settings import DEFAULTS, Settings
 
-__all__ = ["LearningConfig", "OnlineLearner"]
+if TYPE_CHECKING:
+    from worker.llm.extract import Extraction
+
+__all__ = ["Labeled", "Learned", "LearningConfig", "OnlineLearner"]
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +87,30 @@ class LearningConfig:
         )
 
 
+@dataclass(frozen=True)
+class Labeled:
+    """One labeled text, ready to learn from."""
+
+    text: str
+    target: Tensor  # [] class index (multiclass) or [C] multi-hot (multilabel)
+    bucket: int  # class-balance bucket of the replay buffer
+
+
+@dataclass(frozen=True)
+class Learned:
+    """What :meth:`OnlineLearner.learn_extraction` did with one batch."""
+
+    steps: int  # Lion steps taken (0 while warming up)
+    examples: int  # rows learned from (warm-up included)
+    unusable: dict[int, str]  # input position -> why it could not be learned from
+
+
 class OnlineLearner:
     """One probe, its Lion optimizer, replay buffer, prequential window and counters.
 
     ``fresh=True`` (a probe built from zero) holds back learning until ``stats_warmup``
     examples have fixed the input normalization; a resumed probe learns at once.
+    ``lion`` is the probe's optimizer step (:class:`probes.learner.Learner`).
     """
 
     def __init__(
@@ -101,7 +126,7 @@ class OnlineLearner:
         self.config = config
         self._dtype = getattr(torch, config.state_dtype)  # replay storage
         self.counters = counters or TrainingCounters()
-        self.learner = self._make_learner(probe)
+        self.lion = self._make_lion(probe)
         spec = probe.spec
         self.replay = ReplayBuffer(
             config.replay_size, len(spec.labels) + (1 if spec.task == "multilabel" else 0)
@@ -116,17 +141,17 @@ class OnlineLearner:
         self.last_loss: float | None = None
         self.low_weight_runs: dict[int, int] = {}  # layer -> publishes in a row below the bar
 
-    def _make_learner(self, probe: Probe) -> Learner:
+    def _make_lion(self, probe: Probe) -> Learner:
         c = self.config
-        learner = Learner(
+        lion = Learner(
             probe,
             lr=c.lr,
             weight_decay=c.weight_decay,
             layer_lr_scale=c.layer_lr_scale,
             mix_entropy=c.mix_entropy,
         )
-        learner.steps = self.counters.steps
-        return learner
+        lion.steps = self.counters.steps
+        return lion
 
     @property
     def warming_up(self) -> bool:
@@ -140,9 +165,9 @@ class OnlineLearner:
         ``targets [B]`` or ``[B, C]``, one balance bucket per row. Returns the Lion steps
         taken (0 while warming up)."""
         # Test, then train: the prequential score comes from the probe before this step.
-        self.prequential.add(self.learner.predict_proba_many(hidden, mask), targets)
+        self.prequential.add(self.lion.predict_proba_many(hidden, mask), targets)
         new = self._examples(hidden, mask, targets, buckets)
-        steps_before = self.learner.steps
+        steps_before = self.lion.steps
         if self.warmup is not None:
             self.warmup.extend(new)
             if len(self.warmup) < self.config.stats_warmup:
@@ -152,12 +177,36 @@ class OnlineLearner:
                 new, self.warmup = self.warmup, None
         self._train(new)
         self._count(targets)
-        return self.learner.steps - steps_before
+        return self.lion.steps - steps_before
+
+    def learn_extraction(self, ex: Extraction, labeled: Sequence[Labeled]) -> Learned:
+        """Test, then train on ``ex``, the extraction of ``[x.text for x in labeled]`` at
+        the probe's layers. Rows the model could not read (``ex.errors``) or whose states
+        are not finite as replay keeps them (:meth:`unusable_rows`) are not learned from:
+        they come back in :attr:`Learned.unusable` by input position, for the caller to
+        reject."""
+        unusable = dict(ex.errors)
+        if not ex.index:  # nothing readable (a pooled summary of no rows would fail)
+            return Learned(steps=0, examples=0, unusable=unusable)
+        hidden, mask = ex.hidden.float(), ex.mask  # [L, B, T, D], [B, T]
+        bad = set(self.unusable_rows(hidden, mask))
+        why = f"hidden states not finite as {self.config.state_dtype} (NaN, inf or overflow)"
+        for row in sorted(bad):
+            unusable[ex.index[row]] = why
+        rows = [row for row in range(len(ex.index)) if row not in bad]
+        if not rows:
+            return Learned(steps=0, examples=0, unusable=unusable)
+        if bad:
+            hidden, mask = hidden[:, rows], mask[rows]
+        kept = [labeled[ex.index[row]] for row in rows]
+        targets = torch.stack([x.target for x in kept])  # [B] or [B, C]
+        steps = self.learn(hidden, mask, targets, [x.bucket for x in kept])
+        return Learned(steps=steps, examples=len(kept), unusable=unusable)
 
     def unusable_rows(self, hidden: Tensor, mask: Tensor) -> list[int]:
         """Rows of ``hidden [L, B, T, D]`` that cannot be learned from: NaN or inf in the
         example as replay keeps it (``state_dtype``: in fp16 values beyond 65504 count).
-        The caller rejects them; one such row would make every later loss non-finite."""
+        Not learned from: one such row would make every later loss non-finite."""
         dtype = self._dtype
         with torch.no_grad():
             if self.probe.separable:
@@ -197,7 +246,7 @@ class OnlineLearner:
             extra = max(bs - len(fresh), len(fresh))
             for _ in range(self.config.steps_per_batch):
                 chunks = collate_chunks(fresh + self.replay.sample(extra))
-                self.last_loss = self.learner.learn_chunks(chunks)
+                self.last_loss = self.lion.learn_chunks(chunks)
                 self._update_ema()
             self.replay.add(fresh)
 
@@ -232,7 +281,7 @@ class OnlineLearner:
                 per_label[label] = per_label.get(label, 0) + int(targets[:, j].sum())
         self.counters = TrainingCounters(
             labels_seen=c.labels_seen + int(targets.shape[0]),
-            steps=self.learner.steps,
+            steps=self.lion.steps,
             per_label=per_label,
         )
 
@@ -289,7 +338,7 @@ class OnlineLearner:
         momentum = self.optimizer_state()
         probe = keep_layers(self.probe, list(self.probe.layers[:keep]))
         params = {k: v.shape for k, v in probe.named_parameters()}
-        self.probe, self.learner = probe, self._make_learner(probe)
+        self.probe, self.lion = probe, self._make_lion(probe)
         self.load_optimizer_state(slice_layer_state(momentum, params, pick))
         if self.ema is not None:
             shapes = {k: v.shape for k, v in probe.state_dict().items()}
@@ -312,7 +361,7 @@ class OnlineLearner:
         """Lion's momentum per parameter name (safetensors-ready, on the CPU)."""
         state = {}
         for name, param in self.probe.named_parameters():
-            exp_avg = self.learner.optimizer.state.get(param, {}).get("exp_avg")
+            exp_avg = self.lion.optimizer.state.get(param, {}).get("exp_avg")
             if exp_avg is not None:
                 state[name] = exp_avg.detach().cpu().contiguous()
         return state
@@ -325,7 +374,7 @@ class OnlineLearner:
         for name, exp_avg in state.items():
             param = params.get(name)
             if param is not None and param.shape == exp_avg.shape:
-                self.learner.optimizer.state[param]["exp_avg"] = exp_avg.to(param.device).clone()
+                self.lion.optimizer.state[param]["exp_avg"] = exp_avg.to(param.device).clone()
                 used += 1
         return used
 
@@ -333,7 +382,7 @@ class OnlineLearner:
         """Cheap figures for views and reports (no tensors)."""
         return {
             "labels_seen": self.counters.labels_seen,
-            "steps": self.learner.steps,
+            "steps": self.lion.steps,
             "warming_up": self.warming_up,
             "warmup_examples": len(self.warmup or []),
             "last_loss": self.last_loss,

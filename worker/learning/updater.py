@@ -26,8 +26,6 @@ cannot read go to the dead-letter topic. A fresh probe first collects
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import logging
 import time
 from collections.abc import Sequence
@@ -35,10 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from probes import Probe, ProbeError, build_probe, encode_target, spread_layers
 from probes.checkpoint import checkpoint_to_bytes, load_checkpoint, probe_from_bytes
@@ -52,10 +47,10 @@ from worker.errors import (
     StagesChanged,
     TransientError,
 )
-from worker.kafka.batch_loop import BatchLoop, Item, Outgoing
+from worker.kafka.batch_loop import BatchLoop, Between, Item, Outgoing, Reject
 from worker.kafka.clients import ensure_topics
 from worker.kafka.runtime import RoleRuntime
-from worker.learning.online_learner import LearningConfig, OnlineLearner
+from worker.learning.online_learner import Labeled, LearningConfig, OnlineLearner
 from worker.llm.extract import HiddenStateExtractor
 from worker.rollout.policy import Policy
 from worker.rollout.stages import Rollout
@@ -88,7 +83,7 @@ def default_spec(name: str, num_layers: int, hidden_size: int) -> ProbeSpec:
 
 class UpdaterMetrics:
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
+        r = self.collector = CollectorRegistry()
         self.labels = Counter("probeguard_updater_labels", "Labels learned from", registry=r)
         self.steps = Counter("probeguard_updater_steps", "Lion steps", registry=r)
         self.loss = Gauge("probeguard_updater_loss", "Loss of the last step", registry=r)
@@ -173,7 +168,7 @@ class Updater:
         self.metrics = UpdaterMetrics()
         self.runtime = RoleRuntime(
             settings,
-            self.metrics.registry,
+            self.metrics.collector,
             role="updater",
             worker_id=self.worker_id,
             metrics_port=metrics_port,
@@ -265,6 +260,9 @@ class Updater:
             self.keeper.stop()
 
     def _lease_lost(self) -> None:
+        """The keeper's signal (on its thread, or on a fenced publish): the one place the
+        updater stops its loop, so a batch in hand is not retried for a lease gone.
+        ``_between_batches`` answers ``STOP`` too, for a loop started after the loss."""
         log.warning("lost the %s lease; finishing the batch in hand, then standby", self.name)
         if self.loop is not None:
             self.loop.stop()
@@ -286,8 +284,10 @@ class Updater:
         )
         try:
             loop.run()
-            if self.unpublished and self.keeper.holds():
-                self.publish(reason="shutdown")  # nothing while warming up (see publish)
+            # Nothing while warming up (see publish). The loop has stopped: its owner
+            # commits what the version reflects, as between batches the loop does.
+            if self.unpublished and self.keeper.holds() and self.publish(reason="shutdown"):
+                loop.commit_pending()
         finally:
             loop.close()
             self.runtime.loop = None
@@ -348,7 +348,7 @@ class Updater:
         self.unpublished = 0
         self.last_publish = time.monotonic()
         if latest is not None:
-            self._load_optimizer(latest)
+            self._restore_optimizer(latest)
         log.info(
             "resumed %s from %s (%d labels seen so far)", self.name, source, counters.labels_seen
         )
@@ -369,52 +369,40 @@ class Updater:
 
     # --- the batch -----------------------------------------------------------
 
-    def handle(self, items: list[Item[HumanLabel]]) -> Sequence[Outgoing]:
+    def handle(self, items: list[Item[HumanLabel]]) -> Sequence[Outgoing | Reject]:
         learner = self._learner()
         spec = learner.probe.spec
-        dead: list[Outgoing] = []
+        rejects: list[Reject] = []
         items = [i for i in items if self._is_ours(i.value, spec)]
         texts = self._join_texts([i.value for i in items])
-        ready: list[tuple[Item[HumanLabel], str, torch.Tensor, int]] = []
+        sources: list[Item[HumanLabel]] = []
+        ready: list[Labeled] = []  # ready[k] is the label of sources[k]
         for item, text in zip(items, texts, strict=True):
             if text is None:
-                dead.append(
-                    self._reject(
-                        item, "unjoinable", "no text in the label and none cached for the message"
-                    )
-                )
+                why = "no text in the label and none cached for the message"
+                rejects.append(Reject(item, "unjoinable", why))
                 continue
             try:
                 target, bucket = encode_target(spec, item.value.all_labels)
             except ProbeError as exc:
-                dead.append(self._reject(item, "unknown_label", str(exc)))
+                rejects.append(Reject(item, "unknown_label", str(exc)))
                 continue
-            ready.append((item, text, target, bucket))
-        self._credit(spec, [r[0].value for r in ready])
+            sources.append(item)
+            ready.append(Labeled(text, target, bucket))
+        self._credit(spec, [i.value for i in sources])
         if not ready:
-            return dead
-        ex = self.extractor.extract([t for _, t, _, _ in ready], learner.probe.layers)
-        for pos, reason in ex.errors.items():
-            dead.append(self._reject(ready[pos][0], "unscorable", reason))
-        hidden, mask = ex.hidden.float(), ex.mask  # [L, B, T, D], [B, T]
-        bad = set(learner.unusable_rows(hidden, mask))
-        for row in sorted(bad):
-            why = f"hidden states not finite as {learner.config.state_dtype} (NaN, inf or overflow)"
-            dead.append(self._reject(ready[ex.index[row]][0], "unscorable", why))
-        rows = [row for row in range(len(ex.index)) if row not in bad]
-        if not rows:
-            return dead
-        if bad:
-            hidden, mask = hidden[:, rows], mask[rows]
-        targets = torch.stack([ready[ex.index[row]][2] for row in rows])
-        buckets = [ready[ex.index[row]][3] for row in rows]
-        steps = learner.learn(hidden, mask, targets, buckets)
-        if steps:
-            self.metrics.steps.inc(steps)
+            return rejects
+        ex = self.extractor.extract([x.text for x in ready], learner.probe.layers)
+        learned = learner.learn_extraction(ex, ready)
+        rejects += [
+            Reject(sources[pos], "unscorable", why) for pos, why in learned.unusable.items()
+        ]
+        if learned.steps:
+            self.metrics.steps.inc(learned.steps)
             self.metrics.loss.set(learner.last_loss or 0.0)
-        self.unpublished += len(buckets)
-        self.metrics.labels.inc(len(buckets))
-        return dead
+        self.unpublished += learned.examples
+        self.metrics.labels.inc(learned.examples)
+        return rejects
 
     def _is_ours(self, label: HumanLabel, spec: ProbeSpec) -> bool:
         """Whether this probe should learn (or dead-letter) ``label``.
@@ -467,34 +455,29 @@ class Updater:
             }
         return [lb.text if lb.text is not None else cached.get(lb.message_id) for lb in labels]
 
-    def _reject(self, item: Item[HumanLabel], kind: Any, why: str) -> Outgoing:
-        if self.loop is None:
-            raise RuntimeError("no loop")
-        return self.loop.dead_letter(
-            item.topic, item.partition, item.offset, item.key, item.payload, kind, why
-        )
-
     # --- between batches: lease and publishing ------------------------------
 
-    def _between_batches(self) -> None:
+    def _between_batches(self) -> Between:
+        """Publish when due, tick the rollout; tell the loop whether to commit."""
         self.health.beat()
         if self.keeper.lost.is_set():
-            if self.loop is not None:
-                self.loop.stop()
-            return
+            return Between.STOP
         due_labels = self.unpublished >= self.settings.publish_every_labels
         due_time = (
             self.unpublished > 0
             and time.monotonic() - self.last_publish >= self.settings.publish_every_s
         )
+        # Commit once a published version reflects the labels; or when nothing was learned
+        # since the last version (labels skipped, dead-lettered): no version needs to
+        # reflect them, so commit them now rather than redeliver (and re-dead-letter) them
+        # after every restart.
+        commit = self.unpublished == 0
         if (due_labels or due_time) and not self._learner().warming_up:
-            self.publish(reason=f"{self.unpublished} new labels")
-        elif self.unpublished == 0 and self.loop is not None and self.loop.pending:
-            # Only labels nothing was learned from (skipped, dead-lettered) since the last
-            # version: no version needs to reflect them, so commit them now rather than
-            # redeliver (and re-dead-letter) them after every restart.
-            self.loop.commit_pending()
+            commit = self.publish(reason=f"{self.unpublished} new labels") is not None
         self._rollout_tick()
+        if self.keeper.lost.is_set():  # e.g. the publish was fenced
+            return Between.STOP
+        return Between.COMMIT if commit else Between.POLL
 
     def _rollout_tick(self) -> None:
         """Evaluate the rollout policy, at most every ``rollout_check_interval_s``."""
@@ -521,14 +504,15 @@ class Updater:
             )
 
     def publish(self, *, reason: str = "") -> int | None:
-        """Publish the current weights as a new version; commit the labels they reflect.
+        """Publish the current weights (and Lion state) as a new version; the version, or
+        None when nothing was published. The caller commits the labels it reflects.
 
         Never while a fresh probe is still warming up: it has learned nothing and has no
         input normalization yet, and its labels must come back (uncommitted) to whoever
         completes the warm-up.
         """
-        learner, loop = self.learner, self.loop
-        if learner is None or loop is None:
+        learner = self.learner
+        if learner is None or self.loop is None:
             return None
         if self.keeper.lost.is_set():
             log.warning("not publishing %s (%s): the lease is lost", self.name, reason)
@@ -568,17 +552,15 @@ class Updater:
                 actor=self.worker_id,
                 reason=reason,
             )
-            self._save_optimizer(version)
+            self.registry.save_optimizer_state(version, learner.optimizer_state())
             self.registry.prune(self.settings.keep_versions)
         except Fenced as exc:
-            log.error("%s; stopping (another updater holds the lease)", exc)
-            loop.stop()
+            self.keeper.mark_lost(f"{exc}; another updater holds it")  # stops the loop
             return None
         except (RegistryError, redis.RedisError, OSError) as exc:
             log.warning("publishing failed (%s); will retry", exc)
             self.last_publish = time.monotonic()
             return None
-        loop.commit_pending()  # only now: the labels are in a published version
         self.parent = version
         self.unpublished = 0
         self.last_publish = time.monotonic()
@@ -601,52 +583,16 @@ class Updater:
         )
         return version
 
-    def _save_optimizer(self, version: int) -> None:
-        state = self.learner.optimizer_state() if self.learner is not None else {}
-        if state:
-            self.redis.set(self.keys.optim(self.name, version), self._seal(version, st_save(state)))
-
-    def _load_optimizer(self, version: int) -> None:
-        """Lion's momentum published with ``version``; with a signing key only if its
-        signature verifies, and never with NaN or inf (else learning restarts it at zero:
-        a forged momentum steers the sign of every step, and the result would be signed)."""
-        raw = self.redis.get(self.keys.optim(self.name, version))
-        if raw is None or self.learner is None:
-            return
-        blob = self._unseal(version, raw)
+    def _restore_optimizer(self, version: int) -> None:
+        """Lion's momentum published with ``version``, when the registry vouches for it
+        (else learning restarts it at zero; see
+        :meth:`~worker.store.checkpoints.CheckpointRegistry.load_optimizer_state`)."""
         try:
-            state = st_load(blob) if blob is not None else None  # safetensors: no pickle
-        except Exception as exc:  # safetensors raises its own error types
-            log.error("Lion state of v%d is unreadable (%s); starting it afresh", version, exc)
+            state = self.registry.load_optimizer_state(version)
+        except RegistryError as exc:
+            log.error("Lion state refused (%s); starting it afresh", exc)
             return
-        if state is None or not all(torch.isfinite(t).all() for t in state.values()):
-            log.error("Lion state of v%d refused (unsigned, forged or not finite)", version)
+        if state is None or self.learner is None:
             return
         used = self.learner.load_optimizer_state(state)
         log.info("restored Lion state of v%d (%d tensors)", version, used)
-
-    def _seal(self, version: int, blob: bytes) -> bytes:
-        """``blob``, prefixed with its HMAC (bound to the prefix, probe and version) when a
-        signing key is set."""
-        key = self.settings.signing_key
-        if key is None:
-            return blob
-        return _OPTIM_MAGIC + _optim_mac(key, self.keys.prefix, self.name, version, blob) + blob
-
-    def _unseal(self, version: int, raw: bytes) -> bytes | None:
-        key = self.settings.signing_key
-        if key is None:
-            return raw[len(_OPTIM_MAGIC) + 32 :] if raw.startswith(_OPTIM_MAGIC) else raw
-        if not raw.startswith(_OPTIM_MAGIC):
-            return None
-        mac, blob = raw[len(_OPTIM_MAGIC) : len(_OPTIM_MAGIC) + 32], raw[len(_OPTIM_MAGIC) + 32 :]
-        want = _optim_mac(key, self.keys.prefix, self.name, version, blob)
-        return blob if hmac.compare_digest(mac, want) else None
-
-
-_OPTIM_MAGIC = b"PGOPT1"  # a safetensors file starts with its header length, never this
-
-
-def _optim_mac(key: bytes, prefix: str, probe: str, version: int, blob: bytes) -> bytes:
-    head = f"probeguard-optim/1\0{prefix}\0{probe}\0{version}\0".encode()
-    return hmac.new(key, head + blob, hashlib.sha256).digest()

@@ -1,1 +1,2 @@
-"""Chat messages to verdicts: the batch scoring engine, the probe watcher and the scorer role."""
+"""Chat messages to verdicts: the batch scoring engine, the probe watcher, the review
+routing policy (``review``) and the scorer role."""

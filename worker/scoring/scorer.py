@@ -3,12 +3,13 @@
 One consumer-group member on the chat topic. Per batch: decode (bad payloads
 become dead letters), one LLM pass for the union of the layers every served
 probe reads, every probe scores, one :class:`Verdict` per message keyed by
-message id; uncertain and audit-sampled messages go to the review topic
-(rate-limited across all scorers); message texts and how each probe decided go
-to Redis with a TTL so labels can be joined later, and every decision is added
-to its version's evidence counters (see :mod:`worker.store.evidence`). Offsets are
-committed only after the broker has acknowledged everything the batch produced
-(see :mod:`worker.kafka.batch_loop`).
+message id (a message no probe could score is returned as a :class:`Reject`: a
+dead letter); uncertain and audit-sampled messages go to the review topic
+(routed by :mod:`worker.scoring.review`, rate-limited across all scorers); message
+texts and how each probe decided go to Redis with a TTL so labels can be joined
+later, and every decision is added to its version's evidence counters (see
+:mod:`worker.store.evidence`). Offsets are committed only after the broker has
+acknowledged everything the batch produced (see :mod:`worker.kafka.batch_loop`).
 Probes hot-swap from a watcher thread, each batch scored by one snapshot of them (see
 :mod:`worker.scoring.probe_watch`).
 """
@@ -21,7 +22,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -29,11 +30,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from probes.checkpoint import load_checkpoint
 from schemas import ChatMessage, DecidedRecord, ProbeDecision, ReviewRequest, Verdict, utcnow
 from worker.errors import ConfigError
-from worker.kafka.batch_loop import BatchLoop, Item, Outgoing
+from worker.kafka.batch_loop import BatchLoop, Item, Outgoing, Reject
 from worker.kafka.clients import consumer_lag, ensure_topics
 from worker.kafka.runtime import RoleRuntime
 from worker.llm.extract import HiddenStateExtractor
-from worker.scoring.batch import BatchScorer, BatchScores, ServedProbe, sticky_fraction
+from worker.scoring import review
+from worker.scoring.batch import BatchScorer, BatchScores, ServedProbe
 from worker.scoring.probe_watch import ProbeWatcher
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
@@ -47,7 +49,7 @@ log = logging.getLogger(__name__)
 
 class ScorerMetrics:
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
+        r = self.collector = CollectorRegistry()
         self.messages = Counter("probeguard_scorer_messages", "Messages scored", registry=r)
         self.dead_letters = Counter(
             "probeguard_scorer_dead_letters", "Payloads dead-lettered", ["kind"], registry=r
@@ -135,7 +137,7 @@ class Scorer:
         self.metrics = ScorerMetrics()
         self.runtime = RoleRuntime(
             settings,
-            self.metrics.registry,
+            self.metrics.collector,
             role="scorer",
             worker_id=self.worker_id,
             metrics_port=metrics_port,
@@ -166,7 +168,10 @@ class Scorer:
             on_untrusted=lambda name, why: self.metrics.untrusted.labels(name).inc(),
             breaker=self.redis_breaker,
         )
-        self.scoring = BatchScorer(extractor, lambda: self.watcher.slots, shadow=settings.shadow)
+        self.batch_scorer = BatchScorer(
+            extractor, lambda: self.watcher.slots, shadow=settings.shadow
+        )
+        self.review_policy = review.ReviewPolicy.from_settings(settings)
 
     @property
     def loop(self) -> BatchLoop[ChatMessage] | None:
@@ -218,26 +223,15 @@ class Scorer:
 
     # --- the batch -----------------------------------------------------------
 
-    def handle(self, items: list[Item[ChatMessage]]) -> Sequence[Outgoing]:
+    def handle(self, items: list[Item[ChatMessage]]) -> Sequence[Outgoing | Reject]:
         start = time.perf_counter()
         messages = [i.value for i in items]
-        scores = self.scoring.score(messages)
+        scores = self.batch_scorer.score(messages)
         elapsed = time.perf_counter() - start
         latency_ms = elapsed * 1000.0
-        out: list[Outgoing] = []
-        for pos, reason in scores.errors.items():
-            it = items[pos]
-            out.append(
-                self._loop().dead_letter(
-                    it.topic,
-                    it.partition,
-                    it.offset,
-                    it.key,
-                    it.payload,
-                    "unscorable",
-                    reason,
-                )
-            )
+        out: list[Outgoing | Reject] = [
+            Reject(items[pos], "unscorable", reason) for pos, reason in scores.errors.items()
+        ]
         now = utcnow()
         for pos, results in scores.results.items():
             msg = messages[pos]
@@ -274,18 +268,13 @@ class Scorer:
         return out
 
     def _reviews(self, items: list[Item[ChatMessage]], scores: BatchScores) -> list[Outgoing]:
-        s = self.settings
         candidates: list[tuple[ReviewRequest, Item[ChatMessage]]] = []
         for pos, results in scores.results.items():
             msg = items[pos].value
             for r in results:
                 flag_score = scores.flag_scores.get((pos, r.probe))
-                reason: Literal["uncertain", "audit"]
-                if flag_score is not None and s.review_low <= flag_score <= s.review_high:
-                    reason = "uncertain"
-                elif sticky_fraction(msg.message_id, "audit") < s.review_audit_share:
-                    reason = "audit"
-                else:
+                reason = review.route(self.review_policy, msg.message_id, flag_score)
+                if reason is None:
                     continue
                 request = ReviewRequest(
                     message_id=msg.message_id,
@@ -303,7 +292,7 @@ class Scorer:
         for req, _ in admitted:
             self.metrics.reviews.labels(req.reason).inc()
         return [
-            Outgoing(s.topic_review, r.message_id.encode(), r.encode(), source=item)
+            Outgoing(self.settings.topic_review, r.message_id.encode(), r.encode(), source=item)
             for r, item in admitted
         ]
 
@@ -317,9 +306,9 @@ class Scorer:
             return 0
         if not self.redis_breaker.ready():
             return 0  # Redis is failing: without the shared budget, hold reviews back
-        limit = self.settings.review_max_per_window
-        window = self.settings.review_window_s
-        key = self.keys.review_budget(int(time.time() // window))
+        policy = self.review_policy
+        window = policy.window_s
+        key = self.keys.review_budget(policy.window(time.time()))
         try:
             pipe = self.redis.pipeline(transaction=True)
             pipe.incrby(key, wanted)
@@ -330,7 +319,7 @@ class Scorer:
             self.redis_breaker.trip()
             log.warning("review budget unavailable (%s); holding reviews back", exc)
             return 0  # without the shared budget, err on the side of not flooding reviewers
-        return max(0, min(wanted, limit - (used - wanted)))
+        return review.admitted(policy, wanted, used)
 
     def _remember(
         self, messages: list[ChatMessage], scores: BatchScores, latency_ms: float
@@ -410,11 +399,6 @@ class Scorer:
 
     # --- helpers -------------------------------------------------------------
 
-    def _loop(self) -> BatchLoop[ChatMessage]:
-        if self.loop is None:
-            raise RuntimeError("the batch loop is not running")
-        return self.loop
-
     def _between_batches(self) -> None:
         if self.settings.probe_watch == "poll":
             self.watcher.refresh()
@@ -432,7 +416,7 @@ class Scorer:
                 self.watcher.refresh(force=True)
             if bootstrap is not None:
                 self._serve_bootstrap(bootstrap)
-            if self.scoring.ready():
+            if self.batch_scorer.ready():
                 log.info("serving %s", self.watcher.versions())
                 return True
             if time.monotonic() - last_note > 10:
@@ -459,7 +443,7 @@ class Scorer:
         self.watcher.serve_bootstrap(manifest.probe, ServedProbe(probe, manifest))
 
     def _ready(self) -> tuple[bool, str]:
-        if not self.scoring.ready():
+        if not self.batch_scorer.ready():
             return False, "no live probe loaded yet"
         if self.loop is None or not self.loop.consumer.assignment():
             return False, "no partitions assigned yet"

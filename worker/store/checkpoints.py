@@ -22,6 +22,11 @@ cannot point ``live`` at another version (a rolled-back one, one copied from ano
 deployment); scorers ignore pointers that do not verify, and refuse a ``seq`` older
 than one they have seen (a replayed record). Writers refuse to build on pointers that
 do not verify; ``resign=True`` (the operator's ``promote --force``) starts them afresh.
+
+The Lion optimizer state published beside each version (:meth:`save_optimizer_state`)
+is signed by the same scheme: an HMAC (:meth:`CheckpointRegistry.mac`, the one the stage
+pointers use) over the key prefix, the probe, the version and the sha256 of the state.
+A forged momentum would steer the sign of every step of weights the updater then signs.
 """
 
 from __future__ import annotations
@@ -29,22 +34,30 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import redis
+import torch
 from pydantic import ValidationError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 from schemas import CheckpointEvent, CheckpointManifest, EventKind, describe_error, utcnow
 from worker.errors import Fenced, RegistryError, StagesChanged, UnknownVersion
 from worker.store.redis import Keys
 
-__all__ = ["CheckpointRegistry", "Stages", "StoredCheckpoint", "live_lineage"]
+__all__ = ["OPTIM_MAGIC", "CheckpointRegistry", "Stages", "StoredCheckpoint", "live_lineage"]
 
 EVENTS_MAXLEN = 10_000
 LIVE_HISTORY_MAX = 100  # live versions remembered for rollback (newest first)
 PROTECTED_LIVES = 3  # retention keeps the live version and the two lives before it
+# Signed optimizer state: OPTIM_MAGIC, the hex HMAC (64 bytes), the safetensors blob. A
+# safetensors file starts with its header length, never "PGOPT". "PGOPT1", the updater's
+# own HMAC framing before the registry signed this state, is refused (momentum restarts).
+OPTIM_MAGIC = b"PGOPT2"
+_OPTIM_MAC_LEN = 64
 
 
 @dataclass(frozen=True)
@@ -419,6 +432,67 @@ class CheckpointRegistry:
         )
         return [int(v) for v in doomed]
 
+    # --- optimizer state ---------------------------------------------------
+
+    def save_optimizer_state(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
+        """Store the optimizer state published with ``version`` (safetensors, no pickle),
+        signed when a signing key is set. Nothing is stored for an empty state."""
+        if not state:
+            return
+        blob = st_save(dict(state))
+        if self.signing_key is not None:
+            blob = OPTIM_MAGIC + self._optimizer_mac(version, blob).encode() + blob
+        self.client.set(self.keys.optim(self.probe, version), blob)
+
+    def load_optimizer_state(self, version: int) -> dict[str, torch.Tensor] | None:
+        """The optimizer state published with ``version``; None when there is none.
+
+        Raises :class:`RegistryError` (the caller starts the state afresh) when it is
+        unsigned or forged while a signing key is set, sealed by the old scheme
+        (``PGOPT1``), unreadable, or holds NaN or inf.
+        """
+        raw = self.client.get(self.keys.optim(self.probe, version))
+        if raw is None:
+            return None
+        where = f"{self.probe} v{version} optimizer state"
+        blob = self._unseal_optimizer(version, raw, where)
+        try:
+            state = st_load(blob)  # safetensors: no pickle
+        except Exception as exc:  # safetensors raises its own error types
+            raise RegistryError(f"{where} is unreadable ({exc})") from None
+        if not all(torch.isfinite(t).all() for t in state.values()):
+            raise RegistryError(f"{where} is not finite (NaN or inf)")
+        return state
+
+    def _unseal_optimizer(self, version: int, raw: bytes, where: str) -> bytes:
+        head = len(OPTIM_MAGIC) + _OPTIM_MAC_LEN
+        sealed = raw.startswith(OPTIM_MAGIC)
+        if not sealed and raw.startswith(OPTIM_MAGIC[:-1]):
+            raise RegistryError(f"{where} is sealed by an older scheme ({raw[:6]!r})")
+        if self.signing_key is None:
+            return raw[head:] if sealed else raw
+        if not sealed:
+            raise RegistryError(f"{where} is unsigned but a signing key is configured")
+        mac, blob = raw[len(OPTIM_MAGIC) : head], raw[head:]
+        if not hmac.compare_digest(mac, self._optimizer_mac(version, blob).encode()):
+            raise RegistryError(f"{where}: signature does not verify")
+        return blob
+
+    def _optimizer_mac(self, version: int, blob: bytes) -> str:
+        digest = hashlib.sha256(blob).hexdigest()
+        return self.mac(["probeguard-optim/2", self.keys.prefix, self.probe, version, digest])
+
+    # --- signing -----------------------------------------------------------
+
+    def mac(self, record: list[Any]) -> str:
+        """HMAC-SHA256 (hex) with the signing key over ``record`` as compact JSON: the one
+        scheme for stage pointers and optimizer state (``record`` names its kind first, and
+        binds the deployment's key prefix and the probe)."""
+        if self.signing_key is None:
+            raise RegistryError("no signing key configured")
+        message = json.dumps(record, separators=(",", ":")).encode()
+        return hmac.new(self.signing_key, message, hashlib.sha256).hexdigest()
+
     # --- signed stage pointers -------------------------------------------
 
     def stage_signature(self, st: Stages, shas: dict[int, str] | None = None) -> str:
@@ -426,7 +500,7 @@ class CheckpointRegistry:
         probe, each pointed version's tensor sha256 (read from its manifest unless given)
         and ``st.seq``."""
         if self.signing_key is None:
-            raise RegistryError("no signing key configured")
+            raise RegistryError("no signing key configured")  # before reading manifests
         shas = dict(shas or {})
         for v in (st.live, st.canary):
             if v is not None and v not in shas:
@@ -442,8 +516,7 @@ class CheckpointRegistry:
             round(float(st.canary_share), 6) if st.canary is not None else 0.0,
             st.seq,
         ]
-        message = json.dumps(record, separators=(",", ":")).encode()
-        return hmac.new(self.signing_key, message, hashlib.sha256).hexdigest()
+        return self.mac(record)
 
     def stages_verify(self, st: Stages) -> bool:
         """Whether ``st`` carries a valid signature (always, without a key). Empty

@@ -132,6 +132,11 @@ class LeaseKeeper:
             self._lose("renewal refused")
         return not self.lost.is_set()
 
+    def mark_lost(self, why: str) -> None:
+        """The lease is known not to be ours (e.g. a fenced write): lost for good, as
+        when a renewal is refused; ``on_lost`` runs (once)."""
+        self._lose(why)
+
     def _run(self) -> None:
         interval = self.lease.ttl_ms / 3000
         last_ok = time.monotonic()
