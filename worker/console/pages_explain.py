@@ -8,7 +8,7 @@ from fastapi import APIRouter, Form, Request
 from fastapi.responses import HTMLResponse
 
 from worker.console import web
-from worker.console.app import console_of, user_of
+from worker.console.context import console_of, user_of
 from worker.errors import ExplainError
 
 __all__ = ["router"]

@@ -16,8 +16,9 @@ from pydantic import ValidationError
 
 from schemas import DecidedRecord
 from worker.console import web
-from worker.console.app import Console, console_of, flash, see_other, user_of
+from worker.console.context import Console, console_of, user_of
 from worker.console.queue import ReviewItem
+from worker.console.web import flash, see_other
 from worker.errors import ExplainError, ReviewError
 
 __all__ = ["router"]
