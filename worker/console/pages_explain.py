@@ -32,7 +32,7 @@ def explain_form(request: Request) -> HTMLResponse:
 
 
 @router.post("/explain")
-def explain(
+def explain_page(
     request: Request,
     text: Annotated[str, Form()] = "",
     probe: Annotated[str, Form()] = "",
