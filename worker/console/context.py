@@ -36,7 +36,7 @@ class Console:
     queue: ReviewQueue | None
     explainer: Explainer
     keys: Keys = field(init=False)
-    cache: Any = field(init=False)  # the text cache's Redis (PROBEGUARD_TEXT_REDIS_URL)
+    texts: Any = field(init=False)  # the text store's Redis (PROBEGUARD_TEXT_REDIS_URL)
     evidence: EvidenceStore = field(init=False)
     specs: SpecCache = field(init=False)
     env: jinja2.Environment = field(default_factory=web.templates)
@@ -44,8 +44,8 @@ class Console:
 
     def __post_init__(self) -> None:
         self.keys = Keys(self.settings.redis_prefix)
-        self.cache = make_text_redis(self.settings, self.client)
-        self.evidence = EvidenceStore.from_settings(self.client, self.settings, cache=self.cache)
+        self.texts = make_text_redis(self.settings, self.client)
+        self.evidence = EvidenceStore.from_settings(self.client, self.settings, cache=self.texts)
         self.specs = SpecCache(self.client, self.keys)
 
     def page(self, request: Request, name: str, status: int = 200, **values: Any) -> HTMLResponse:

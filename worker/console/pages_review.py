@@ -36,7 +36,7 @@ def _queue(console: Console) -> Any:
 
 def _decided(console: Console, message_id: str) -> list[dict[str, Any]]:
     """Every probe's decision on the message, as the scorers recorded it."""
-    raw = console.cache.get(console.keys.decided(message_id))
+    raw = console.texts.get(console.keys.decided(message_id))
     if raw is None:
         return []
     try:
