@@ -41,8 +41,7 @@ import torch
 from probes.offline.cache import HiddenStateCache
 from probes.offline.fit import FitConfig, FitResult
 from schemas import LayerMix, TokenPool
-from worker.commands._common import dir_size
-from worker.offline.fit_eval import ProbeOptions, save_fit, train_probe
+from worker.offline.fit_eval import ProbeOptions, dir_size, fit_probe, save_fit
 
 CONFIGS: dict[str, tuple[TokenPool, LayerMix]] = {
     "mean-best": ("mean", "single"),
@@ -113,7 +112,7 @@ def fit_one(
         seed=args.seed,
         layer_lr_scale=args.layer_lr_scale,
     )
-    result, _ = train_probe(train, opts, config, val_cache=val)
+    result, _ = fit_probe(train, opts, config, val_cache=val)
     r = result.val_report
     row = {
         "pool": pool,

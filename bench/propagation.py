@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker.embedded import EmbeddedBroker, EmbeddedRedis
     from worker.kafka.clients import ensure_topics, make_producer
     from worker.llm.extract import HiddenStateExtractor
-    from worker.rollout.stages import Rollout
+    from worker.rollout.changes import Rollout
     from worker.scoring.scorer import Scorer
     from worker.settings import Settings
     from worker.store.checkpoints import CheckpointRegistry

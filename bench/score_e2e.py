@@ -187,8 +187,7 @@ def fit_probes(args: argparse.Namespace) -> dict[str, Path]:
 
     from probes.offline.fit import FitConfig
     from probes.offline.select import refit, select_depth
-    from worker.commands.fit import _print_depth
-    from worker.offline.fit_eval import ProbeOptions, prepare, save_fit
+    from worker.offline.fit_eval import ProbeOptions, prepare, print_depth_table, save_fit
 
     cache = cache_for(args.train_data, args.cache_root)
     spec, data = prepare(cache, ProbeOptions())
@@ -206,7 +205,7 @@ def fit_probes(args: argparse.Namespace) -> dict[str, Path]:
         depths=depths,
         progress=lambda row: log("  " + ", ".join(f"{k} {v:.4g}" for k, v in row.items())),
     )
-    _print_depth(search)
+    print_depth_table(search)
     full_row = search.rows[-1]
     if full_row.depth == search.chosen:
         full = chosen
@@ -290,7 +289,7 @@ def produce(
     return sent
 
 
-def quality(
+def verdict_quality(
     rows: list[dict[str, Any]], keys: list[bytes], clock: VerdictClock, flag: str
 ) -> dict[str, float]:
     """F1 (the probe's own decision) and AUPRC of the verdicts on ``rows``."""
@@ -437,7 +436,7 @@ def run_config(
         "backlog_msg_s": round(backlog_rate, 3),
         "paced": paced,
         "same_rate": same_rate,
-        "quality": quality(rows, first, clock, flag) if args.untrained is None else None,
+        "quality": verdict_quality(rows, first, clock, flag) if args.untrained is None else None,
         "probe_ms_per_message": round(1000 * m.probe_seconds._sum.get() / max(1.0, scored), 3),
     }
 

@@ -31,7 +31,7 @@ from tests.registry_helpers import publish_probe, toxicity_spec
 from worker.embedded import EmbeddedRedis
 from worker.kafka.clients import client_config, make_producer
 from worker.learning.updater import Updater
-from worker.rollout.stages import Rollout
+from worker.rollout.changes import Rollout
 from worker.scoring.scorer import Scorer
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.evidence import EvidenceStore

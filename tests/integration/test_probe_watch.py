@@ -17,7 +17,7 @@ from tests.process_helpers import wait_until
 from tests.registry_helpers import publish_probe, toxicity_spec
 from tests.tiny_llm import make_tiny_llm
 from worker.embedded import EmbeddedRedis, free_port
-from worker.rollout.stages import Rollout
+from worker.rollout.changes import Rollout
 from worker.scoring.batch import ServedProbe
 from worker.scoring.probe_watch import ProbeWatcher
 from worker.store.checkpoints import CheckpointRegistry

@@ -30,7 +30,7 @@ from tests.tiny_llm import make_tiny_llm
 from worker.kafka.clients import ensure_topics
 from worker.learning.updater import Updater
 from worker.llm.extract import HiddenStateExtractor
-from worker.rollout.stages import Rollout
+from worker.rollout.changes import Rollout
 from worker.scoring.batch import sticky_fraction
 from worker.scoring.scorer import Scorer
 from worker.settings import Settings

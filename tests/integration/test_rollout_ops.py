@@ -22,8 +22,8 @@ from tests.conftest import RedisNamespace
 from tests.registry_helpers import num
 from worker.cli import main
 from worker.errors import RegistryError, StagesChanged
+from worker.rollout.changes import Rollout
 from worker.rollout.policy import Policy, next_action
-from worker.rollout.stages import Rollout
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.evidence import EvidenceStore
 from worker.store.lease import Lease

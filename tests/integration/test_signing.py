@@ -20,7 +20,7 @@ from tests.registry_helpers import publish_probe
 from worker.embedded import free_port
 from worker.errors import RegistryError
 from worker.kafka.clients import ensure_topics
-from worker.rollout.stages import Rollout
+from worker.rollout.changes import Rollout
 from worker.scoring.scorer import Scorer
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry

@@ -11,12 +11,14 @@
 
 ``schemas`` and ``probes`` import no Kafka, Redis or transformers, and nothing of worker;
 the probe core (``probes``, ``probes.kinds``) never imports ``probes.offline``.
+No module takes part in an import cycle, inside one part or across parts.
 Every import counts: top-level, lazy (inside functions) and ``TYPE_CHECKING`` ones.
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -134,6 +136,113 @@ def test_the_check_catches_an_upward_import(tmp_path: Path, monkeypatch) -> None
     monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", tmp_path)
     assert len(layer_violations("worker")) == 2
     assert len(layer_violations("probes")) == 3
+
+
+def _modules(packages: tuple[str, ...]) -> dict[str, Path]:
+    """Module name -> file, for every module of ``packages`` (a package is its ``__init__``)."""
+    return {
+        _module_name(path): path for package in packages for path in (ROOT / package).rglob("*.py")
+    }
+
+
+def _targets(me: str, path: Path, known: dict[str, Path]) -> Iterator[tuple[int, str]]:
+    """The modules of ``known`` that ``path`` (module ``me``) imports, with the line.
+
+    ``import a.b`` imports ``a.b``; ``from a import b`` imports ``a.b`` when that is a
+    module, else ``a`` (a package's ``__init__``); relative imports are resolved first.
+    Parent packages that Python runs on the way are not counted: a kind module importing
+    ``probes.kinds.base`` does not import ``probes.kinds`` (its ``__init__``) in a way
+    that could cycle, since the package is already being imported when the kind is.
+    """
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in known:
+                    yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*up, base] if base else up)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                if sub in known:
+                    yield node.lineno, sub
+                elif base in known:
+                    yield node.lineno, base
+
+
+def import_cycles(packages: tuple[str, ...] = ("schemas", "probes", "worker")) -> list[str]:
+    """Every import cycle among the modules of ``packages``, one line per cycle found."""
+    known = _modules(packages)
+    edges: dict[str, dict[str, int]] = {m: {} for m in known}
+    for me, path in known.items():
+        for line, target in _targets(me, path, known):
+            if target != me:
+                edges[me].setdefault(target, line)
+    cycles, done = [], set[str]()
+    for start in sorted(known):
+        if start in done:
+            continue
+        # Depth-first from each module; a grey node met again closes a cycle.
+        stack: list[tuple[str, Iterator[str]]] = [(start, iter(sorted(edges[start])))]
+        grey = [start]
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                stack.pop()
+                grey.pop()
+                done.add(node)
+            elif child in grey:
+                ring = [*grey[grey.index(child) :], child]
+                steps = [
+                    f"{known[a].relative_to(ROOT)}:{edges[a][b]} -> {b}"
+                    for a, b in itertools.pairwise(ring)
+                ]
+                cycles.append(" ; ".join(steps))
+            elif child not in done:
+                stack.append((child, iter(sorted(edges[child]))))
+                grey.append(child)
+    return cycles
+
+
+def test_no_import_cycle() -> None:
+    assert import_cycles() == []
+
+
+def test_the_check_catches_an_import_cycle(tmp_path: Path, monkeypatch) -> None:
+    """A lazy, a ``TYPE_CHECKING``, a relative and a submodule-through-package import
+    each close a cycle (the test can fail); a kind importing its base beside the
+    package ``__init__`` that imports the kind does not."""
+    for folder in ("worker/console", "worker/demo", "probes/kinds"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "worker" / "__init__.py").write_text("")
+    (tmp_path / "probes" / "__init__.py").write_text("from probes.kinds import LAYER_MIXES\n")
+    console = tmp_path / "worker" / "console"
+    (console / "app.py").write_text("def create():\n    from worker.console import pages\n")
+    (console / "pages.py").write_text("from .app import create\n")
+    demo = tmp_path / "worker" / "demo"
+    (demo / "run.py").write_text("from worker.demo.figures import snapshot\n")
+    (demo / "figures.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import worker.demo.run\n"
+    )
+    kinds = tmp_path / "probes" / "kinds"
+    (kinds / "__init__.py").write_text(
+        "from probes.kinds import gate\nfrom probes.kinds.base import LAYER_MIXES\n"
+    )
+    (kinds / "base.py").write_text("LAYER_MIXES = {}\n")
+    (kinds / "gate.py").write_text("from probes.kinds.base import LAYER_MIXES\n")
+    monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", tmp_path)
+    assert import_cycles(("probes",)) == []
+    found = import_cycles(("probes", "worker"))
+    assert len(found) == 2, found
+    assert "worker/console/app.py:2 -> worker.console.pages" in found[0]
+    assert "worker/demo/figures.py:3 -> worker.demo.run" in found[1]
+    (kinds / "gate.py").write_text("import probes\n")  # through the package: a real cycle
+    assert len(import_cycles(("probes",))) == 1
 
 
 def test_every_name_in_all_exists() -> None:

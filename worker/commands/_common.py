@@ -1,4 +1,6 @@
-"""Small helpers shared by the offline commands (cache, fit, eval)."""
+"""Small helpers shared by the commands: argument parsing, JSON output and offline error
+translation for ``cache``, ``fit``, ``eval``, ``explain`` and ``probe``; ``settings_with`` and
+``serve`` for the long-lived ``score``, ``train`` and ``console``."""
 
 from __future__ import annotations
 
@@ -7,12 +9,11 @@ import json
 import math
 from collections.abc import Callable
 from functools import wraps
-from pathlib import Path
 from typing import Any
 
 from worker.errors import OfflineError
 
-__all__ = ["dir_size", "layer_list", "offline_errors", "print_json"]
+__all__ = ["layer_list", "offline_errors", "print_json", "serve", "settings_with"]
 
 
 def layer_list(value: str) -> list[int] | None:
@@ -68,10 +69,6 @@ def _clean(value: Any) -> Any:
 def print_json(obj: Any) -> None:
     """One JSON object on one line (NaN/inf as null, so any JSON parser reads it)."""
     print(json.dumps(_clean(obj), separators=(",", ":"), allow_nan=False))
-
-
-def dir_size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def settings_with(**overrides: Any) -> Any:

@@ -6,10 +6,12 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from worker.commands._common import dir_size, layer_list, offline_errors, print_json
+from worker.commands._common import layer_list, offline_errors, print_json
 
 if TYPE_CHECKING:
     from schemas import CacheManifest
+
+__all__ = ["register"]
 
 SUMMARY_KINDS = ("mean", "max", "first", "last")
 
@@ -117,6 +119,7 @@ def _report(
     out: Path, manifest: CacheManifest, *, as_json: bool, missing: list[int] | None = None
 ) -> int:
     from probes.offline.cache import HiddenStateCache
+    from worker.offline.fit_eval import dir_size
 
     cache = HiddenStateCache(out)
     missing = cache.missing_shards() if missing is None else missing

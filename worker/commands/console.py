@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import getpass
 import sys
-from typing import Any
 
 __all__ = ["register"]
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p: argparse.ArgumentParser = sub.add_parser(
         "console",
         help="the web console: review queue, probe rollout, explanations",

@@ -7,14 +7,13 @@ import logging
 import signal
 import threading
 from pathlib import Path
-from typing import Any
 
-__all__ = ["register", "run"]
+__all__ = ["register"]
 
 log = logging.getLogger(__name__)
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p: argparse.ArgumentParser = sub.add_parser(
         "demo",
         help="run broker, Redis, a scorer and an updater on a replayed labeled stream",
@@ -82,10 +81,10 @@ def register(sub: Any) -> None:
         default=1800,
         help="stop and report after this long (default: %(default)s)",
     )
-    p.set_defaults(func=run)
+    p.set_defaults(func=_run)
 
 
-def run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace) -> int:
     from worker.demo.run import DemoOptions, run_demo
     from worker.llm.extract import HiddenStateExtractor
     from worker.settings import load_settings

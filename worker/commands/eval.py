@@ -8,6 +8,8 @@ from typing import Any
 
 from worker.commands._common import offline_errors, print_json
 
+__all__ = ["register"]
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(

@@ -1,5 +1,5 @@
 """``probeguard explain``: how one message's verdict forms (scores by layer, top tokens,
-logit lens); the work is in :mod:`worker.explain.report` and :mod:`probes.explain`."""
+logit lens); the work is in :mod:`worker.explain.breakdown` and :mod:`probes.explain`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from worker.commands._common import offline_errors, print_json, settings_with
 
 if TYPE_CHECKING:
-    from worker.explain.report import ProbeSource
+    from worker.explain.breakdown import ProbeSource
     from worker.settings import Settings
 
 __all__ = ["register"]
@@ -65,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 @offline_errors
 def _run(args: argparse.Namespace) -> int:
     from worker.errors import ExplainError, ExtractionInputError
-    from worker.explain.report import ExplainOptions, explain, verify
+    from worker.explain.breakdown import ExplainOptions, explain, verify
     from worker.llm.extract import HiddenStateExtractor, clean_text
     from worker.llm.load import load_llm
 
@@ -106,7 +106,7 @@ def _run(args: argparse.Namespace) -> int:
 def _text(args: argparse.Namespace, settings: Settings) -> str:
     if args.message_id is None:
         return str(args.text)
-    from worker.explain.report import cached_text
+    from worker.explain.breakdown import cached_text
     from worker.store.redis import Keys, make_text_redis
 
     with make_text_redis(settings) as client:
@@ -114,7 +114,7 @@ def _text(args: argparse.Namespace, settings: Settings) -> str:
 
 
 def _source(args: argparse.Namespace, settings: Settings) -> ProbeSource:
-    from worker.explain.report import source_from_checkpoint, source_from_registry
+    from worker.explain.breakdown import source_from_checkpoint, source_from_registry
 
     if args.checkpoint is not None:
         return source_from_checkpoint(args.checkpoint)

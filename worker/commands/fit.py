@@ -14,6 +14,9 @@ if TYPE_CHECKING:
     from probes.offline.select import CVResult, DepthSearch
 
 
+__all__ = ["register"]
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     from probes import LAYER_MIXES, TOKEN_POOLS
     from probes.offline.fit import FitConfig
@@ -158,7 +161,13 @@ def _run(args: argparse.Namespace) -> int:
     from probes.offline.cache import HiddenStateCache
     from probes.offline.fit import FitConfig
     from schemas import OperatingPoint
-    from worker.offline.fit_eval import ProbeOptions, save_fit, train_probe, train_probe_depth
+    from worker.offline.fit_eval import (
+        ProbeOptions,
+        fit_probe,
+        fit_probe_depth,
+        print_depth_table,
+        save_fit,
+    )
     from worker.settings import load_settings
 
     _apply_deprecated(args)
@@ -209,7 +218,7 @@ def _run(args: argparse.Namespace) -> int:
             raise SystemExit(
                 f"probeguard fit: --depth-epsilon must be >= 0, got {args.depth_epsilon}"
             )
-        result, cv, depth = train_probe_depth(
+        result, cv, depth = fit_probe_depth(
             cache,
             opts,
             config,
@@ -220,7 +229,7 @@ def _run(args: argparse.Namespace) -> int:
     elif args.depth_candidates is not None:
         raise SystemExit("probeguard fit: --depth-candidates needs --depth auto")
     else:
-        result, cv = train_probe(
+        result, cv = fit_probe(
             cache, opts, config, val_cache=val_cache, val_fraction=args.val_fraction, folds=folds
         )
     save_fit(
@@ -278,7 +287,7 @@ def _run(args: argparse.Namespace) -> int:
         print_json({**summary, "depth_table": depth.table()} if depth else summary)
         return 0
     if depth is not None:
-        _print_depth(depth)
+        print_depth_table(depth)
     if cv is not None:
         c = cv.summary()
         for f in cv.folds:
@@ -300,28 +309,6 @@ def _run(args: argparse.Namespace) -> int:
             f"{result.best_epoch}/{result.epochs}, {summary['train_seconds']} s -> {args.out}"
         )
     return 0
-
-
-def _print_depth(depth: DepthSearch) -> None:
-    """The depth search's table: one line per candidate, the choice marked."""
-    print(f"depth search ({len(depth.table())} candidates, epsilon {depth.epsilon:g} AUPRC):")
-    print(f"  {'depth':>5}  {'layers':>6}  {'CV AUPRC':>15}  {'CV F1':>15}  {'epochs':>6}  seconds")
-    for r in depth.table():
-        mark = "  <- chosen" if r["chosen"] else ""
-        mark += "  (best)" if r["depth"] == depth.best else ""
-        print(
-            f"  {r['depth']:>5}  {len(r['layers']):>6}  "
-            f"{r['auprc_mean']:.3f} ± {r['auprc_std']:.3f}  "
-            f"{r['f1_mean']:.3f} ± {r['f1_std']:.3f}  "
-            f"{r['epochs']:>6}  {r['seconds']:>7.0f}{mark}"
-        )
-    best = depth.row(depth.best).auprc[0]
-    chosen = depth.row(depth.chosen).auprc[0]
-    print(
-        f"chose depth {depth.chosen}: the shallowest within {depth.epsilon:g} of the best "
-        f"(depth {depth.best}, AUPRC {best:.3f}; chosen {chosen:.3f}); the probe reads layers "
-        f"{depth.row(depth.chosen).layers}"
-    )
 
 
 def _apply_deprecated(args: argparse.Namespace) -> None:

@@ -36,7 +36,7 @@ def _default_actor() -> str:
     return f"{user}@{socket.gethostname()}"[:256]
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p: argparse.ArgumentParser = sub.add_parser(
         "probe",
         help="operate probe versions: status, promote, canary, rollback, pin, history",

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any
 
 from worker.commands._common import serve, settings_with
 
-__all__ = ["register", "run"]
+__all__ = ["register"]
 
 log = logging.getLogger(__name__)
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p: argparse.ArgumentParser = sub.add_parser(
         "score",
         help="consume chat messages, publish verdicts (the scoring worker)",
@@ -36,10 +35,10 @@ def register(sub: Any) -> None:
         default=None,
         help="score with live and canary, act on live",
     )
-    p.set_defaults(func=run)
+    p.set_defaults(func=_run)
 
 
-def run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace) -> int:
     from worker.llm.extract import HiddenStateExtractor
     from worker.scoring.scorer import Scorer
     from worker.store.redis import make_redis

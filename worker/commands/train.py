@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any
 
 from worker.commands._common import serve, settings_with
 
-__all__ = ["register", "run"]
+__all__ = ["register"]
 
 log = logging.getLogger(__name__)
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p: argparse.ArgumentParser = sub.add_parser(
         "train",
         help="learn from human labels and publish probe versions (the updater)",
@@ -32,10 +31,10 @@ def register(sub: Any) -> None:
     p.add_argument("--seed-checkpoint", help="checkpoint dir to start from if none is published")
     p.add_argument("--seed-spec", help="ProbeSpec JSON file to start from zero with")
     p.add_argument("--metrics-port", type=int, help="/metrics, /healthz, /readyz port; 0 = off")
-    p.set_defaults(func=run)
+    p.set_defaults(func=_run)
 
 
-def run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace) -> int:
     from worker.learning.updater import Updater
     from worker.llm.extract import HiddenStateExtractor
     from worker.store.redis import make_redis

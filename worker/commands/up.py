@@ -7,12 +7,11 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
 
-__all__ = ["register", "run"]
+__all__ = ["register"]
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p: argparse.ArgumentParser = sub.add_parser(
         "up",
         help="run the embedded Kafka-protocol broker and Redis in the foreground",
@@ -37,10 +36,10 @@ def register(sub: Any) -> None:
         default=None,
         help="also write the PROBEGUARD_* settings to this file (shell `export` lines)",
     )
-    p.set_defaults(func=run)
+    p.set_defaults(func=_run)
 
 
-def run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace) -> int:
     from worker.embedded import EmbeddedBroker, EmbeddedRedis
     from worker.kafka.clients import all_topics, ensure_topics
     from worker.settings import load_settings

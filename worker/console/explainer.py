@@ -3,7 +3,7 @@
 The LLM is loaded once, lazily (or handed over, e.g. by the demo, which shares its
 scorer's); a probe version is verified exactly as a scorer verifies it (sha256, LLM
 fingerprint, signature with a key) before it explains anything. Explanations are
-``worker.explain.report.explain``'s report: the page shows the same decomposition as
+``worker.explain.breakdown.explain``'s report: the page shows the same decomposition as
 ``probeguard explain``.
 """
 
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from probes.errors import ProbeError
 from schemas import ProbeSpec
 from worker.errors import ExplainError, ProbeguardError, RegistryError
-from worker.explain.report import ExplainOptions, explain, source_from_registry, verify
+from worker.explain.breakdown import ExplainOptions, explain, source_from_registry, verify
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.redis import Keys

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Form, Request
 from fastapi.responses import HTMLResponse
 
 from worker.console import web
-from worker.console.app import console_of, user_of
+from worker.console.context import console_of, user_of
 from worker.errors import ExplainError
 
 __all__ = ["router"]
@@ -32,7 +32,7 @@ def explain_form(request: Request) -> HTMLResponse:
 
 
 @router.post("/explain")
-def explain(
+def explain_page(
     request: Request,
     text: Annotated[str, Form()] = "",
     probe: Annotated[str, Form()] = "",

@@ -17,8 +17,9 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from starlette.responses import Response
 
 from worker.console import web
-from worker.console.app import console_of, flash, see_other, user_of
+from worker.console.context import console_of, user_of
 from worker.console.probes_view import probe_page
+from worker.console.web import flash, see_other
 from worker.errors import ProbeguardError
 from worker.rollout.operator import Operator
 from worker.store.checkpoints import CheckpointRegistry, Stages

@@ -16,7 +16,8 @@ from pydantic import ValidationError
 
 from schemas import DecidedRecord
 from worker.console import web
-from worker.console.app import Console, console_of, flash, see_other, user_of
+from worker.console.context import Console, console_of, user_of
+from worker.console.web import flash, see_other
 from worker.errors import ExplainError, ReviewError
 from worker.review.queue import ReviewItem
 
@@ -35,7 +36,7 @@ def _queue(console: Console) -> Any:
 
 def _decided(console: Console, message_id: str) -> list[dict[str, Any]]:
     """Every probe's decision on the message, as the scorers recorded it."""
-    raw = console.cache.get(console.keys.decided(message_id))
+    raw = console.texts.get(console.keys.decided(message_id))
     if raw is None:
         return []
     try:

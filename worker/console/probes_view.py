@@ -3,7 +3,7 @@ metrics over versions, layer weights, history.
 
 Everything comes from the functions ``probeguard probe status`` uses
 (:func:`worker.rollout.status.gather`) and from the rollout policy itself
-(:func:`worker.rollout.stages.decide` on the current situation), so the page shows
+(:func:`worker.rollout.policy.next_action` on the current situation), so the page shows
 what the CLI shows and what the policy would do now, with the same numbers.
 """
 
@@ -16,8 +16,8 @@ from typing import Any
 from worker.console.charts import BarChart, LineChart, bar_chart, line_chart
 from worker.console.explainer import Explainer
 from worker.errors import RegistryError
+from worker.rollout.changes import Rollout
 from worker.rollout.policy import Policy, RolloutDecision, next_action
-from worker.rollout.stages import Rollout
 from worker.rollout.status import StatusReport, gather
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
@@ -58,7 +58,7 @@ def _num(x: float | None) -> float | None:
 
 
 def _progress(policy: Policy, decision: RolloutDecision, canary: Any) -> list[Progress]:
-    """The trial's rules as bars (see the rules in worker.rollout.stages)."""
+    """The trial's rules as bars (see the rules in worker.rollout.policy)."""
     if canary is None:
         return []
     n = decision.numbers

@@ -7,6 +7,8 @@
   their password hash: changing a password (or removing a user) ends their sessions.
 - Every state change (each POST) must carry the session's CSRF token, as a form field
   ``csrf`` or an ``X-CSRF-Token`` header, and must not come from another origin.
+- After a POST, pages answer :func:`see_other` (303) with a :func:`flash` note for the
+  next page.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from urllib.parse import quote
 
 import jinja2
 from fastapi import Request
+from fastapi.responses import RedirectResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from worker.console.auth import Permission, User
@@ -32,6 +35,8 @@ __all__ = [
     "SecurityHeaders",
     "check_csrf",
     "csrf_token",
+    "flash",
+    "see_other",
     "signed_in",
     "templates",
 ]
@@ -156,6 +161,16 @@ def safe_next(target: str | None) -> str:
     if not target or not target.startswith("/") or target.startswith("//") or "\\" in target:
         return "/review"
     return target
+
+
+def see_other(url: str) -> RedirectResponse:
+    """The answer to a POST: the browser GETs ``url`` next (303 See Other)."""
+    return RedirectResponse(url, status_code=303)
+
+
+def flash(request: Request, text: str, kind: str = "ok") -> None:
+    """A one-time note (``ok`` or ``error``) shown by the next page rendered."""
+    request.session["flash"] = {"text": text[:600], "kind": kind}
 
 
 # --- CSRF -------------------------------------------------------------------------------

@@ -1,20 +1,38 @@
 """The demo's numbers: live figures for the terminal view, final ones for the report.
 
-Everything here reads what the demo observed on the topics (verdicts, labels sent) and
-what the updater's learner and the registry hold; nothing changes state.
+Everything here reads what the demo observed on the topics (:class:`Observed`: verdicts,
+labels sent) and the plain values the run hands over (the updater's learner, the
+registry, the live versions); nothing changes state, and nothing here imports the run.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from probes.metrics import percentile, precision_recall_f1
+from schemas import Verdict
 
 if TYPE_CHECKING:
-    from worker.demo.run import DemoRun
+    from worker.learning.online_learner import OnlineLearner
+    from worker.store.checkpoints import CheckpointRegistry
 
-__all__ = ["final_figures", "snapshot"]
+__all__ = ["Observed", "final_figures", "snapshot"]
+
+
+@dataclass
+class Observed:
+    """What came out of the system, with arrival times."""
+
+    sent: dict[str, float] = field(default_factory=dict)  # message id -> produce time
+    truth: dict[str, str] = field(default_factory=dict)  # message id -> label (labeled ones)
+    verdicts: dict[str, tuple[float, Verdict]] = field(default_factory=dict)
+    reviews: int = 0
+    dead_letters: int = 0
+    labels_sent: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 def _f1(pairs: list[tuple[bool, bool]]) -> float:
@@ -25,22 +43,30 @@ def _f1(pairs: list[tuple[bool, bool]]) -> float:
     return precision_recall_f1(tp, fp, fn)[2]
 
 
-def snapshot(run: DemoRun) -> dict[str, Any]:
-    """Live figures (cheap; called by the live view twice a second)."""
-    obs = run.obs
+def snapshot(
+    obs: Observed,
+    *,
+    started: float,
+    total: int,
+    learning: dict[str, Any],
+    versions: dict[str, int | None],
+) -> dict[str, Any]:
+    """Live figures (cheap; called by the live view twice a second).
+
+    ``started`` is the run's start (``time.time()``), ``total`` the messages it will
+    send, ``learning`` the learner's ``snapshot()`` (empty before it exists) and
+    ``versions`` the scorer's stage -> version for the demo probe.
+    """
     with obs.lock:
         sent, scored = len(obs.sent), len(obs.verdicts)
         lat = [1000 * (t - obs.sent[m]) for m, (t, _) in obs.verdicts.items() if m in obs.sent]
         arrivals = sorted(t for t, _ in obs.verdicts.values())
         reviews, dead, labels = obs.reviews, obs.dead_letters, obs.labels_sent
     recent = [t for t in arrivals if t >= time.time() - 10]
-    upd, scorer = run.updater, run.scorer
-    versions = scorer.watcher.versions().get("demo", {}) if scorer else {}
-    learning = upd.learner.snapshot() if upd and upd.learner else {}
     preq = learning.get("prequential", {})
     return {
-        "elapsed_s": time.time() - run.started,
-        "total": run.total,
+        "elapsed_s": time.time() - started,
+        "total": total,
         "sent": sent,
         "scored": scored,
         "msg_per_s": len(recent) / 10.0,
@@ -56,15 +82,22 @@ def snapshot(run: DemoRun) -> dict[str, Any]:
     }
 
 
-def final_figures(run: DemoRun) -> dict[str, Any]:
-    """Everything the report shows, from what was observed and the registry."""
-    obs = run.obs
+def final_figures(
+    obs: Observed,
+    *,
+    run_id: str,
+    started: float,
+    total: int,
+    learner: OnlineLearner | None,
+    registry: CheckpointRegistry | None,
+) -> dict[str, Any]:
+    """Everything the report shows, from what was observed, the updater's ``learner``
+    and the ``registry`` (either may be ``None``: their figures are then empty)."""
     with obs.lock:
         verdicts = dict(obs.verdicts)
         # Scored order (verdict arrival): a backlog is not scored in the order it was sent.
         order = sorted(verdicts, key=lambda m: verdicts[m][0])
         sent, truth = dict(obs.sent), dict(obs.truth)
-    learner = run.updater.learner if run.updater else None
     spec = learner.probe.spec if learner else None
     flags = set(spec.flag_labels) if spec else set()
     served: list[dict[str, Any]] = []
@@ -73,7 +106,7 @@ def final_figures(run: DemoRun) -> dict[str, Any]:
             res = verdicts[mid][1].results[0]
             served.append(
                 {
-                    "t": sent[mid] - run.started,
+                    "t": sent[mid] - started,
                     "version": res.version,
                     "pred": res.predicted[0] if res.predicted else "",
                     "truth": truth[mid],
@@ -98,16 +131,16 @@ def final_figures(run: DemoRun) -> dict[str, Any]:
         for a in labels
     ]
     lat = [1000 * (t - sent[m]) for m, (t, _) in verdicts.items() if m in sent]
-    arrivals = sorted(t - run.started for t, _ in verdicts.values())
+    arrivals = sorted(t - started for t, _ in verdicts.values())
     half = served[len(served) // 2 :]
     return {
-        "run_id": run.run_id,
-        "messages": run.total,
+        "run_id": run_id,
+        "messages": total,
         "verdicts": len(verdicts),
         "dead_letters": obs.dead_letters,
         "reviews": obs.reviews,
         "labels": obs.labels_sent,
-        "elapsed_s": round(time.time() - run.started, 1),
+        "elapsed_s": round(time.time() - started, 1),
         "latency_ms": lat,
         "arrivals_s": arrivals,
         "p50_ms": round(percentile(lat, 0.5), 1),
@@ -118,18 +151,18 @@ def final_figures(run: DemoRun) -> dict[str, Any]:
         "confusion": confusion,
         "served_f1_all": round(_f1([(s["flagged"], s["flag_true"]) for s in served]), 4),
         "served_f1_second_half": round(_f1([(s["flagged"], s["flag_true"]) for s in half]), 4),
-        "versions": _version_points(run),
-        "layer_weights": _layer_weights(run),
-        "class_layers": _class_layers(run),
+        "versions": _version_points(registry),
+        "layer_weights": _layer_weights(learner),
+        "class_layers": _class_layers(learner),
     }
 
 
-def _version_points(run: DemoRun) -> list[dict[str, Any]]:
-    if run.registry is None:
+def _version_points(registry: CheckpointRegistry | None) -> list[dict[str, Any]]:
+    if registry is None:
         return []
     points = []
-    for v in run.registry.versions():
-        m = run.registry.manifest(v)
+    for v in registry.versions():
+        m = registry.manifest(v)
         points.append(
             {
                 "version": v,
@@ -142,21 +175,19 @@ def _version_points(run: DemoRun) -> list[dict[str, Any]]:
     return points
 
 
-def _layer_weights(run: DemoRun) -> dict[str, Any]:
-    learner = run.updater.learner if run.updater else None
+def _layer_weights(learner: OnlineLearner | None) -> dict[str, Any]:
     if learner is None:
         return {}
     snap = learner.snapshot()
     return {"layers": snap["layers"], "weights": snap["layer_weights"]}
 
 
-def _class_layers(run: DemoRun) -> dict[str, Any]:
+def _class_layers(learner: OnlineLearner | None) -> dict[str, Any]:
     """Per-class layer use of the final probe over the updater's replay buffer (recent
     labeled messages, class-balanced); empty without a learner or examples."""
     from probes.explain import class_layer_use_batches
     from worker.learning.replay import collate_chunks
 
-    learner = run.updater.learner if run.updater else None
     if learner is None:
         return {}
     examples = [e for bucket in learner.replay.buckets for e in bucket]

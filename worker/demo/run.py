@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from pydantic import SecretStr
 
 from probes import spread_layers
 from schemas import ChatMessage, HumanLabel, LabeledText, ProbeSpec, Verdict, utcnow
-from worker.demo.figures import final_figures, snapshot
+from worker.demo.figures import Observed, final_figures, snapshot
 from worker.embedded import EmbeddedBroker, EmbeddedRedis
 from worker.kafka.clients import ensure_topics, make_producer, reader_config
 from worker.learning.updater import Updater
@@ -75,19 +75,6 @@ class DemoOptions:
     timeout_s: float = 1800.0
     console: bool = False  # serve the web console beside the replay (until Ctrl-C)
     console_port: int | None = None
-
-
-@dataclass
-class Observed:
-    """What came out of the system, with arrival times."""
-
-    sent: dict[str, float] = field(default_factory=dict)  # message id -> produce time
-    truth: dict[str, str] = field(default_factory=dict)  # message id -> label (labeled ones)
-    verdicts: dict[str, tuple[float, Verdict]] = field(default_factory=dict)
-    reviews: int = 0
-    dead_letters: int = 0
-    labels_sent: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 def _rows(opts: DemoOptions) -> list[LabeledText]:
@@ -218,6 +205,29 @@ class DemoRun:
         with self.obs.lock:
             scored = len(self.obs.verdicts)
         return self.replay_done.is_set() and scored >= self.total - self.obs.dead_letters
+
+    def snapshot(self) -> dict[str, Any]:
+        """The live view's figures now (see :func:`worker.demo.figures.snapshot`)."""
+        learner = self.updater.learner if self.updater else None
+        scorer = self.scorer
+        return snapshot(
+            self.obs,
+            started=self.started,
+            total=self.total,
+            learning=learner.snapshot() if learner else {},
+            versions=scorer.watcher.versions().get("demo", {}) if scorer else {},
+        )
+
+    def final_figures(self) -> dict[str, Any]:
+        """The report's figures (see :func:`worker.demo.figures.final_figures`)."""
+        return final_figures(
+            self.obs,
+            run_id=self.run_id,
+            started=self.started,
+            total=self.total,
+            learner=self.updater.learner if self.updater else None,
+            registry=self.registry,
+        )
 
     def shutdown(self, threads: list[threading.Thread]) -> None:
         self.stop.set()
@@ -358,7 +368,7 @@ def run_demo(
         console = start_console(demo, opts) if opts.console else None
         deadline = time.monotonic() + opts.timeout_s
         try:
-            with LiveView(lambda: snapshot(demo), tty=tty) as view:
+            with LiveView(demo.snapshot, tty=tty) as view:
                 while not (demo.finished() or interrupted.is_set() or time.monotonic() > deadline):
                     view.update()
                     time.sleep(0.5)
@@ -372,7 +382,7 @@ def run_demo(
             if console is not None:
                 console.stop()
             demo.shutdown(threads)
-        figures = final_figures(demo)
+        figures = demo.final_figures()
         figures["replay_complete"] = demo.finished()
     return figures, write_report(figures, opts.out)
 

@@ -1,1 +1,2 @@
-"""How a verdict forms: the per-layer report and its terminal/HTML rendering."""
+"""How a verdict forms: the per-layer breakdown (breakdown.py) and its terminal/HTML
+rendering (render.py)."""

@@ -1,5 +1,5 @@
-"""Showing an explanation (:func:`worker.explain.report.explain`'s report): 80-column plain text, a
-rich rendering for terminals, and an HTML page with PNG plots."""
+"""Showing an explanation (:func:`worker.explain.breakdown.explain`'s report): 80-column
+plain text, a rich rendering for terminals, and an HTML page with PNG plots."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def tok(s: str, limit: int = 14) -> str:
     return text if len(text) <= limit else text[: limit - 2] + "…" + text[-1]
 
 
-def fit(line: str, width: int = WIDTH) -> str:
+def clip(line: str, width: int = WIDTH) -> str:
     return line if len(line) <= width else line[: width - 1] + "…"
 
 
@@ -61,7 +61,7 @@ def _prob_of(label: str) -> Callable[[dict[str, Any]], float | None]:
     return lambda e: e["probs"][label]
 
 
-def decision(e: dict[str, Any]) -> str:
+def decision_text(e: dict[str, Any]) -> str:
     names = ",".join(e["predicted"]) or "-"
     return f"FLAG {names}" if e["flagged"] else names
 
@@ -74,11 +74,11 @@ def header_lines(r: dict[str, Any]) -> list[str]:
     score = "" if v["flag_score"] is None else f"  flag score {v['flag_score']:.3f}"
     thresholds = ", ".join(f"{k} {t:.2f}" for k, t in r["thresholds"].items())
     return [
-        fit(f"probe   {r['probe']}{ver} from {r['source']}"),
-        fit(f"        {r['token_pool']} tokens, {r['layer_mix']} over {n} layer(s), {r['task']}"),
-        fit(f"model   {r['model']}"),
-        fit(f"text    {text!r} ({r['n_tokens']} tokens)"),
-        fit(
+        clip(f"probe   {r['probe']}{ver} from {r['source']}"),
+        clip(f"        {r['token_pool']} tokens, {r['layer_mix']} over {n} layer(s), {r['task']}"),
+        clip(f"model   {r['model']}"),
+        clip(f"text    {text!r} ({r['n_tokens']} tokens)"),
+        clip(
             f"verdict {'FLAGGED' if v['flagged'] else 'not flagged'}: "
             f"{', '.join(v['predicted']) or '-'}{score}"
             + (f" (thresholds {thresholds})" if thresholds else "")
@@ -88,7 +88,7 @@ def header_lines(r: dict[str, Any]) -> list[str]:
 
 def token_lines(r: dict[str, Any]) -> list[str]:
     t = r["tokens"]
-    lines = [fit(f"Top tokens: {t['description']}")]
+    lines = [clip(f"Top tokens: {t['description']}")]
     if t["kind"] == "uniform":
         return lines
     for entry in t["top"]:
@@ -101,9 +101,9 @@ def token_lines(r: dict[str, Any]) -> list[str]:
 def lens_lines(r: dict[str, Any]) -> list[str]:
     lens = r["lens"]
     if not lens["available"]:
-        return [fit(f"Logit lens: unavailable: {lens['reason']}")]
+        return [clip(f"Logit lens: unavailable: {lens['reason']}")]
     lines = [
-        fit(
+        clip(
             f"Logit lens (final norm + LM head on each layer): top {lens['top_k']} next "
             f"tokens after {tok(lens['token'])}"
         )
@@ -123,12 +123,12 @@ def render_plain(r: dict[str, Any]) -> str:
     head = "  layer  weight " + "".join(f" {h:>12}" for h, _ in cols) + "  decision"
     lines = [*header_lines(r), ""]
     lines.append("Score by layer: the probe's head on each layer's summary alone")
-    lines.append(fit(head))
+    lines.append(clip(head))
     for e in r["layers"]:
         cells = "".join(f" {_p(fn(e)):>12}" for _, fn in cols)
-        lines.append(fit(f"  {e['layer']:>5}  {e['weight']:6.3f} {cells}  {decision(e)}"))
+        lines.append(clip(f"  {e['layer']:>5}  {e['weight']:6.3f} {cells}  {decision_text(e)}"))
     cells = "".join(f" {_p(fn(r['verdict'])):>12}" for _, fn in cols)
-    lines.append(fit(f"  {'mixed':>5}  {1.0:6.3f} {cells}  {decision(r['verdict'])}"))
+    lines.append(clip(f"  {'mixed':>5}  {1.0:6.3f} {cells}  {decision_text(r['verdict'])}"))
     lines.append(f"  (layer-weight entropy {r['layer_entropy']:.3f} nats)")
     lines += ["", *token_lines(r), "", *lens_lines(r)]
     return "\n".join(lines)
@@ -162,7 +162,7 @@ def print_rich(r: dict[str, Any], console: Any = None) -> None:
             str(e["layer"]),
             f"{e['weight']:.3f}",
             *(_p(fn(e)) for _, fn in cols),
-            Text(decision(e), style=style),
+            Text(decision_text(e), style=style),
             end_section=e["layer"] == r["layers"][-1]["layer"],
         )
     console.print(table)
@@ -215,7 +215,7 @@ def write_html(r: dict[str, Any], out: Path) -> Path:
     rows = "".join(
         f"<tr><td>{esc(str(e['layer']))}</td><td>{e['weight']:.3f}</td>"
         + "".join(f"<td>{_p(fn(e))}</td>" for _, fn in cols)
-        + f"<td>{esc(decision(e))}</td></tr>"
+        + f"<td>{esc(decision_text(e))}</td></tr>"
         for e in [*r["layers"], {**r["verdict"], "layer": "mixed", "weight": 1.0}]
     )
     heads = "".join(f"<th>{esc(h)}</th>" for h, _ in cols)

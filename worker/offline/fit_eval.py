@@ -35,12 +35,14 @@ from worker.offline.build_cache import ExtractorLike
 __all__ = [
     "ProbeOptions",
     "default_flag_labels",
+    "dir_size",
     "evaluate_on_cache",
     "evaluate_on_rows",
+    "fit_probe",
+    "fit_probe_depth",
     "load_split",
     "prepare",
-    "train_probe",
-    "train_probe_depth",
+    "print_depth_table",
 ]
 
 log = logging.getLogger(__name__)
@@ -111,7 +113,7 @@ def _split(data: ProbeDataset, fraction: float, seed: int) -> tuple[ProbeDataset
     return data.subset(keep.nonzero().flatten()), data.subset(val)
 
 
-def train_probe(
+def fit_probe(
     cache: HiddenStateCache,
     opts: ProbeOptions,
     config: FitConfig,
@@ -162,7 +164,7 @@ def prepare(cache: HiddenStateCache, opts: ProbeOptions) -> tuple[ProbeSpec, Pro
     return _spec(cache, opts, layers, data), data
 
 
-def train_probe_depth(
+def fit_probe_depth(
     cache: HiddenStateCache,
     opts: ProbeOptions,
     config: FitConfig,
@@ -171,7 +173,7 @@ def train_probe_depth(
     epsilon: float = 0.01,
     depths: list[int] | None = None,
 ) -> tuple[FitResult, CVResult, DepthSearch]:
-    """Like :func:`train_probe` with k-fold selection, and the depth too: each candidate
+    """Like :func:`fit_probe` with k-fold selection, and the depth too: each candidate
     deepest layer (``depths``, default every layer of ``opts``) is cross-validated with the
     layers up to it, the shallowest within ``epsilon`` mean AUPRC of the best is refit
     (:func:`probes.offline.select.select_depth`). The probe's ``layers`` record the choice."""
@@ -337,3 +339,30 @@ def evaluate_on_rows(
     report.update(checkpoint=str(checkpoint), probe=manifest.probe, version=manifest.version)
     report["skipped"] = skipped
     return probe, report
+
+
+def print_depth_table(depth: DepthSearch) -> None:
+    """The depth search's table: one line per candidate, the choice marked."""
+    print(f"depth search ({len(depth.table())} candidates, epsilon {depth.epsilon:g} AUPRC):")
+    print(f"  {'depth':>5}  {'layers':>6}  {'CV AUPRC':>15}  {'CV F1':>15}  {'epochs':>6}  seconds")
+    for r in depth.table():
+        mark = "  <- chosen" if r["chosen"] else ""
+        mark += "  (best)" if r["depth"] == depth.best else ""
+        print(
+            f"  {r['depth']:>5}  {len(r['layers']):>6}  "
+            f"{r['auprc_mean']:.3f} ± {r['auprc_std']:.3f}  "
+            f"{r['f1_mean']:.3f} ± {r['f1_std']:.3f}  "
+            f"{r['epochs']:>6}  {r['seconds']:>7.0f}{mark}"
+        )
+    best = depth.row(depth.best).auprc[0]
+    chosen = depth.row(depth.chosen).auprc[0]
+    print(
+        f"chose depth {depth.chosen}: the shallowest within {depth.epsilon:g} of the best "
+        f"(depth {depth.best}, AUPRC {best:.3f}; chosen {chosen:.3f}); the probe reads layers "
+        f"{depth.row(depth.chosen).layers}"
+    )
+
+
+def dir_size(path: Path) -> int:
+    """Bytes in the files under ``path`` (a cache or a checkpoint folder)."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

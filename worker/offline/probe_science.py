@@ -1,7 +1,8 @@
 """What a probe knows and where, on caches: per-layer curves, control tasks and selectivity,
 per-class layer use. The glue between caches, labeled files and :mod:`probes.offline.layerwise`,
-:mod:`probes.offline.control` and :func:`probes.offline.layerwise.class_layer_use`; ``eval`` and
-``bench/probe_science.py`` call these.
+:mod:`probes.offline.control` and :func:`probes.offline.layerwise.class_layer_use`;
+``probeguard eval`` calls these (``bench/probe_science.py`` has its own copy of the
+selectivity, not these).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from worker.errors import RolloutError, StagesChanged
-from worker.rollout.stages import Rollout
+from worker.rollout.changes import Rollout
 from worker.store.checkpoints import CheckpointRegistry, Stages
 from worker.store.evidence import EvidenceStore
 from worker.store.lease import Lease

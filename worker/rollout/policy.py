@@ -5,7 +5,7 @@
                                               \\--(enough labels, neither)-------> cleared
 
 :func:`next_action` looks only at numbers (:class:`Situation`) and returns a
-:class:`RolloutDecision`; :class:`worker.rollout.stages.Rollout` reads the registry and
+:class:`RolloutDecision`; :class:`worker.rollout.changes.Rollout` reads the registry and
 the evidence, applies decisions as compare-and-set stage changes (an operator's
 concurrent change wins and the policy looks again next time), and offers the same
 operations to the operator CLI. The active updater evaluates the policy between

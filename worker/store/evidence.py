@@ -2,7 +2,7 @@
 
 Every scorer adds to the counters of the versions it served; the updater (which
 consumes the labels) credits each label to the version(s) that judged the message.
-The rollout policy (:mod:`worker.rollout.stages`) decides on these numbers, and
+The rollout policy (:mod:`worker.rollout.policy`) decides on these numbers, and
 ``probeguard probe status`` shows them. Writing is best-effort: callers catch
 Redis errors, so a Redis hiccup costs evidence, never a batch.
 

@@ -1,0 +1,90 @@
+"""Signing in and out, the root redirect and ``/healthz``.
+
+Sessions are described in :mod:`worker.console.web`; a failed sign-in costs the same
+time whether or not the user exists, and repeated failures for one name are throttled.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated
+
+from fastapi import APIRouter, Form, Request
+from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse
+from starlette.responses import Response
+
+from worker.console import web
+from worker.console.auth import User, hash_password
+from worker.console.context import console_of, user_of
+from worker.console.web import see_other
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+# Checked against when the user name is unknown, so a wrong name costs as long as a
+# wrong password (no user enumeration by timing).
+_DUMMY = User("-", "reviewer", hash_password(secrets.token_urlsafe(16)))
+
+
+@router.get("/healthz", include_in_schema=False)
+def healthz() -> PlainTextResponse:
+    return PlainTextResponse("ok")
+
+
+@router.get("/")
+def root(request: Request) -> RedirectResponse:
+    user_of(request)
+    return see_other("/review")
+
+
+@router.get("/login")
+def login_form(request: Request, next: str = "/review") -> HTMLResponse:
+    return console_of(request).page(request, "login.html", next=web.safe_next(next), error="")
+
+
+@router.post("/login")
+def login(
+    request: Request,
+    username: Annotated[str, Form()] = "",
+    password: Annotated[str, Form()] = "",
+    csrf: Annotated[str, Form()] = "",
+    next: Annotated[str, Form()] = "/review",
+) -> Response:
+    console = console_of(request)
+    web.check_csrf(request, csrf)
+    name = username.strip()[:64]
+    if console.throttle.blocked(name):
+        return console.page(
+            request,
+            "login.html",
+            status=429,
+            next=web.safe_next(next),
+            error="too many failed attempts for this user; wait a few minutes",
+        )
+    user = console.users.get(name)
+    ok = (user or _DUMMY).check(password[:1024])
+    if user is None or not ok:
+        console.throttle.failed(name)
+        return console.page(
+            request,
+            "login.html",
+            status=401,
+            next=web.safe_next(next),
+            error="unknown user or wrong password",
+        )
+    console.throttle.succeeded(name)
+    request.session.clear()  # a fresh session (and CSRF token) at every sign-in
+    request.session.update({"user": user.name, "pw": web.hash_digest(user)})
+    return see_other(web.safe_next(next))
+
+
+@router.post("/logout")
+def logout(request: Request, csrf: Annotated[str, Form()] = "") -> RedirectResponse:
+    user = user_of(request)
+    web.check_csrf(request, csrf)
+    queue = console_of(request).queue
+    if queue is not None:
+        queue.leave(user.name)
+    request.session.clear()
+    return see_other("/login")
