@@ -199,6 +199,8 @@ def explain(
         ],
         "tokens": _tokens(probe, hidden, mask, parts.weights[:, 0], positions, tokens, opts),
         "lens": {"available": lens is not None, "reason": lens_note, "top_k": opts.top_k},
+        "rank": None,  # the Ecco views, when asked for (opts.rank / rank_next / compare)
+        "compare": None,
     }
     index = _position(opts.position, len(positions))
     if lens is not None:
@@ -307,6 +309,7 @@ def _ecco(
                     "layer": p.layer,
                     "logits": list(p.logits),
                     "difference": p.difference,
+                    "share_a": float(torch.sigmoid(torch.tensor(p.difference))),  # P(a)/(P(a)+P(b))
                     "probs": list(p.probs),
                     "ranks": list(p.ranks),
                 }
