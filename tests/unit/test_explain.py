@@ -242,3 +242,73 @@ def test_token_ids_line_up_with_the_extracted_positions(max_chunks: int) -> None
     out = ex.extract([text], [1])
     assert len(ids) == int(out.mask[0].sum())
     assert ids.count(ex.llm.tokenizer.bos_token_id) == min(max_chunks, 3)
+
+
+# --- the Ecco views: ranks across positions, two tokens compared ------------------------------
+
+
+def _direct_logits(model: object, llm: LoadedLLM, text: str) -> torch.Tensor:
+    """``[L+1, n, V]``: each hidden-state index through final norm + LM head, computed from the
+    HF model directly (its top index is already normalized: the model's own logits)."""
+    ids = llm.tokenizer(text, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)  # type: ignore[operator]
+        hs = out.hidden_states  # L+1 x [1, n, D]
+        inner = [model.lm_head(model.model.norm(h[0])) for h in hs[:-1]]  # type: ignore[attr-defined]
+    return torch.stack([*inner, out.logits[0]])
+
+
+def test_ranks_at_every_layer_and_position_match_a_direct_computation(causal) -> None:
+    model, llm = causal
+    lens = LogitLens(llm)
+    layers = tuple(range(NUM_LAYERS + 1))
+    ex = HiddenStateExtractor(llm, max_tokens=64).extract([TEXT], layers)
+    n = int(ex.mask[0].sum())
+    states = ex.hidden[:, 0, :n]  # [L+1, n, D]
+    direct = _direct_logits(model, llm, TEXT)  # [L+1, n, V]
+    target = llm.tokenizer.convert_tokens_to_ids("e")
+    ranks = lens.ranks(states, layers, torch.full((n,), target))
+    assert ranks.shape == (NUM_LAYERS + 1, n) and ranks.dtype == torch.int64
+    want = (direct > direct[..., target : target + 1]).sum(-1) + 1
+    assert torch.equal(ranks, want)
+    # The model's own argmax has rank 1 at the top layer.
+    top = direct[-1].argmax(-1)  # [n]
+    assert (lens.ranks(states[-1:], layers[-1:], top) == 1).all()
+    # Per-position targets: each position's actual next token.
+    ids = llm.tokenizer(TEXT)["input_ids"]
+    nxt = torch.tensor([*ids[1:], 0])
+    got = lens.ranks(states, layers, nxt)
+    want = (direct > direct.gather(-1, nxt[None, :, None].expand(len(layers), -1, 1))).sum(-1) + 1
+    assert torch.equal(got, want)
+
+
+def test_two_tokens_compared_match_a_direct_computation(causal) -> None:
+    model, llm = causal
+    lens = LogitLens(llm)
+    layers = tuple(range(NUM_LAYERS + 1))
+    ex = HiddenStateExtractor(llm, max_tokens=64).extract([TEXT], layers)
+    direct = _direct_logits(model, llm, TEXT)[:, 3]  # [L+1, V] at position 3
+    a, b = (llm.tokenizer.convert_tokens_to_ids(c) for c in ("a", "b"))
+    pairs = lens.compare(ex.hidden[:, 0, 3], layers, a, b)
+    assert [p.layer for p in pairs] == list(layers)
+    probs = direct.softmax(-1)
+    for p, logits, pr in zip(pairs, direct, probs, strict=True):
+        assert p.logits == pytest.approx((float(logits[a]), float(logits[b])), abs=1e-4)
+        assert p.difference == pytest.approx(float(logits[a] - logits[b]), abs=1e-4)
+        assert p.probs == pytest.approx((float(pr[a]), float(pr[b])), abs=1e-6)
+        assert p.ranks == (int((logits > logits[a]).sum()) + 1, int((logits > logits[b]).sum()) + 1)
+
+
+def test_token_id_takes_one_token_and_says_why_not() -> None:
+    from worker.errors import ExplainError
+    from worker.explain.report import token_id
+
+    tok = tiny_tokenizer()
+    assert token_id(tok, "e") == tok.convert_tokens_to_ids("e")
+    assert token_id(tok, "' '") == tok.convert_tokens_to_ids(" ")  # a quoted literal
+    with pytest.raises(ExplainError, match=r"'is' is 2 tokens for this model \('i', 's'\)"):
+        token_id(tok, "is")
+    with pytest.raises(ExplainError, match="not in the model's vocabulary"):
+        token_id(tok, "é")
+    with pytest.raises(ExplainError, match="is empty"):
+        token_id(tok, "''")

@@ -200,3 +200,116 @@ def test_rich_rendering_fits_80_columns(capsys, workspace: Path) -> None:
     shown = buffer.getvalue()
     assert max(len(line) for line in shown.splitlines()) <= 80, shown
     assert "Score by layer" in shown and "mixed" in shown and "Logit lens" in shown
+
+
+# --- the Ecco views: --position, --rank / --rank-next, --compare ------------------------------
+
+
+def _top_layer_logits(workspace: Path, text: str) -> torch.Tensor:
+    """``[n, V]``: the tiny LLM's own next-token logits at every position, from the HF model."""
+    llm = load_llm(
+        Settings(model=str(workspace / "tiny-llama-0-own"), cache_dir=workspace / "c"),
+        lm_head=True,
+    )
+    ids = llm.tokenizer(text, return_tensors="pt")["input_ids"]
+    assert llm.lm_head is not None
+    with torch.no_grad():
+        return llm.lm_head(llm.model(input_ids=ids).last_hidden_state[0]).float()
+
+
+def test_ecco_views_json(capsys, workspace: Path) -> None:
+    argv = [*args(workspace), "--position", "3", "--rank", "e", "--compare", "a", "' '"]
+    r = explain_json(capsys, *argv, TEXT)
+    tokens = r["tokens"]["tokens"]
+    n = len(tokens)
+    lens = r["lens"]
+    assert lens["position"] == 3 and lens["token"] == tokens[3] == "u"
+    own = _top_layer_logits(workspace, TEXT)  # [n, V]
+    assert lens["layers"][-1]["token_ids"][0] == int(own[3].argmax())
+    # Rank of 'e': every lens layer x every position; the top layer's is the model's own.
+    rank = r["rank"]
+    assert rank["available"] and rank["mode"] == "token" and rank["tokens"] == tokens
+    assert rank["targets"] == ["e"] * n
+    assert [row["layer"] for row in rank["layers"]] == list(range(NUM_LAYERS + 1))
+    assert all(len(row["ranks"]) == n for row in rank["layers"])
+    e = rank["target_ids"][0]
+    assert rank["layers"][-1]["ranks"] == ((own > own[:, e : e + 1]).sum(-1) + 1).tolist()
+    # Two tokens at position 3.
+    c = r["compare"]
+    assert c["position"] == 3 and c["a"]["token"] == "a" and c["b"]["token"] == " "
+    a, b = c["a"]["token_id"], c["b"]["token_id"]
+    top = c["layers"][-1]
+    assert top["difference"] == pytest.approx(float(own[3, a] - own[3, b]), abs=1e-4)
+    probs = own[3].softmax(-1)
+    assert top["probs"] == pytest.approx([float(probs[a]), float(probs[b])], abs=1e-6)
+    # Negative positions count from the end; -1 is the default (the last token).
+    assert (
+        explain_json(capsys, *args(workspace), "--position", "-1", TEXT)["lens"]
+        == (explain_json(capsys, *args(workspace), TEXT)["lens"])
+    )
+    r = explain_json(capsys, *args(workspace), "--position", f"-{n}", "--rank-next", TEXT)
+    assert r["lens"]["position"] == 0 and r["lens"]["token"] == "<s>"
+    assert r["rank"]["mode"] == "next" and r["rank"]["targets"] == [*tokens[1:], None]
+    top = r["rank"]["layers"][-1]["ranks"]
+    nxt = r["rank"]["target_ids"]
+    assert top[-1] is None
+    assert top[:-1] == [int((own[t] > own[t, nxt[t]]).sum()) + 1 for t in range(n - 1)]
+
+
+def test_ecco_views_in_text_and_html_escape_hostile_text(capsys, workspace: Path) -> None:
+    out = workspace / "html-ecco"
+    text = "<img src=x onerror=alert(1)> & a much longer message that needs several blocks"
+    argv = [*args(workspace), "--rank", "<", "--compare", "<", "&", "--html", str(out), text]
+    capsys.readouterr()
+    assert main(["explain", *argv]) == 0
+    shown = capsys.readouterr().out
+    assert max(len(line) for line in shown.splitlines()) <= 80, shown
+    assert "Rank of '<' at every layer" in shown and "Compare A = '<' vs B = '&'" in shown
+    r = json.loads((out / "explain.json").read_text())
+    assert shown.count("    pos ") == math.ceil(r["n_tokens"] / 12) > 1  # 12 positions a block
+    page = (out / "index.html").read_text()
+    assert "Token ranks" in page and "Compare two tokens" in page
+    assert "<img src=x" not in page and "&lt;img src=x" in page
+    assert 'class="r1"' in page or 'class="r2"' in page
+    assert r["rank"]["targets"][0] == "<" and r["compare"]["b"]["token"] == "&"
+
+
+def test_rich_rendering_of_the_ecco_views_fits_80_columns(capsys, workspace: Path) -> None:
+    import io
+
+    from rich.console import Console
+
+    from worker.explain.render import print_rich
+
+    report = explain_json(capsys, *args(workspace), "--rank-next", "--compare", "a", "b", TEXT)
+    buffer = io.StringIO()
+    print_rich(report, Console(file=buffer, width=80, force_terminal=False))
+    shown = buffer.getvalue()
+    assert max(len(line) for line in shown.splitlines()) <= 80, shown
+    assert "Rank of each actual next token" in shown and "Compare A = 'a' vs B = 'b'" in shown
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--position", "99"], "position 99 is out of range: the text has 17 tokens (0..16"),
+        (["--position", "-18"], "position -18 is out of range"),
+        (["--rank", "is"], "token 'is' is 2 tokens for this model ('i', 's'); name one token"),
+        (["--rank", "é"], "token 'é' is not in the model's vocabulary"),
+        (["--compare", "a", "a"], "compare needs two different tokens"),
+        (["--compare", "a", "bc"], "token 'bc' is 2 tokens"),
+        (["--no-lens", "--rank", "a"], "--rank read the logit lens; drop --no-lens"),
+        (["--no-lens", "--position", "1"], "--position read the logit lens"),
+    ],
+)
+def test_ecco_views_clear_errors(capsys, workspace: Path, argv: list[str], message: str) -> None:
+    capsys.readouterr()
+    assert main(["explain", *args(workspace), *argv, TEXT]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_rank_and_rank_next_exclude_each_other(capsys, workspace: Path) -> None:
+    with pytest.raises(SystemExit):
+        main(["explain", *args(workspace), "--rank", "a", "--rank-next", TEXT])
+    assert "not allowed with argument" in capsys.readouterr().err

@@ -26,8 +26,11 @@ def register(sub: argparse._SubParsersAction) -> None:
             "the learned layer-mix weight (the mixed result is the scorer's verdict), the "
             "tokens the token aggregator weighs most on the most heavily mixed layers, and a "
             "logit lens (the LLM's final norm + LM head on each layer's state at the last "
-            "token). The probe is the live version in the Redis registry unless --checkpoint "
-            "names a file; it is verified against the LLM as a scorer would."
+            "token, or at --position). Optional Ecco views on the lens layers: --rank / "
+            "--rank-next (a token's rank at every layer and position) and --compare (two "
+            "candidate tokens at one position). The probe is the live version in the Redis "
+            "registry unless --checkpoint names a file; it is verified against the LLM as a "
+            "scorer would."
         ),
     )
     what = p.add_mutually_exclusive_group(required=True)
@@ -50,6 +53,31 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="logit lens on every k-th layer, counted down from the top (default 1)",
     )
     p.add_argument("--no-lens", action="store_true", help="skip the logit lens")
+    p.add_argument(
+        "--position",
+        type=int,
+        help="the token the lens (and --compare) reads, counted over the message's tokens "
+        "from 0, the BOS token included; negative counts from the end (default -1: the last)",
+    )
+    rank = p.add_mutually_exclusive_group()
+    rank.add_argument(
+        "--rank",
+        metavar="TOKEN",
+        help="the rank of TOKEN (one token of the model, e.g. ' is' with its space; 1 = the "
+        "layer's top guess) at every lens layer and every position",
+    )
+    rank.add_argument(
+        "--rank-next",
+        action="store_true",
+        help="the rank of each position's actual next token, at every lens layer",
+    )
+    p.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("A", "B"),
+        help="two candidate tokens at the lens position, per layer: logit difference A-B, "
+        "probabilities and ranks (e.g. --compare ' is' ' are')",
+    )
     p.add_argument("--tokens", type=int, default=5, help="top tokens per layer (default 5)")
     p.add_argument(
         "--token-layers",
@@ -71,6 +99,18 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.checkpoint is not None and (args.version is not None or args.probe is not None):
         raise ExplainError("--checkpoint names the probe itself; drop --probe/--version")
+    views = [
+        name
+        for name, given in (
+            ("--position", args.position is not None),
+            ("--rank", args.rank is not None),
+            ("--rank-next", args.rank_next),
+            ("--compare", args.compare is not None),
+        )
+        if given
+    ]
+    if args.no_lens and views:
+        raise ExplainError(f"{', '.join(views)} read the logit lens; drop --no-lens")
     settings = settings_with(model=args.model)
     text = _text(args, settings)
     try:
@@ -93,6 +133,10 @@ def _run(args: argparse.Namespace) -> int:
         lens=not args.no_lens,
         tokens=args.tokens,
         token_layers=args.token_layers,
+        position=-1 if args.position is None else args.position,
+        rank=args.rank,
+        rank_next=args.rank_next,
+        compare=None if args.compare is None else (args.compare[0], args.compare[1]),
     )
     report = explain(probe, manifest, extractor, text, source.where, opts)
     if args.html is not None:

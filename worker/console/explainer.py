@@ -13,6 +13,7 @@ import contextlib
 import logging
 import threading
 from collections import OrderedDict
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from probes.errors import ProbeError
@@ -167,11 +168,16 @@ class Explainer:
         stage: str = "live",
         cache_key: str | None = None,
         lens: bool = True,
+        options: ExplainOptions | None = None,
     ) -> dict[str, Any]:
-        """The report for ``text`` under ``probe`` (``version``, else its ``stage``).
+        """The report for ``text`` under ``probe`` (``version``, else its ``stage``), with
+        ``options`` (e.g. the Ecco views; ``lens=False`` turns the lens off whatever they say).
         Raises ExplainError with a reason a person can act on."""
+        opts = options or ExplainOptions()
+        if not lens:
+            opts = replace(opts, lens=False)
         if cache_key is not None:
-            hit = self._reports.get((cache_key, version, stage, lens))
+            hit = self._reports.get((cache_key, version, stage, opts))
             if hit is not None:
                 return hit
         extractor = self._ensure()
@@ -185,11 +191,11 @@ class Explainer:
                     loaded = verify(source, extractor, self.settings.signing_key)
                     self._probes.put(key, loaded)
                 probe_obj, manifest = loaded
-                report = self._explain(probe_obj, manifest, extractor, text, source.where, lens)
+                report = self._explain(probe_obj, manifest, extractor, text, source.where, opts)
         except (ProbeError, RegistryError) as exc:
             raise ExplainError(str(exc)) from exc
         if cache_key is not None:
-            self._reports.put((cache_key, version, stage, lens), report)
+            self._reports.put((cache_key, version, stage, opts), report)
         return report
 
     def _explain(
@@ -199,10 +205,10 @@ class Explainer:
         extractor: HiddenStateExtractor,
         text: str,
         where: str,
-        lens: bool,
+        options: ExplainOptions,
     ) -> dict[str, Any]:
         # Without an LM head (e.g. the demo's shared LLM) the report says why there is no lens.
-        return explain(probe, manifest, extractor, text, where, ExplainOptions(lens=lens))
+        return explain(probe, manifest, extractor, text, where, options)
 
     def layer_weights(self, probe: str, version: int) -> list[tuple[int, float]]:
         """The learned layer mix of a version (read from its tensors; not verified against

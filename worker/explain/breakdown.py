@@ -3,7 +3,11 @@
     text -> extractor (the probe's layers + the lens layers, one pass)
          -> score by layer   (probes.explain.layer_breakdown: head on each layer alone, mix weight)
          -> top tokens       (probes.explain.token_weights, on the most heavily mixed layers)
-         -> logit lens       (worker.llm.lens: final norm + LM head at the last real token)
+         -> logit lens       (worker.llm.lens: final norm + LM head at one real token, the
+                              last unless ``position`` names another)
+         -> Ecco views       (optional, on the lens layers: the rank of one token, or of each
+                              actual next token, at every layer and position; two candidate
+                              tokens compared at the lens position)
 
 The probe comes from a checkpoint directory or from the Redis registry, and is verified
 like a scorer verifies it (sha256, then the LLM fingerprint). The verdict in the report is
@@ -29,7 +33,6 @@ import torch
 from probes.checkpoint import MANIFEST_FILE, TENSORS_FILE, probe_from_bytes
 from probes.decision import decide
 from probes.explain import layer_breakdown, token_weights
-from probes.kinds.pooling import real_token_index
 from worker.errors import ExplainError, ExtractionInputError, LensUnavailable
 from worker.llm.lens import LogitLens
 
@@ -48,6 +51,7 @@ __all__ = [
     "lens_layers",
     "source_from_checkpoint",
     "source_from_registry",
+    "token_id",
     "verify",
 ]
 
@@ -68,6 +72,10 @@ class ExplainOptions:
     lens: bool = True  # False: skip the lens
     tokens: int = 5  # top tokens shown per layer
     token_layers: int = 3  # layers shown for the token weights (the most heavily mixed)
+    position: int = -1  # the lens's token among the real ones; negative: from the end
+    rank: str | None = None  # rank this token at every layer x position (a token's text)
+    rank_next: bool = False  # rank each position's actual next token instead
+    compare: tuple[str, str] | None = None  # two candidate tokens at the lens position
 
 
 def source_from_checkpoint(path: Path) -> ProbeSource:
@@ -191,20 +199,124 @@ def explain(
         ],
         "tokens": _tokens(probe, hidden, mask, parts.weights[:, 0], positions, tokens, opts),
         "lens": {"available": lens is not None, "reason": lens_note, "top_k": opts.top_k},
+        "rank": None,  # the Ecco views, when asked for (opts.rank / rank_next / compare)
+        "compare": None,
     }
+    index = _position(opts.position, len(positions))
     if lens is not None:
-        last = int(real_token_index(ex.mask, "last")[0])
-        states = ex.hidden[[wanted.index(layer) for layer in wanted_lens], 0, last]  # [L_lens, D]
-        rows = lens.top_k(states, wanted_lens, opts.top_k)
+        lens_idx = [wanted.index(layer) for layer in wanted_lens]
+        states = ex.hidden[lens_idx, 0][:, positions]  # [L_lens, n, D], real tokens in order
+        rows = lens.top_k(states[:, index], wanted_lens, opts.top_k)
         report["lens"].update(
-            position=positions.index(last),
-            token=tokens[positions.index(last)],
+            position=index,
+            token=tokens[index],
             layers=[
                 {"layer": r.layer, "tokens": r.tokens, "probs": r.probs, "token_ids": r.token_ids}
                 for r in rows
             ],
         )
+        report.update(_ecco(lens, states, wanted_lens, ids, tokens, index, opts))
+    elif opts.rank is not None or opts.rank_next or opts.compare is not None:
+        missing = {"available": False, "reason": lens_note}
+        if opts.rank is not None or opts.rank_next:
+            report["rank"] = missing
+        if opts.compare is not None:
+            report["compare"] = missing
     return report
+
+
+def token_id(tokenizer: Any, token: str) -> int:
+    """The id of ``token``, the text of exactly one token of the model (e.g. ``" is"``, with
+    its leading space). A quoted literal (``"' is'"``, as the reports print tokens) is
+    unquoted first. Raises ExplainError naming the pieces when the text is several tokens."""
+    text = token
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        text = text[1:-1]
+    if not text:
+        raise ExplainError(f"token {token!r} is empty; name one token of the model, e.g. ' the'")
+    ids = [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if len(ids) == 1 and (ids[0] != unk or text == tokenizer.unk_token):
+        return ids[0]
+    if unk is not None and unk in ids:
+        raise ExplainError(f"token {text!r} is not in the model's vocabulary")
+    pieces = [str(tokenizer.decode([i])) for i in ids]
+    raise ExplainError(
+        f"token {text!r} is {len(ids)} tokens for this model ({', '.join(map(repr, pieces))}); "
+        "name one token, e.g. " + repr(pieces[0])
+    )
+
+
+def _position(position: int, n: int) -> int:
+    """``position`` among ``n`` real tokens (negative: from the end) -> 0..n-1."""
+    if not -n <= position < n:
+        raise ExplainError(
+            f"position {position} is out of range: the text has {n} tokens "
+            f"(0..{n - 1}, or -{n}..-1 from the end)"
+        )
+    return position % n
+
+
+def _ecco(
+    lens: LogitLens,
+    states: torch.Tensor,
+    layers: tuple[int, ...],
+    ids: list[int],
+    tokens: list[str],
+    index: int,
+    opts: ExplainOptions,
+) -> dict[str, Any]:
+    """The Ecco views asked for in ``opts``; ``states`` ``[L_lens, n, D]`` over real tokens."""
+    out: dict[str, Any] = {}
+    tok = lens.llm.tokenizer
+    n = len(ids)
+    if opts.rank is not None or opts.rank_next:
+        if opts.rank_next:  # position t's target is the token at t + 1; none for the last
+            targets: list[int | None] = [*ids[1:], None]
+        else:
+            targets = [token_id(tok, opts.rank)] * n  # type: ignore[arg-type]
+        known = torch.tensor([t if t is not None else 0 for t in targets])  # [n]
+        ranks = lens.ranks(states, layers, known).tolist()  # [L_lens, n]
+        out["rank"] = {
+            "available": True,
+            "mode": "next" if opts.rank_next else "token",
+            "tokens": tokens,
+            "targets": [None if t is None else str(tok.decode([t])) for t in targets],
+            "target_ids": targets,
+            "layers": [
+                {
+                    "layer": layer,
+                    "ranks": [
+                        r if t is not None else None for r, t in zip(row, targets, strict=True)
+                    ],
+                }
+                for layer, row in zip(layers, ranks, strict=True)
+            ],
+        }
+    if opts.compare is not None:
+        a, b = (token_id(tok, t) for t in opts.compare)
+        if a == b:
+            raise ExplainError(f"compare needs two different tokens, got {opts.compare[0]!r} twice")
+        pairs = lens.compare(states[:, index], layers, a, b)
+        out["compare"] = {
+            "available": True,
+            "position": index,
+            "token": tokens[index],
+            "a": {"token": str(tok.decode([a])), "token_id": a},
+            "b": {"token": str(tok.decode([b])), "token_id": b},
+            "layers": [
+                {
+                    "layer": p.layer,
+                    "logits": list(p.logits),
+                    "difference": p.difference,
+                    "share_a": float(torch.sigmoid(torch.tensor(p.difference))),  # P(a)/(P(a)+P(b))
+                    "probs": list(p.probs),
+                    "ranks": list(p.ranks),
+                }
+                for p in pairs
+            ],
+        }
+    return out
 
 
 def _lens(extractor: HiddenStateExtractor, opts: ExplainOptions) -> tuple[LogitLens | None, Any]:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["print_rich", "render_plain", "write_html"]
+__all__ = ["print_rich", "rank_class", "render_plain", "write_html"]
 
 WIDTH = 80
 
@@ -105,12 +105,86 @@ def lens_lines(r: dict[str, Any]) -> list[str]:
     lines = [
         clip(
             f"Logit lens (final norm + LM head on each layer): top {lens['top_k']} next "
-            f"tokens after {tok(lens['token'])}"
+            f"tokens after {tok(lens['token'])} (position {lens['position']})"
         )
     ]
     for row in lens["layers"]:
         items = [f"{tok(t)} {p:.2f}" for t, p in zip(row["tokens"], row["probs"], strict=True)]
         lines.append(join_fitting(f"  {row['layer']:>5}  ", items))
+    return lines
+
+
+def short(s: str, width: int) -> str:
+    """A token in at most ``width`` columns, spaces as ``·`` and newlines as ``⏎``."""
+    text = s.replace(" ", "·").replace("\n", "⏎").replace("\t", "⇥") or "∅"
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def rank_cell(rank: int | None) -> str:
+    """A rank in at most 4 columns: ``7``, ``812``, ``4k``, ``49k``; ``-`` for none."""
+    if rank is None:
+        return "-"
+    return str(rank) if rank < 10_000 else f"{rank // 1000}k"
+
+
+def rank_title(rank: dict[str, Any]) -> str:
+    if rank["mode"] == "next":
+        return "Rank of each actual next token at every layer (logit lens; 1 = top guess)"
+    return f"Rank of {tok(rank['targets'][0], 20)} at every layer (logit lens; 1 = top guess)"
+
+
+def rank_lines(r: dict[str, Any], width: int = WIDTH) -> list[str]:
+    """The layers x positions grid of ranks, in blocks of positions that fit ``width``."""
+    rank = r.get("rank")
+    if rank is None:
+        return []
+    if not rank["available"]:
+        return [fit(f"Token ranks: unavailable: {rank['reason']}")]
+    lines = [fit(rank_title(rank))]
+    cell, n = 6, len(rank["tokens"])
+    words = [short(t, cell - 1) for t in rank["tokens"]]
+    nxt = ["-" if t is None else short(t, cell - 1) for t in rank["targets"]]
+    per_block = max(1, (width - 8) // cell)
+    for start in range(0, n, per_block):
+        cols = range(start, min(n, start + per_block))
+        lines += ["", "    pos " + "".join(f"{p:>{cell}}" for p in cols)]
+        lines.append("  token " + "".join(f"{words[p]:>{cell}}" for p in cols))
+        if rank["mode"] == "next":
+            lines.append("   next " + "".join(f"{nxt[p]:>{cell}}" for p in cols))
+        for row in rank["layers"]:
+            cells = "".join(f"{rank_cell(row['ranks'][p]):>{cell}}" for p in cols)
+            lines.append(f"  {row['layer']:>5} {cells}")
+    return lines
+
+
+def compare_lines(r: dict[str, Any]) -> list[str]:
+    """Two candidate tokens per layer: logit difference, probabilities, ranks."""
+    c = r.get("compare")
+    if c is None:
+        return []
+    if not c["available"]:
+        return [fit(f"Compare: unavailable: {c['reason']}")]
+    a, b = tok(c["a"]["token"], 12), tok(c["b"]["token"], 12)
+    head = f"  layer  {'logit A-B':>9}  {'P(A)':>8}  {'P(B)':>8}  {'rank A':>7}  {'rank B':>7}"
+    lines = [
+        fit(f"Compare A = {a} vs B = {b} after {tok(c['token'])} (position {c['position']})"),
+        head,
+    ]
+    for row in c["layers"]:
+        pa, pb = row["probs"]
+        ra, rb = row["ranks"]
+        lines.append(
+            f"  {row['layer']:>5}  {row['difference']:>+9.3f}  {pa:>8.2e}  {pb:>8.2e}"
+            f"  {rank_cell(ra):>7}  {rank_cell(rb):>7}"
+        )
+    return lines
+
+
+def ecco_lines(r: dict[str, Any]) -> list[str]:
+    lines = []
+    for part in (rank_lines(r), compare_lines(r)):
+        if part:
+            lines += ["", *part]
     return lines
 
 
@@ -130,7 +204,7 @@ def render_plain(r: dict[str, Any]) -> str:
     cells = "".join(f" {_p(fn(r['verdict'])):>12}" for _, fn in cols)
     lines.append(clip(f"  {'mixed':>5}  {1.0:6.3f} {cells}  {decision_text(r['verdict'])}"))
     lines.append(f"  (layer-weight entropy {r['layer_entropy']:.3f} nats)")
-    lines += ["", *token_lines(r), "", *lens_lines(r)]
+    lines += ["", *token_lines(r), "", *lens_lines(r), *ecco_lines(r)]
     return "\n".join(lines)
 
 
@@ -171,10 +245,17 @@ def print_rich(r: dict[str, Any], console: Any = None) -> None:
         console.print(Text(line))
     console.print()
     lens = r["lens"]
-    if not lens["available"]:
-        console.print(Text(lens_lines(r)[0]))
-        return
     console.print(Text(lens_lines(r)[0]))
+    if lens["available"]:
+        _rich_lens(r, console)
+    for line in ecco_lines(r):  # wide grids come in blocks of positions that fit
+        console.print(Text(line), overflow="ellipsis", no_wrap=True)
+
+
+def _rich_lens(r: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    lens = r["lens"]
     lt = Table(show_header=False)
     lt.add_column("layer", justify="right")
     lt.add_column("next tokens", overflow="ellipsis", no_wrap=True)
@@ -233,6 +314,7 @@ def write_html(r: dict[str, Any], out: Path) -> Path:
         lens_html = f"<p>{esc(lens_lines(r)[0])}</p><table>{lens_rows}</table>"
     else:
         lens_html = f"<p>Unavailable: {esc(str(lens['reason']))}</p>"
+    ecco_html = _rank_html(r) + _compare_html(r)
     top = "".join(
         f"<li>layer {e['layer']} (mix {e['mix_weight']:.2f}): "
         + ", ".join(f"<code>{esc(repr(x['token']))}</code> {x['weight']:.2f}" for x in e["tokens"])
@@ -245,7 +327,10 @@ def write_html(r: dict[str, Any], out: Path) -> Path:
 <style>body{{font-family:sans-serif;max-width:60em;margin:2em auto;color:#222}}
 table{{border-collapse:collapse}}td,th{{border-bottom:1px solid #ddd;padding:.2em .8em}}
 figure{{display:block;margin:.5em 0}}img{{max-width:100%;border:1px solid #eee}}
-pre{{white-space:pre-wrap;background:#f6f6f6;padding:.5em}}</style>
+pre{{white-space:pre-wrap;background:#f6f6f6;padding:.5em}}
+.scroll{{overflow-x:auto}}table.ranks td,table.ranks th{{padding:.1em .3em;text-align:right}}
+td.r1{{background:#08306b;color:#fff}}td.r2{{background:#2171b5;color:#fff}}
+td.r3{{background:#6baed6}}td.r4{{background:#c6dbef}}td.r5{{background:#f7fbff}}</style>
 </head><body><h1>probeguard explain</h1>
 <pre>{esc(chr(10).join(header_lines(r)))}</pre>
 <h2>Score by layer</h2>
@@ -256,10 +341,70 @@ weighted sum of the per-layer logits.</p>
 <h2>Tokens</h2><p>{esc(t["description"])}</p><ul>{top}</ul>
 {imgs}
 <h2>Logit lens</h2>{lens_html}
+{ecco_html}
 </body></html>
 """
     (out / "index.html").write_text(page)
     return out / "index.html"
+
+
+def rank_class(rank: int | None) -> str:
+    """Heat-map bucket of a rank: ``r1`` (the top guess) to ``r5`` (1000 or worse)."""
+    if rank is None:
+        return ""
+    return "r1" if rank == 1 else f"r{min(5, 2 + len(str(rank)) - 1)}"
+
+
+def _rank_html(r: dict[str, Any]) -> str:
+    esc = html.escape
+    rank = r.get("rank")
+    if rank is None:
+        return ""
+    if not rank["available"]:
+        return f"<h2>Token ranks</h2><p>Unavailable: {esc(str(rank['reason']))}</p>"
+    head = "".join(f"<th><code>{esc(repr(t))}</code></th>" for t in rank["tokens"])
+    nxt = ""
+    if rank["mode"] == "next":
+        cells = "".join(
+            f"<th>{'-' if t is None else '<code>' + esc(repr(t)) + '</code>'}</th>"
+            for t in rank["targets"]
+        )
+        nxt = f"<tr><th>next</th>{cells}</tr>"
+    body = "".join(
+        f"<tr><th>{row['layer']}</th>"
+        + "".join(f'<td class="{rank_class(x)}">{rank_cell(x)}</td>' for x in row["ranks"])
+        + "</tr>"
+        for row in reversed(rank["layers"])
+    )
+    return (
+        f"<h2>Token ranks</h2><p>{esc(rank_title(rank))}: rows are layers (top layer first), "
+        "columns the message's tokens.</p>"
+        f'<div class="scroll"><table class="ranks"><tr><th>layer</th>{head}</tr>{nxt}{body}'
+        "</table></div>"
+    )
+
+
+def _compare_html(r: dict[str, Any]) -> str:
+    esc = html.escape
+    c = r.get("compare")
+    if c is None:
+        return ""
+    if not c["available"]:
+        return f"<h2>Compare two tokens</h2><p>Unavailable: {esc(str(c['reason']))}</p>"
+    a, b = (f"<code>{esc(repr(c[k]['token']))}</code>" for k in ("a", "b"))
+    rows = "".join(
+        f"<tr><td>{row['layer']}</td><td>{row['difference']:+.3f}</td>"
+        f"<td>{row['probs'][0]:.2e}</td><td>{row['probs'][1]:.2e}</td>"
+        f"<td>{rank_cell(row['ranks'][0])}</td><td>{rank_cell(row['ranks'][1])}</td></tr>"
+        for row in reversed(c["layers"])
+    )
+    return (
+        f"<h2>Compare two tokens</h2><p>A = {a} vs B = {b} after "
+        f"<code>{esc(repr(c['token']))}</code> (position {c['position']}): the logit "
+        "difference A−B is the log of the odds of A over B at that layer.</p>"
+        "<table><tr><th>layer</th><th>logit A−B</th><th>P(A)</th><th>P(B)</th>"
+        f"<th>rank A</th><th>rank B</th></tr>{rows}</table>"
+    )
 
 
 def _value(v: float | None) -> float:

@@ -14,6 +14,11 @@ Example::
 
     lens = LogitLens(load_llm(settings, lm_head=True))
     lens.top_k(states, layers=(10, 30), k=5)  # states [L_sel, D] at one position
+    lens.ranks(states, layers=(10, 30), targets=ids)  # states [L_sel, T, D], ids [T]
+    lens.compare(states, layers=(10, 30), a=318, b=389)  # " is" vs " are" at one position
+
+Ranks count from 1 (the layer's top guess) and are strict: a token's rank is one more than
+the number of tokens with a larger logit, so tied tokens share the better rank.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from worker.errors import LensUnavailable
 if TYPE_CHECKING:
     from worker.llm.load import LoadedLLM
 
-__all__ = ["LensRow", "LogitLens", "find_final_norm"]
+__all__ = ["LensRow", "LogitLens", "TokenPair", "find_final_norm"]
 
 # Attribute paths of the final norm on the base model, by architecture family:
 # Llama/Qwen/Mistral/Gemma "norm", GPT-2/Falcon/Bloom "ln_f", GPT-NeoX "final_layer_norm",
@@ -53,6 +58,21 @@ class LensRow:
     token_ids: list[int]
     tokens: list[str]  # decoded, e.g. " the"
     probs: list[float]  # softmax over the whole vocabulary
+
+
+@dataclass(frozen=True)
+class TokenPair:
+    """Two candidate tokens ``a`` and ``b`` under one layer's lens, at one position."""
+
+    layer: int
+    logits: tuple[float, float]  # (a, b)
+    probs: tuple[float, float]  # softmax over the whole vocabulary
+    ranks: tuple[int, int]  # 1 = the layer's top guess
+
+    @property
+    def difference(self) -> float:
+        """``logit(a) - logit(b)``: the log of the odds of ``a`` over ``b`` at this layer."""
+        return self.logits[0] - self.logits[1]
 
 
 def find_final_norm(model: nn.Module) -> nn.Module:
@@ -105,6 +125,44 @@ class LogitLens:
                     token_ids=ids,
                     tokens=[str(tok.decode([i])) for i in ids],
                     probs=[float(p) for p in top.values.tolist()],
+                )
+            )
+        return rows
+
+    @torch.no_grad()
+    def ranks(self, states: Tensor, layers: tuple[int, ...], targets: Tensor) -> Tensor:
+        """Rank of ``targets[t]`` at every layer and position: ``states`` ``[L_sel, T, D]``,
+        ``targets`` ``[T]`` token ids -> ``[L_sel, T]`` int64 ranks (1 = top guess)."""
+        if states.shape[0] != len(layers) or states.shape[1] != targets.shape[0]:
+            raise ValueError(
+                f"states {tuple(states.shape)} for {len(layers)} layers, {targets.shape[0]} targets"
+            )
+        rows = []
+        for state, layer in zip(states, layers, strict=True):
+            logits = self.logits(state, layer)  # [T, V], one layer at a time: T·V floats
+            own = logits.gather(-1, targets.to(logits.device, torch.long)[:, None])  # [T, 1]
+            rows.append((logits > own).sum(-1) + 1)  # [T]
+        return torch.stack(rows).cpu()  # [L_sel, T]
+
+    @torch.no_grad()
+    def compare(self, states: Tensor, layers: tuple[int, ...], a: int, b: int) -> list[TokenPair]:
+        """Tokens ``a`` and ``b`` (ids) at every layer, from ``states`` ``[L_sel, D]``."""
+        if states.shape[0] != len(layers):
+            raise ValueError(f"{states.shape[0]} states for {len(layers)} layers")
+        rows = []
+        for state, layer in zip(states, layers, strict=True):
+            logits = self.logits(state, layer)  # [V]
+            probs = torch.softmax(logits, dim=-1)  # [V]
+            la, lb = float(logits[a]), float(logits[b])
+            rows.append(
+                TokenPair(
+                    layer=layer,
+                    logits=(la, lb),
+                    probs=(float(probs[a]), float(probs[b])),
+                    ranks=(
+                        int((logits > logits[a]).sum()) + 1,
+                        int((logits > logits[b]).sum()) + 1,
+                    ),
                 )
             )
         return rows
