@@ -11,8 +11,8 @@ import pytest
 
 from tests.browser.conftest import Stack, sign_in
 from tests.tiny_llm import NUM_LAYERS, make_tiny_llm
+from worker.explain.breakdown import ExplainOptions, explain, source_from_registry, verify
 from worker.explain.render import rank_class
-from worker.explain.report import ExplainOptions, explain, source_from_registry, verify
 from worker.llm.extract import HiddenStateExtractor
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]

@@ -301,7 +301,7 @@ def test_two_tokens_compared_match_a_direct_computation(causal) -> None:
 
 def test_token_id_takes_one_token_and_says_why_not() -> None:
     from worker.errors import ExplainError
-    from worker.explain.report import token_id
+    from worker.explain.breakdown import token_id
 
     tok = tiny_tokenizer()
     assert token_id(tok, "e") == tok.convert_tokens_to_ids("e")

@@ -12,7 +12,7 @@ from fastapi.responses import HTMLResponse
 from worker.console import web
 from worker.console.context import console_of, user_of
 from worker.errors import ExplainError
-from worker.explain.report import ExplainOptions
+from worker.explain.breakdown import ExplainOptions
 
 __all__ = ["router"]
 

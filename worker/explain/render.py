@@ -139,8 +139,8 @@ def rank_lines(r: dict[str, Any], width: int = WIDTH) -> list[str]:
     if rank is None:
         return []
     if not rank["available"]:
-        return [fit(f"Token ranks: unavailable: {rank['reason']}")]
-    lines = [fit(rank_title(rank))]
+        return [clip(f"Token ranks: unavailable: {rank['reason']}")]
+    lines = [clip(rank_title(rank))]
     cell, n = 6, len(rank["tokens"])
     words = [short(t, cell - 1) for t in rank["tokens"]]
     nxt = ["-" if t is None else short(t, cell - 1) for t in rank["targets"]]
@@ -163,11 +163,11 @@ def compare_lines(r: dict[str, Any]) -> list[str]:
     if c is None:
         return []
     if not c["available"]:
-        return [fit(f"Compare: unavailable: {c['reason']}")]
+        return [clip(f"Compare: unavailable: {c['reason']}")]
     a, b = tok(c["a"]["token"], 12), tok(c["b"]["token"], 12)
     head = f"  layer  {'logit A-B':>9}  {'P(A)':>8}  {'P(B)':>8}  {'rank A':>7}  {'rank B':>7}"
     lines = [
-        fit(f"Compare A = {a} vs B = {b} after {tok(c['token'])} (position {c['position']})"),
+        clip(f"Compare A = {a} vs B = {b} after {tok(c['token'])} (position {c['position']})"),
         head,
     ]
     for row in c["layers"]:
