@@ -5,6 +5,8 @@
   (the most probable such label wins); otherwise the arg-max over the labels
   that have no threshold. With no thresholds this is the plain arg-max.
 - flagged: any flag label is predicted.
+- several heads: each head decides on its own columns by the rule of its task (a
+  multiclass head's predicted class is one hot among its columns).
 """
 
 from __future__ import annotations
@@ -27,6 +29,17 @@ class Decision:
     predicted: Tensor
     flagged: Tensor
 
+    def head_flags(self, spec: ProbeSpec) -> dict[str, Tensor]:
+        """Per head, ``[B]`` bool: one of its flag labels is predicted."""
+        hot = self.predicted
+        if hot.dim() == 1:
+            hot = torch.nn.functional.one_hot(hot, len(spec.labels)).bool()
+        flag = torch.tensor([label in spec.flag_labels for label in spec.labels])  # [C]
+        return {
+            h.name: (hot[:, spec.head_columns(h.name)] & flag[spec.head_columns(h.name)]).any(1)
+            for h in spec.head_specs
+        }
+
     def label_names(self, spec: ProbeSpec) -> list[list[str]]:
         """Predicted label names per row."""
         if self.predicted.dim() == 1:
@@ -45,6 +58,11 @@ def decide(spec: ProbeSpec, probs: Tensor) -> Decision:
     flag = torch.tensor([label in spec.flag_labels for label in spec.labels])  # [C]
     if spec.task == "multilabel":
         predicted = probs >= _thresholds(spec, 0.5)[None]  # [B, C]
+        for h in spec.heads:
+            if h.task == "multiclass":
+                cols = spec.head_columns(h.name)
+                one = decide(spec.head_view(h.name), probs[:, cols]).predicted  # [B]
+                predicted[:, cols] = torch.nn.functional.one_hot(one, len(h.labels)).bool()
         return Decision(predicted, (predicted & flag[None]).any(dim=1))
     has_t = torch.tensor([label in spec.thresholds for label in spec.labels])  # [C]
     passing = has_t[None] & (probs >= _thresholds(spec, 2.0)[None])  # [B, C]

@@ -9,7 +9,8 @@ The updater (streaming) and ``fit`` (offline) both drive a :class:`Learner`:
     learner.predict_proba_many(hidden, mask)      # [B, C]
 
 Targets are class indices ``[B]`` (int64) for multiclass probes and 0/1
-matrices ``[B, C]`` for multilabel probes.
+matrices ``[B, C]`` for multilabel probes, where ``NaN`` marks a cell no one annotated
+(a multi-head probe's rows label only some heads): it adds nothing to the loss.
 
 Why the layer mix needs a counterweight: Lion moves every parameter by ``lr · sign(m)``,
 whatever the gradient's size. A layer whose mix weight is nearly 0 still gets a gradient of
@@ -34,7 +35,7 @@ from lion_pytorch import Lion
 from torch import Tensor
 
 from probes.errors import ProbeError
-from probes.probe import Probe
+from probes.probe import Probe, multiclass_columns
 
 __all__ = ["Learner"]
 
@@ -112,10 +113,19 @@ class Learner:
             if self.class_weights is None:
                 return rows.sum(), logits.new_tensor(float(len(rows)))
             return rows.sum(), self.class_weights[targets].sum()
+        known = ~targets.isnan()  # [B, C]
         cells = F.binary_cross_entropy_with_logits(
-            logits, targets, pos_weight=self.class_weights, reduction="none"
+            logits, targets.nan_to_num(0.0), pos_weight=self.class_weights, reduction="none"
         )
-        return cells.sum(), logits.new_tensor(float(cells.numel()))
+        for cols in multiclass_columns(self.probe.spec):  # softmax heads: cross-entropy
+            known[:, cols] = False
+            rows = ~targets[:, cols].isnan().any(dim=1)  # [B] rows annotating this head
+            classes = targets[:, cols].nan_to_num(0.0).argmax(dim=1)  # [B]
+            ce = F.cross_entropy(logits[:, cols], classes, reduction="none")  # [B]
+            cells = torch.cat([cells, ce[:, None]], dim=1)
+            known = torch.cat([known, rows[:, None]], dim=1)
+        total = (cells * known).sum()
+        return total, logits.new_tensor(float(known.sum()))
 
     def learn_many(self, hidden: Tensor, mask: Tensor | None, targets: Tensor) -> float:
         """One Lion step on a mini-batch; returns the loss before the step (the task's

@@ -10,7 +10,9 @@
   thresholds, AUPRC, accuracy, per-class precision/recall, confusion matrix.
 
 Headline ``f1``/``auprc``: when the spec has flag labels, the binary "flagged"
-decision (the moderation outcome); otherwise the macro average over classes.
+decision (the moderation outcome); otherwise the macro average over classes. A multi-head
+probe is measured head by head, each on the rows that annotate it (``report["heads"]``),
+and its headline is the macro average over its heads.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from torch import Tensor
 
 from probes.decision import decide
+from probes.targets import annotated, head_targets
 from schemas import OperatingPoint, ProbeSpec
 
 __all__ = [
@@ -33,6 +36,7 @@ __all__ = [
     "evaluate",
     "percentile",
     "precision_recall_f1",
+    "recall_at_fpr",
 ]
 
 
@@ -55,6 +59,23 @@ def average_precision(y: np.ndarray, score: np.ndarray) -> float:
     precision = tps / (tps + fps)
     recall = tps / tps[-1]
     return float(np.sum(np.diff(np.r_[0.0, recall]) * precision))
+
+
+def recall_at_fpr(y: np.ndarray, score: np.ndarray, fpr: float = 0.01) -> float:
+    """The most recall at a false-positive rate of at most ``fpr`` (what moderation
+    services report beside AUPRC: how much is caught when 1 % of clean traffic is flagged).
+    NaN without positives or negatives.
+
+    >>> recall_at_fpr(np.array([0, 0, 1, 1]), np.array([0.1, 0.8, 0.9, 0.3]), fpr=0.0)
+    0.5
+    """
+    y = np.asarray(y).astype(bool)
+    n_pos, n_neg = int(y.sum()), int((~y).sum())
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    _, tps, fps = _ranked(y, np.asarray(score, dtype=np.float64))
+    ok = fps / n_neg <= fpr + 1e-12
+    return float(tps[ok].max() / n_pos) if ok.any() else 0.0
 
 
 def best_f1_threshold(y: np.ndarray, score: np.ndarray) -> tuple[float, float]:
@@ -139,6 +160,18 @@ def choose_thresholds(
     Multilabel: one for every label. A label gets a threshold only when this split holds
     at least ``min_positives`` of its positives.
     """
+    if spec.heads:
+        per_head: dict[str, float] = {}
+        for name, rows in annotated(spec, targets).items():
+            cols = spec.head_columns(name)
+            per_head |= choose_thresholds(
+                spec.head_view(name),
+                probs[rows][:, cols],
+                head_targets(spec, targets, name),
+                min_positives=min_positives,
+                point=point,
+            )
+        return per_head
     truth, p = _truth(spec, targets), probs.double().numpy()
     wanted = spec.flag_labels if spec.task == "multiclass" else spec.labels
     out: dict[str, float] = {}
@@ -158,6 +191,8 @@ def _flag_score(spec: ProbeSpec, p: np.ndarray) -> np.ndarray:
 
 def evaluate(spec: ProbeSpec, probs: Tensor, targets: Tensor) -> dict[str, Any]:
     """The full report for probabilities ``[N, C]`` against targets, at ``spec.thresholds``."""
+    if spec.heads:
+        return _evaluate_heads(spec, probs, targets)
     truth, p = _truth(spec, targets), probs.double().numpy()
     decision = decide(spec, probs)
     C = len(spec.labels)
@@ -178,6 +213,7 @@ def evaluate(spec: ProbeSpec, probs: Tensor, targets: Tensor) -> dict[str, Any]:
             "recall": rec,
             "f1": f1,
             "auprc": average_precision(truth[:, j], p[:, j]),
+            "recall_at_1pct_fpr": recall_at_fpr(truth[:, j], p[:, j]),
             "support": int(truth[:, j].sum()),
             "threshold": spec.thresholds.get(label, float("nan")),
         }
@@ -206,6 +242,7 @@ def evaluate(spec: ProbeSpec, probs: Tensor, targets: Tensor) -> dict[str, Any]:
             "recall": rec,
             "f1": f1,
             "auprc": average_precision(y_flag, _flag_score(spec, p)),
+            "recall_at_1pct_fpr": recall_at_fpr(y_flag, _flag_score(spec, p)),
             "support": int(y_flag.sum()),
         }
         report["f1"], report["auprc"] = f1, report["flagged"]["auprc"]
@@ -214,6 +251,32 @@ def evaluate(spec: ProbeSpec, probs: Tensor, targets: Tensor) -> dict[str, Any]:
         report["f1"], report["auprc"] = report["macro_f1"], report["macro_auprc"]
         report["headline"] = "macro over labels"
     return report
+
+
+def _evaluate_heads(spec: ProbeSpec, probs: Tensor, targets: Tensor) -> dict[str, Any]:
+    """Each head on the rows that annotate it; the headline is the macro over heads."""
+    heads: dict[str, dict[str, Any]] = {}
+    for name, rows in annotated(spec, targets).items():
+        if rows.any():
+            view, cols = spec.head_view(name), spec.head_columns(name)
+            heads[name] = evaluate(view, probs[rows][:, cols], head_targets(spec, targets, name))
+    per_class = {label: m for r in heads.values() for label, m in r["per_class"].items()}
+
+    def macro(key: str) -> float:
+        return float(np.mean([r[key] for r in heads.values()])) if heads else float("nan")
+
+    return {
+        "n": len(targets),
+        "task": "multihead",
+        "accuracy": macro("accuracy"),
+        "macro_f1": macro("f1"),
+        "macro_auprc": macro("auprc"),
+        "per_class": per_class,
+        "heads": heads,
+        "f1": macro("f1"),
+        "auprc": macro("auprc"),
+        "headline": f"macro over {len(heads)} heads",
+    }
 
 
 def _confusion(spec: ProbeSpec, truth: np.ndarray, pred: np.ndarray, predicted: Tensor) -> dict:

@@ -28,7 +28,20 @@ from probes.errors import ProbeError
 from probes.kinds import LAYER_MIXES, TOKEN_POOLS, LayerMixModule, TokenPoolModule
 from schemas import ProbeSpec
 
-__all__ = ["Probe", "build_probe", "keep_layers", "slice_layer_state", "weight_entropy"]
+__all__ = [
+    "Probe",
+    "build_probe",
+    "keep_layers",
+    "multiclass_columns",
+    "slice_layer_state",
+    "weight_entropy",
+]
+
+
+def multiclass_columns(spec: ProbeSpec) -> list[slice]:
+    """The output columns of each multiclass head of a multi-head spec (a single-head
+    multiclass probe has none here: its whole output is one softmax)."""
+    return [spec.head_columns(h.name) for h in spec.heads if h.task == "multiclass"]
 
 
 def weight_entropy(weights: Tensor) -> float:
@@ -166,10 +179,14 @@ class Probe(nn.Module):
         return self.head(self.drop(self.mix(pooled))), self.mix.weights(pooled)
 
     def probabilities(self, logits: Tensor) -> Tensor:
-        """Softmax (multiclass) or sigmoid (multilabel) of logits ``[B, C]``."""
+        """Softmax (multiclass) or sigmoid (multilabel) of logits ``[B, C]``; with heads,
+        each multiclass head's columns take a softmax of their own."""
         if self._spec.task == "multiclass":
             return torch.softmax(logits, dim=-1)
-        return torch.sigmoid(logits)
+        probs = torch.sigmoid(logits)
+        for cols in multiclass_columns(self._spec):
+            probs[:, cols] = torch.softmax(logits[:, cols], dim=-1)
+        return probs
 
     @torch.no_grad()
     def predict_proba_many(self, hidden: Tensor, mask: Tensor | None = None) -> Tensor:

@@ -5,6 +5,12 @@ A multiclass probe's target is a class index (``[]`` int64); a multilabel probe'
 multi-hot vector (``[C]`` float). Each target also gets a *balance bucket*, the class
 the replay buffer balances on: the class index, or for multilabel the first label named
 (``C`` when none is).
+
+A multi-head probe's target is the flat ``[C]`` vector with ``NaN`` in the columns of every
+head the example does not annotate: unknown, masked out of the loss and the metrics, never
+taken as negative. A label naming its ``head`` annotates that head alone; one without a
+head annotates every multilabel head (the labels named are its positives, the rest
+negative) and the multiclass heads it names a class of.
 """
 
 from __future__ import annotations
@@ -16,17 +22,27 @@ import torch
 from probes.errors import ProbeError
 from schemas import ProbeSpec
 
-__all__ = ["encode_target", "encode_targets"]
+__all__ = ["annotated", "encode_target", "encode_targets", "head_targets"]
 
 
-def encode_target(spec: ProbeSpec, names: Sequence[str]) -> tuple[torch.Tensor, int]:
-    """``(target, balance bucket)`` for one example labeled ``names``.
+def encode_target(
+    spec: ProbeSpec, names: Sequence[str], head: str | None = None
+) -> tuple[torch.Tensor, int]:
+    """``(target, balance bucket)`` for one example labeled ``names`` (for ``head`` alone,
+    when given).
 
     Raises :class:`ProbeError` saying why the labels cannot be learned by ``spec``.
     """
-    unknown = [n for n in names if n not in spec.labels]
+    if head is not None and head not in {h.name for h in spec.head_specs}:
+        known = [h.name for h in spec.head_specs]
+        raise ProbeError(f"probe {spec.name!r} has no head {head!r}; its heads: {known}")
+    space = spec.head(head).labels if head is not None else spec.labels
+    unknown = [n for n in names if n not in space]
     if unknown:
-        raise ProbeError(f"labels {unknown} are not among the probe's {spec.labels}")
+        where = f"head {head!r}'s" if head is not None else "the probe's"
+        raise ProbeError(f"labels {unknown} are not among {where} {space}")
+    if spec.heads:
+        return _encode_heads(spec, names, head)
     if spec.task == "multiclass":
         if len(names) != 1:
             raise ProbeError(f"a multiclass probe needs exactly one label, got {list(names)}")
@@ -37,6 +53,40 @@ def encode_target(spec: ProbeSpec, names: Sequence[str]) -> tuple[torch.Tensor, 
         hot[spec.labels.index(n)] = 1.0
     bucket = spec.labels.index(names[0]) if names else len(spec.labels)
     return hot, bucket
+
+
+def _encode_heads(
+    spec: ProbeSpec, names: Sequence[str], head: str | None
+) -> tuple[torch.Tensor, int]:
+    target = torch.full((len(spec.labels),), float("nan"))
+    for h in spec.head_specs:
+        mine = [n for n in names if n in h.labels]
+        if head not in (None, h.name) or (head is None and h.task == "multiclass" and not mine):
+            continue
+        if h.task == "multiclass" and len(mine) != 1:
+            raise ProbeError(f"multiclass head {h.name!r} needs exactly one label, got {mine}")
+        cols = spec.head_columns(h.name)
+        target[cols] = torch.tensor([float(label in mine) for label in h.labels])
+    bucket = spec.labels.index(names[0]) if names else len(spec.labels)
+    return target, bucket
+
+
+def annotated(spec: ProbeSpec, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per head, ``[N]`` bool: the rows of ``targets`` that annotate it (all of them for a
+    single-head probe)."""
+    if not spec.heads:
+        return {spec.name: torch.ones(len(targets), dtype=torch.bool)}
+    return {h.name: ~targets[:, spec.head_columns(h.name)].isnan().any(dim=1) for h in spec.heads}
+
+
+def head_targets(spec: ProbeSpec, targets: torch.Tensor, head: str) -> torch.Tensor:
+    """The targets of ``head``'s annotated rows in its own encoding (class indices for a
+    multiclass head, multi-hot otherwise), for its single-head view
+    (:meth:`schemas.ProbeSpec.head_view`)."""
+    if not spec.heads:
+        return targets
+    part = targets[annotated(spec, targets)[head]][:, spec.head_columns(head)]
+    return part.argmax(dim=1) if spec.head(head).task == "multiclass" else part
 
 
 def encode_targets(spec: ProbeSpec, label_sets: Sequence[Sequence[str]]) -> torch.Tensor:

@@ -21,6 +21,7 @@ __all__ = [
     "CheckpointEvent",
     "CheckpointManifest",
     "EventKind",
+    "HeadSpec",
     "LLMFingerprint",
     "LayerMix",
     "ProbeSpec",
@@ -37,11 +38,44 @@ Stage = Literal["candidate", "canary", "live", "retired", "rolled_back"]
 Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 
 
+class HeadSpec(WireModel):
+    """One task of a multi-head probe: a name and its own label space.
+
+    ``multilabel`` with one label is a binary head (a sigmoid: the label, or none);
+    ``multiclass`` heads take a softmax over their own labels. Thresholds and flag labels
+    stay keyed by label on the :class:`ProbeSpec` (labels are unique across heads).
+    """
+
+    name: ProbeName
+    task: Task
+    labels: Annotated[list[LabelName], Field(min_length=1, max_length=1024)]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> HeadSpec:
+        if len(set(self.labels)) != len(self.labels):
+            raise ValueError(f"head {self.name!r}: labels must not repeat")
+        if self.task == "multiclass" and len(self.labels) < 2:
+            raise ValueError(f"multiclass head {self.name!r} needs at least two labels")
+        return self
+
+
 class ProbeSpec(WireModel):
     """The architecture and label space of a probe.
 
     Hidden-state indices follow transformers: ``0`` is the embedding output,
     ``i`` the output of decoder layer ``i``, ``num_layers`` the last layer.
+
+    A probe has one head (``task`` over ``labels``) or several named ``heads`` over one
+    shared token pooling and layer mix. With heads, ``labels`` is every head's labels in
+    head order (filled in when omitted) and ``task`` is the flat view, ``"multilabel"``:
+    one probability per label, where a multiclass head's labels sum to one. A training
+    row may annotate only some heads; the others are unknown, never negative.
+
+    >>> spec = ProbeSpec(name="mod", token_pool="mean", layer_mix="scalar_mix", layers=[1],
+    ...     hidden_size=8, heads=[HeadSpec(name="toxicity", task="multilabel", labels=["toxic"]),
+    ...     HeadSpec(name="sentiment", task="multiclass", labels=["neg", "pos"])])
+    >>> spec.labels, spec.task, spec.head_of("pos").name
+    (['toxic', 'neg', 'pos'], 'multilabel', 'sentiment')
     """
 
     schema_version: Literal[1] = 1
@@ -63,6 +97,43 @@ class ProbeSpec(WireModel):
     num_heads: Annotated[int, Field(ge=1, le=64)] = 4
     layer_norm: bool = True
     dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
+    # Named heads over the shared pooling and mix (empty: one head, ``task`` over ``labels``).
+    heads: Annotated[list[HeadSpec], Field(max_length=64)] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_view_of_heads(cls, data: object) -> object:
+        heads = data.get("heads") if isinstance(data, dict) else None
+        if not isinstance(heads, list) or not heads:
+            return data  # no heads, or garbage the field's own validation names
+        dicts = [h.model_dump() if isinstance(h, HeadSpec) else h for h in heads]
+        if "labels" not in data and all(
+            isinstance(h, dict) and isinstance(h.get("labels"), list) for h in dicts
+        ):
+            data = {**data, "labels": [label for h in dicts for label in h["labels"]]}
+        return {"task": "multilabel", **data}
+
+    @model_serializer(mode="wrap")
+    def _omit_no_heads(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        # Single-head specs serialize exactly as before heads existed, so their signed
+        # manifests and digests stay valid and older readers accept them.
+        data: dict[str, object] = handler(self)
+        if not data.get("heads"):
+            data.pop("heads", None)
+        return data
+
+    @model_validator(mode="after")
+    def _heads_consistent(self) -> ProbeSpec:
+        if not self.heads:
+            return self
+        if self.task != "multilabel":
+            raise ValueError("with heads, task is the flat view and must be 'multilabel'")
+        names = [h.name for h in self.heads]
+        if len(set(names)) != len(names):
+            raise ValueError(f"head names must not repeat: {names}")
+        if self.labels != [label for h in self.heads for label in h.labels]:
+            raise ValueError("labels must be the heads' labels in head order")
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> ProbeSpec:
@@ -84,6 +155,55 @@ class ProbeSpec(WireModel):
     @property
     def deepest_layer(self) -> int:
         return self.layers[-1]
+
+    @property
+    def head_specs(self) -> list[HeadSpec]:
+        """The heads; a single-head probe has one, named after the probe."""
+        if self.heads:
+            return list(self.heads)
+        return [HeadSpec(name=self.name, task=self.task, labels=list(self.labels))]
+
+    def head(self, name: str) -> HeadSpec:
+        """The head called ``name`` (a single-head probe's one head is the probe's name)."""
+        for h in self.head_specs:
+            if h.name == name:
+                return h
+        known = [h.name for h in self.head_specs]
+        raise ValueError(f"probe {self.name!r} has no head {name!r}; its heads: {known}")
+
+    def head_of(self, label: str) -> HeadSpec:
+        """The head whose label space holds ``label``."""
+        for h in self.head_specs:
+            if label in h.labels:
+                return h
+        raise ValueError(f"probe {self.name!r} has no label {label!r}")
+
+    def head_columns(self, name: str) -> slice:
+        """Where head ``name``'s labels sit among ``labels`` (the probe's output columns)."""
+        start = 0
+        for h in self.head_specs:
+            if h.name == name:
+                return slice(start, start + len(h.labels))
+            start += len(h.labels)
+        self.head(name)  # raises, naming the heads
+        raise AssertionError("unreachable")
+
+    def head_view(self, name: str) -> ProbeSpec:
+        """Head ``name`` as a single-head spec (its labels, task, flag labels, thresholds):
+        what metrics, decisions and reports of one head run on."""
+        h = self.head(name)
+        if not self.heads:
+            return self
+        return self.model_copy(
+            update={
+                "name": h.name,
+                "task": h.task,
+                "labels": list(h.labels),
+                "flag_labels": [x for x in self.flag_labels if x in h.labels],
+                "thresholds": {k: v for k, v in self.thresholds.items() if k in h.labels},
+                "heads": [],
+            }
+        )
 
 
 class LLMFingerprint(WireModel):

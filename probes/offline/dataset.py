@@ -29,7 +29,7 @@ class ProbeDataset:
     layers: list[int]  # hidden-state indices, in the order of the L axis
     labels: list[str]  # class (multiclass) or column (multilabel) names of the targets
     task: Task
-    targets: Tensor  # [N] int64 class index, or [N, C] float 0/1
+    targets: Tensor  # [N] int64 class index, or [N, C] float 0/1 (NaN: not annotated)
     ids: list[str]
     summaries: Tensor | None = None  # [L, N, D] fp16/bf16
     tokens: Tensor | None = None  # [N_tok, L, D] fp16/bf16
@@ -115,7 +115,13 @@ class ProbeDataset:
         """Rows per class (multiclass) or positives per label (multilabel), ``[C]``."""
         if self.task == "multiclass":
             return torch.bincount(self.targets, minlength=len(self.labels))
-        return self.targets.sum(dim=0).round().long()
+        return self.targets.nansum(dim=0).round().long()  # NaN: not annotated
+
+    def known_counts(self) -> Tensor:
+        """Rows that annotate each column, ``[C]`` (all rows, but for multi-head data)."""
+        if self.task == "multiclass":
+            return torch.full((len(self.labels),), len(self))
+        return (~self.targets.isnan()).sum(dim=0)
 
     def subset(self, index: Tensor) -> ProbeDataset:
         """The rows ``index`` as a new dataset (copies the selected hidden states)."""

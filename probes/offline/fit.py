@@ -99,7 +99,10 @@ def class_weights(train: ProbeDataset) -> Tensor:
     if train.task == "multiclass":
         w = torch.where(counts > 0, n / (C * counts.clamp_min(1)), torch.zeros_like(counts))
     else:
-        w = torch.where(counts > 0, (n - counts) / counts.clamp_min(1), torch.ones_like(counts))
+        n_known = train.known_counts().double()  # per label: rows annotating it
+        w = torch.where(
+            counts > 0, (n_known - counts) / counts.clamp_min(1), torch.ones_like(counts)
+        )
         w = w.clamp(1.0, 100.0)
     return w.float()
 
@@ -152,7 +155,11 @@ def epoch_score(
     if spec.task == "multiclass":
         loss = float(torch.nn.functional.nll_loss(clipped.log(), targets))
     else:
-        loss = float(torch.nn.functional.binary_cross_entropy(clipped, targets))
+        known = ~targets.isnan()  # a multi-head row annotates only some heads
+        cells = torch.nn.functional.binary_cross_entropy(
+            clipped, targets.nan_to_num(0.0), reduction="none"
+        )
+        loss = float(cells[known].mean())
     tuned = spec.model_copy(update={"thresholds": choose_thresholds(spec, probs, targets)})
     report = evaluate(tuned, probs, targets)
     logged = {"val_loss": loss, "val_f1": float(report["f1"]), "val_auprc": float(report["auprc"])}

@@ -8,7 +8,10 @@ and compares: renaming a state-dict key, changing a spec default, the manifest s
 the signature or the format tag breaks it. When a format change is deliberate, add a
 new golden directory (and a migration); do not rewrite these. Written by::
 
-    python -m tests.reference.golden_checkpoints   # (release 0.1, format probeguard-probe/1)
+    python -m tests.reference.golden_checkpoints   # writes only the directories missing
+
+Release 0.1 (format probeguard-probe/1) wrote the eight single-head kinds; the next one
+added ``multihead-mha-scalar_mix`` (a binary, a multiclass and a two-label head).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from safetensors.torch import save_file
 
 from probes.checkpoint import FORMAT, save_checkpoint
 from probes.probe import build_probe
-from schemas import LLMFingerprint, ProbeSpec, TrainingCounters
+from schemas import HeadSpec, LLMFingerprint, ProbeSpec, TrainingCounters
 
 KEY = b"golden-checkpoint-key-0123456789"
 ROOT = Path(__file__).with_name("golden")
@@ -33,10 +36,27 @@ FINGERPRINT = LLMFingerprint(
     tokenizer_sha256="b" * 64,
 )
 KINDS = [(pool, "scalar_mix") for pool in ("first", "gate", "last", "max", "mean", "mha")]
-KINDS += [("mean", "gate"), ("mean", "single")]
+KINDS += [("mean", "gate"), ("mean", "single"), ("multihead-mha", "scalar_mix")]
 
 
 def spec(pool: str, mix: str) -> ProbeSpec:
+    if pool.startswith("multihead-"):
+        return ProbeSpec(
+            name="golden",
+            token_pool=pool.removeprefix("multihead-"),  # type: ignore[arg-type]
+            layer_mix=mix,  # type: ignore[arg-type]
+            layers=[1, 3],
+            hidden_size=16,
+            heads=[
+                HeadSpec(name="toxicity", task="multilabel", labels=["toxic"]),
+                HeadSpec(name="topic", task="multiclass", labels=["ok", "spam", "ads"]),
+                HeadSpec(name="harm", task="multilabel", labels=["violence", "self-harm"]),
+            ],
+            flag_labels=["toxic", "spam", "self-harm"],
+            thresholds={"toxic": 0.4, "spam": 0.6, "violence": 0.5, "self-harm": 0.3},
+            d_inner=8,
+            num_heads=2,
+        )
     return ProbeSpec(
         name="golden",
         token_pool=pool,  # type: ignore[arg-type]
@@ -55,6 +75,8 @@ def spec(pool: str, mix: str) -> ProbeSpec:
 def main() -> None:
     for n, (pool, mix) in enumerate(KINDS):
         out = ROOT / f"{pool}-{mix}"
+        if out.exists():
+            continue  # written by an earlier release: never rewritten
         probe = build_probe(spec(pool, mix), seed=n)
         g = torch.Generator().manual_seed(100 + n)
         with torch.no_grad():  # non-trivial weights and normalization, not the init

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from schemas import LLMFingerprint, ProbeSpec
+from schemas import HeadSpec, LLMFingerprint, ProbeSpec
 
 D = 16  # hidden size of the synthetic "LLM"
 NUM_LAYERS = 4  # hidden-state indices 0..4
@@ -20,8 +20,19 @@ FINGERPRINT = LLMFingerprint(
 
 
 def make_spec(pool: str, mix: str, task: str = "multiclass", **extra: object) -> ProbeSpec:
+    """A spec of the kind; ``task="multihead"``: a binary head ``toxicity`` (``toxic``)
+    and a multiclass head ``topic`` (``ok`` / ``spam``) over one pooling and mix."""
     layers = [2] if mix == "single" else [1, 2, 4]
     labels = ["ok", "toxic", "spam"]
+    if task == "multihead":
+        extra = {
+            "heads": [
+                HeadSpec(name="toxicity", task="multilabel", labels=["toxic"]),
+                HeadSpec(name="topic", task="multiclass", labels=["ok", "spam"]),
+            ],
+            **extra,
+        }
+        task, labels = "multilabel", ["toxic", "ok", "spam"]
     return ProbeSpec(
         name="contract",
         token_pool=pool,  # type: ignore[arg-type]
@@ -63,6 +74,20 @@ def toy_task(
         y = torch.randint(0, 3, (n,), generator=g)
         hidden += directions[y][None, :, None, :]
         return hidden, mask, y
+    if task == "multihead":  # columns toxic | ok, spam; each head unknown on a third of rows
+        toxic = (torch.rand(n, generator=g) < 0.4).float()
+        spam = torch.randint(0, 2, (n,), generator=g)
+        y = torch.stack([toxic, 1.0 - spam, spam.float()], dim=1)
+        hidden += (toxic[:, None] * directions[0] + spam[:, None] * directions[2])[None, :, None, :]
+        row = torch.arange(n) % 3
+        y[row == 1, 0] = float("nan")
+        y[row == 2, 1:] = float("nan")
+        return hidden, mask, y
     y = (torch.rand(n, 3, generator=g) < 0.4).float()
     hidden += (y @ directions)[None, :, None, :]
     return hidden, mask, y
+
+
+def task_of(spec: ProbeSpec) -> str:
+    """The :func:`toy_task` for ``spec``."""
+    return "multihead" if spec.heads else spec.task

@@ -23,9 +23,9 @@ from probes.kinds.pooling import SUMMARIES
 from probes.learner import Learner
 from schemas import ProbeSpec
 from schemas.probe import LayerMix, TokenPool
-from tests.unit.synthetic import FINGERPRINT, make_spec, random_batch, toy_task
+from tests.unit.synthetic import FINGERPRINT, make_spec, random_batch, task_of, toy_task
 
-KINDS = [(p, m, t) for p, m in probe_kinds() for t in ("multiclass", "multilabel")]
+KINDS = [(p, m, t) for p, m in probe_kinds() for t in ("multiclass", "multilabel", "multihead")]
 IDS = [f"{p}-{m}-{t}" for p, m, t in KINDS]
 
 
@@ -80,7 +80,7 @@ def test_padding_never_changes_the_result(spec: ProbeSpec, side: str) -> None:
 
 def test_gradients_reach_every_parameter(spec: ProbeSpec) -> None:
     probe = build_probe(spec, seed=0)
-    hidden, mask, y = toy_task(len(spec.layers), spec.task)
+    hidden, mask, y = toy_task(len(spec.layers), task_of(spec))
     learner = Learner(probe)
     learner.loss(probe(hidden, mask), y).backward()
     for name, p in probe.named_parameters():
@@ -90,7 +90,7 @@ def test_gradients_reach_every_parameter(spec: ProbeSpec) -> None:
 
 def test_lion_steps_lower_the_loss(spec: ProbeSpec) -> None:
     probe = build_probe(spec, seed=0)
-    hidden, mask, y = toy_task(len(spec.layers), spec.task)
+    hidden, mask, y = toy_task(len(spec.layers), task_of(spec))
     learner = Learner(probe, lr=3e-3)
     with torch.no_grad():
         before = float(learner.loss(probe.eval()(hidden, mask), y))
@@ -104,7 +104,7 @@ def test_lion_steps_lower_the_loss(spec: ProbeSpec) -> None:
 
 def test_save_load_gives_identical_outputs(spec: ProbeSpec, tmp_path) -> None:
     probe = build_probe(spec, seed=0)
-    hidden, mask, y = toy_task(len(spec.layers), spec.task)
+    hidden, mask, y = toy_task(len(spec.layers), task_of(spec))
     learner = Learner(probe, lr=1e-3)
     for _ in range(3):
         learner.learn_many(hidden, mask, y)
@@ -133,7 +133,7 @@ def test_deterministic_under_a_seed(spec: ProbeSpec) -> None:
     def run() -> torch.Tensor:
         torch.manual_seed(123)  # dropout and anything else that draws from the global RNG
         probe = build_probe(spec, seed=7)
-        hidden, mask, y = toy_task(len(spec.layers), spec.task)
+        hidden, mask, y = toy_task(len(spec.layers), task_of(spec))
         learner = Learner(probe, lr=1e-3)
         for _ in range(3):
             learner.learn_many(hidden, mask, y)
@@ -173,7 +173,7 @@ def test_summaries_score_like_tokens_for_separable_pools(spec: ProbeSpec) -> Non
 def test_mha_variants_keep_the_contract(layer_norm: bool) -> None:
     spec = make_spec("mha", "gate", layer_norm=layer_norm, dropout=0.2)
     probe = build_probe(spec, seed=0)
-    hidden, mask, y = toy_task(len(spec.layers), spec.task)
+    hidden, mask, y = toy_task(len(spec.layers), task_of(spec))
     Learner(probe).loss(probe.train()(hidden, mask), y).backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in probe.parameters())
     probe.eval()
