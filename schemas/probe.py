@@ -103,7 +103,9 @@ class ProbeSpec(WireModel):
     @model_validator(mode="before")
     @classmethod
     def _flat_view_of_heads(cls, data: object) -> object:
-        heads = data.get("heads") if isinstance(data, dict) else None
+        if not isinstance(data, dict):
+            return data
+        heads = data.get("heads")
         if not isinstance(heads, list) or not heads:
             return data  # no heads, or garbage the field's own validation names
         dicts = [h.model_dump() if isinstance(h, HeadSpec) else h for h in heads]

@@ -47,6 +47,8 @@ def spec(pool: str, mix: str) -> ProbeSpec:
             layer_mix=mix,  # type: ignore[arg-type]
             layers=[1, 3],
             hidden_size=16,
+            task="multilabel",
+            labels=["toxic", "ok", "spam", "ads", "violence", "self-harm"],
             heads=[
                 HeadSpec(name="toxicity", task="multilabel", labels=["toxic"]),
                 HeadSpec(name="topic", task="multiclass", labels=["ok", "spam", "ads"]),
