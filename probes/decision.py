@@ -18,7 +18,7 @@ from torch import Tensor
 
 from schemas import ProbeSpec
 
-__all__ = ["Decision", "decide"]
+__all__ = ["Decision", "decide", "flagging_heads"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,16 @@ class Decision:
         return [
             [spec.labels[j] for j in row.nonzero().flatten().tolist()] for row in self.predicted
         ]
+
+
+def flagging_heads(spec: ProbeSpec, heads: frozenset[str] | None) -> ProbeSpec:
+    """``spec`` whose flag labels are only those of ``heads`` (a deployment's per-head flag
+    policy: which heads may flag a message); ``None``: unchanged. Names that are not heads
+    of ``spec`` are ignored, so one policy can serve probes with different heads."""
+    if heads is None or not spec.heads:
+        return spec
+    keep = [x for x in spec.flag_labels if spec.head_of(x).name in heads]
+    return spec if keep == spec.flag_labels else spec.model_copy(update={"flag_labels": keep})
 
 
 def _thresholds(spec: ProbeSpec, default: float) -> Tensor:

@@ -94,6 +94,10 @@ class Probe(nn.Module):
         data["thresholds"] = {k: float(v) for k, v in thresholds.items()}
         self._spec = ProbeSpec.model_validate(data)
 
+    def rename(self, name: str) -> None:
+        """Serve under another probe name (e.g. a packaged default as a deployment's probe)."""
+        self._spec = ProbeSpec.model_validate({**self._spec.model_dump(), "name": name})
+
     @property
     def layers(self) -> tuple[int, ...]:
         """Hidden-state indices this probe reads; the extractor may stop at the last one."""

@@ -8,9 +8,10 @@ the replay buffer balances on: the class index, or for multilabel the first labe
 
 A multi-head probe's target is the flat ``[C]`` vector with ``NaN`` in the columns of every
 head the example does not annotate: unknown, masked out of the loss and the metrics, never
-taken as negative. A label naming its ``head`` annotates that head alone; one without a
-head annotates every multilabel head (the labels named are its positives, the rest
-negative) and the multiclass heads it names a class of.
+taken as negative. A label naming its ``head`` annotates that head alone (for a
+multilabel head, the labels named are its positives and the rest negative: ``[]`` is a
+negative). One without a head annotates only the heads it names a label of, so a label
+written for a single-head probe (``"toxic"``) never says anything of the other heads.
 """
 
 from __future__ import annotations
@@ -61,12 +62,17 @@ def _encode_heads(
     target = torch.full((len(spec.labels),), float("nan"))
     for h in spec.head_specs:
         mine = [n for n in names if n in h.labels]
-        if head not in (None, h.name) or (head is None and h.task == "multiclass" and not mine):
+        if head not in (None, h.name) or (head is None and not mine):
             continue
         if h.task == "multiclass" and len(mine) != 1:
             raise ProbeError(f"multiclass head {h.name!r} needs exactly one label, got {mine}")
         cols = spec.head_columns(h.name)
         target[cols] = torch.tensor([float(label in mine) for label in h.labels])
+    if target.isnan().all():
+        raise ProbeError(
+            f"labels {list(names)} annotate no head of probe {spec.name!r}: name the head "
+            f"(one of {[h.name for h in spec.heads]}) to give it a negative"
+        )
     bucket = spec.labels.index(names[0]) if names else len(spec.labels)
     return target, bucket
 

@@ -17,7 +17,15 @@ import hashlib
 from datetime import UTC, datetime
 from typing import Annotated, Literal
 
-from pydantic import AwareDatetime, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AwareDatetime,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from schemas.base import WireModel
 from schemas.limits import Id, LabelName, Metadata, Text, check_label_count
@@ -28,6 +36,7 @@ __all__ = [
     "ChatMessage",
     "DeadLetter",
     "DeadLetterKind",
+    "HeadResult",
     "HumanLabel",
     "ProbeResult",
     "ReviewRequest",
@@ -43,6 +52,18 @@ ProbeName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_\-]{0,63}$")]
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+def _omit_none(
+    self: WireModel, handler: SerializerFunctionWrapHandler, fields: tuple[str, ...]
+) -> dict[str, object]:
+    """Serialize with ``fields`` left out while unset, so messages that do not use a newer
+    optional field read exactly as before it existed (older strict readers accept them)."""
+    data: dict[str, object] = handler(self)
+    for name in fields:
+        if data.get(name) is None:
+            data.pop(name, None)
+    return data
 
 
 def _check_scores(scores: dict[str, float], info: ValidationInfo) -> dict[str, float]:
@@ -74,11 +95,16 @@ class HumanLabel(WireModel):
     ``probe`` addresses the label to one probe (a review request names the probe that
     asked): only that probe's updater learns it, and dead-letters it if the label is not
     one of the probe's. Without it, every probe that knows the label learns it.
+
+    ``head`` addresses one head of a multi-head probe: the label says nothing of the other
+    heads (unknown, never negative), and ``labels: []`` is a negative for that head.
+    Without it, a label annotates the heads it names a label of.
     """
 
     schema_version: Literal[1] = 1
     message_id: Id
     probe: ProbeName | None = None
+    head: ProbeName | None = None
     label: LabelName | None = None
     labels: list[LabelName] | None = None
     labeler_id: Id
@@ -105,6 +131,10 @@ class HumanLabel(WireModel):
         """The positive labels, whichever field carried them."""
         return (self.label,) if self.label is not None else tuple(self.labels or ())
 
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        return _omit_none(self, handler, ("head",))
+
 
 class ShadowResult(WireModel):
     """What the canary said about a message it did not decide (shadow mode)."""
@@ -114,8 +144,19 @@ class ShadowResult(WireModel):
     predicted: list[LabelName]
 
 
+class HeadResult(WireModel):
+    """One head's outcome within a multi-head probe's result."""
+
+    predicted: list[LabelName]
+    flagged: bool
+
+
 class ProbeResult(WireModel):
-    """One probe's scores for one message."""
+    """One probe's scores for one message.
+
+    ``scores`` holds every label of every head (labels are unique across heads); a
+    multi-head probe also says, per head, what it predicted and whether it flags.
+    """
 
     probe: ProbeName
     version: Annotated[int, Field(ge=0)]  # 0 = a bootstrap checkpoint file, not from the registry
@@ -124,8 +165,13 @@ class ProbeResult(WireModel):
     flagged: bool
     canary: bool = False  # True when the canary version decided this message
     shadow: ShadowResult | None = None
+    heads: Annotated[dict[ProbeName, HeadResult], Field(max_length=64)] | None = None
 
     _scores = field_validator("scores")(_check_scores)
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        return _omit_none(self, handler, ("heads",))
 
 
 class Verdict(WireModel):

@@ -31,6 +31,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("cache", "build or inspect a hidden-state cache for offline training"),
     ("fit", "train a probe offline on a hidden-state cache; write a checkpoint"),
     ("eval", "evaluate a checkpoint on a labeled file or a cache"),
+    ("default", "build or show the packaged default probe (moderation on day one)"),
     ("explain", "show how a probe's verdict on one message forms, layer by layer"),
     ("console", "the web console: review queue, probe rollout, explanations"),
 ]

@@ -272,6 +272,13 @@ class Settings(BaseSettings):
 
     # --- Scorer --------------------------------------------------------------
     probes: str = Field("toxicity", description="Comma-separated probe names every scorer serves.")
+    flag_heads: str | None = Field(
+        None,
+        description="Comma-separated heads of multi-head probes whose flag labels flag a "
+        "verdict (e.g. `toxicity,sexual-minors`); the other heads still score and say what "
+        "they predict. Unset: every head that has flag labels. Heads a probe lacks are "
+        "ignored.",
+    )
     review_low: Annotated[float, Field(ge=0.0, le=1.0)] = Field(
         0.35,
         description="Lower end of the uncertain band: flag scores in "
@@ -301,6 +308,13 @@ class Settings(BaseSettings):
     text_cache_max_bytes: PositiveInt = Field(
         128 * 1024,
         description="Longer texts (UTF-8 bytes) are not cached; their labels must carry the text.",
+    )
+    default_probe: bool = Field(
+        True,
+        description="Start from the packaged default probe of the configured LLM when the "
+        "registry has nothing published: scorers serve it at once (version 0, one score per "
+        "head), updaters fine-tune from it. `false`: scorers wait for a published version, "
+        "updaters start from `SEED_CHECKPOINT` or from zero.",
     )
     bootstrap_checkpoint: Path | None = Field(
         None,
@@ -578,6 +592,12 @@ class Settings(BaseSettings):
     @property
     def probe_names(self) -> list[str]:
         return [p.strip() for p in self.probes.split(",") if p.strip()]
+
+    @property
+    def flag_head_names(self) -> frozenset[str] | None:
+        if self.flag_heads is None:
+            return None
+        return frozenset(h.strip() for h in self.flag_heads.split(",") if h.strip())
 
     @property
     def probe_to_train(self) -> str:

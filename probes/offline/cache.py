@@ -181,6 +181,23 @@ class HiddenStateCache:
                 out.update({int(r): e for r, e in json.loads(f.metadata()["errors"]).items()})
         return out
 
+    def row_labels(self) -> list[frozenset[str]]:
+        """Every cached row's label names: its ``label`` and its ``labels``, in row order
+        (what a multi-task recipe maps onto heads; see :mod:`probes.offline.multitask`)."""
+        m = self.manifest
+        self._check_complete()
+        out: list[frozenset[str]] = []
+        for k in range(m.num_shards):
+            with safe_open(shard_path(self.directory, k), framework="pt") as f:
+                label = f.get_tensor("label").tolist()
+                hot = f.get_tensor("labels").bool() if m.has_labels_field else None
+            for i, li in enumerate(label):
+                names = {m.label_vocab[li]} if li >= 0 else set()
+                if hot is not None:
+                    names |= {m.labels_vocab[j] for j in hot[i].nonzero().flatten().tolist()}
+                out.append(frozenset(names))
+        return out
+
     def dataset(
         self,
         features: Features,

@@ -52,11 +52,13 @@ def test_a_label_for_one_head_leaves_the_others_unknown() -> None:
     assert bucket == 2
     negative, _ = encode_target(spec, [], head="toxicity")
     torch.testing.assert_close(negative, torch.tensor([0.0, NAN, NAN]), equal_nan=True)
-    # Without a head: every multilabel head, and the multiclass heads it names a class of.
+    # Without a head: only the heads it names a label of; never a negative for the others.
     whole, _ = encode_target(spec, ["toxic", "ok"])
     torch.testing.assert_close(whole, torch.tensor([1.0, 1.0, 0.0]))
-    only_tox, _ = encode_target(spec, [])
-    torch.testing.assert_close(only_tox, torch.tensor([0.0, NAN, NAN]), equal_nan=True)
+    only_topic, _ = encode_target(spec, ["ok"])
+    torch.testing.assert_close(only_topic, torch.tensor([NAN, 1.0, 0.0]), equal_nan=True)
+    with pytest.raises(ProbeError, match="annotate no head"):
+        encode_target(spec, [])
     with pytest.raises(ProbeError, match="not among head 'toxicity'"):
         encode_target(spec, ["spam"], head="toxicity")
     with pytest.raises(ProbeError, match="exactly one label"):
@@ -65,6 +67,7 @@ def test_a_label_for_one_head_leaves_the_others_unknown() -> None:
         encode_target(spec, ["toxic"], head="tox")
     targets = encode_targets(spec, [["toxic"], ["toxic", "spam"]])
     assert annotated(spec, targets)["topic"].tolist() == [False, True]
+    assert annotated(spec, targets)["toxicity"].tolist() == [True, True]
     assert head_targets(spec, targets, "topic").tolist() == [1]
 
 

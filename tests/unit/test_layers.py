@@ -2,7 +2,8 @@
 
 ``schemas`` < ``probes`` < ``worker``, and inside ``worker``:
 
-    root      settings, errors, logs, health, plots, embedded     no sub-package
+    root      settings, errors, logs, health, plots, embedded,    no sub-package
+              defaults (the packaged default probes)
     adapters  llm (transformers), kafka, store (Redis)            root only
     domain    scoring, learning, rollout, review                  + adapters
     apps      offline, explain, demo, console                     + domain (and each other,
@@ -29,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Rank of each part of worker; a module may import parts of its own rank or lower.
 RANK = {
     "root": 0,
+    "defaults": 0,
     "llm": 1,
     "kafka": 1,
     "store": 1,

@@ -278,7 +278,7 @@ class OnlineLearner:
                 per_label[spec.labels[idx]] = per_label.get(spec.labels[idx], 0) + 1
         else:
             for j, label in enumerate(spec.labels):
-                per_label[label] = per_label.get(label, 0) + int(targets[:, j].sum())
+                per_label[label] = per_label.get(label, 0) + int(targets[:, j].nansum())
         self.counters = TrainingCounters(
             labels_seen=c.labels_seen + int(targets.shape[0]),
             steps=self.lion.steps,

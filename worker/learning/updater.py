@@ -2,7 +2,8 @@
 
     standby  -- wait for the probe's lease (hot standby; takes over when it expires)
     resume   -- newest published version (weights + Lion state), else the seed
-                checkpoint file, else a fresh probe from a spec ("from zero")
+                checkpoint file, else the packaged default of the LLM (worker/defaults),
+                else a fresh probe from a spec ("from zero")
     per batch of HumanLabels:
         join the text (label.text, else the scorers' Redis text cache)
         extract hidden states of the probe's layers (early exit)
@@ -39,6 +40,7 @@ from probes import Probe, ProbeError, build_probe, encode_target, spread_layers
 from probes.checkpoint import checkpoint_to_bytes, load_checkpoint, probe_from_bytes
 from probes.errors import CheckpointError
 from schemas import CheckpointManifest, HumanLabel, ProbeSpec, TrainingCounters
+from worker.defaults import PackagedDefault, find_default
 from worker.errors import (
     ConfigError,
     Fenced,
@@ -79,6 +81,17 @@ def default_spec(name: str, num_layers: int, hidden_size: int) -> ProbeSpec:
         labels=["non-toxic", "toxic"],
         flag_labels=["toxic"],
     )
+
+
+def _says_no_flag_head_flags(spec: ProbeSpec, label: HumanLabel) -> bool:
+    """Whether a label without a flag label is a negative for the whole flag decision: it
+    annotates every head that can flag (a multi-head label for one other head says nothing
+    of whether the message should be flagged)."""
+    if not spec.heads:
+        return True
+    flagging = {spec.head_of(x).name for x in spec.flag_labels}
+    named = {label.head} if label.head else {spec.head_of(n).name for n in label.all_labels}
+    return flagging <= named
 
 
 class UpdaterMetrics:
@@ -334,6 +347,10 @@ class Updater:
                 )
             self.parent, counters = None, manifest.counters
             source = f"seed checkpoint {self.settings.seed_checkpoint}"
+        elif (packaged := self._packaged_default()) is not None:
+            probe, manifest = packaged.probe, packaged.manifest
+            self.parent, counters = None, manifest.counters
+            source = f"the packaged default {packaged.folder}"
         else:
             spec = self._seed_spec()
             probe = build_probe(spec, seed=0)
@@ -352,6 +369,13 @@ class Updater:
         log.info(
             "resumed %s from %s (%d labels seen so far)", self.name, source, counters.labels_seen
         )
+
+    def _packaged_default(self) -> PackagedDefault | None:
+        """The packaged default to fine-tune from (with ``DEFAULT_PROBE`` on and no seed
+        spec asked for): what scorers already serve while nothing is published."""
+        if not self.settings.default_probe or self.settings.seed_spec is not None:
+            return None
+        return find_default(self.extractor.fingerprint, self.name)
 
     def _seed_spec(self) -> ProbeSpec:
         if self.settings.seed_spec is None:
@@ -383,7 +407,7 @@ class Updater:
                 rejects.append(Reject(item, "unjoinable", why))
                 continue
             try:
-                target, bucket = encode_target(spec, item.value.all_labels)
+                target, bucket = encode_target(spec, item.value.all_labels, item.value.head)
             except ProbeError as exc:
                 rejects.append(Reject(item, "unknown_label", str(exc)))
                 continue
@@ -435,7 +459,11 @@ class Updater:
         if not spec.flag_labels or not labels:
             return
         flag = set(spec.flag_labels)
-        truths = [(lb.message_id, any(n in flag for n in lb.all_labels)) for lb in labels]
+        truths = []
+        for lb in labels:
+            positive = any(n in flag for n in lb.all_labels)
+            if positive or _says_no_flag_head_flags(spec, lb):
+                truths.append((lb.message_id, positive))
         try:
             self.metrics.labels_credited.inc(self.evidence.record_labels(self.name, truths))
         except (redis.RedisError, OSError) as exc:

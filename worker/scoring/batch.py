@@ -25,9 +25,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from probes.decision import decide
+from probes.decision import Decision, decide, flagging_heads
 from probes.probe import Probe
-from schemas import ChatMessage, CheckpointManifest, ProbeDecision, ProbeResult, ShadowResult
+from schemas import (
+    ChatMessage,
+    CheckpointManifest,
+    HeadResult,
+    ProbeDecision,
+    ProbeResult,
+    ProbeSpec,
+    ShadowResult,
+)
 from worker.llm.extract import length_batches
 
 if TYPE_CHECKING:
@@ -87,12 +95,16 @@ class BatchScorer:
         slots: Mapping[str, ProbeSlot] | Callable[[], Mapping[str, ProbeSlot]],
         *,
         shadow: bool = False,
+        flag_heads: frozenset[str] | None = None,
     ) -> None:
         """``slots``: the slots, or a function returning what is served now (a watcher's
-        snapshot, see :mod:`worker.scoring.probe_watch`), read once per batch."""
+        snapshot, see :mod:`worker.scoring.probe_watch`), read once per batch.
+        ``flag_heads``: the heads of multi-head probes that may flag (``None``: every head
+        with a flag label; see :func:`probes.decision.flagging_heads`)."""
         self.extractor = extractor
         self._slots = slots
         self.shadow = shadow
+        self.flag_heads = flag_heads
 
     @property
     def slots(self) -> Mapping[str, ProbeSlot]:
@@ -128,10 +140,10 @@ class BatchScorer:
             for slot in slots.values():
                 if slot.live is None:
                     continue
-                live = _run(slot.live, ex, layers)
+                live = _run(slot.live, ex, layers, self.flag_heads)
                 canary = None
                 if slot.canary is not None and slot.canary.version != slot.live.version:
-                    canary = _run(slot.canary, ex, layers)
+                    canary = _run(slot.canary, ex, layers, self.flag_heads)
                 runs[slot.name] = (live, canary)
                 for r in (live, canary):
                     if r is None:
@@ -188,6 +200,7 @@ class BatchScorer:
                 flagged=decided.flagged[row],
                 canary=use_canary,
                 shadow=shadow,
+                heads=decided.heads[row] if decided.heads is not None else None,
             )
             out.results[pos].append(result)
             if decided.flag_score is not None:
@@ -206,6 +219,7 @@ class _Run:
     flagged: list[bool]
     flag_score: list[float] | None  # highest probability among the flag labels, per row
     non_finite: list[int]  # rows whose probabilities are NaN or inf
+    heads: list[dict[str, HeadResult]] | None = None  # per row, of a multi-head probe
 
 
 def _score(run: _Run, row: int) -> float | None:
@@ -245,9 +259,28 @@ def _probabilities(probe: Probe, hidden: torch.Tensor, mask: torch.Tensor) -> to
     return out
 
 
-def _run(served: ServedProbe, ex: Extraction, layers: tuple[int, ...]) -> _Run:
+def _head_results(spec: ProbeSpec, decision: Decision) -> list[dict[str, HeadResult]]:
+    names, flags = decision.label_names(spec), decision.head_flags(spec)
+    return [
+        {
+            h.name: HeadResult(
+                predicted=[x for x in names[row] if x in h.labels],
+                flagged=bool(flags[h.name][row]),
+            )
+            for h in spec.heads
+        }
+        for row in range(len(names))
+    ]
+
+
+def _run(
+    served: ServedProbe,
+    ex: Extraction,
+    layers: tuple[int, ...],
+    flag_heads: frozenset[str] | None = None,
+) -> _Run:
     probe = served.probe
-    spec = probe.spec
+    spec = flagging_heads(probe.spec, flag_heads)
     hidden = _select_layers(ex.hidden, [layers.index(layer) for layer in probe.layers])
     probs = _probabilities(probe, hidden, ex.mask).float().cpu()  # [B, C]
     non_finite = (~torch.isfinite(probs).all(dim=1)).nonzero().flatten().tolist()
@@ -262,4 +295,5 @@ def _run(served: ServedProbe, ex: Extraction, layers: tuple[int, ...]) -> _Run:
         flagged=[bool(f) for f in decision.flagged.tolist()],
         flag_score=probs[:, flag_idx].max(dim=1).values.tolist() if flag_idx else None,
         non_finite=non_finite,
+        heads=_head_results(spec, decision) if spec.heads else None,
     )

@@ -136,6 +136,11 @@ class ProbeWatcher:
             if thread.is_alive():
                 log.warning("the probe watcher thread did not stop in time")
 
+    def synced(self) -> bool:
+        """Whether the registry has been read at least once (so a slot without a live
+        version really has none published)."""
+        return bool(self._cursors)
+
     @property
     def watching(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from probes.checkpoint import load_checkpoint
 from schemas import ChatMessage, DecidedRecord, ProbeDecision, ReviewRequest, Verdict, utcnow
+from worker.defaults import find_default
 from worker.errors import ConfigError
 from worker.kafka.batch_loop import BatchLoop, Item, Outgoing, Reject
 from worker.kafka.clients import consumer_lag, ensure_topics
@@ -45,6 +46,9 @@ from worker.store.redis import Breaker, Keys, make_text_redis
 __all__ = ["Scorer", "ScorerMetrics"]
 
 log = logging.getLogger(__name__)
+# With the watcher thread, serve the packaged default only once the registry has been read
+# (or after this long without Redis): a published live version wins from the first message.
+DEFAULT_AFTER_S = 5.0
 
 
 class ScorerMetrics:
@@ -169,9 +173,15 @@ class Scorer:
             breaker=self.redis_breaker,
         )
         self.batch_scorer = BatchScorer(
-            extractor, lambda: self.watcher.slots, shadow=settings.shadow
+            extractor,
+            lambda: self.watcher.slots,
+            shadow=settings.shadow,
+            flag_heads=settings.flag_head_names,
         )
         self.review_policy = review.ReviewPolicy.from_settings(settings)
+        # probe -> the packaged default folder served while nothing is published (None: none
+        # for this LLM), decided once at start.
+        self.defaults: dict[str, str | None] = {}
 
     @property
     def loop(self) -> BatchLoop[ChatMessage] | None:
@@ -410,12 +420,17 @@ class Scorer:
         bootstrap = self.settings.bootstrap_checkpoint
         threaded = self.settings.probe_watch == "thread"
         # The watcher thread's first sync takes a moment: say "waiting" only after it.
-        last_note = time.monotonic() - 9.0 if threaded else 0.0
+        started = time.monotonic()
+        last_note = started - 9.0 if threaded else 0.0
         while not self.runtime.stop_event.is_set():
             if not threaded:
                 self.watcher.refresh(force=True)
             if bootstrap is not None:
                 self._serve_bootstrap(bootstrap)
+            elif self.settings.default_probe and (
+                self.watcher.synced() or time.monotonic() - started > DEFAULT_AFTER_S
+            ):
+                self._serve_packaged_defaults()
             if self.batch_scorer.ready():
                 log.info("serving %s", self.watcher.versions())
                 return True
@@ -442,6 +457,28 @@ class Scorer:
             )
         self.watcher.serve_bootstrap(manifest.probe, ServedProbe(probe, manifest))
 
+    def _serve_packaged_defaults(self) -> None:
+        """Serve the packaged default (version 0) for every probe with nothing published,
+        once: moderation from the first message, until the registry has a live version."""
+        for name, slot in self.watcher.slots.items():
+            if slot.live is not None or name in self.defaults:
+                continue
+            found = find_default(self.extractor.fingerprint, name)
+            self.defaults[name] = found.folder if found is not None else None
+            if found is None:
+                log.info("no packaged default for probe %s on this LLM; waiting for one", name)
+                continue
+            self.watcher.serve_bootstrap(name, ServedProbe(found.probe, found.manifest))
+            heads = ", ".join(h.name for h in found.probe.spec.heads)
+            note = "until a version is published"
+            log.info(
+                "serving the packaged default %s as %s v0 (heads: %s) %s",
+                found.folder,
+                name,
+                heads,
+                note,
+            )
+
     def _ready(self) -> tuple[bool, str]:
         if not self.batch_scorer.ready():
             return False, "no live probe loaded yet"
@@ -450,4 +487,11 @@ class Scorer:
         stall = self.runtime.stall()
         if stall is not None:
             return False, stall
-        return True, f"serving {self.watcher.versions()}"
+        versions = self.watcher.versions()
+        packaged = [
+            f"{name}: the packaged default {folder}"
+            for name, folder in self.defaults.items()
+            if folder is not None and versions.get(name, {}).get("live") == 0
+        ]
+        note = f" ({'; '.join(packaged)} until a version is published)" if packaged else ""
+        return True, f"serving {versions}{note}"

@@ -1,0 +1,121 @@
+"""``probeguard default build|show``: the packaged default probe (moderation on day one)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from worker.commands._common import offline_errors
+
+__all__ = ["register"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "default",
+        help="build or show the packaged default probe (multi-head, trained on public data)",
+        description="The packaged default is a multi-head probe a scorer serves when nothing "
+        "is published and an updater fine-tunes from. Its recipe (heads, datasets, licenses) "
+        "is worker/offline/default_probe.py.",
+    )
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    build = actions.add_parser(
+        "build",
+        help="rebuild the default from the datasets' train splits (fixed seed)",
+        description="Builds (or resumes) a hidden-state cache per dataset, fits the multi-head "
+        "default on 70%% of each train split (by id hash), picks epochs and thresholds on "
+        "10%% and measures it on the other 20%%, then writes the checkpoint and its data card. "
+        "The LLM comes from PROBEGUARD_MODEL.",
+    )
+    build.add_argument(
+        "--data-root",
+        type=Path,
+        required=True,
+        help="folder holding <dataset>/train.jsonl for every dataset of the recipe",
+    )
+    build.add_argument(
+        "--out", type=Path, default=None, help="checkpoint folder (default: the package's own)"
+    )
+    build.add_argument(
+        "--cache-root",
+        type=Path,
+        default=Path("runs/default-cache"),
+        help="where the per-dataset caches go (default: runs/default-cache; resumed)",
+    )
+    build.add_argument(
+        "--noncommercial",
+        action="store_true",
+        help="also train on non-commercial data (ToxicChat, CC-BY-NC-4.0): the result may "
+        "only be used non-commercially",
+    )
+    build.add_argument("--epochs", type=int, default=25, help="most epochs (default 25)")
+    build.add_argument("--patience", type=int, default=5, help="early-stopping patience")
+    build.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    build.add_argument(
+        "--pin", action="store_true", help="record the new manifest's sha256 in pins.json"
+    )
+    build.set_defaults(func=_build)
+    show = actions.add_parser("show", help="print the packaged defaults' data cards")
+    show.add_argument("--json", action="store_true", help="print the cards as JSON")
+    show.set_defaults(func=_show)
+
+
+@offline_errors
+def _build(args: argparse.Namespace) -> int:
+    import hashlib
+
+    from probes.offline.fit import FitConfig
+    from worker.defaults import PINS, ROOT
+    from worker.llm.extract import HiddenStateExtractor
+    from worker.offline.default_probe import build_default
+    from worker.settings import load_settings
+
+    extractor = HiddenStateExtractor.from_settings(load_settings())
+    folder = extractor.fingerprint.model_id.rsplit("/", 1)[-1].split(".")[0].lower()
+    suffix = "-noncommercial" if args.noncommercial else ""
+    out = args.out or ROOT / f"{folder}{suffix}"
+    config = FitConfig(max_epochs=args.epochs, patience=args.patience, seed=args.seed)
+    result = build_default(
+        args.data_root,
+        out,
+        extractor,
+        cache_root=args.cache_root,
+        noncommercial=args.noncommercial,
+        config=config,
+    )
+    if args.pin:
+        pins = json.loads(PINS.read_text()) if PINS.is_file() else {}
+        pins[out.name] = hashlib.sha256((out / "manifest.json").read_bytes()).hexdigest()
+        PINS.write_text(json.dumps(pins, indent=1, sort_keys=True) + "\n")
+    print(json.dumps({"out": str(out), **result.card}, indent=1))
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from worker.defaults import PINNED, ROOT
+
+    cards = {}
+    for folder in sorted(p for p in ROOT.iterdir() if (p / "card.json").is_file()):
+        cards[folder.name] = {
+            "pinned": folder.name in PINNED,
+            **json.loads((folder / "card.json").read_text()),
+        }
+    if args.json:
+        print(json.dumps(cards, indent=1))
+        return 0
+    if not cards:
+        print("this release ships no packaged default")
+    for name, card in cards.items():
+        print(f"{name}: {card['name']} on {card['llm']} ({card['license']})")
+        print(f"  heads: {', '.join(h['name'] for h in card['heads'])}")
+        print(f"  flags: {', '.join(card['flag_labels'])}")
+        for source in card["sources"]:
+            print(f"  trained on {source['dataset']} ({source['license']}): {source['rows']}")
+        for dataset, heads in card["held_out"].items():
+            for head, m in heads.items():
+                print(
+                    f"  held-out {dataset:<24} {head:<17} F1 {m['f1']:.3f}  AUPRC "
+                    f"{m['auprc']:.3f}  R@1%FPR {m['recall_at_1pct_fpr']:.3f}  (n={m['rows']})"
+                )
+    return 0

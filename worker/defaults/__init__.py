@@ -1,0 +1,83 @@
+"""Packaged default probes: moderation from the first message, before any label.
+
+Each folder here holds a multi-head checkpoint for one frozen LLM (``manifest.json``,
+``tensors.safetensors``) and its data card (``card.json``: what it was trained on, under
+which licenses, and how it measured on held-out rows). ``pins.json`` (:data:`PINNED`) pins
+every manifest's sha256, and the manifest pins the tensors', so a file changed or
+corrupted after the release is refused before anything is loaded. (A deployment's own
+HMAC key cannot sign what the release ships; registry versions stay signed with it.)
+Rebuild one with ``probeguard default build`` (see :mod:`worker.offline.default_probe`).
+
+A scorer with nothing published serves the default for its LLM as version 0 under the
+probe's own name; an updater with nothing published fine-tunes from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from probes import Probe, probe_from_bytes
+from probes.errors import CheckpointError, IncompatibleCheckpoint
+from schemas import CheckpointManifest, LLMFingerprint
+
+__all__ = ["PINNED", "ROOT", "PackagedDefault", "find_default", "load_default"]
+
+log = logging.getLogger(__name__)
+ROOT = Path(__file__).parent
+PINS = ROOT / "pins.json"
+# folder -> sha256 of its manifest.json (written by `probeguard default build --pin`).
+PINNED: dict[str, str] = json.loads(PINS.read_text()) if PINS.is_file() else {}
+
+
+@dataclass(frozen=True)
+class PackagedDefault:
+    """A verified packaged default, renamed to the probe it serves."""
+
+    probe: Probe
+    manifest: CheckpointManifest
+    folder: str
+    card: dict[str, Any]
+
+
+def _verified(folder: Path, pinned: str | None) -> tuple[bytes, bytes]:
+    manifest = (folder / "manifest.json").read_bytes()
+    digest = hashlib.sha256(manifest).hexdigest()
+    if pinned is None or digest != pinned:
+        raise CheckpointError(
+            f"packaged default {folder.name}: manifest sha256 {digest[:16]} is not the one this "
+            "release pins; refusing it"
+        )
+    return (folder / "tensors.safetensors").read_bytes(), manifest
+
+
+def load_default(
+    folder: Path, llm: LLMFingerprint, name: str, *, pinned: str | None = None
+) -> PackagedDefault:
+    """Verify and load the default in ``folder`` for ``llm``, served as probe ``name``.
+
+    Raises :class:`IncompatibleCheckpoint` when it was built on another LLM, and
+    :class:`CheckpointError` when a file is not the one pinned."""
+    blob, manifest_json = _verified(folder, PINNED.get(folder.name) if pinned is None else pinned)
+    probe, manifest = probe_from_bytes(blob, manifest_json, llm)
+    probe.rename(name)
+    manifest = manifest.model_copy(update={"probe": name, "spec": probe.spec, "version": 0})
+    card = json.loads((folder / "card.json").read_text()) if (folder / "card.json").exists() else {}
+    return PackagedDefault(probe, manifest, folder.name, card)
+
+
+def find_default(
+    llm: LLMFingerprint, name: str, root: Path | None = None
+) -> PackagedDefault | None:
+    """The packaged default for ``llm`` (served as probe ``name``), or ``None`` when this
+    release ships none for that LLM."""
+    for folder in sorted(p for p in (root or ROOT).iterdir() if (p / "manifest.json").is_file()):
+        try:
+            return load_default(folder, llm, name, pinned=PINNED.get(folder.name))
+        except IncompatibleCheckpoint:
+            continue  # built for another LLM
+    return None
