@@ -327,3 +327,81 @@ def test_fit_depth_auto_prints_the_table_and_records_the_choice(capsys, caches, 
     bad = [*argv[:-6], "--depth", "auto", "--depth-candidates", "5"]
     assert main([*bad, "--out", str(workspace / "x")]) == 1
     assert "[5] are not among the layers [0, 1, 2, 3, 4]" in capsys.readouterr().err
+
+
+def _multi_head_checkpoint(caches: tuple[Path, Path], out: Path) -> Path:
+    """A two-head probe fitted on the train cache: toxicity (ok / toxic, from ``label``)
+    and insult (binary, from ``labels``), each row annotating both."""
+    from probes import build_probe, save_checkpoint
+    from probes.offline.fit import FitConfig, fit
+    from probes.offline.multitask import SourceHeads, as_multitask, multitask_targets
+    from schemas import HeadSpec, ProbeSpec
+    from worker.offline.fit_eval import load_split
+
+    cache = HiddenStateCache(caches[0])
+    layers = cache.manifest.summary_layers[-2:]
+    spec = ProbeSpec(
+        name="moderation",
+        token_pool="mean",
+        layer_mix="scalar_mix",
+        layers=layers,
+        hidden_size=cache.manifest.llm.hidden_size,
+        task="multilabel",
+        labels=["ok", "toxic", "insult"],
+        heads=[
+            HeadSpec(name="toxicity", task="multiclass", labels=["ok", "toxic"]),
+            HeadSpec(name="insult", task="multilabel", labels=["insult"]),
+        ],
+        flag_labels=["toxic", "insult"],
+    )
+    source = SourceHeads(
+        "toy",
+        {
+            "toxicity": {"ok": ["ok"], "toxic": ["toxic"]},
+            "insult": {"insult": ["insult"], "ok": [], "toxic": []},
+        },
+    )
+    data = load_split(cache, "mean", layers, "label")
+    data = as_multitask(data, spec, multitask_targets(spec, source, cache.row_labels()))
+    probe = fit(build_probe(spec, seed=0), data, None, FitConfig(max_epochs=5, lr=3e-3)).probe
+    save_checkpoint(probe, out, llm=cache.manifest.llm)
+    return out
+
+
+def test_eval_measures_one_head_of_a_multi_head_probe(capsys, caches, workspace) -> None:
+    ckpt = _multi_head_checkpoint(caches, workspace / "multi-head")
+    argv = ["eval", "--checkpoint", str(ckpt), "--cache", str(caches[1])]
+    insult = run_json(capsys, *argv, "--head", "insult")
+    assert set(insult["per_class"]) == {"insult"} and insult["n"] == 60
+    labels = [json.loads(line) for line in (workspace / "val.jsonl").read_text().splitlines()]
+    assert insult["per_class"]["insult"]["support"] == sum("insult" in r["labels"] for r in labels)
+    toxicity = run_json(capsys, *argv, "--head", "toxicity")
+    assert toxicity["task"] == "multiclass" and set(toxicity["per_class"]) == {"ok", "toxic"}
+    # The same through the LLM on the labeled file, and a head the probe lacks.
+    on_rows = ["eval", "--checkpoint", str(ckpt), "--data", str(workspace / "val.jsonl")]
+    rows = run_json(capsys, *on_rows, "--head", "insult")
+    assert rows["per_class"]["insult"]["support"] == insult["per_class"]["insult"]["support"]
+    assert main([*argv, "--head", "spam"]) != 0
+    assert "no head 'spam'" in capsys.readouterr().err
+
+
+def test_eval_checkpoint_default_is_the_packaged_default(
+    capsys, caches, workspace, monkeypatch
+) -> None:
+    import hashlib
+
+    import worker.defaults
+
+    root = workspace / "packaged"
+    folder = _multi_head_checkpoint(caches, root / "tiny")
+    pin = hashlib.sha256((folder / "manifest.json").read_bytes()).hexdigest()
+    monkeypatch.setattr(worker.defaults, "ROOT", root)
+    monkeypatch.setattr(worker.defaults, "PINNED", {"tiny": pin})
+    argv = ["eval", "--checkpoint", "default", "--cache", str(caches[1])]
+    report = run_json(capsys, *argv, "--head", "insult")
+    assert report["version"] == 0 and set(report["per_class"]) == {"insult"}
+    whole = run_json(capsys, *argv)  # rows name one head each: measured per head
+    assert set(whole["heads"]) == {"toxicity", "insult"}
+    monkeypatch.setattr(worker.defaults, "PINNED", {})
+    assert main(argv) != 0
+    assert "not the one this release pins" in capsys.readouterr().err

@@ -20,7 +20,18 @@ def register(sub: argparse._SubParsersAction) -> None:
             "confusion matrix, and the layer weights the probe used (optionally as a PNG)."
         ),
     )
-    p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint directory")
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        required=True,
+        help="checkpoint directory, or 'default': the packaged default for the LLM",
+    )
+    p.add_argument(
+        "--head",
+        help="measure this head of a multi-head probe: the file's label names in the head's "
+        "label space are its positives, the rest negatives (e.g. --head sexual on a file "
+        'with labels: ["sexual", ...])',
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", type=Path, help="labeled JSONL file (runs the LLM of the settings)")
     src.add_argument("--cache", type=Path, help="hidden-state cache of a labeled file")
@@ -72,7 +83,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.cache is not None:
         from probes.offline.cache import HiddenStateCache
 
-        probe, report = evaluate_on_cache(args.checkpoint, HiddenStateCache(args.cache))
+        probe, report = evaluate_on_cache(
+            args.checkpoint, HiddenStateCache(args.cache), head=args.head
+        )
     else:
         from worker.llm.extract import HiddenStateExtractor
         from worker.offline.labeled import read_labeled
@@ -82,7 +95,9 @@ def _run(args: argparse.Namespace) -> int:
         settings = load_settings(**overrides)
         rows = read_labeled(args.data)
         extractor = HiddenStateExtractor.from_settings(settings)
-        probe, report = evaluate_on_rows(args.checkpoint, rows, extractor, settings.batch_size)
+        probe, report = evaluate_on_rows(
+            args.checkpoint, rows, extractor, settings.batch_size, head=args.head
+        )
     if args.png is not None:
         from worker.plots import plot_layer_weights
 
@@ -202,18 +217,22 @@ def _print_science(r: dict[str, Any]) -> None:
 def _print(r: dict[str, Any]) -> None:
     print(f"{r['probe']} on {r['n']} rows: {r['headline']}")
     print(f"  F1 {r['f1']:.4f}  AUPRC {r['auprc']:.4f}  accuracy {r['accuracy']:.4f}")
+    if "flagged" in r:
+        print(f"  recall at 1% false positives {r['flagged']['recall_at_1pct_fpr']:.4f}")
+    for head, h in r.get("heads", {}).items():
+        print(f"  head {head:<18} F1 {h['f1']:.4f}  AUPRC {h['auprc']:.4f}  rows {h['n']}")
     print(f"  {'label':<20} {'prec':>6} {'recall':>6} {'f1':>6} {'auprc':>6} {'support':>7}")
     for label, m in r["per_class"].items():
         print(
             f"  {label:<20} {m['precision']:6.3f} {m['recall']:6.3f} {m['f1']:6.3f} "
             f"{m['auprc']:6.3f} {m['support']:7d}"
         )
-    conf = r["confusion"]
+    conf = r.get("confusion", {})  # per head for a multi-head probe (in --json)
     if "matrix" in conf:
         print("  confusion (rows true, columns predicted):", conf["labels"])
         for label, row in zip(conf["labels"], conf["matrix"], strict=True):
             print(f"    {label:<20} {row}")
-    else:
+    elif "per_label" in conf:
         print("  confusion per label [[tn, fp], [fn, tp]]:")
         for label, m in conf["per_label"].items():
             print(f"    {label:<20} {m}")
