@@ -160,7 +160,7 @@ def class_layer_use_batches(
     n = 0
     for hidden, mask, targets in batches:
         if probe.spec.task == "multilabel":
-            hot = targets.bool()  # [B, C]
+            hot = targets.nan_to_num(0.0).bool()  # [B, C] (NaN: not annotated)
         else:
             hot = torch.nn.functional.one_hot(targets.long(), C).bool()  # [B, C]
         parts = layer_breakdown(probe, hidden, mask)

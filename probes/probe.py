@@ -183,13 +183,13 @@ class Probe(nn.Module):
         return self.head(self.drop(self.mix(pooled))), self.mix.weights(pooled)
 
     def probabilities(self, logits: Tensor) -> Tensor:
-        """Softmax (multiclass) or sigmoid (multilabel) of logits ``[B, C]``; with heads,
+        """Softmax (multiclass) or sigmoid (multilabel) of logits ``[..., C]``; with heads,
         each multiclass head's columns take a softmax of their own."""
         if self._spec.task == "multiclass":
             return torch.softmax(logits, dim=-1)
         probs = torch.sigmoid(logits)
-        for cols in multiclass_columns(self._spec):
-            probs[:, cols] = torch.softmax(logits[:, cols], dim=-1)
+        for cols in multiclass_columns(self._spec):  # over the last axis: [..., C]
+            probs[..., cols] = torch.softmax(logits[..., cols], dim=-1)
         return probs
 
     @torch.no_grad()

@@ -149,3 +149,14 @@ def test_a_multi_head_checkpoint_round_trips(weights: str) -> None:
         atol=tol,
         rtol=0,
     )
+
+
+def test_the_layer_breakdown_of_a_multi_head_probe_keeps_each_heads_own_softmax() -> None:
+    from probes.explain import layer_breakdown
+
+    spec = heads_spec()
+    probe = build_probe(spec, seed=0).eval()
+    hidden, mask, _ = toy_task(len(spec.layers), "multihead", n=4)
+    parts = layer_breakdown(probe, hidden, mask)
+    torch.testing.assert_close(parts.probs[..., 1:].sum(dim=-1), torch.ones(len(spec.layers), 4))
+    assert not torch.allclose(parts.probs[..., 0] + parts.probs[..., 1], torch.ones(1))

@@ -28,6 +28,7 @@ from pydantic import SecretStr
 
 from probes import spread_layers
 from schemas import ChatMessage, HumanLabel, LabeledText, ProbeSpec, Verdict, utcnow
+from worker.defaults import find_default
 from worker.demo.figures import Observed, final_figures, snapshot
 from worker.embedded import EmbeddedBroker, EmbeddedRedis
 from worker.kafka.clients import ensure_topics, make_producer, reader_config
@@ -180,9 +181,12 @@ class DemoRun:
             }
         )
 
-    def start_roles(self, settings: Settings, seed_spec: Path) -> list[threading.Thread]:
+    def start_roles(self, settings: Settings, seed_spec: Path | None) -> list[threading.Thread]:
+        """Start the roles; without ``seed_spec`` they start from the packaged default (the
+        scorer serves it from the first message, the updater fine-tunes it)."""
         assert self.extractor is not None
-        settings = settings.model_copy(update={"seed_spec": seed_spec})
+        update = {"seed_spec": seed_spec, "default_probe": seed_spec is None}
+        settings = settings.model_copy(update=update)
         self.settings = settings
         ensure_topics(settings, partitions=2)
         client = make_redis(settings)
@@ -348,11 +352,23 @@ def run_demo(
     spec = demo_spec(
         "demo", demo.rows, opts.flag_labels, extractor.num_layers, extractor.hidden_size
     )
+    packaged = find_default(extractor.fingerprint, "demo")
+    # Start from the packaged default when it knows every label of the replayed rows.
+    from_default = (
+        packaged is not None
+        and opts.flag_labels is None
+        and set(spec.labels) <= set(packaged.probe.spec.labels)
+    )
     with demo.stack() as stack:
         configured = demo.configure(stack)
         opts.out.mkdir(parents=True, exist_ok=True)
-        spec_path = opts.out / "probe-spec.json"
-        spec_path.write_text(spec.model_dump_json(indent=1))
+        spec_path: Path | None = opts.out / "probe-spec.json"
+        if from_default and packaged is not None:
+            log.info("starting from the packaged default %s (no labels needed)", packaged.folder)
+            spec_path = None
+        else:
+            assert spec_path is not None
+            spec_path.write_text(spec.model_dump_json(indent=1))
         log.info(
             "replaying %d messages (%s) at %s msg/s; labels for %.0f%%",
             demo.total,
