@@ -238,11 +238,16 @@ def _held_out_report(spec: ProbeSpec, probs: torch.Tensor, y: torch.Tensor) -> d
         heads[name] = {
             "rows": r["n"],
             "positives": m["support"],
-            "f1": round(m["f1"], 4),
-            "auprc": round(m["auprc"], 4),
-            "recall_at_1pct_fpr": round(m["recall_at_1pct_fpr"], 4),
+            "f1": _rounded(m["f1"]),
+            "auprc": _rounded(m["auprc"]),
+            "recall_at_1pct_fpr": _rounded(m["recall_at_1pct_fpr"]),
         }
     return heads
+
+
+def _rounded(x: float) -> float | None:
+    """JSON has no NaN: an undefined figure (no positives, or no negatives) is null."""
+    return round(x, 4) if x == x else None
 
 
 def build_default(
