@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 import worker.defaults
 from probes import CheckpointError, build_probe, save_checkpoint
@@ -146,3 +147,32 @@ def test_labels_for_two_heads_publish_a_version_whose_verdicts_carry_both(
         assert result.flagged == result.heads["spam"].flagged
         assert not result.heads["toxicity"].flagged  # it predicts, it does not flag
         assert len(result.heads["toxicity"].predicted) == 1
+
+
+def test_an_offline_checkpoint_is_served_and_learned_from_when_nothing_is_published(
+    settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded], tmp_path: Path
+) -> None:
+    """The offline -> online hand-off: the scorer serves PROBEGUARD_BOOTSTRAP_CHECKPOINT at
+    once (v0) and the updater starts from PROBEGUARD_SEED_CHECKPOINT, not from zero."""
+    from probes import load_checkpoint
+    from tests.registry_helpers import toxicity_spec
+
+    fp = extractor().fingerprint
+    offline = tmp_path / "offline-fit"
+    spec = toxicity_spec(fp.hidden_size)
+    save_checkpoint(build_probe(spec, seed=3), offline, llm=fp)
+    seeded, _ = load_checkpoint(offline, fp)
+    settings = fast(
+        settings, bootstrap_checkpoint=offline, seed_checkpoint=offline, default_probe=False
+    )
+    ensure_topics(settings)
+    scorer = Scorer(settings, extractor(), redis_ns.client, worker_id="scorer-1")
+    threads.append(Threaded(scorer.run, scorer.stop))
+    (first,) = chats(settings, "b", ["hello there"])
+    assert first.results[0].version == 0 and first.results[0].heads is None
+    updater = Updater(settings, extractor(), redis_ns.client, worker_id="updater-a")
+    threads.append(Threaded(updater.run, updater.stop))
+    wait_until(lambda: updater.learner is not None, "the updater's resume")
+    assert updater.learner is not None
+    for name, tensor in seeded.state_dict().items():  # it starts from the seed's weights
+        assert torch.equal(updater.learner.probe.state_dict()[name], tensor), name
