@@ -104,6 +104,8 @@ def test_a_packaged_default_that_is_not_the_pinned_one_is_refused(packaged: Path
     (packaged / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="not the one this release pins"):
         worker.defaults.find_default(extractor().fingerprint, "toxicity")
+    # A role logs it and does without (the scorer waits, the updater starts from zero).
+    assert worker.defaults.serving_default(extractor().fingerprint, "toxicity") is None
 
 
 def test_labels_for_two_heads_publish_a_version_whose_verdicts_carry_both(

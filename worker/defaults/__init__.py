@@ -25,7 +25,7 @@ from probes import Probe, probe_from_bytes
 from probes.errors import CheckpointError, IncompatibleCheckpoint
 from schemas import CheckpointManifest, LLMFingerprint
 
-__all__ = ["PINNED", "ROOT", "PackagedDefault", "find_default", "load_default"]
+__all__ = ["PINNED", "ROOT", "PackagedDefault", "find_default", "load_default", "serving_default"]
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).parent
@@ -81,3 +81,13 @@ def find_default(
         except IncompatibleCheckpoint:
             continue  # built for another LLM
     return None
+
+
+def serving_default(llm: LLMFingerprint, name: str) -> PackagedDefault | None:
+    """:func:`find_default` for a role: a packaged default that fails verification is
+    logged and not served (the role waits, or starts from zero) rather than ending it."""
+    try:
+        return find_default(llm, name)
+    except CheckpointError as exc:
+        log.error("not using the packaged default for %s: %s", name, exc)
+        return None

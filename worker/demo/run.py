@@ -28,7 +28,7 @@ from pydantic import SecretStr
 
 from probes import spread_layers
 from schemas import ChatMessage, HumanLabel, LabeledText, ProbeSpec, Verdict, utcnow
-from worker.defaults import find_default
+from worker.defaults import serving_default
 from worker.demo.figures import Observed, final_figures, snapshot
 from worker.embedded import EmbeddedBroker, EmbeddedRedis
 from worker.kafka.clients import ensure_topics, make_producer, reader_config
@@ -352,7 +352,7 @@ def run_demo(
     spec = demo_spec(
         "demo", demo.rows, opts.flag_labels, extractor.num_layers, extractor.hidden_size
     )
-    packaged = find_default(extractor.fingerprint, "demo")
+    packaged = serving_default(extractor.fingerprint, "demo")
     # Start from the packaged default when it knows every label of the replayed rows.
     from_default = (
         packaged is not None

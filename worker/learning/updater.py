@@ -40,7 +40,7 @@ from probes import Probe, ProbeError, build_probe, encode_target, spread_layers
 from probes.checkpoint import checkpoint_to_bytes, load_checkpoint, probe_from_bytes
 from probes.errors import CheckpointError
 from schemas import CheckpointManifest, HumanLabel, ProbeSpec, TrainingCounters
-from worker.defaults import PackagedDefault, find_default
+from worker.defaults import PackagedDefault, serving_default
 from worker.errors import (
     ConfigError,
     Fenced,
@@ -375,7 +375,7 @@ class Updater:
         spec asked for): what scorers already serve while nothing is published."""
         if not self.settings.default_probe or self.settings.seed_spec is not None:
             return None
-        return find_default(self.extractor.fingerprint, self.name)
+        return serving_default(self.extractor.fingerprint, self.name)
 
     def _seed_spec(self) -> ProbeSpec:
         if self.settings.seed_spec is None:

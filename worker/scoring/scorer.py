@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from probes.checkpoint import load_checkpoint
 from schemas import ChatMessage, DecidedRecord, ProbeDecision, ReviewRequest, Verdict, utcnow
-from worker.defaults import find_default
+from worker.defaults import serving_default
 from worker.errors import ConfigError
 from worker.kafka.batch_loop import BatchLoop, Item, Outgoing, Reject
 from worker.kafka.clients import consumer_lag, ensure_topics
@@ -463,7 +463,7 @@ class Scorer:
         for name, slot in self.watcher.slots.items():
             if slot.live is not None or name in self.defaults:
                 continue
-            found = find_default(self.extractor.fingerprint, name)
+            found = serving_default(self.extractor.fingerprint, name)
             self.defaults[name] = found.folder if found is not None else None
             if found is None:
                 log.info("no packaged default for probe %s on this LLM; waiting for one", name)
