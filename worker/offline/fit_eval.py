@@ -6,10 +6,11 @@ scripts call directly; evaluation (``eval``) is in :mod:`worker.offline.evaluate
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -25,6 +26,7 @@ from probes.offline.fit import FitConfig, FitResult, fit
 from probes.offline.select import CVResult, DepthSearch, fit_cv, select_depth
 from schemas import (
     LayerMix,
+    OperatingPoint,
     ProbeSpec,
     TokenPool,
     TrainingCounters,
@@ -37,9 +39,12 @@ __all__ = [
     "dir_size",
     "fit_probe",
     "fit_probe_depth",
+    "fit_summary",
     "load_split",
     "prepare",
     "print_depth_table",
+    "save_fit",
+    "write_fit_report",
 ]
 
 log = logging.getLogger(__name__)
@@ -268,6 +273,73 @@ def save_fit(
         metrics={k: float(v) for k, v in metrics.items() if v == v},  # drop NaN
         signing_key=signing_key,
         weights=weights,
+    )
+
+
+def fit_summary(
+    result: FitResult,
+    out: Path,
+    opts: ProbeOptions,
+    *,
+    selection: str,
+    point: OperatingPoint,
+    cv: CVResult | None = None,
+    depth: DepthSearch | None = None,
+) -> dict[str, Any]:
+    """What ``fit`` reports of a fit saved to ``out``: the probe, the validation figures
+    (cross-validated ones with ``cv``), how it was selected, the depth search's choice."""
+    report = result.val_report
+    summary = {
+        "checkpoint": str(out),
+        "probe": result.probe.spec.name,
+        "token_pool": opts.token_pool,
+        "layer_mix": opts.layer_mix,
+        "layers": list(result.probe.layers),
+        "parameters": result.probe.num_parameters(),
+        "epochs": result.epochs,
+        "best_epoch": result.best_epoch,
+        "train_seconds": round(result.seconds, 2),
+        "thresholds": result.probe.spec.thresholds,
+        "val_f1": report["f1"],
+        "val_auprc": report["auprc"],
+        "val_accuracy": report["accuracy"],
+        "val_macro_f1": report["macro_f1"],
+        "headline": report["headline"],
+        "layer_entropy": result.probe.layer_entropy(),
+        "selection": selection,
+        "operating_point": str(point),
+    }
+    if depth is not None:
+        summary.update(
+            depth_chosen=depth.chosen, depth_best=depth.best, depth_epsilon=depth.epsilon
+        )
+    if cv is not None:
+        summary.update({f"cv_{k}": v for k, v in cv.summary().items()})
+    return summary
+
+
+def write_fit_report(
+    out: Path,
+    summary: dict[str, Any],
+    result: FitResult,
+    *,
+    cv: CVResult | None = None,
+    depth: DepthSearch | None = None,
+) -> None:
+    """``out/fit-report.json``: the summary, the training history, the validation report,
+    each fold and the depth table."""
+    (out / "fit-report.json").write_text(
+        json.dumps(
+            {
+                "summary": summary,
+                "history": result.history,
+                "val_report": result.val_report,
+                "folds": [vars(f) for f in cv.folds] if cv is not None else [],
+                "depth": depth.table() if depth is not None else None,
+            },
+            default=str,
+            indent=1,
+        )
     )
 
 
