@@ -40,8 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("--cache", type=Path, required=True, help="training cache (cache build)")
-    p.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
     _selection_args(p)
+    p.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
     _probe_args(p, o)
     _depth_args(p)
     _training_args(p, d)
