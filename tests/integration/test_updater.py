@@ -22,6 +22,7 @@ from tests.process_helpers import Threaded, settings_env, spawn, tiny_model_dir,
 from tests.registry_helpers import toxicity_spec
 from tests.tiny_llm import make_tiny_llm
 from worker.kafka.clients import ensure_topics, make_admin
+from worker.learning.resume import seed_spec
 from worker.learning.updater import Updater
 from worker.llm.extract import Extraction, HiddenStateExtractor
 from worker.scoring.scorer import Scorer
@@ -473,7 +474,7 @@ def test_layers_whose_weight_stays_negligible_are_dropped_and_scorers_serve_it(
     threads.append(Threaded(updater.run, updater.stop))
     scorer = Scorer(settings, extractor(), redis_ns.client, worker_id="scorer-1")
     threads.append(Threaded(scorer.run, scorer.stop))
-    seed_layers = updater._seed_spec().layers
+    seed_layers = seed_spec(settings, ex, updater.name).layers
     assert len(seed_layers) > 1
 
     produce_raw(settings, settings.topic_labels, [(None, label(i)) for i in range(32)])

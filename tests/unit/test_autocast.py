@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from tests.tiny_llm import make_tiny_llm
 from worker.errors import ConfigError
-from worker.llm import load as load_module
+from worker.llm import precision as precision_module
 from worker.llm.extract import HiddenStateExtractor
 from worker.llm.load import (
     apply_autocast,
@@ -68,11 +68,11 @@ def test_resolve_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_autocast("off", llm) is None
     assert resolve_autocast("bfloat16", llm) is torch.bfloat16
     assert resolve_autocast("float16", llm) is torch.float16
-    monkeypatch.setattr(load_module, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(precision_module, "cpu_has_native_bf16", lambda: True)
     assert resolve_autocast("auto", llm) is torch.bfloat16
-    monkeypatch.setattr(load_module, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(precision_module, "cpu_has_native_bf16", lambda: False)
     assert resolve_autocast("auto", llm) is None  # emulated bf16 can be slower than fp32
-    monkeypatch.setattr(load_module, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(precision_module, "cpu_has_native_bf16", lambda: True)
     quantized = quantize_llm(make_tiny_llm(), "int8")
     assert resolve_autocast("auto", quantized) is None
     with pytest.raises(ConfigError, match="PROBEGUARD_AUTOCAST=off"):

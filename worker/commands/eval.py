@@ -77,7 +77,7 @@ def _check_science(args: argparse.Namespace) -> None:
 
 @offline_errors
 def _run(args: argparse.Namespace) -> int:
-    from worker.offline.fit_eval import evaluate_on_cache, evaluate_on_rows
+    from worker.offline.evaluate import evaluate_on_cache, evaluate_on_rows
 
     _check_science(args)
     if args.cache is not None:

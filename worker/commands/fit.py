@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from worker.commands._common import layer_list, offline_errors, print_json
 
 if TYPE_CHECKING:
+    from probes.offline.cache import HiddenStateCache
+    from probes.offline.fit import FitConfig, FitResult
     from probes.offline.select import CVResult, DepthSearch
+    from schemas import OperatingPoint
+    from worker.offline.fit_eval import ProbeOptions
 
 
 __all__ = ["register"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from probes import LAYER_MIXES, TOKEN_POOLS
     from probes.offline.fit import FitConfig
     from worker.offline.fit_eval import ProbeOptions
 
@@ -38,6 +40,24 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("--cache", type=Path, required=True, help="training cache (cache build)")
+    _selection_args(p)
+    p.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
+    _probe_args(p, o)
+    _depth_args(p)
+    _training_args(p, d)
+    p.add_argument(
+        "--weights",
+        choices=["fp32", "int8"],
+        default="fp32",
+        help="how the checkpoint stores the probe weights: int8 with per-row scales is about a "
+        "quarter of the bytes and is dequantized to fp32 on load (default: fp32)",
+    )
+    p.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    p.set_defaults(func=_run)
+
+
+def _selection_args(p: argparse.ArgumentParser) -> None:
+    """How the epochs and thresholds are chosen: folds, a validation cache or a split."""
     p.add_argument(
         "--val-cache", type=Path, help="select on this validation cache instead of by folds"
     )
@@ -55,7 +75,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="where flag thresholds go: 'f1' (its maximum), 'precision>=0.9' (the most recall "
         "at that precision), 'recall>=0.8' (default: f1)",
     )
-    p.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
+
+
+def _probe_args(p: argparse.ArgumentParser, o: ProbeOptions) -> None:
+    """The probe's kind, layers, labels and MHA shape."""
+    from probes import LAYER_MIXES, TOKEN_POOLS
+
     p.add_argument(
         "--pool",
         choices=sorted(TOKEN_POOLS),
@@ -72,6 +97,28 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="hidden-state indices, e.g. 12 or 4,8,12 or 2-20 (default: every cached layer "
         "the probe kind can use; 'single' needs exactly one)",
     )
+    p.add_argument(
+        "--target",
+        choices=["label", "labels"],
+        default="label",
+        help="'label' = multiclass over the label field; 'labels' = multilabel (default: label)",
+    )
+    p.add_argument(
+        "--flag-labels",
+        default=None,
+        help="comma-separated labels that flag a message (default: the minority class of a "
+        "binary task, every label of a multilabel task, none otherwise)",
+    )
+    p.add_argument("--name", default=None, help="probe name (default: <pool>-<layer-mix>)")
+    p.add_argument("--d-inner", type=int, default=o.d_inner, help="MHA inner size (%(default)s)")
+    p.add_argument("--num-heads", type=int, default=o.num_heads, help="MHA heads (%(default)s)")
+    p.add_argument("--heads", type=int, dest="heads_deprecated", help=argparse.SUPPRESS)
+    p.add_argument("--no-layer-norm", action="store_true", help="MHA without input LayerNorm")
+    p.add_argument("--dropout", type=float, default=o.dropout)
+
+
+def _depth_args(p: argparse.ArgumentParser) -> None:
+    """``--depth auto``: the search for the shallowest probe that is good enough."""
     p.add_argument(
         "--depth",
         choices=["full", "auto"],
@@ -97,19 +144,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="with --depth auto: the deepest layers to try, e.g. 11,15,30 (default: every "
         "layer the probe would read)",
     )
-    p.add_argument(
-        "--target",
-        choices=["label", "labels"],
-        default="label",
-        help="'label' = multiclass over the label field; 'labels' = multilabel (default: label)",
-    )
-    p.add_argument(
-        "--flag-labels",
-        default=None,
-        help="comma-separated labels that flag a message (default: the minority class of a "
-        "binary task, every label of a multilabel task, none otherwise)",
-    )
-    p.add_argument("--name", default=None, help="probe name (default: <pool>-<layer-mix>)")
+
+
+def _training_args(p: argparse.ArgumentParser, d: FitConfig) -> None:
+    """Lion, the loss and the mini-batches."""
     p.add_argument("--epochs", type=int, default=d.max_epochs, help="maximum epochs (%(default)s)")
     p.add_argument(
         "--patience", type=int, default=d.patience, help="early-stopping patience in epochs"
@@ -134,40 +172,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--balance", choices=["weights", "sampler", "none"], default=d.balance)
     p.add_argument("--monitor", choices=["auprc", "f1", "loss"], default=d.monitor)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--d-inner", type=int, default=o.d_inner, help="MHA inner size (%(default)s)")
-    p.add_argument("--num-heads", type=int, default=o.num_heads, help="MHA heads (%(default)s)")
-    p.add_argument("--heads", type=int, dest="heads_deprecated", help=argparse.SUPPRESS)
-    p.add_argument("--no-layer-norm", action="store_true", help="MHA without input LayerNorm")
-    p.add_argument("--dropout", type=float, default=o.dropout)
     p.add_argument("--no-standardize", action="store_true", help="skip input standardization")
     p.add_argument(
         "--grad-checkpointing",
         action="store_true",
         help="recompute MHA attention in the backward pass (less memory, more compute)",
     )
-    p.add_argument(
-        "--weights",
-        choices=["fp32", "int8"],
-        default="fp32",
-        help="how the checkpoint stores the probe weights: int8 with per-row scales is about a "
-        "quarter of the bytes and is dequantized to fp32 on load (default: fp32)",
-    )
-    p.add_argument("--json", action="store_true", help="print the result as one JSON line")
-    p.set_defaults(func=_run)
 
 
 @offline_errors
 def _run(args: argparse.Namespace) -> int:
     from probes.offline.cache import HiddenStateCache
-    from probes.offline.fit import FitConfig
     from schemas import OperatingPoint
-    from worker.offline.fit_eval import (
-        ProbeOptions,
-        fit_probe,
-        fit_probe_depth,
-        print_depth_table,
-        save_fit,
-    )
+    from worker.offline.fit_eval import fit_summary, save_fit, write_fit_report
     from worker.settings import load_settings
 
     _apply_deprecated(args)
@@ -178,6 +195,34 @@ def _run(args: argparse.Namespace) -> int:
         raise SystemExit(f"probeguard fit: {exc}") from exc
     cache = HiddenStateCache(args.cache)
     val_cache = HiddenStateCache(args.val_cache) if args.val_cache else None
+    opts, config = _options(args, point)
+    result, cv, depth = _fit(args, cache, val_cache, opts, config, folds)
+    save_fit(
+        result,
+        args.out,
+        cache,
+        signing_key=load_settings().signing_key,
+        cv=cv,
+        weights=args.weights,
+        depth=depth,
+    )
+    selection = "validation cache" if val_cache else f"{folds}-fold CV" if cv else "split"
+    summary = fit_summary(
+        result, args.out, opts, selection=selection, point=point, cv=cv, depth=depth
+    )
+    write_fit_report(args.out, summary, result, cv=cv, depth=depth)
+    if args.json:
+        print_json({**summary, "depth_table": depth.table()} if depth else summary)
+    else:
+        _print_result(summary, result, cv, depth, folds=folds, point=point, out=args.out)
+    return 0
+
+
+def _options(args: argparse.Namespace, point: OperatingPoint) -> tuple[ProbeOptions, FitConfig]:
+    """The probe's shape and the training configuration the arguments ask for."""
+    from probes.offline.fit import FitConfig
+    from worker.offline.fit_eval import ProbeOptions
+
     flags = None if args.flag_labels is None else [x for x in args.flag_labels.split(",") if x]
     opts = ProbeOptions(
         token_pool=args.pool,
@@ -206,8 +251,20 @@ def _run(args: argparse.Namespace) -> int:
         mix_entropy=args.mix_entropy,
         operating_point=point,
     )
-    depth: DepthSearch | None = None
-    cv: CVResult | None
+    return opts, config
+
+
+def _fit(
+    args: argparse.Namespace,
+    cache: HiddenStateCache,
+    val_cache: HiddenStateCache | None,
+    opts: ProbeOptions,
+    config: FitConfig,
+    folds: int,
+) -> tuple[FitResult, CVResult | None, DepthSearch | None]:
+    """Fit at full depth, or search the depth (``--depth auto``)."""
+    from worker.offline.fit_eval import fit_probe, fit_probe_depth
+
     if args.depth == "auto":
         if folds < 2:
             raise SystemExit(
@@ -218,7 +275,7 @@ def _run(args: argparse.Namespace) -> int:
             raise SystemExit(
                 f"probeguard fit: --depth-epsilon must be >= 0, got {args.depth_epsilon}"
             )
-        result, cv, depth = fit_probe_depth(
+        return fit_probe_depth(
             cache,
             opts,
             config,
@@ -226,66 +283,26 @@ def _run(args: argparse.Namespace) -> int:
             epsilon=args.depth_epsilon,
             depths=args.depth_candidates,
         )
-    elif args.depth_candidates is not None:
+    if args.depth_candidates is not None:
         raise SystemExit("probeguard fit: --depth-candidates needs --depth auto")
-    else:
-        result, cv = fit_probe(
-            cache, opts, config, val_cache=val_cache, val_fraction=args.val_fraction, folds=folds
-        )
-    save_fit(
-        result,
-        args.out,
-        cache,
-        signing_key=load_settings().signing_key,
-        cv=cv,
-        weights=args.weights,
-        depth=depth,
+    result, cv = fit_probe(
+        cache, opts, config, val_cache=val_cache, val_fraction=args.val_fraction, folds=folds
     )
-    report = result.val_report
-    summary = {
-        "checkpoint": str(args.out),
-        "probe": result.probe.spec.name,
-        "token_pool": opts.token_pool,
-        "layer_mix": opts.layer_mix,
-        "layers": list(result.probe.layers),
-        "parameters": result.probe.num_parameters(),
-        "epochs": result.epochs,
-        "best_epoch": result.best_epoch,
-        "train_seconds": round(result.seconds, 2),
-        "thresholds": result.probe.spec.thresholds,
-        "val_f1": report["f1"],
-        "val_auprc": report["auprc"],
-        "val_accuracy": report["accuracy"],
-        "val_macro_f1": report["macro_f1"],
-        "headline": report["headline"],
-        "layer_entropy": result.probe.layer_entropy(),
-        "selection": "validation cache" if val_cache else f"{folds}-fold CV" if cv else "split",
-        "operating_point": str(point),
-    }
-    if depth is not None:
-        summary.update(
-            depth_chosen=depth.chosen, depth_best=depth.best, depth_epsilon=depth.epsilon
-        )
-    folds_out: list[dict] = []
-    if cv is not None:
-        summary.update({f"cv_{k}": v for k, v in cv.summary().items()})
-        folds_out = [vars(f) for f in cv.folds]
-    (args.out / "fit-report.json").write_text(
-        json.dumps(
-            {
-                "summary": summary,
-                "history": result.history,
-                "val_report": report,
-                "folds": folds_out,
-                "depth": depth.table() if depth is not None else None,
-            },
-            default=str,
-            indent=1,
-        )
-    )
-    if args.json:
-        print_json({**summary, "depth_table": depth.table()} if depth else summary)
-        return 0
+    return result, cv, None
+
+
+def _print_result(
+    summary: dict[str, Any],
+    result: FitResult,
+    cv: CVResult | None,
+    depth: DepthSearch | None,
+    *,
+    folds: int,
+    point: OperatingPoint,
+    out: Path,
+) -> None:
+    from worker.offline.fit_eval import print_depth_table
+
     if depth is not None:
         print_depth_table(depth)
     if cv is not None:
@@ -300,15 +317,14 @@ def _run(args: argparse.Namespace) -> int:
             f"AUPRC {c['auprc_mean']:.3f} ± {c['auprc_std']:.3f} ({summary['headline']}, "
             f"thresholds at {point}: {summary['thresholds']}); refit on all rows for "
             f"{cv.epochs} epochs, {summary['parameters']} parameters, "
-            f"{summary['train_seconds']} s -> {args.out}"
+            f"{summary['train_seconds']} s -> {out}"
         )
     else:
         print(
             f"{summary['probe']}: val F1 {summary['val_f1']:.3f}, AUPRC {summary['val_auprc']:.3f} "
             f"({summary['headline']}), {summary['parameters']} parameters, best epoch "
-            f"{result.best_epoch}/{result.epochs}, {summary['train_seconds']} s -> {args.out}"
+            f"{result.best_epoch}/{result.epochs}, {summary['train_seconds']} s -> {out}"
         )
-    return 0
 
 
 def _apply_deprecated(args: argparse.Namespace) -> None:

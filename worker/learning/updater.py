@@ -3,7 +3,7 @@
     standby  -- wait for the probe's lease (hot standby; takes over when it expires)
     resume   -- newest published version (weights + Lion state), else the seed
                 checkpoint file, else the packaged default of the LLM (worker/defaults),
-                else a fresh probe from a spec ("from zero")
+                else a fresh probe from a spec ("from zero"): worker.learning.resume
     per batch of HumanLabels:
         join the text (label.text, else the scorers' Redis text cache)
         extract hidden states of the probe's layers (early exit)
@@ -30,29 +30,21 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import redis
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from probes import Probe, ProbeError, build_probe, encode_target, spread_layers
-from probes.checkpoint import checkpoint_to_bytes, load_checkpoint, probe_from_bytes
-from probes.errors import CheckpointError
-from schemas import CheckpointManifest, HumanLabel, ProbeSpec, TrainingCounters
-from worker.defaults import PackagedDefault, serving_default
-from worker.errors import (
-    ConfigError,
-    Fenced,
-    KafkaSetupError,
-    RegistryError,
-    StagesChanged,
-    TransientError,
-)
+from probes import ProbeError, encode_target
+from probes.checkpoint import checkpoint_to_bytes
+from schemas import HumanLabel, ProbeSpec
+from worker.errors import Fenced, KafkaSetupError, RegistryError, StagesChanged, TransientError
 from worker.kafka.batch_loop import BatchLoop, Between, Item, Outgoing, Reject
 from worker.kafka.clients import ensure_topics
 from worker.kafka.runtime import RoleRuntime
+from worker.learning.labels import flag_truths, skip_reason
+from worker.learning.metrics import UpdaterMetrics
 from worker.learning.online_learner import Labeled, LearningConfig, OnlineLearner
+from worker.learning.resume import default_spec, restore_optimizer, starting_point
 from worker.llm.extract import HiddenStateExtractor
 from worker.rollout.changes import Rollout
 from worker.rollout.policy import Policy
@@ -62,90 +54,9 @@ from worker.store.evidence import EvidenceStore
 from worker.store.lease import Lease, LeaseKeeper
 from worker.store.redis import Keys, make_text_redis
 
-__all__ = ["Updater", "default_spec"]
+__all__ = ["Updater", "default_spec"]  # default_spec: from worker.learning.resume
 
 log = logging.getLogger(__name__)
-
-
-def default_spec(name: str, num_layers: int, hidden_size: int) -> ProbeSpec:
-    """The from-zero probe: binary toxicity, downcast MHA pooling, scalar mix over eight
-    spread layers (the layers ``cache build`` stores token by token): the kind that wins on
-    held-out data, offline and online (bench/quality.md, bench/online_vs_offline.py)."""
-    return ProbeSpec(
-        name=name,
-        token_pool="mha",
-        layer_mix="scalar_mix",
-        layers=spread_layers(num_layers, 8),
-        hidden_size=hidden_size,
-        task="multiclass",
-        labels=["non-toxic", "toxic"],
-        flag_labels=["toxic"],
-    )
-
-
-def _says_no_flag_head_flags(spec: ProbeSpec, label: HumanLabel) -> bool:
-    """Whether a label without a flag label is a negative for the whole flag decision: it
-    annotates every head that can flag (a multi-head label for one other head says nothing
-    of whether the message should be flagged)."""
-    if not spec.heads:
-        return True
-    flagging = {spec.head_of(x).name for x in spec.flag_labels}
-    named = {label.head} if label.head else {spec.head_of(n).name for n in label.all_labels}
-    return flagging <= named
-
-
-class UpdaterMetrics:
-    def __init__(self) -> None:
-        r = self.collector = CollectorRegistry()
-        self.labels = Counter("probeguard_updater_labels", "Labels learned from", registry=r)
-        self.steps = Counter("probeguard_updater_steps", "Lion steps", registry=r)
-        self.loss = Gauge("probeguard_updater_loss", "Loss of the last step", registry=r)
-        self.dead_letters = Counter(
-            "probeguard_updater_dead_letters", "Labels dead-lettered", ["kind"], registry=r
-        )
-        self.prequential = Gauge(
-            "probeguard_updater_prequential",
-            "Windowed test-then-train metric",
-            ["metric"],
-            registry=r,
-        )
-        self.entropy = Gauge(
-            "probeguard_updater_layer_entropy", "Entropy of the layer weights (nats)", registry=r
-        )
-        self.collapse = Gauge(
-            "probeguard_updater_layer_collapse_alarm",
-            "1 when the layer-weight entropy is below PROBEGUARD_ENTROPY_ALARM",
-            registry=r,
-        )
-        self.publish_seconds = Histogram(
-            "probeguard_updater_publish_seconds", "Time to publish a version", registry=r
-        )
-        self.version = Gauge("probeguard_updater_version", "Last published version", registry=r)
-        self.lease = Gauge(
-            "probeguard_updater_lease_held", "1 while this process holds the lease", registry=r
-        )
-        self.stage_changes = Counter(
-            "probeguard_updater_stage_changes",
-            "Automatic stage changes by the rollout policy",
-            ["action"],
-            registry=r,
-        )
-        self.skipped = Counter(
-            "probeguard_updater_labels_skipped",
-            "Labels left to other probes (addressed to another, or labels this probe lacks)",
-            ["reason"],
-            registry=r,
-        )
-        self.resume_skipped = Counter(
-            "probeguard_updater_resume_skipped",
-            "Published versions skipped at resume because they do not verify",
-            registry=r,
-        )
-        self.labels_credited = Counter(
-            "probeguard_updater_labels_credited",
-            "Labels credited to the version(s) that judged the message (evidence)",
-            registry=r,
-        )
 
 
 class Updater:
@@ -309,87 +220,27 @@ class Updater:
 
     # --- resume --------------------------------------------------------------
 
-    def _newest_verifiable(self) -> tuple[int, Probe, CheckpointManifest] | None:
-        """The newest published version this updater can verify and load. One that does
-        not verify (corrupt, tampered, signed with another key, another LLM) is skipped
-        with an error, rather than stopping every updater of the probe."""
-        for version in reversed(self.registry.versions()):
-            try:
-                stored = self.registry.get(version)
-                probe, manifest = probe_from_bytes(
-                    stored.blob,
-                    stored.manifest_json,
-                    self.extractor.fingerprint,
-                    signing_key=self.settings.signing_key,
-                )
-            except (RegistryError, CheckpointError) as exc:
-                self.metrics.resume_skipped.inc()
-                log.error("cannot resume %s from v%d (%s); trying older", self.name, version, exc)
-                continue
-            return version, probe, manifest
-        return None
-
     def _resume(self) -> None:
-        fp = self.extractor.fingerprint
-        found = self._newest_verifiable()
-        latest = found[0] if found is not None else None
-        if found is not None:
-            latest, probe, manifest = found
-            self.parent, counters = latest, manifest.counters
-            source = f"v{latest}"
-        elif self.settings.seed_checkpoint is not None:
-            probe, manifest = load_checkpoint(
-                self.settings.seed_checkpoint, fp, signing_key=self.settings.signing_key
-            )
-            if manifest.probe != self.name:
-                raise ConfigError(
-                    f"seed checkpoint is for probe {manifest.probe!r}, not {self.name!r}"
-                )
-            self.parent, counters = None, manifest.counters
-            source = f"seed checkpoint {self.settings.seed_checkpoint}"
-        elif (packaged := self._packaged_default()) is not None:
-            probe, manifest = packaged.probe, packaged.manifest
-            self.parent, counters = None, manifest.counters
-            source = f"the packaged default {packaged.folder}"
-        else:
-            spec = self._seed_spec()
-            probe = build_probe(spec, seed=0)
-            self.parent, counters = None, TrainingCounters()
-            source = "zero"
+        start = starting_point(
+            self.settings, self.registry, self.extractor, on_skipped=self.metrics.resume_skipped.inc
+        )
+        self.parent = start.version
         self.learner = OnlineLearner(
-            probe,
+            start.probe,
             LearningConfig.from_settings(self.settings),
-            counters=counters,
-            fresh=source == "zero",
+            counters=start.counters,
+            fresh=start.fresh,
         )
         self.unpublished = 0
         self.last_publish = time.monotonic()
-        if latest is not None:
-            self._restore_optimizer(latest)
+        if start.version is not None:
+            restore_optimizer(self.registry, self.learner, start.version)
         log.info(
-            "resumed %s from %s (%d labels seen so far)", self.name, source, counters.labels_seen
+            "resumed %s from %s (%d labels seen so far)",
+            self.name,
+            start.source,
+            start.counters.labels_seen,
         )
-
-    def _packaged_default(self) -> PackagedDefault | None:
-        """The packaged default to fine-tune from (with ``DEFAULT_PROBE`` on and no seed
-        spec asked for): what scorers already serve while nothing is published."""
-        if not self.settings.default_probe or self.settings.seed_spec is not None:
-            return None
-        return serving_default(self.extractor.fingerprint, self.name)
-
-    def _seed_spec(self) -> ProbeSpec:
-        if self.settings.seed_spec is None:
-            return default_spec(self.name, self.extractor.num_layers, self.extractor.hidden_size)
-        try:
-            spec = ProbeSpec.model_validate_json(Path(self.settings.seed_spec).read_bytes())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read seed spec {self.settings.seed_spec}: {exc}") from exc
-        if spec.name != self.name or spec.hidden_size != self.extractor.hidden_size:
-            raise ConfigError(
-                f"seed spec is {spec.name!r} for hidden size {spec.hidden_size}; this updater "
-                f"trains {self.name!r} on a model of hidden size {self.extractor.hidden_size}"
-            )
-        return spec
 
     # --- the batch -----------------------------------------------------------
 
@@ -429,22 +280,11 @@ class Updater:
         return rejects
 
     def _is_ours(self, label: HumanLabel, spec: ProbeSpec) -> bool:
-        """Whether this probe should learn (or dead-letter) ``label``.
-
-        Every probe's updaters read every label (one consumer group per probe). A label
-        addressed to another probe is not ours; an unaddressed one is, if we know its
-        labels, or if no other probe is configured (then it is our unknown label).
-        """
-        if label.probe is not None:
-            ours = label.probe == self.name
-            reason = "other_probe"
-        else:
-            known = all(n in spec.labels for n in label.all_labels)
-            ours = known or not [p for p in self.settings.probe_names if p != self.name]
-            reason = "unknown_unaddressed"
-        if not ours:
+        """Whether this probe should learn (or dead-letter) ``label`` (:func:`skip_reason`)."""
+        reason = skip_reason(label, spec, self.name, self.settings.probe_names)
+        if reason is not None:
             self.metrics.skipped.labels(reason).inc()
-        return ours
+        return reason is None
 
     def _learner(self) -> OnlineLearner:
         if self.learner is None or self.loop is None:
@@ -458,12 +298,7 @@ class Updater:
         """
         if not spec.flag_labels or not labels:
             return
-        flag = set(spec.flag_labels)
-        truths = []
-        for lb in labels:
-            positive = any(n in flag for n in lb.all_labels)
-            if positive or _says_no_flag_head_flags(spec, lb):
-                truths.append((lb.message_id, positive))
+        truths = flag_truths(spec, labels)
         try:
             self.metrics.labels_credited.inc(self.evidence.record_labels(self.name, truths))
         except (redis.RedisError, OSError) as exc:
@@ -594,14 +429,8 @@ class Updater:
         self.last_publish = time.monotonic()
         self.published.append(version)
         self._next_rollout = 0.0  # let the policy see the new candidate at once
-        self.metrics.version.set(version)
-        self.metrics.publish_seconds.observe(time.perf_counter() - start)
-        for k, v in metrics.items():
-            if k.startswith("prequential_") and "/" not in k:
-                self.metrics.prequential.labels(k.removeprefix("prequential_")).set(v)
-        entropy = metrics["layer_entropy"]
-        self.metrics.entropy.set(entropy)
-        self.metrics.collapse.set(1 if entropy < self.settings.entropy_alarm else 0)
+        seconds = time.perf_counter() - start
+        self.metrics.published(version, seconds, metrics, self.settings.entropy_alarm)
         log.info(
             "published %s v%d (%s; f1=%.3f)",
             self.name,
@@ -610,17 +439,3 @@ class Updater:
             metrics.get("prequential_f1", float("nan")),
         )
         return version
-
-    def _restore_optimizer(self, version: int) -> None:
-        """Lion's momentum published with ``version``, when the registry vouches for it
-        (else learning restarts it at zero; see
-        :meth:`~worker.store.checkpoints.CheckpointRegistry.load_optimizer_state`)."""
-        try:
-            state = self.registry.load_optimizer_state(version)
-        except RegistryError as exc:
-            log.error("Lion state refused (%s); starting it afresh", exc)
-            return
-        if state is None or self.learner is None:
-            return
-        used = self.learner.load_optimizer_state(state)
-        log.info("restored Lion state of v%d (%d tensors)", version, used)

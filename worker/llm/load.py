@@ -23,8 +23,9 @@ File hashes are memoised under ``{cache_dir}/sha256/`` by path, size and mtime.
 
 ``Settings.llm_quantize = "int8"`` then quantizes the base model's ``nn.Linear`` layers to
 int8 (torch dynamic quantization: int8 weights, activations quantized per call; CPU and
-float32 only, see :func:`quantize_llm`). The fingerprint's ``quantization`` field records
-it, so a probe trained on unquantized states is refused on quantized ones and vice versa.
+float32 only, see :mod:`worker.llm.precision`). The fingerprint's ``quantization`` field
+records it, so a probe trained on unquantized states is refused on quantized ones and vice
+versa.
 
 Example::
 
@@ -43,28 +44,41 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
-from schemas import LLMFingerprint
-from worker.errors import ConfigError, ModelLoadError
-from worker.llm.fingerprint import state_dict_sha256, tokenizer_sha256, weights_sha256
+from worker.errors import ModelLoadError
+from worker.llm.fingerprint import weights_sha256
+from worker.llm.model import LoadedLLM, find_layer_stack
+from worker.llm.precision import (
+    DTYPES,
+    apply_autocast,
+    cpu_has_native_bf16,
+    quantize_llm,
+    resolve_autocast,
+    resolve_device,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from worker.settings import Settings
 
+# LoadedLLM and find_layer_stack live in worker.llm.model, the precision functions in
+# worker.llm.precision; they stay importable from here.
 __all__ = [
     "PACKAGED_MODEL",
     "LoadedLLM",
     "ModelSource",
+    "apply_autocast",
+    "cpu_has_native_bf16",
+    "find_layer_stack",
     "load_llm",
     "quantize_llm",
+    "resolve_autocast",
     "resolve_device",
     "resolve_source",
 ]
@@ -80,101 +94,6 @@ _CACHE_FORMAT = 1
 _DEQUANT_MANIFEST = "probeguard-cache.json"  # one dequantized entry (not a CacheManifest)
 
 _CPU = torch.device("cpu")
-
-# Settings.llm_quantize -> the fingerprint's quantization tag.
-QUANTIZATIONS: dict[str, str] = {"int8": "torch-int8-dynamic"}
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
-
-@dataclass(frozen=True, eq=False)
-class LoadedLLM:
-    """A frozen model (``eval()``, no gradients), its tokenizer (pad token set) and identity.
-
-    ``layer_stack`` holds the ``num_layers`` transformer blocks in order; hidden-state index
-    ``i`` (1 <= i < num_layers) is the output of ``layer_stack[i - 1]``.
-
-    ``model`` is always the base model. ``lm_head`` is the output embedding (hidden state ->
-    vocabulary logits), present only when it was asked for and the weights have one;
-    otherwise ``lm_head_missing`` says why there is none.
-    """
-
-    model: PreTrainedModel
-    tokenizer: PreTrainedTokenizerBase
-    fingerprint: LLMFingerprint
-    layer_stack: nn.ModuleList
-    lm_head: nn.Module | None = None
-    lm_head_missing: str | None = None  # set whenever lm_head is None
-    # Extraction runs the model under torch.autocast in this dtype (None: as loaded). Not
-    # part of the fingerprint: the states stay within bf16 rounding of the plain ones.
-    autocast: torch.dtype | None = None
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layer_stack)
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.model.config.hidden_size)
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
-
-    @classmethod
-    def from_model(
-        cls,
-        model: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
-        *,
-        model_id: str,
-        source_sha256: str | None = None,
-        lm_head_missing: str | None = None,
-    ) -> LoadedLLM:
-        """Freeze an in-process model and fingerprint it.
-
-        Without ``source_sha256`` the weights are hashed from the state dict (fine for tiny
-        test models; loaded models pass the hash of their files instead).
-
-        A model with an LM head (``*ForCausalLM``) is split: the base model serves
-        extraction, the head is kept as ``lm_head`` (and the base alone is fingerprinted).
-        ``lm_head_missing`` overrides why a model without a usable head has none.
-        """
-        model.eval()
-        model.requires_grad_(False)
-        _ensure_pad_token(tokenizer)
-        head = model.get_output_embeddings()
-        if head is not None and model.base_model is not model:
-            model = model.base_model  # type: ignore[assignment]
-        else:
-            head = None
-        stack = find_layer_stack(model)
-        fingerprint = LLMFingerprint(
-            model_id=model_id,
-            source_sha256=source_sha256 or state_dict_sha256(model),
-            num_layers=len(stack),
-            hidden_size=int(model.config.hidden_size),
-            tokenizer_sha256=tokenizer_sha256(tokenizer),
-        )
-        lm_head = head if isinstance(head, nn.Module) else None
-        if lm_head is None:
-            lm_head_missing = lm_head_missing or "the model was loaded without its LM head"
-        return cls(
-            model=model,
-            tokenizer=tokenizer,
-            fingerprint=fingerprint,
-            layer_stack=stack,
-            lm_head=lm_head,
-            lm_head_missing=None if lm_head is not None else lm_head_missing,
-        )
 
 
 @dataclass(frozen=True)
@@ -234,38 +153,6 @@ def load_llm(settings: Settings, *, lm_head: bool = False) -> LoadedLLM:
     return llm
 
 
-def quantize_llm(llm: LoadedLLM, scheme: str = "int8") -> LoadedLLM:
-    """``llm`` with its base model's ``nn.Linear`` layers quantized (in place: use only the
-    result), and a fingerprint that says so.
-
-    ``"int8"``: torch dynamic quantization (``quantize_dynamic``): int8 weights, activations
-    quantized per call with one scale per tensor, so a text's states depend slightly on the
-    texts batched with it. CPU and float32 only (torch has no such kernels elsewhere).
-    """
-    if scheme not in QUANTIZATIONS:
-        raise ConfigError(f"unknown LLM quantization {scheme!r}; one of {sorted(QUANTIZATIONS)}")
-    if llm.fingerprint.quantization is not None:
-        raise ConfigError(f"the LLM is already quantized ({llm.fingerprint.quantization})")
-    if llm.device.type != "cpu" or llm.dtype != torch.float32:
-        raise ConfigError(
-            f"LLM quantization {scheme!r} (torch dynamic int8) runs on CPU in float32 only; "
-            f"this LLM is on {llm.device} in {llm.dtype}: unset PROBEGUARD_LLM_QUANTIZE, or "
-            "set PROBEGUARD_DEVICE=cpu and PROBEGUARD_DTYPE=float32"
-        )
-    import warnings
-
-    from torch.ao.quantization import quantize_dynamic
-
-    with warnings.catch_warnings():
-        # torch.ao.quantization is deprecated in favour of torchao, which is no dependency
-        # here; its eager dynamic quantization still runs (measured: bench/quantized_llm.py).
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.simplefilter("ignore", UserWarning)
-        quantize_dynamic(llm.model, {nn.Linear}, dtype=torch.qint8, inplace=True)
-    fingerprint = llm.fingerprint.model_copy(update={"quantization": QUANTIZATIONS[scheme]})
-    return replace(llm, fingerprint=fingerprint)
-
-
 # --- locating ---------------------------------------------------------------------------
 
 
@@ -319,84 +206,6 @@ def _weight_files(directory: Path) -> tuple[Path, ...]:
         if files:
             return files
     raise ModelLoadError(f"no *.safetensors or *.bin weights in {directory}")
-
-
-def resolve_device(name: str) -> torch.device:
-    """``cpu``, ``cuda``, ``cuda:N``, ``mps``, or ``auto`` (CUDA, else MPS, else CPU)."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} requested but CUDA is not available")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError(f"device {name!r} requested but MPS is not available")
-    return device
-
-
-def apply_autocast(llm: LoadedLLM, setting: str) -> LoadedLLM:
-    """``llm`` set to run under autocast as ``setting`` (``Settings.autocast``) resolves
-    (:func:`resolve_autocast`); its base model's linear layers are cast in place to that
-    dtype, so use only the result.
-
-    Autocast alone would cast every frozen weight again on every call (its cast cache
-    serves only weights that require grad); casting the linear layers once gives the same
-    states and drops that cost (a one-message pass on SmolLM2: 77 -> 46 ms).
-    """
-    dtype = resolve_autocast(setting, llm)
-    if dtype is None:
-        return llm
-    for module in llm.model.modules():
-        if isinstance(module, nn.Linear):
-            module.to(dtype)
-    return replace(llm, autocast=dtype)
-
-
-def resolve_autocast(setting: str, llm: LoadedLLM) -> torch.dtype | None:
-    """The dtype extraction autocasts ``llm``'s forward pass to, or None (``Settings.autocast``).
-
-    ``auto`` picks bfloat16 only where it is both native and a gain: float32 weights, not
-    quantized, on CUDA with bf16 support or on a CPU with AMX or AVX512-BF16 instructions
-    (elsewhere oneDNN emulates bf16, which can be slower than float32).
-    """
-    if setting == "off":
-        return None
-    if setting != "auto":
-        if llm.fingerprint.quantization is not None:
-            raise ConfigError(
-                f"autocast {setting} cannot apply to an LLM quantized "
-                f"({llm.fingerprint.quantization}): set PROBEGUARD_AUTOCAST=off"
-            )
-        if llm.dtype != torch.float32:
-            raise ConfigError(
-                f"autocast {setting} applies to float32 weights; this LLM is in {llm.dtype}: "
-                "set PROBEGUARD_AUTOCAST=off"
-            )
-        return DTYPES[setting]
-    if llm.fingerprint.quantization is not None or llm.dtype != torch.float32:
-        return None
-    if llm.device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
-    if llm.device.type == "cpu":
-        return torch.bfloat16 if cpu_has_native_bf16() else None
-    return None
-
-
-def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware (x86 ``amx_bf16`` or ``avx512_bf16``
-    flags; False where ``/proc/cpuinfo`` is missing, e.g. macOS)."""
-    try:
-        text = cpuinfo.read_text(errors="replace")
-    except OSError:
-        return False
-    flags: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.partition(":")[2].split())
-    return bool(flags & {"amx_bf16", "avx512_bf16"})
 
 
 # --- loading ----------------------------------------------------------------------------
@@ -582,33 +391,3 @@ def _write_cache_entry(
 
 def _since(started: float) -> float:
     return time.perf_counter() - started
-
-
-# --- freezing and identity ----------------------------------------------------------------
-
-
-def _ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> None:
-    """Give a tokenizer without a pad token one it already has (no new embedding row).
-
-    Padded positions are masked out and zeroed, so which token pads does not change any
-    real token's hidden state; eos, then unk, then bos, then id 0 is used.
-    """
-    if tokenizer.pad_token is not None:
-        return
-    for candidate in (tokenizer.eos_token, tokenizer.unk_token, tokenizer.bos_token):
-        if candidate is not None:
-            tokenizer.pad_token = candidate
-            return
-    tokenizer.pad_token = tokenizer.convert_ids_to_tokens(0)
-
-
-def find_layer_stack(model: nn.Module) -> nn.ModuleList:
-    """The ``ModuleList`` of the model's ``num_hidden_layers`` transformer blocks."""
-    expected = getattr(model.config, "num_hidden_layers", None)
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) == expected and expected:
-            return module
-    raise ModelLoadError(
-        f"cannot find the {expected} transformer blocks of {type(model).__name__}: "
-        "only decoder LLMs and BERT-style encoders with one layer list are supported"
-    )

@@ -1,60 +1,50 @@
-"""Offline training and evaluation glue between caches, the probe library and checkpoints.
+"""Offline training glue between caches, the probe library and checkpoints.
 
-The CLI commands ``fit`` and ``eval`` are thin wrappers over these functions,
-which the benchmark scripts call directly.
+The CLI command ``fit`` is a thin wrapper over these functions, which the benchmark
+scripts call directly; evaluation (``eval``) is in :mod:`worker.offline.evaluate`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from probes import (
-    Probe,
     ProbeError,
     build_probe,
-    encode_target,
-    encode_targets,
-    load_checkpoint,
     save_checkpoint,
 )
 from probes.checkpoint import WeightFormat
-from probes.metrics import evaluate
 from probes.offline.cache import HiddenStateCache, features_for
 from probes.offline.dataset import ProbeDataset
-from probes.offline.fit import FitConfig, FitResult, fit, predict_dataset
+from probes.offline.fit import FitConfig, FitResult, fit
 from probes.offline.select import CVResult, DepthSearch, fit_cv, select_depth
 from schemas import (
-    CheckpointManifest,
-    LabeledText,
     LayerMix,
-    LLMFingerprint,
+    OperatingPoint,
     ProbeSpec,
     TokenPool,
     TrainingCounters,
 )
-from worker.defaults import find_default
 from worker.errors import OfflineError
-from worker.offline.build_cache import ExtractorLike
 
 __all__ = [
     "ProbeOptions",
     "default_flag_labels",
     "dir_size",
-    "evaluate_on_cache",
-    "evaluate_on_rows",
     "fit_probe",
     "fit_probe_depth",
-    "for_head",
-    "load_for_eval",
+    "fit_summary",
     "load_split",
     "prepare",
     "print_depth_table",
+    "save_fit",
+    "write_fit_report",
 ]
 
 log = logging.getLogger(__name__)
@@ -286,160 +276,71 @@ def save_fit(
     )
 
 
-def _layer_summary(probe: Probe, weights: torch.Tensor) -> dict[str, Any]:
-    from probes.probe import weight_entropy
-
-    return {
-        "layers": list(probe.layers),
-        "layer_weights": [round(float(w), 6) for w in weights],
-        "layer_entropy": weight_entropy(weights),
+def fit_summary(
+    result: FitResult,
+    out: Path,
+    opts: ProbeOptions,
+    *,
+    selection: str,
+    point: OperatingPoint,
+    cv: CVResult | None = None,
+    depth: DepthSearch | None = None,
+) -> dict[str, Any]:
+    """What ``fit`` reports of a fit saved to ``out``: the probe, the validation figures
+    (cross-validated ones with ``cv``), how it was selected, the depth search's choice."""
+    report = result.val_report
+    summary = {
+        "checkpoint": str(out),
+        "probe": result.probe.spec.name,
+        "token_pool": opts.token_pool,
+        "layer_mix": opts.layer_mix,
+        "layers": list(result.probe.layers),
+        "parameters": result.probe.num_parameters(),
+        "epochs": result.epochs,
+        "best_epoch": result.best_epoch,
+        "train_seconds": round(result.seconds, 2),
+        "thresholds": result.probe.spec.thresholds,
+        "val_f1": report["f1"],
+        "val_auprc": report["auprc"],
+        "val_accuracy": report["accuracy"],
+        "val_macro_f1": report["macro_f1"],
+        "headline": report["headline"],
+        "layer_entropy": result.probe.layer_entropy(),
+        "selection": selection,
+        "operating_point": str(point),
     }
+    if depth is not None:
+        summary.update(
+            depth_chosen=depth.chosen, depth_best=depth.best, depth_epsilon=depth.epsilon
+        )
+    if cv is not None:
+        summary.update({f"cv_{k}": v for k, v in cv.summary().items()})
+    return summary
 
 
-def load_for_eval(checkpoint: Path, llm: LLMFingerprint) -> tuple[Probe, CheckpointManifest]:
-    """``checkpoint`` verified against ``llm``; ``default``: the packaged default for it."""
-    if str(checkpoint) == "default":
-        found = find_default(llm, "moderation")
-        if found is None:
-            raise OfflineError(f"this release ships no packaged default for {llm.model_id}")
-        return found.probe, found.manifest
-    return load_checkpoint(checkpoint, llm)
-
-
-def for_head(probe: Probe, head: str | None) -> Probe:
-    """``probe`` seen as its head ``head`` alone (a single-head view sharing the weights),
-    for measuring one head on a file labeled for it; ``None``: the probe itself."""
-    if head is None:
-        return probe
-    try:
-        view = probe.spec.head_view(head)
-    except ValueError as exc:
-        raise OfflineError(str(exc)) from exc
-    return HeadView(probe, head, view)
-
-
-def evaluate_on_cache(
-    checkpoint: Path, cache: HiddenStateCache, head: str | None = None
-) -> tuple[Probe, dict[str, Any]]:
-    """Load ``checkpoint`` (verified against the cache's LLM) and evaluate it on ``cache``
-    (on one head's columns with ``head``, the file's labels read as that head's)."""
-    probe, manifest = load_for_eval(checkpoint, cache.manifest.llm)
-    probe = for_head(probe, head)
-    if isinstance(probe, HeadView) or probe.spec.heads:
-        data = load_split(cache, probe.spec.token_pool, list(probe.spec.layers), "label")
-        targets = _targets_of_names(probe, [list(names) for names in cache.row_labels()])
-        data = replace(data, labels=list(probe.spec.labels), task=probe.spec.task, targets=targets)
-    else:
-        target: Target = "label" if probe.spec.task == "multiclass" else "labels"
-        data = load_split(cache, probe.spec.token_pool, list(probe.spec.layers), target)
-        data = data.relabel(list(probe.spec.labels))
-    probs = predict_dataset(probe, data)
-    weights = torch.zeros(len(probe.layers))
-    for start in range(0, len(data), 128):
-        idx = torch.arange(start, min(start + 128, len(data)))
-        hidden, mask, _ = data.batch(idx)
-        weights += probe.layer_weights(hidden, mask) * len(idx)
-    report = evaluate(probe.spec, probs, data.targets)
-    report.update(_layer_summary(probe, weights / max(1, len(data))))
-    report.update(checkpoint=str(checkpoint), probe=manifest.probe, version=manifest.version)
-    return probe, report
-
-
-def _targets(probe: Probe, rows: Sequence[LabeledText]) -> torch.Tensor:
-    multiclass = probe.spec.task == "multiclass"
-    if isinstance(probe, HeadView) or probe.spec.heads:
-        names = [([r.label] if r.label else []) + (r.labels or []) for r in rows]
-        return _targets_of_names(probe, names)
-    if any((r.label if multiclass else r.labels) is None for r in rows):
-        field = "label" if multiclass else "labels"
-        raise OfflineError(f"a {probe.spec.task} probe needs {field!r} on every row")
-    label_sets = [[r.label] if multiclass and r.label else list(r.labels or []) for r in rows]
-    try:
-        return encode_targets(probe.spec, label_sets)
-    except ProbeError as exc:
-        raise OfflineError(str(exc)) from exc
-
-
-def evaluate_on_rows(
-    checkpoint: Path,
-    rows: Sequence[LabeledText],
-    extractor: ExtractorLike,
-    batch_size: int = 16,
-    head: str | None = None,
-) -> tuple[Probe, dict[str, Any]]:
-    """Extract ``rows`` with ``extractor`` (only the probe's layers) and evaluate ``checkpoint``
-    (``default``: the packaged default; with ``head``, that head on the file's labels)."""
-    probe, manifest = load_for_eval(checkpoint, extractor.fingerprint)
-    probe = for_head(probe, head)
-    targets = _targets(probe, rows)
-    probs, kept, skipped = [], [], {}
-    weights = torch.zeros(len(probe.layers))
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start : start + batch_size]
-        out = extractor.extract([r.text for r in chunk], list(probe.layers))
-        skipped.update({chunk[p].id: reason for p, reason in out.errors.items()})
-        if out.index:
-            hidden = out.hidden.float()  # [L, B_ok, T, D]
-            probs.append(probe.predict_proba_many(hidden, out.mask))
-            weights += probe.layer_weights(hidden, out.mask) * len(out.index)
-            kept += [start + p for p in out.index]
-    if not kept:
-        raise OfflineError("no row could be extracted")
-    report = evaluate(probe.spec, torch.cat(probs), targets[torch.tensor(kept)])
-    report.update(_layer_summary(probe, weights / len(kept)))
-    report.update(checkpoint=str(checkpoint), probe=manifest.probe, version=manifest.version)
-    report["skipped"] = skipped
-    return probe, report
-
-
-def _targets_of_names(probe: Probe, names: Sequence[Sequence[str]]) -> torch.Tensor:
-    """Each row's label names read as the probe's: the names outside its label space say
-    nothing. One head (:class:`HeadView`): the names in its space are its positives (a
-    multiclass head needs exactly one per row). A multi-head probe: each row annotates the
-    heads it names a label of (the others unknown; a row naming none counts for none)."""
-    space = set(probe.spec.labels)
-    label_sets = [[n for n in row if n in space] for row in names]
-    if isinstance(probe, HeadView):
-        if probe.spec.task == "multiclass" and any(len(x) != 1 for x in label_sets):
-            raise OfflineError(
-                f"multiclass head {probe.head_name!r} needs exactly one of {probe.spec.labels} "
-                "per row"
-            )
-        return encode_targets(probe.spec, label_sets)
-    unknown = torch.full((len(probe.spec.labels),), float("nan"))
-    return (
-        torch.stack([encode_target(probe.spec, x)[0] if x else unknown for x in label_sets])
-        if label_sets
-        else unknown[None][:0]
+def write_fit_report(
+    out: Path,
+    summary: dict[str, Any],
+    result: FitResult,
+    *,
+    cv: CVResult | None = None,
+    depth: DepthSearch | None = None,
+) -> None:
+    """``out/fit-report.json``: the summary, the training history, the validation report,
+    each fold and the depth table."""
+    (out / "fit-report.json").write_text(
+        json.dumps(
+            {
+                "summary": summary,
+                "history": result.history,
+                "val_report": result.val_report,
+                "folds": [vars(f) for f in cv.folds] if cv is not None else [],
+                "depth": depth.table() if depth is not None else None,
+            },
+            default=str,
+            indent=1,
+        )
     )
-
-
-class HeadView(Probe):
-    """One head of a multi-head probe as a single-head probe: the shared pooling, mix and
-    weights, its own columns of the output, its task, labels, flags and thresholds."""
-
-    def __init__(self, probe: Probe, head: str, view: ProbeSpec) -> None:
-        torch.nn.Module.__init__(self)
-        self.whole = probe
-        self.head_name = head
-        self._spec = view
-        self._cols = probe.spec.head_columns(head)
-
-    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.whole(hidden, mask)[:, self._cols]  # [B, C_head]
-
-    def layer_weights(
-        self, hidden: torch.Tensor | None = None, mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return self.whole.layer_weights(hidden, mask)
-
-    @property
-    def layers(self) -> tuple[int, ...]:
-        return self.whole.layers
-
-    @property
-    def separable(self) -> bool:
-        return self.whole.separable
 
 
 def print_depth_table(depth: DepthSearch) -> None:

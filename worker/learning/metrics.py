@@ -1,0 +1,79 @@
+"""The updater's Prometheus metrics (``probeguard_updater_*``), on its own registry."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["UpdaterMetrics"]
+
+
+class UpdaterMetrics:
+    """The updater's counters and gauges; ``collector`` is served on its metrics port."""
+
+    def __init__(self) -> None:
+        r = self.collector = CollectorRegistry()
+        self.labels = Counter("probeguard_updater_labels", "Labels learned from", registry=r)
+        self.steps = Counter("probeguard_updater_steps", "Lion steps", registry=r)
+        self.loss = Gauge("probeguard_updater_loss", "Loss of the last step", registry=r)
+        self.dead_letters = Counter(
+            "probeguard_updater_dead_letters", "Labels dead-lettered", ["kind"], registry=r
+        )
+        self.prequential = Gauge(
+            "probeguard_updater_prequential",
+            "Windowed test-then-train metric",
+            ["metric"],
+            registry=r,
+        )
+        self.entropy = Gauge(
+            "probeguard_updater_layer_entropy", "Entropy of the layer weights (nats)", registry=r
+        )
+        self.collapse = Gauge(
+            "probeguard_updater_layer_collapse_alarm",
+            "1 when the layer-weight entropy is below PROBEGUARD_ENTROPY_ALARM",
+            registry=r,
+        )
+        self.publish_seconds = Histogram(
+            "probeguard_updater_publish_seconds", "Time to publish a version", registry=r
+        )
+        self.version = Gauge("probeguard_updater_version", "Last published version", registry=r)
+        self.lease = Gauge(
+            "probeguard_updater_lease_held", "1 while this process holds the lease", registry=r
+        )
+        self.stage_changes = Counter(
+            "probeguard_updater_stage_changes",
+            "Automatic stage changes by the rollout policy",
+            ["action"],
+            registry=r,
+        )
+        self.skipped = Counter(
+            "probeguard_updater_labels_skipped",
+            "Labels left to other probes (addressed to another, or labels this probe lacks)",
+            ["reason"],
+            registry=r,
+        )
+        self.resume_skipped = Counter(
+            "probeguard_updater_resume_skipped",
+            "Published versions skipped at resume because they do not verify",
+            registry=r,
+        )
+        self.labels_credited = Counter(
+            "probeguard_updater_labels_credited",
+            "Labels credited to the version(s) that judged the message (evidence)",
+            registry=r,
+        )
+
+    def published(
+        self, version: int, seconds: float, metrics: Mapping[str, float], entropy_alarm: float
+    ) -> None:
+        """Export a published version: its number, the time it took, its windowed
+        prequential metrics and the layer-weight entropy (with the collapse alarm)."""
+        self.version.set(version)
+        self.publish_seconds.observe(seconds)
+        for k, v in metrics.items():
+            if k.startswith("prequential_") and "/" not in k:
+                self.prequential.labels(k.removeprefix("prequential_")).set(v)
+        entropy = metrics["layer_entropy"]
+        self.entropy.set(entropy)
+        self.collapse.set(1 if entropy < entropy_alarm else 0)

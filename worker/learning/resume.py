@@ -1,0 +1,161 @@
+"""Where an updater's tenure starts: the newest published version it can verify, else
+the seed checkpoint file, else the packaged default of the LLM (``worker/defaults``), else
+a fresh probe from a spec ("from zero": the seed spec, or :func:`default_spec`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from probes import Probe, build_probe, spread_layers
+from probes.checkpoint import load_checkpoint, probe_from_bytes
+from probes.errors import CheckpointError
+from schemas import CheckpointManifest, ProbeSpec, TrainingCounters
+from worker.defaults import PackagedDefault, serving_default
+from worker.errors import ConfigError, RegistryError
+from worker.learning.online_learner import OnlineLearner
+from worker.llm.extract import HiddenStateExtractor
+from worker.settings import Settings
+from worker.store.checkpoints import CheckpointRegistry
+
+__all__ = [
+    "Start",
+    "default_spec",
+    "newest_verifiable",
+    "restore_optimizer",
+    "seed_spec",
+    "starting_point",
+]
+
+log = logging.getLogger(__name__)
+
+
+def default_spec(name: str, num_layers: int, hidden_size: int) -> ProbeSpec:
+    """The from-zero probe: binary toxicity, downcast MHA pooling, scalar mix over eight
+    spread layers (the layers ``cache build`` stores token by token): the kind that wins on
+    held-out data, offline and online (bench/quality.md, bench/online_vs_offline.py)."""
+    return ProbeSpec(
+        name=name,
+        token_pool="mha",
+        layer_mix="scalar_mix",
+        layers=spread_layers(num_layers, 8),
+        hidden_size=hidden_size,
+        task="multiclass",
+        labels=["non-toxic", "toxic"],
+        flag_labels=["toxic"],
+    )
+
+
+@dataclass(frozen=True)
+class Start:
+    """What a tenure learns from: the probe, its counters, and the published version it
+    was read from (``None`` otherwise; its Lion state is restored with it)."""
+
+    probe: Probe
+    counters: TrainingCounters
+    version: int | None
+    source: str  # for the log: "v7", "seed checkpoint PATH", ..., "zero"
+
+    @property
+    def fresh(self) -> bool:
+        return self.source == "zero"
+
+
+def starting_point(
+    settings: Settings,
+    registry: CheckpointRegistry,
+    extractor: HiddenStateExtractor,
+    *,
+    on_skipped: Callable[[], object] = lambda: None,
+) -> Start:
+    """The first of: the newest verifiable version, the seed checkpoint, the packaged
+    default, a fresh probe (see the module docstring). ``on_skipped`` is called for each
+    published version that does not verify."""
+    name, fp = registry.probe, extractor.fingerprint
+    found = newest_verifiable(registry, extractor, settings.signing_key, on_skipped)
+    if found is not None:
+        latest, probe, manifest = found
+        return Start(probe, manifest.counters, latest, f"v{latest}")
+    if settings.seed_checkpoint is not None:
+        probe, manifest = load_checkpoint(
+            settings.seed_checkpoint, fp, signing_key=settings.signing_key
+        )
+        if manifest.probe != name:
+            raise ConfigError(f"seed checkpoint is for probe {manifest.probe!r}, not {name!r}")
+        return Start(probe, manifest.counters, None, f"seed checkpoint {settings.seed_checkpoint}")
+    if (packaged := packaged_default(settings, extractor, name)) is not None:
+        manifest = packaged.manifest
+        return Start(
+            packaged.probe, manifest.counters, None, f"the packaged default {packaged.folder}"
+        )
+    probe = build_probe(seed_spec(settings, extractor, name), seed=0)
+    return Start(probe, TrainingCounters(), None, "zero")
+
+
+def newest_verifiable(
+    registry: CheckpointRegistry,
+    extractor: HiddenStateExtractor,
+    signing_key: bytes | None,
+    on_skipped: Callable[[], object] = lambda: None,
+) -> tuple[int, Probe, CheckpointManifest] | None:
+    """The newest published version this updater can verify and load. One that does
+    not verify (corrupt, tampered, signed with another key, another LLM) is skipped
+    with an error, rather than stopping every updater of the probe."""
+    for version in reversed(registry.versions()):
+        try:
+            stored = registry.get(version)
+            probe, manifest = probe_from_bytes(
+                stored.blob,
+                stored.manifest_json,
+                extractor.fingerprint,
+                signing_key=signing_key,
+            )
+        except (RegistryError, CheckpointError) as exc:
+            on_skipped()
+            log.error("cannot resume %s from v%d (%s); trying older", registry.probe, version, exc)
+            continue
+        return version, probe, manifest
+    return None
+
+
+def packaged_default(
+    settings: Settings, extractor: HiddenStateExtractor, name: str
+) -> PackagedDefault | None:
+    """The packaged default to fine-tune from (with ``DEFAULT_PROBE`` on and no seed
+    spec asked for): what scorers already serve while nothing is published."""
+    if not settings.default_probe or settings.seed_spec is not None:
+        return None
+    return serving_default(extractor.fingerprint, name)
+
+
+def seed_spec(settings: Settings, extractor: HiddenStateExtractor, name: str) -> ProbeSpec:
+    """The spec of a probe started from zero: ``seed_spec`` when set, else the default."""
+    if settings.seed_spec is None:
+        return default_spec(name, extractor.num_layers, extractor.hidden_size)
+    try:
+        spec = ProbeSpec.model_validate_json(Path(settings.seed_spec).read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read seed spec {settings.seed_spec}: {exc}") from exc
+    if spec.name != name or spec.hidden_size != extractor.hidden_size:
+        raise ConfigError(
+            f"seed spec is {spec.name!r} for hidden size {spec.hidden_size}; this updater "
+            f"trains {name!r} on a model of hidden size {extractor.hidden_size}"
+        )
+    return spec
+
+
+def restore_optimizer(registry: CheckpointRegistry, learner: OnlineLearner, version: int) -> None:
+    """Lion's momentum published with ``version``, when the registry vouches for it
+    (else learning restarts it at zero; see
+    :meth:`~worker.store.checkpoints.CheckpointRegistry.load_optimizer_state`)."""
+    try:
+        state = registry.load_optimizer_state(version)
+    except RegistryError as exc:
+        log.error("Lion state refused (%s); starting it afresh", exc)
+        return
+    if state is None:
+        return
+    used = learner.load_optimizer_state(state)
+    log.info("restored Lion state of v%d (%d tensors)", version, used)

@@ -1,0 +1,147 @@
+"""How the frozen LLM computes: the device it runs on, int8 dynamic quantization of its
+linear layers, and autocast (bfloat16 where it is native and a gain).
+
+Quantization changes the states, so the fingerprint records it (a probe trained on
+unquantized states is refused on quantized ones and vice versa); autocast keeps them within
+bf16 rounding of the plain ones and is not part of the fingerprint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from worker.errors import ConfigError
+from worker.llm.model import LoadedLLM
+
+__all__ = [
+    "DTYPES",
+    "QUANTIZATIONS",
+    "apply_autocast",
+    "cpu_has_native_bf16",
+    "quantize_llm",
+    "resolve_autocast",
+    "resolve_device",
+]
+
+# Settings.llm_quantize -> the fingerprint's quantization tag.
+QUANTIZATIONS: dict[str, str] = {"int8": "torch-int8-dynamic"}
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def quantize_llm(llm: LoadedLLM, scheme: str = "int8") -> LoadedLLM:
+    """``llm`` with its base model's ``nn.Linear`` layers quantized (in place: use only the
+    result), and a fingerprint that says so.
+
+    ``"int8"``: torch dynamic quantization (``quantize_dynamic``): int8 weights, activations
+    quantized per call with one scale per tensor, so a text's states depend slightly on the
+    texts batched with it. CPU and float32 only (torch has no such kernels elsewhere).
+    """
+    if scheme not in QUANTIZATIONS:
+        raise ConfigError(f"unknown LLM quantization {scheme!r}; one of {sorted(QUANTIZATIONS)}")
+    if llm.fingerprint.quantization is not None:
+        raise ConfigError(f"the LLM is already quantized ({llm.fingerprint.quantization})")
+    if llm.device.type != "cpu" or llm.dtype != torch.float32:
+        raise ConfigError(
+            f"LLM quantization {scheme!r} (torch dynamic int8) runs on CPU in float32 only; "
+            f"this LLM is on {llm.device} in {llm.dtype}: unset PROBEGUARD_LLM_QUANTIZE, or "
+            "set PROBEGUARD_DEVICE=cpu and PROBEGUARD_DTYPE=float32"
+        )
+    import warnings
+
+    from torch.ao.quantization import quantize_dynamic
+
+    with warnings.catch_warnings():
+        # torch.ao.quantization is deprecated in favour of torchao, which is no dependency
+        # here; its eager dynamic quantization still runs (measured: bench/quantized_llm.py).
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        quantize_dynamic(llm.model, {nn.Linear}, dtype=torch.qint8, inplace=True)
+    fingerprint = llm.fingerprint.model_copy(update={"quantization": QUANTIZATIONS[scheme]})
+    return replace(llm, fingerprint=fingerprint)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``cpu``, ``cuda``, ``cuda:N``, ``mps``, or ``auto`` (CUDA, else MPS, else CPU)."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but CUDA is not available")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device {name!r} requested but MPS is not available")
+    return device
+
+
+def apply_autocast(llm: LoadedLLM, setting: str) -> LoadedLLM:
+    """``llm`` set to run under autocast as ``setting`` (``Settings.autocast``) resolves
+    (:func:`resolve_autocast`); its base model's linear layers are cast in place to that
+    dtype, so use only the result.
+
+    Autocast alone would cast every frozen weight again on every call (its cast cache
+    serves only weights that require grad); casting the linear layers once gives the same
+    states and drops that cost (a one-message pass on SmolLM2: 77 -> 46 ms).
+    """
+    dtype = resolve_autocast(setting, llm)
+    if dtype is None:
+        return llm
+    for module in llm.model.modules():
+        if isinstance(module, nn.Linear):
+            module.to(dtype)
+    return replace(llm, autocast=dtype)
+
+
+def resolve_autocast(setting: str, llm: LoadedLLM) -> torch.dtype | None:
+    """The dtype extraction autocasts ``llm``'s forward pass to, or None (``Settings.autocast``).
+
+    ``auto`` picks bfloat16 only where it is both native and a gain: float32 weights, not
+    quantized, on CUDA with bf16 support or on a CPU with AMX or AVX512-BF16 instructions
+    (elsewhere oneDNN emulates bf16, which can be slower than float32).
+    """
+    if setting == "off":
+        return None
+    if setting != "auto":
+        if llm.fingerprint.quantization is not None:
+            raise ConfigError(
+                f"autocast {setting} cannot apply to an LLM quantized "
+                f"({llm.fingerprint.quantization}): set PROBEGUARD_AUTOCAST=off"
+            )
+        if llm.dtype != torch.float32:
+            raise ConfigError(
+                f"autocast {setting} applies to float32 weights; this LLM is in {llm.dtype}: "
+                "set PROBEGUARD_AUTOCAST=off"
+            )
+        return DTYPES[setting]
+    if llm.fingerprint.quantization is not None or llm.dtype != torch.float32:
+        return None
+    if llm.device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
+    if llm.device.type == "cpu":
+        return torch.bfloat16 if cpu_has_native_bf16() else None
+    return None
+
+
+def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (x86 ``amx_bf16`` or ``avx512_bf16``
+    flags; False where ``/proc/cpuinfo`` is missing, e.g. macOS)."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return False
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+    return bool(flags & {"amx_bf16", "avx512_bf16"})

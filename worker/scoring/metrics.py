@@ -1,0 +1,77 @@
+"""The scorer's Prometheus metrics (``probeguard_scorer_*``), on its own registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["ScorerMetrics"]
+
+
+class ScorerMetrics:
+    """The scorer's counters, gauges and histograms; ``collector`` is served on its
+    metrics port."""
+
+    def __init__(self) -> None:
+        r = self.collector = CollectorRegistry()
+        self.messages = Counter("probeguard_scorer_messages", "Messages scored", registry=r)
+        self.dead_letters = Counter(
+            "probeguard_scorer_dead_letters", "Payloads dead-lettered", ["kind"], registry=r
+        )
+        self.batch_size = Histogram(
+            "probeguard_scorer_batch_size",
+            "Messages per batch",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=r,
+        )
+        self.batch_seconds = Histogram(
+            "probeguard_scorer_batch_seconds", "Wall time per batch", registry=r
+        )
+        self.message_seconds = Histogram(
+            "probeguard_scorer_message_seconds",
+            "Batch wall time per message",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=r,
+        )
+        self.probe_seconds = Histogram(
+            "probeguard_scorer_probe_seconds",
+            "Probe (not LLM) time per batch",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1),
+            registry=r,
+        )
+        self.reviews = Counter(
+            "probeguard_scorer_reviews", "Review requests routed", ["reason"], registry=r
+        )
+        self.reviews_dropped = Counter(
+            "probeguard_scorer_reviews_dropped",
+            "Review candidates over the rate limit",
+            registry=r,
+        )
+        self.flags = Counter("probeguard_scorer_flags", "Messages flagged", ["probe"], registry=r)
+        self.version = Gauge(
+            "probeguard_scorer_probe_version",
+            "Probe version served",
+            ["probe", "stage"],
+            registry=r,
+        )
+        self.refused = Counter(
+            "probeguard_scorer_checkpoints_refused", "Checkpoints refused", ["probe"], registry=r
+        )
+        self.untrusted = Counter(
+            "probeguard_scorer_stage_pointers_refused",
+            "Stage pointer records ignored: signature does not verify, or replayed",
+            ["probe"],
+            registry=r,
+        )
+        self.lag = Gauge(
+            "probeguard_scorer_consumer_lag", "Records behind the high watermark", registry=r
+        )
+        self.redis_errors = Counter(
+            "probeguard_scorer_redis_errors",
+            "Failed Redis writes (text cache, evidence, review budget)",
+            registry=r,
+        )
+        self.redis_skipped = Counter(
+            "probeguard_scorer_redis_skipped_batches",
+            "Batches whose text cache/evidence writes were skipped while Redis was failing",
+            registry=r,
+        )
