@@ -36,26 +36,14 @@ from probes.offline.fit import FitConfig, fit, predict_dataset
 from probes.offline.multitask import as_multitask, multitask_targets
 from schemas import ProbeSpec
 from worker.defaults import find_default
-from worker.offline.default_probe import SOURCES, Source, default_spec, split_of
+from worker.offline.default_probe import CATEGORIES, SOURCES, Source, default_spec, split_of
 from worker.offline.fit_eval import load_split
 
 # (dataset, head, the head's positive label) measured; ToxicChat is never in the default.
 MEASURED = [
     ("toxicchat", "toxicity", "toxic"),
     ("openai_moderation", "toxicity", "toxic"),
-    *(
-        ("openai_moderation", h, label)
-        for h, label in [
-            ("sexual", "sexual"),
-            ("hate", "hate"),
-            ("harassment", "harassment"),
-            ("violence", "violence"),
-            ("self-harm", "self-harm"),
-            ("sexual-minors", "sexual/minors"),
-            ("hate-threatening", "hate/threatening"),
-            ("violence-graphic", "violence/graphic"),
-        ]
-    ),
+    *(("openai_moderation", h, label) for h, label in CATEGORIES),
     ("xstest", "unsafe", "unsafe"),
     ("davidson_hate_offensive", "offensive", "offensive"),
 ]

@@ -39,6 +39,7 @@ from worker.offline.build_cache import ExtractorLike, build_cache, default_token
 from worker.offline.fit_eval import load_split
 
 __all__ = [
+    "CATEGORIES",
     "FLAG_LABELS",
     "HEADS",
     "SOURCES",
@@ -53,7 +54,8 @@ log = logging.getLogger(__name__)
 NAME = "moderation"
 SALT = "probeguard-default-v1"
 
-_BINARY = [
+# OpenAI's moderation categories: (head name, label = the category's own name).
+CATEGORIES = [
     ("sexual", "sexual"),
     ("hate", "hate"),
     ("harassment", "harassment"),
@@ -63,7 +65,7 @@ _BINARY = [
     ("hate-threatening", "hate/threatening"),
     ("violence-graphic", "violence/graphic"),
 ]
-_OPENAI = [label for _, label in _BINARY]
+_OPENAI = [label for _, label in CATEGORIES]
 
 # The taxonomy: OpenAI's moderation categories (each a binary head whose label is the
 # category's own name, so scores read as OpenAI's category_scores), toxicity as a
@@ -71,7 +73,7 @@ _OPENAI = [label for _, label in _BINARY]
 # unsafe requests, and jailbreaks (only the non-commercial build has data for it).
 HEADS: list[HeadSpec] = [
     HeadSpec(name="toxicity", task="multiclass", labels=["non-toxic", "toxic"]),
-    *(HeadSpec(name=h, task="multilabel", labels=[label]) for h, label in _BINARY),
+    *(HeadSpec(name=h, task="multilabel", labels=[label]) for h, label in CATEGORIES),
     HeadSpec(name="offensive", task="multilabel", labels=["offensive"]),
     HeadSpec(name="unsafe", task="multilabel", labels=["unsafe"]),
     HeadSpec(name="jailbreak", task="multilabel", labels=["jailbreaking"]),
@@ -104,7 +106,7 @@ def _categories() -> dict[str, dict[str, list[str]]]:
     # A row annotates every category: its own labels are its positives (a category key
     # missing from OpenAI's source row is not recoverable from the converted file, so
     # "not flagged in this category" is taken as a negative there).
-    return {h: {label: [label], "flagged": [], "not-flagged": []} for h, label in _BINARY}
+    return {h: {label: [label], "flagged": [], "not-flagged": []} for h, label in CATEGORIES}
 
 
 SOURCES: list[Source] = [
