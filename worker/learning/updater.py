@@ -197,6 +197,9 @@ class Updater:
         self.unpublished = 0
         self.last_publish = time.monotonic()
         self.published: list[int] = []
+        # A version someone else published while this updater held the lease (an
+        # operator's `probe add-head`): the tenure ends without publishing and resumes from it.
+        self.superseded_by: int | None = None
 
     @property
     def loop(self) -> BatchLoop[HumanLabel] | None:
@@ -299,7 +302,13 @@ class Updater:
             loop.run()
             # Nothing while warming up (see publish). The loop has stopped: its owner
             # commits what the version reflects, as between batches the loop does.
-            if self.unpublished and self.keeper.holds() and self.publish(reason="shutdown"):
+            superseded = self.superseded_by is not None
+            if (
+                self.unpublished
+                and self.keeper.holds()
+                and not superseded
+                and self.publish(reason="shutdown")
+            ):
                 loop.commit_pending()
         finally:
             loop.close()
@@ -364,8 +373,9 @@ class Updater:
         )
         self.unpublished = 0
         self.last_publish = time.monotonic()
-        if latest is not None:
-            self._restore_optimizer(latest)
+        self.superseded_by = None
+        if found is not None:
+            self._restore_optimizer(found[0], found[2])
         log.info(
             "resumed %s from %s (%d labels seen so far)", self.name, source, counters.labels_seen
         )
@@ -490,6 +500,8 @@ class Updater:
         self.health.beat()
         if self.keeper.lost.is_set():
             return Between.STOP
+        if self._superseded():
+            return Between.STOP  # nothing committed: the labels come back to the next tenure
         due_labels = self.unpublished >= self.settings.publish_every_labels
         due_time = (
             self.unpublished > 0
@@ -611,16 +623,48 @@ class Updater:
         )
         return version
 
-    def _restore_optimizer(self, version: int) -> None:
-        """Lion's momentum published with ``version``, when the registry vouches for it
-        (else learning restarts it at zero; see
+    def _superseded(self) -> bool:
+        """Whether someone else published a newer version while this updater held the lease
+        (an operator adding a head: `probeguard probe add-head`). Then this tenure ends
+        without publishing or committing, and the next one resumes from that version: the
+        labels learned since the last publish come back from Kafka and are learned again,
+        on the new version (with its new head)."""
+        try:
+            latest = self.registry.latest()
+        except (redis.RedisError, OSError):
+            return False  # the publish or the next check finds out
+        if latest is None or latest in self.published or latest <= (self.parent or 0):
+            return False
+        log.warning(
+            "%s v%d was published by someone else while this updater held the lease; "
+            "dropping %d unpublished labels (they come back) and resuming from it",
+            self.name,
+            latest,
+            self.unpublished,
+        )
+        self.superseded_by = latest
+        return True
+
+    def _restore_optimizer(self, version: int, manifest: CheckpointManifest) -> None:
+        """Lion's momentum published with ``version``, when the registry vouches for it;
+        for a version published without one (an operator's `add-head`), its parent's,
+        moved to this version's labels (a new head's rows start at zero momentum). Else
+        learning restarts it at zero (see
         :meth:`~worker.store.checkpoints.CheckpointRegistry.load_optimizer_state`)."""
+        if self.learner is None:
+            return
+        source, labels = version, manifest.spec.labels
         try:
             state = self.registry.load_optimizer_state(version)
+            if state is None and manifest.parent is not None:
+                source = manifest.parent
+                state = self.registry.load_optimizer_state(source)
+                if state is not None:
+                    labels = self.registry.manifest(source).spec.labels
         except RegistryError as exc:
-            log.error("Lion state refused (%s); starting it afresh", exc)
+            log.error("Lion state of v%d refused (%s); starting it afresh", source, exc)
             return
-        if state is None or self.learner is None:
+        if state is None:
             return
-        used = self.learner.load_optimizer_state(state)
-        log.info("restored Lion state of v%d (%d tensors)", version, used)
+        used = self.learner.load_optimizer_state(state, labels)
+        log.info("restored Lion state of v%d (%d tensors) for v%d", source, used, version)
