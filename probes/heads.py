@@ -81,14 +81,15 @@ def add_head(
     probe: Probe,
     head: HeadSpec,
     *,
-    flag: bool = False,
+    flag: bool | Sequence[str] = False,
     thresholds: Mapping[str, float] | None = None,
     init_std: float = 0.0,
     seed: int | None = None,
 ) -> Probe:
     """A copy of ``probe`` with ``head`` appended: its labels get new output columns.
 
-    ``flag``: the new head's labels join ``flag_labels`` (it can flag a verdict);
+    ``flag``: the new head's labels join ``flag_labels`` (it can flag a verdict; a list:
+    those of its labels);
     ``thresholds``: decision thresholds of its labels; ``init_std``: the standard deviation
     of its initial weights (0: zero weights and bias); ``seed`` makes those reproducible.
     Raises :class:`ProbeError` when the head's name or a label is already taken, or the
@@ -104,9 +105,10 @@ def add_head(
             f"labels {taken} already belong to probe {spec.name!r} (labels are unique across "
             "heads; name the new head's labels differently)"
         )
-    unknown = sorted(set(thresholds or {}) - set(head.labels))
+    flags = list(head.labels) if flag is True else list(flag or [])
+    unknown = sorted((set(thresholds or {}) | set(flags)) - set(head.labels))
     if unknown:
-        raise ProbeError(f"thresholds name labels {unknown} that head {head.name!r} lacks")
+        raise ProbeError(f"thresholds or flags name labels {unknown} that head {head.name!r} lacks")
     new_labels = [*spec.labels, *head.labels]
     new_spec = _spec(
         {
@@ -114,7 +116,7 @@ def add_head(
             "task": "multilabel",
             "heads": [h.model_dump() for h in [*heads, head]],
             "labels": new_labels,
-            "flag_labels": [*spec.flag_labels, *(head.labels if flag else [])],
+            "flag_labels": [*spec.flag_labels, *flags],
             "thresholds": {
                 **spec.thresholds,
                 **{k: float(v) for k, v in (thresholds or {}).items()},

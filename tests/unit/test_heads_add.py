@@ -197,3 +197,10 @@ def test_the_new_head_learns_from_its_own_labels_alone() -> None:
     after = bigger.predict_proba_many(hidden, mask)[:, 3]
     y = targets[:, 3].bool()
     assert float(after[y].mean() - after[~y].mean()) > float(before[y].mean() - before[~y].mean())
+
+
+def test_flag_some_labels_of_a_multiclass_head() -> None:
+    bigger = add_head(trained("mean", "scalar_mix"), TOPICS, flag=["angry"])
+    assert bigger.spec.flag_labels == ["toxic", "angry"]
+    with pytest.raises(ProbeError, match="lacks"):
+        add_head(trained("mean", "scalar_mix"), TOPICS, flag=["happy"])
