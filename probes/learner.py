@@ -12,6 +12,9 @@ Targets are class indices ``[B]`` (int64) for multiclass probes and 0/1
 matrices ``[B, C]`` for multilabel probes, where ``NaN`` marks a cell no one annotated
 (a multi-head probe's rows label only some heads): it adds nothing to the loss.
 
+``freeze_shared=True`` steps only the linear head (every head's rows; a row no label
+annotates gets no gradient): the token pooling and layer mix stay as they are.
+
 Why the layer mix needs a counterweight: Lion moves every parameter by ``lr · sign(m)``,
 whatever the gradient's size. A layer whose mix weight is nearly 0 still gets a gradient of
 one sign, only a tiny one, so its logit keeps falling at full speed and the mix ends on one
@@ -53,6 +56,7 @@ class Learner:
         class_weights: Tensor | None = None,
         layer_lr_scale: float = 30.0,
         mix_entropy: float = 0.0,
+        freeze_shared: bool = False,
     ) -> None:
         C = len(probe.spec.labels)
         if class_weights is not None and tuple(class_weights.shape) != (C,):
@@ -64,13 +68,17 @@ class Learner:
         if mix_entropy < 0:
             raise ProbeError(f"mix_entropy must be >= 0, got {mix_entropy}")
         self.probe = probe
-        self.mix_entropy = mix_entropy
+        # freeze_shared: only the linear head learns; the pooling and layer mix every head
+        # shares stay as they are (a new head from few labels cannot move the others' input).
+        self.freeze_shared = freeze_shared
+        self.mix_entropy = 0.0 if freeze_shared else mix_entropy
         # Multiclass: per-class weights in the cross-entropy. Multilabel: pos_weight per label.
         self.class_weights = None if class_weights is None else class_weights.float()
         # Layer-mix logits are a handful of scalars that must move by whole units; with
         # Lion's fixed step size they need a larger rate than the weight matrices, and no decay.
         fast_ids = {id(p) for p in probe.mix.layer_weight_parameters()}
-        trainable = [p for p in probe.parameters() if p.requires_grad]
+        params = probe.head.parameters() if freeze_shared else probe.parameters()
+        trainable = [p for p in params if p.requires_grad]
         slow = [p for p in trainable if id(p) not in fast_ids]
         fast = [p for p in trainable if id(p) in fast_ids]
         groups: list[dict[str, Any]] = []

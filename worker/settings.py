@@ -432,6 +432,12 @@ class Settings(BaseSettings):
     learn_layer_lr_scale: Annotated[float, Field(gt=0)] = Field(
         30.0, description="Learning-rate multiplier of the layer-mix scalars."
     )
+    learn_freeze_shared: bool = Field(
+        False,
+        description="Train only the linear head's rows; the token pooling and layer mix that "
+        "every head shares stay frozen (a head added from few labels cannot change the other "
+        "heads' scores). bench/custom_head.md measures both.",
+    )
     # Off by default: the entropy penalty keeps every weight away from 0 on purpose, and a
     # dropped layer never comes back to this probe's lineage; `fit --depth auto` measures
     # the quality of a shallower probe directly.

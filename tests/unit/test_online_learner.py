@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from probes import Probe, ProbeError, build_probe
+from probes.heads import add_head
 from probes.learner import Learner
-from schemas import TrainingCounters
+from schemas import HeadSpec, TrainingCounters
 from tests.unit.synthetic import NUM_LAYERS, make_spec, toy_task
 from worker.learning.online_learner import Labeled, LearningConfig, OnlineLearner
 from worker.llm.extract import Extraction
+from worker.settings import Settings
 
 KINDS = [("mean", "scalar_mix"), ("gate", "scalar_mix"), ("mha", "scalar_mix"), ("max", "gate")]
 
@@ -334,3 +336,37 @@ def test_a_negligible_middle_layer_stays_and_the_default_never_drops() -> None:
     with torch.no_grad():
         _set_mix(recovering.probe, torch.tensor([4.0, -8.0, 4.0]))  # layer 4 is back
     assert recovering.drop_negligible_layers() == []  # layer 4's run restarted; 2 is not last
+
+
+def test_momentum_of_a_probe_that_since_grew_a_head_restores_by_label() -> None:
+    a = _learner()
+    _feed(a, seed=1)
+    state, labels = a.optimizer_state(), list(a.probe.spec.labels)
+    grown = add_head(a.probe, HeadSpec(name="jailbreak", task="multilabel", labels=["jb"]))
+    b = OnlineLearner(grown, LearningConfig(batch_size=8))
+    # Without the labels the head's shapes differ: its momentum is skipped (not an error)...
+    assert b.load_optimizer_state(state) == len(state) - 2
+    # ...with them, every tensor is used: old rows kept, the new head's rows at zero.
+    c = OnlineLearner(add_head(a.probe, grown.spec.heads[-1]), LearningConfig(batch_size=8))
+    assert c.load_optimizer_state(state, labels) == len(state)
+    restored = c.optimizer_state()
+    assert torch.equal(restored["head.weight"][:3], state["head.weight"])
+    assert torch.equal(restored["head.bias"][:3], state["head.bias"])
+    assert not restored["head.weight"][3].any() and float(restored["head.bias"][3]) == 0.0
+    for name, t in state.items():
+        if not name.startswith("head."):
+            assert torch.equal(restored[name], t), name
+
+
+def test_freeze_shared_steps_the_linear_head_alone() -> None:
+    learner = _learner(freeze_shared=True)
+    shared = {k: v.clone() for k, v in learner.probe.state_dict().items() if "head." not in k}
+    head = learner.probe.head.weight.detach().clone()
+    _feed(learner, seed=1)
+    after = learner.probe.state_dict()
+    for name, t in shared.items():
+        if name not in ("shift", "scale"):  # the warm-up sets the normalization
+            assert torch.equal(after[name], t), name
+    assert not torch.equal(learner.probe.head.weight, head)
+    assert set(learner.optimizer_state()) == {"head.weight", "head.bias"}
+    assert LearningConfig.from_settings(Settings(learn_freeze_shared=True)).freeze_shared

@@ -7,6 +7,7 @@
     probeguard probe rollback [--canary] [--no-pin]
     probeguard probe pin | unpin
     probeguard probe history [--count N] [--wide] [--json]
+    probeguard probe add-head PROBE NAME --labels a[,b] [--task T] [--flag]  (probe_heads)
 
 Every change is a compare-and-set stage change with an event (actor, reason). Only
 Redis is needed. Compatibility of a version with the model is checked against the
@@ -120,6 +121,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--wide", action="store_true", help="do not cut lines at 80 columns")
     a.add_argument("--all", action="store_true", help="include 'published' events")
     a.set_defaults(func=_history)
+
+    from worker.commands.probe_heads import register_add_head
+
+    register_add_head(acts, [changes])
 
 
 # --- context -------------------------------------------------------------------------

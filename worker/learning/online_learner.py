@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from probes.errors import ProbeError
+from probes.heads import remap_label_rows
 from probes.kinds.pooling import SUMMARIES
 from probes.learner import Learner
 from probes.metrics import choose_thresholds
@@ -59,6 +61,7 @@ class LearningConfig:
     calibrate_min_positives: int = DEFAULTS.calibrate_min_positives  # before a threshold moves
     mix_entropy: float = DEFAULTS.learn_mix_entropy  # layer-mix entropy penalty (probes.learner)
     layer_lr_scale: float = DEFAULTS.learn_layer_lr_scale  # lr multiplier of the mix scalars
+    freeze_shared: bool = DEFAULTS.learn_freeze_shared  # step the linear head alone
     operating_point: OperatingPoint = DEFAULTS.flag_operating_point  # where thresholds go
     state_dtype: StateDtype = DEFAULTS.state_dtype  # how replay stores hidden states
     # Drop the deepest layers whose scalar-mix weight stayed below this for
@@ -80,6 +83,7 @@ class LearningConfig:
             calibrate_min_positives=settings.calibrate_min_positives,
             mix_entropy=settings.learn_mix_entropy,
             layer_lr_scale=settings.learn_layer_lr_scale,
+            freeze_shared=settings.learn_freeze_shared,
             operating_point=settings.flag_operating_point,
             state_dtype=settings.state_dtype,
             drop_layer_weight=settings.learn_drop_layer_weight,
@@ -149,6 +153,7 @@ class OnlineLearner:
             weight_decay=c.weight_decay,
             layer_lr_scale=c.layer_lr_scale,
             mix_entropy=c.mix_entropy,
+            freeze_shared=c.freeze_shared,
         )
         lion.steps = self.counters.steps
         return lion
@@ -366,17 +371,33 @@ class OnlineLearner:
                 state[name] = exp_avg.detach().cpu().contiguous()
         return state
 
-    def load_optimizer_state(self, state: dict[str, Tensor]) -> int:
+    def load_optimizer_state(
+        self, state: dict[str, Tensor], labels: Sequence[str] | None = None
+    ) -> int:
         """Restore momentum saved by :meth:`optimizer_state`; returns the tensors used
-        (names or shapes that no longer match are skipped)."""
+        (names or shapes that no longer match are skipped).
+
+        ``labels``: the label order of the probe the state was saved from, when it may
+        differ from this probe's (a head added or removed since): the linear head's rows
+        then follow their labels, and a new label's rows start at zero momentum."""
         params = dict(self.probe.named_parameters())
+        if labels is not None and list(labels) != list(self.probe.spec.labels):
+            try:
+                state = remap_label_rows(state, labels, self.probe.spec.labels)
+            except ProbeError as exc:
+                log.warning("optimizer state does not fit its labels (%s); skipping rows", exc)
         used = 0
         for name, exp_avg in state.items():
             param = params.get(name)
-            if param is not None and param.shape == exp_avg.shape:
+            # Parameters a frozen learner does not step have no state to restore.
+            stepped = param is not None and id(param) in self._stepped()
+            if param is not None and stepped and param.shape == exp_avg.shape:
                 self.lion.optimizer.state[param]["exp_avg"] = exp_avg.to(param.device).clone()
                 used += 1
         return used
+
+    def _stepped(self) -> set[int]:
+        return {id(p) for group in self.lion.optimizer.param_groups for p in group["params"]}
 
     def snapshot(self) -> dict[str, Any]:
         """Cheap figures for views and reports (no tensors)."""

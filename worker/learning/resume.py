@@ -147,15 +147,24 @@ def seed_spec(settings: Settings, extractor: HiddenStateExtractor, name: str) ->
 
 
 def restore_optimizer(registry: CheckpointRegistry, learner: OnlineLearner, version: int) -> None:
-    """Lion's momentum published with ``version``, when the registry vouches for it
-    (else learning restarts it at zero; see
-    :meth:`~worker.store.checkpoints.CheckpointRegistry.load_optimizer_state`)."""
+    """Lion's momentum published with ``version``, when the registry vouches for it; for a
+    version published without one (an operator's ``add-head``), its parent's, moved to this
+    version's labels (a new head's rows start at zero momentum). Else learning restarts it
+    at zero (see :meth:`~worker.store.checkpoints.CheckpointRegistry.load_optimizer_state`)."""
+    source = version
     try:
+        manifest = registry.manifest(version)
+        labels = manifest.spec.labels
         state = registry.load_optimizer_state(version)
+        if state is None and manifest.parent is not None:
+            source = manifest.parent
+            state = registry.load_optimizer_state(source)
+            if state is not None:
+                labels = registry.manifest(source).spec.labels
     except RegistryError as exc:
-        log.error("Lion state refused (%s); starting it afresh", exc)
+        log.error("Lion state of v%d refused (%s); starting it afresh", source, exc)
         return
     if state is None:
         return
-    used = learner.load_optimizer_state(state)
-    log.info("restored Lion state of v%d (%d tensors)", version, used)
+    used = learner.load_optimizer_state(state, labels)
+    log.info("restored Lion state of v%d (%d tensors) for v%d", source, used, version)

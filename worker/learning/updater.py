@@ -108,6 +108,9 @@ class Updater:
         self.unpublished = 0
         self.last_publish = time.monotonic()
         self.published: list[int] = []
+        # A version someone else published while this updater held the lease (an
+        # operator's `probe add-head`): the tenure ends without publishing and resumes from it.
+        self.superseded_by: int | None = None
 
     @property
     def loop(self) -> BatchLoop[HumanLabel] | None:
@@ -210,7 +213,13 @@ class Updater:
             loop.run()
             # Nothing while warming up (see publish). The loop has stopped: its owner
             # commits what the version reflects, as between batches the loop does.
-            if self.unpublished and self.keeper.holds() and self.publish(reason="shutdown"):
+            superseded = self.superseded_by is not None
+            if (
+                self.unpublished
+                and self.keeper.holds()
+                and not superseded
+                and self.publish(reason="shutdown")
+            ):
                 loop.commit_pending()
         finally:
             loop.close()
@@ -233,6 +242,7 @@ class Updater:
         )
         self.unpublished = 0
         self.last_publish = time.monotonic()
+        self.superseded_by = None
         if start.version is not None:
             restore_optimizer(self.registry, self.learner, start.version)
         log.info(
@@ -325,6 +335,8 @@ class Updater:
         self.health.beat()
         if self.keeper.lost.is_set():
             return Between.STOP
+        if self._superseded():
+            return Between.STOP  # nothing committed: the labels come back to the next tenure
         due_labels = self.unpublished >= self.settings.publish_every_labels
         due_time = (
             self.unpublished > 0
@@ -439,3 +451,25 @@ class Updater:
             metrics.get("prequential_f1", float("nan")),
         )
         return version
+
+    def _superseded(self) -> bool:
+        """Whether someone else published a newer version while this updater held the lease
+        (an operator adding a head: `probeguard probe add-head`). Then this tenure ends
+        without publishing or committing, and the next one resumes from that version: the
+        labels learned since the last publish come back from Kafka and are learned again,
+        on the new version (with its new head)."""
+        try:
+            latest = self.registry.latest()
+        except (redis.RedisError, OSError):
+            return False  # the publish or the next check finds out
+        if latest is None or latest in self.published or latest <= (self.parent or 0):
+            return False
+        log.warning(
+            "%s v%d was published by someone else while this updater held the lease; "
+            "dropping %d unpublished labels (they come back) and resuming from it",
+            self.name,
+            latest,
+            self.unpublished,
+        )
+        self.superseded_by = latest
+        return True
