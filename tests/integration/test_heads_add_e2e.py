@@ -102,7 +102,7 @@ def test_an_added_head_is_picked_up_by_the_running_updater_and_learns(
     momentum = {name: torch.full_like(p, 1e-6) for name, p in base.named_parameters()}
     registry.save_optimizer_state(v1, momentum)
 
-    caplog.set_level(logging.INFO, logger="worker.learning.updater")
+    caplog.set_level(logging.INFO, logger="worker.learning")
     updater = Updater(settings, ex, redis_ns.client, worker_id="updater-a")
     threads.append(Threaded(updater.run, updater.stop))
     wait_until(lambda: updater.active and updater.parent == v1, "the updater resumes from v1")
