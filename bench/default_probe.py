@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=25, help="per-dataset fit: most epochs")
     p.add_argument("--patience", type=int, default=5)
     p.add_argument("--no-minilm", action="store_true", help="skip the MiniLM + LR peer")
+    p.add_argument(
+        "--datasets", default=None, help="comma-separated subset of the measured datasets"
+    )
     return p.parse_args(argv)
 
 
@@ -112,11 +115,12 @@ def column(spec: ProbeSpec, data: ProbeDataset, label: str) -> tuple[np.ndarray,
     return known.numpy(), (data.targets[known, j] > 0.5).numpy()
 
 
-def probe_rows(spec: ProbeSpec, probe: Any, held: ProbeDataset) -> dict[str, dict]:
+def probe_rows(name: str, spec: ProbeSpec, probe: Any, held: ProbeDataset) -> dict[str, dict]:
+    """The (``name``, head) rows of MEASURED for ``probe`` on ``name``'s held-out rows."""
     probs = predict_dataset(probe, held).numpy()
     out = {}
-    for name, head, label in MEASURED:
-        if label not in spec.labels or head not in {h.name for h in spec.heads}:
+    for ds, head, label in MEASURED:
+        if ds != name or label not in spec.labels or head not in {h.name for h in spec.heads}:
             continue
         rows, y = column(spec, held, label)
         if rows.any():
@@ -159,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     default = None
     datasets = sorted({ds for ds, _, _ in MEASURED})
+    if args.datasets:
+        datasets = [d for d in datasets if d in args.datasets.split(",")]
     for name in datasets:
         llm = HiddenStateCache(args.cache_root / name).manifest.llm
         default = default or find_default(llm, "moderation")
@@ -174,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         held = part(data, "held_out")
         log(f"{name}: {len(data)} rows, {len(held)} held out")
         # The default (no labels of this dataset, or of any user).
-        rows["default"] |= probe_rows(full, _aligned(default.probe, full), held)
+        rows["default"] |= probe_rows(name, full, _aligned(default.probe, full), held)
         if name == "xstest":
             safe = (held.targets[:, full.labels.index("unsafe")] == 0).nonzero().flatten()
             flagged = _flagged(default.probe, held.subset(safe))
@@ -187,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         result = fit(build_probe(spec, seed=0), part(mine, "train"), part(mine, "validation"),
                      config)  # fmt: skip
         log(f"{name}: fit {result.epochs} epochs in {time.time() - t0:.0f} s")
-        rows["fit"] |= probe_rows(spec, result.probe, part(mine, "held_out"))
+        rows["fit"] |= probe_rows(name, spec, result.probe, part(mine, "held_out"))
         if name == "xstest":
             safe_rows = part(mine, "held_out")
             safe = (safe_rows.targets[:, spec.labels.index("unsafe")] == 0).nonzero().flatten()
