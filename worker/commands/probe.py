@@ -22,9 +22,9 @@ import argparse
 import os
 import pwd
 import socket
-import sys
-from dataclasses import dataclass
 from typing import Any
+
+from worker.commands._probe_context import ProbeContext, note_policy, probe_context
 
 __all__ = ["register"]
 
@@ -130,46 +130,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 # --- context -------------------------------------------------------------------------
 
 
-@dataclass
-class _Ctx:
-    settings: Any
-    registry: Any
-    evidence: Any
-    operator: Any
-
-
-def _ctx(args: argparse.Namespace) -> _Ctx:
-    from worker.rollout.operator import Operator
-    from worker.settings import load_settings
-    from worker.store.checkpoints import CheckpointRegistry
-    from worker.store.evidence import EvidenceStore
-    from worker.store.redis import Keys, make_redis
-
-    settings = load_settings()
-    client = make_redis(settings)
-    keys = Keys(settings.redis_prefix)
-    registry = CheckpointRegistry(
-        client, keys, args.probe or settings.probe_to_train, signing_key=settings.signing_key
-    )
-    evidence = EvidenceStore.from_settings(client, settings)
-    actor = getattr(args, "actor", "probeguard-cli")
-    return _Ctx(settings, registry, evidence, Operator(registry, evidence, actor=actor))
-
-
 def _emit(obj: Any) -> None:
     from worker.commands._common import print_json
 
     print_json(obj)
 
 
-def _note_policy(ctx: _Ctx) -> None:
-    """Warn (stderr) when an updater's automatic rollout may change stages again."""
-    note = ctx.operator.policy_note()
-    if note:
-        print(f"note: {note}", file=sys.stderr)
-
-
-def _model(ctx: _Ctx, args: argparse.Namespace) -> tuple[Any, str]:
+def _model(ctx: ProbeContext, args: argparse.Namespace) -> tuple[Any, str]:
     """--verify-model: the configured LLM's fingerprint (slow, loaded only after the
     version is known to exist); else None: checked against live's."""
     if not args.verify_model:
@@ -186,7 +153,7 @@ def _model(ctx: _Ctx, args: argparse.Namespace) -> tuple[Any, str]:
 def _status(args: argparse.Namespace) -> int:
     from worker.rollout.status import gather, render_status
 
-    ctx = _ctx(args)
+    ctx = probe_context(args)
     report = gather(ctx.registry, ctx.evidence, limit=max(1, args.versions))
     if args.json:
         _emit(report.as_dict())
@@ -198,7 +165,7 @@ def _status(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     from worker.rollout.status import gather_version, render_version
 
-    ctx = _ctx(args)
+    ctx = probe_context(args)
     detail = gather_version(ctx.registry, ctx.evidence, args.version)
     if args.json:
         _emit(detail.as_dict())
@@ -208,49 +175,49 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _promote(args: argparse.Namespace) -> int:
-    ctx = _ctx(args)
+    ctx = probe_context(args)
     model, hint = _model(ctx, args)
     said = ctx.operator.promote(
         args.version, reason=args.reason, force=args.force, fingerprint=model, hint=hint
     )
     print(said)
-    _note_policy(ctx)
+    note_policy(ctx)
     return 0
 
 
 def _canary(args: argparse.Namespace) -> int:
-    ctx = _ctx(args)
+    ctx = probe_context(args)
     share = ctx.settings.canary_share if args.share is None else args.share
     model, hint = _model(ctx, args)
     said = ctx.operator.canary(
         args.version, share, reason=args.reason, force=args.force, fingerprint=model, hint=hint
     )
     print(said)
-    _note_policy(ctx)
+    note_policy(ctx)
     return 0
 
 
 def _rollback(args: argparse.Namespace) -> int:
-    ctx = _ctx(args)
+    ctx = probe_context(args)
     print(ctx.operator.rollback(canary=args.canary, pin=not args.no_pin, reason=args.reason))
-    _note_policy(ctx)
+    note_policy(ctx)
     return 0
 
 
 def _pin(args: argparse.Namespace) -> int:
-    print(_ctx(args).operator.pin(reason=args.reason))
+    print(probe_context(args).operator.pin(reason=args.reason))
     return 0
 
 
 def _unpin(args: argparse.Namespace) -> int:
-    print(_ctx(args).operator.unpin(reason=args.reason))
+    print(probe_context(args).operator.unpin(reason=args.reason))
     return 0
 
 
 def _history(args: argparse.Namespace) -> int:
     from worker.rollout.status import render_history
 
-    ctx = _ctx(args)
+    ctx = probe_context(args)
     events = [e for _, e in ctx.registry.history(max(1, args.count) * (1 if args.all else 20))]
     if not args.all:
         events = [e for e in events if e.kind != "published"]

@@ -51,11 +51,11 @@ def register_add_head(
 
 
 def _add_head(args: argparse.Namespace) -> int:
-    from worker.commands.probe import _ctx, _note_policy
+    from worker.commands._probe_context import note_policy, probe_context
     from worker.rollout.heads import add_head_version, parse_head
 
     head, flags = parse_head(args.name, args.labels, args.task, args.flag)
-    ctx = _ctx(args)
+    ctx = probe_context(args)
     print(add_head_version(ctx.operator, head, flag_labels=flags, reason=args.reason).message)
-    _note_policy(ctx)
+    note_policy(ctx)
     return 0
