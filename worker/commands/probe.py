@@ -37,18 +37,8 @@ def _default_actor() -> str:
     return f"{user}@{socket.gethostname()}"[:256]
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p: argparse.ArgumentParser = sub.add_parser(
-        "probe",
-        help="operate probe versions: status, promote, canary, rollback, pin, history",
-        description=(
-            "Inspect and change which probe version serves traffic. Reads and writes the Redis "
-            "registry (PROBEGUARD_REDIS_URL); every change is recorded as an event with its "
-            "actor and reason, and all scorers follow it within the propagation bound. "
-            "Exit status 1 with a message when a version does not exist, does not fit the "
-            "model, was rolled back, or the change conflicts with the updater's rollout."
-        ),
-    )
+def _parents() -> tuple[argparse.ArgumentParser, ...]:
+    """The shared option groups: probe, change (reason/actor), --json, checks (--force...)."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--probe", help="probe name (default: PROBEGUARD_TRAIN_PROBE or first)")
     changes = argparse.ArgumentParser(add_help=False)
@@ -68,6 +58,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="load the configured LLM and check the version's fingerprint against it "
         "(default: against the live version's)",
     )
+    return common, changes, as_json, checks
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "probe",
+        help="operate probe versions: status, promote, canary, rollback, pin, history",
+        description=(
+            "Inspect and change which probe version serves traffic. Reads and writes the Redis "
+            "registry (PROBEGUARD_REDIS_URL); every change is recorded as an event with its "
+            "actor and reason, and all scorers follow it within the propagation bound. "
+            "Exit status 1 with a message when a version does not exist, does not fit the "
+            "model, was rolled back, or the change conflicts with the updater's rollout."
+        ),
+    )
+    common, changes, as_json, checks = _parents()
     acts = p.add_subparsers(dest="action", metavar="ACTION", required=True)
 
     a = acts.add_parser(

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import redis
+
 from probes import Probe, build_probe, spread_layers
 from probes.checkpoint import load_checkpoint, probe_from_bytes
 from probes.errors import CheckpointError
@@ -24,6 +26,7 @@ __all__ = [
     "Start",
     "default_spec",
     "newest_verifiable",
+    "published_by_another",
     "restore_optimizer",
     "seed_spec",
     "starting_point",
@@ -168,3 +171,18 @@ def restore_optimizer(registry: CheckpointRegistry, learner: OnlineLearner, vers
         return
     used = learner.load_optimizer_state(state, labels)
     log.info("restored Lion state of v%d (%d tensors) for v%d", source, used, version)
+
+
+def published_by_another(
+    registry: CheckpointRegistry, published: list[int], parent: int | None
+) -> int | None:
+    """The newest version when this tenure did not publish it and it is newer than what
+    the tenure continues from (an operator added a head); None otherwise, or when Redis
+    cannot say (the next publish or check finds out)."""
+    try:
+        latest = registry.latest()
+    except (redis.RedisError, OSError):
+        return None
+    if latest is None or latest in published or latest <= (parent or 0):
+        return None
+    return latest

@@ -37,14 +37,19 @@ import redis
 from probes import ProbeError, encode_target
 from probes.checkpoint import checkpoint_to_bytes
 from schemas import HumanLabel, ProbeSpec
-from worker.errors import Fenced, KafkaSetupError, RegistryError, StagesChanged, TransientError
+from worker.errors import Fenced, KafkaSetupError, RegistryError
 from worker.kafka.batch_loop import BatchLoop, Between, Item, Outgoing, Reject
 from worker.kafka.clients import ensure_topics
 from worker.kafka.runtime import RoleRuntime
 from worker.learning.labels import flag_truths, skip_reason
 from worker.learning.metrics import UpdaterMetrics
 from worker.learning.online_learner import Labeled, LearningConfig, OnlineLearner
-from worker.learning.resume import default_spec, restore_optimizer, starting_point
+from worker.learning.resume import (
+    default_spec,
+    published_by_another,
+    restore_optimizer,
+    starting_point,
+)
 from worker.llm.extract import HiddenStateExtractor
 from worker.rollout.changes import Rollout
 from worker.rollout.policy import Policy
@@ -52,7 +57,7 @@ from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.evidence import EvidenceStore
 from worker.store.lease import Lease, LeaseKeeper
-from worker.store.redis import Keys, make_text_redis
+from worker.store.redis import Keys, join_texts, make_text_redis
 
 __all__ = ["Updater", "default_spec"]  # default_spec: from worker.learning.resume
 
@@ -259,7 +264,7 @@ class Updater:
         spec = learner.probe.spec
         rejects: list[Reject] = []
         items = [i for i in items if self._is_ours(i.value, spec)]
-        texts = self._join_texts([i.value for i in items])
+        texts = join_texts(self.text_redis, self.keys, [i.value for i in items])
         sources: list[Item[HumanLabel]] = []
         ready: list[Labeled] = []  # ready[k] is the label of sources[k]
         for item, text in zip(items, texts, strict=True):
@@ -314,20 +319,6 @@ class Updater:
         except (redis.RedisError, OSError) as exc:
             log.warning("could not record label evidence (%s)", exc)
 
-    def _join_texts(self, labels: list[HumanLabel]) -> list[str | None]:
-        missing = [lb.message_id for lb in labels if lb.text is None]
-        cached: dict[str, str | None] = {}
-        if missing:
-            try:
-                values = self.text_redis.mget([self.keys.text(m) for m in missing])
-            except (redis.RedisError, OSError) as exc:
-                raise TransientError(f"text cache unreachable: {exc}") from exc
-            cached = {
-                m: (v.decode() if v is not None else None)
-                for m, v in zip(missing, values, strict=True)
-            }
-        return [lb.text if lb.text is not None else cached.get(lb.message_id) for lb in labels]
-
     # --- between batches: lease and publishing ------------------------------
 
     def _between_batches(self) -> Between:
@@ -360,23 +351,9 @@ class Updater:
         if now < self._next_rollout:
             return
         self._next_rollout = now + self.settings.rollout_check_interval_s
-        try:
-            decision = self.rollout.evaluate(self.policy)
-        except StagesChanged as exc:
-            log.info("rollout: %s; deciding again next time", exc)
-            return
-        except (RegistryError, redis.RedisError, OSError) as exc:
-            log.warning("rollout policy could not run (%s)", exc)
-            return
-        if decision.action != "none":
+        decision = self.rollout.tick(self.policy)
+        if decision is not None and decision.action != "none":
             self.metrics.stage_changes.labels(decision.action).inc()
-            log.info(
-                "rollout: %s %s v%s: %s",
-                decision.action,
-                self.name,
-                decision.version,
-                decision.reason,
-            )
 
     def publish(self, *, reason: str = "") -> int | None:
         """Publish the current weights (and Lion state) as a new version; the version, or
@@ -453,23 +430,14 @@ class Updater:
         return version
 
     def _superseded(self) -> bool:
-        """Whether someone else published a newer version while this updater held the lease
-        (an operator adding a head: `probeguard probe add-head`). Then this tenure ends
-        without publishing or committing, and the next one resumes from that version: the
-        labels learned since the last publish come back from Kafka and are learned again,
-        on the new version (with its new head)."""
-        try:
-            latest = self.registry.latest()
-        except (redis.RedisError, OSError):
-            return False  # the publish or the next check finds out
-        if latest is None or latest in self.published or latest <= (self.parent or 0):
-            return False
-        log.warning(
-            "%s v%d was published by someone else while this updater held the lease; "
-            "dropping %d unpublished labels (they come back) and resuming from it",
-            self.name,
-            latest,
-            self.unpublished,
-        )
-        self.superseded_by = latest
-        return True
+        """Whether someone else (an operator's ``probe add-head``) published a newer version
+        during this tenure: it then ends without publishing or committing, and the next one
+        resumes from that version (the unpublished labels come back from Kafka)."""
+        latest = published_by_another(self.registry, self.published, self.parent)
+        if latest is not None:
+            log.warning(
+                "%s v%d was published by someone else; dropping %d unpublished labels (they "
+                "come back) and resuming from it", self.name, latest, self.unpublished,
+            )  # fmt: skip
+            self.superseded_by = latest
+        return latest is not None

@@ -6,11 +6,14 @@ reason and numbers (see :mod:`worker.rollout.policy` for the rules).
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
+import redis
+
 from schemas import LLMFingerprint
-from worker.errors import RegistryError, RolloutError
+from worker.errors import RegistryError, RolloutError, StagesChanged
 from worker.rollout.policy import (
     Number,
     Policy,
@@ -26,6 +29,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Rollout"]
 # --- applying decisions, and the operator's stage changes ---------------------------
+
+log = logging.getLogger(__name__)
 
 
 class Rollout:
@@ -62,6 +67,23 @@ class Rollout:
             canary=ev.get(st.canary) if st.canary is not None else None,
             now=time.time(),
         )
+
+    def tick(self, policy: Policy) -> RolloutDecision | None:
+        """:meth:`evaluate`, for a role's periodic check: a concurrent stage change or a
+        Redis failure is logged and skipped (the next tick decides again); None then."""
+        try:
+            decision = self.evaluate(policy)
+        except StagesChanged as exc:
+            log.info("rollout: %s; deciding again next time", exc)
+            return None
+        except (RegistryError, redis.RedisError, OSError) as exc:
+            log.warning("rollout policy could not run (%s)", exc)
+            return None
+        if decision.action != "none":
+            probe = self.registry.probe
+            log.info("rollout: %s %s v%s: %s", decision.action, probe, decision.version,
+                     decision.reason)  # fmt: skip
+        return decision
 
     def evaluate(self, policy: Policy) -> RolloutDecision:
         """Decide and apply; records the outcome for ``probeguard probe status``."""

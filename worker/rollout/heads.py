@@ -143,6 +143,16 @@ def add_head_version(
         actor=operator.actor,
         reason=reason or f"operator add-head {head.name} ({labels})",
     )
+    message = _report(operator, head, flag_labels, live=live, version=version)
+    return HeadAdded(version, live, head, list(flag_labels), message)
+
+
+def _report(
+    operator: Operator, head: HeadSpec, flag_labels: Sequence[str], *, live: int, version: int
+) -> str:
+    """What ``add-head`` did and what happens next, for the operator."""
+    registry = operator.registry
+    probe_name, labels = registry.probe, ", ".join(head.labels)
     lines = [
         f"{probe_name}: v{version} adds head {head.name!r} ({head.task}: {labels}) to live "
         f"v{live}, as a candidate; every other head scores as in v{live}",
@@ -164,4 +174,5 @@ def add_head_version(
             f"note: v{', v'.join(map(str, skipped))} (newer than live v{live}) are not in "
             f"v{version}'s lineage; the updater continues from v{version}"
         )
-    return HeadAdded(version, live, head, list(flag_labels), "\n".join(lines))
+    return "\n".join(lines)
+

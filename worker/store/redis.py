@@ -13,10 +13,11 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from worker.errors import ConfigError
+from schemas import HumanLabel
+from worker.errors import ConfigError, TransientError
 from worker.settings import Settings
 
-__all__ = ["Breaker", "Keys", "make_redis", "make_text_redis"]
+__all__ = ["Breaker", "Keys", "join_texts", "make_redis", "make_text_redis"]
 
 
 def make_redis(settings: Settings, url: str | None = None, **overrides: Any) -> redis.Redis:
@@ -217,3 +218,19 @@ class Breaker:
     def reset(self) -> None:
         self.failures = 0
         self._until = 0.0
+
+
+def join_texts(text_redis: Any, keys: Keys, labels: list[HumanLabel]) -> list[str | None]:
+    """Each label's text: its own, else the scorers' text cache (one MGET), else None.
+    Raises :class:`TransientError` when the cache cannot be reached (the batch is retried)."""
+    missing = [lb.message_id for lb in labels if lb.text is None]
+    cached: dict[str, str | None] = {}
+    if missing:
+        try:
+            values = text_redis.mget([keys.text(m) for m in missing])
+        except (redis.RedisError, OSError) as exc:
+            raise TransientError(f"text cache unreachable: {exc}") from exc
+        cached = {
+            m: (v.decode() if v is not None else None) for m, v in zip(missing, values, strict=True)
+        }
+    return [lb.text if lb.text is not None else cached.get(lb.message_id) for lb in labels]
