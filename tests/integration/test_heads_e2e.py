@@ -138,7 +138,9 @@ def test_labels_for_two_heads_publish_a_version_whose_verdicts_carry_both(
     live = registry.stages().live
     manifest = registry.manifest(live)  # type: ignore[arg-type]
     assert [h.name for h in manifest.spec.heads] == ["toxicity", "spam"]
-    assert manifest.parent is None  # fine-tuned from the packaged default, not from zero
+    # The first version was fine-tuned from the packaged default (no parent), not from zero.
+    first = registry.manifest(min(registry.versions()))
+    assert first.parent is None and [h.name for h in first.spec.heads] == ["toxicity", "spam"]
     wait_until(lambda: scorer.watcher.versions()["toxicity"]["live"] == live, "scorer swap")
     verdicts = chats(settings, "v", ["what a lovely day", "CLICK HERE free money"])
     for v in verdicts:
