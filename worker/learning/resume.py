@@ -176,13 +176,17 @@ def restore_optimizer(registry: CheckpointRegistry, learner: OnlineLearner, vers
 def published_by_another(
     registry: CheckpointRegistry, published: list[int], parent: int | None
 ) -> int | None:
-    """The newest version when this tenure did not publish it and it is newer than what
-    the tenure continues from (an operator added a head); None otherwise, or when Redis
-    cannot say (the next publish or check finds out)."""
+    """The newest version when someone else built it on this tenure's lineage (an
+    operator's ``add-head`` on the version this tenure continues from or published), so
+    the tenure must continue from it; None otherwise, or when Redis cannot say (the next
+    publish or check finds out). A version from outside the lineage (another writer's
+    seed) does not interrupt the tenure: its next publish supersedes it as before."""
     try:
         latest = registry.latest()
-    except (redis.RedisError, OSError):
+        if latest is None or latest in published or latest <= (parent or 0):
+            return None
+        base = registry.manifest(latest).parent
+    except (RegistryError, redis.RedisError, OSError):
         return None
-    if latest is None or latest in published or latest <= (parent or 0):
-        return None
-    return latest
+    lineage = set(published) | ({parent} if parent is not None else set())
+    return latest if base is not None and base in lineage else None

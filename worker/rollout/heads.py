@@ -175,4 +175,3 @@ def _report(
             f"v{version}'s lineage; the updater continues from v{version}"
         )
     return "\n".join(lines)
-
