@@ -34,6 +34,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("default", "build or show the packaged default probe (moderation on day one)"),
     ("explain", "show how a probe's verdict on one message forms, layer by layer"),
     ("console", "the web console: review queue, probe rollout, explanations"),
+    ("serve", "OpenAI- and Perspective-compatible moderation endpoints over HTTP"),
 ]
 
 

@@ -544,6 +544,59 @@ class Settings(BaseSettings):
         "round again for everyone.",
     )
 
+    # --- HTTP moderation API (OpenAI- and Perspective-compatible; worker/serve) ----
+    serve_host: str = Field(
+        "127.0.0.1",
+        description="Address `probeguard serve` listens on (`0.0.0.0`: every interface; "
+        "needs API keys).",
+    )
+    serve_port: Annotated[int, Field(ge=0, le=65535)] = Field(
+        8400, description="Port `probeguard serve` listens on (`0`: a free one)."
+    )
+    serve_api_keys: SecretStr | None = Field(
+        None,
+        description="`name:scrypt$...` entries, comma-separated, from `probeguard serve key "
+        "NAME` (secret). Unset: `serve` refuses to start unless `--no-auth`.",
+    )
+    serve_max_wait_ms: Annotated[float, Field(ge=0.0, le=1000.0)] = Field(
+        5.0,
+        description="How long an idle server waits for more requests to batch with the "
+        "first, ms (requests arriving while a batch is scored always join the next).",
+    )
+    serve_max_batch: Annotated[int, Field(ge=1, le=1024)] = Field(
+        32, description="Most inputs scored in one pass of the LLM."
+    )
+    serve_max_inputs: Annotated[int, Field(ge=1, le=1024)] = Field(
+        32, description="Most inputs in one request (more: 413)."
+    )
+    serve_max_body_bytes: Annotated[int, Field(ge=1024, le=64 * 1024 * 1024)] = Field(
+        1024 * 1024, description="Largest request body, bytes (larger: 413)."
+    )
+    serve_rate_per_key: Annotated[float, Field(gt=0.0)] = Field(
+        50.0,
+        description="Requests per second each API key may send, per server process "
+        "(over it: 429 with `Retry-After`).",
+    )
+    serve_rate_burst: Annotated[int, Field(ge=1)] = Field(
+        100, description="Requests an API key may send at once above its rate."
+    )
+    serve_timeout_s: Annotated[float, Field(gt=0.0, le=600.0)] = Field(
+        30.0, description="Longest a request waits for its scores, seconds (then 503)."
+    )
+    serve_do_not_store: bool = Field(
+        False,
+        description="Treat every request as `doNotStore`: no text cached, queued for review "
+        "or logged, so labels must carry their text.",
+    )
+    serve_review: bool = Field(
+        False,
+        description="Send uncertain and audit-sampled inputs to the review topic (needs "
+        "the broker).",
+    )
+    serve_verdicts: bool = Field(
+        False, description="Also produce each verdict to the verdicts topic (needs the broker)."
+    )
+
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
         sasl = self.kafka_security_protocol.startswith("SASL")

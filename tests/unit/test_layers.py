@@ -6,7 +6,7 @@
               defaults (the packaged default probes)
     adapters  llm (transformers), kafka, store (Redis)            root only
     domain    scoring, learning, rollout, review                  + adapters
-    apps      offline, explain, demo, console                     + domain (and each other,
+    apps      offline, explain, demo, console, serve  + domain (and each other,
                                                                    demo over the rest)
     entry     commands, cli                                        anything
 
@@ -41,6 +41,7 @@ RANK = {
     "offline": 3,
     "explain": 3,
     "console": 3,
+    "serve": 3,
     "demo": 4,
     "commands": 5,
     "cli": 5,

@@ -17,17 +17,14 @@ Example::
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import hmac
 import re
-import secrets
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
+from worker import scrypt
 from worker.errors import ConfigError
 
 __all__ = ["LoginThrottle", "Role", "User", "hash_password", "parse_users"]
@@ -40,22 +37,14 @@ _PERMISSIONS: dict[Role, frozenset[Permission]] = {
 }
 # A subset of the wire format's id pattern: a reviewer's name is the HumanLabel's labeler id.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,63}")
-_SCRYPT = re.compile(r"scrypt\$(\d+)\$(\d+)\$(\d+)\$([A-Za-z0-9+/=]+)\$([A-Za-z0-9+/=]+)")
 MIN_PASSWORD = 8
-
-
-def _scrypt(password: str, salt: bytes, n: int, r: int, p: int) -> bytes:
-    return hashlib.scrypt(password.encode(), salt=salt, n=n, r=r, p=p, maxmem=128 * 1024 * 1024)
 
 
 def hash_password(password: str, *, n: int = 2**14, r: int = 8, p: int = 1) -> str:
     """``scrypt$N$r$p$salt$hash`` for the users setting."""
     if len(password) < MIN_PASSWORD:
         raise ConfigError(f"a console password needs at least {MIN_PASSWORD} characters")
-    salt = secrets.token_bytes(16)
-    digest = _scrypt(password, salt, n, r, p)
-    b64 = base64.b64encode
-    return f"scrypt${n}${r}${p}${b64(salt).decode()}${b64(digest).decode()}"
+    return scrypt.hash_secret(password, n=n, r=r, p=p)
 
 
 @dataclass(frozen=True)
@@ -71,12 +60,7 @@ class User:
         return permission in _PERMISSIONS[self.role]
 
     def check(self, password: str) -> bool:
-        m = _SCRYPT.fullmatch(self.password_hash)
-        if m is None:  # parse_users refuses these; a constant answer all the same
-            return False
-        n, r, p = (int(x) for x in m.group(1, 2, 3))
-        salt, want = base64.b64decode(m.group(4)), base64.b64decode(m.group(5))
-        return hmac.compare_digest(_scrypt(password, salt, n, r, p), want)
+        return scrypt.check(password, self.password_hash)
 
 
 def parse_users(raw: str | None) -> dict[str, User]:
@@ -95,15 +79,12 @@ def parse_users(raw: str | None) -> dict[str, User]:
             raise ConfigError(f"{where}: user name {name[:40]!r} must match {NAME.pattern}")
         if role not in _PERMISSIONS:
             raise ConfigError(f"{where} ({name}): role {role[:20]!r} is not reviewer or operator")
-        m = _SCRYPT.fullmatch(hashed)
-        if m is None:
+        why = scrypt.invalid(hashed)
+        if why is not None:
             raise ConfigError(
-                f"{where} ({name}): not a scrypt hash; make one with "
-                "`probeguard console hash-password` (plain passwords are not accepted)"
+                f"{where} ({name}): {why}; make one with `probeguard console hash-password` "
+                "(plain passwords are not accepted)"
             )
-        n = int(m.group(1))
-        if n < 2**10 or n & (n - 1):
-            raise ConfigError(f"{where} ({name}): scrypt N must be a power of two >= 1024")
         if name in users:
             raise ConfigError(f"{where}: user {name!r} appears twice")
         users[name] = User(name, role, hashed)

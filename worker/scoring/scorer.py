@@ -1,58 +1,44 @@
 """The scoring worker (``probeguard score``): chat messages in, verdicts out.
 
 One consumer-group member on the chat topic. Per batch: decode (bad payloads
-become dead letters), one LLM pass for the union of the layers every served
-probe reads, every probe scores, one :class:`Verdict` per message keyed by
-message id (a message no probe could score is returned as a :class:`Reject`: a
-dead letter); uncertain and audit-sampled messages go to the review topic
-(routed by :mod:`worker.scoring.review`, rate-limited across all scorers); message
-texts and how each probe decided go to Redis with a TTL so labels can be joined
-later, and every decision is added to its version's evidence counters (see
-:mod:`worker.store.evidence`). Offsets are committed only after the broker has
-acknowledged everything the batch produced (see :mod:`worker.kafka.batch_loop`).
-Probes hot-swap from a watcher thread, each batch scored by one snapshot of them (see
-:mod:`worker.scoring.probe_watch`).
+become dead letters), then :meth:`ScoringEngine.judge <worker.scoring.engine.ScoringEngine.judge>`:
+one LLM pass for the union of the layers every served probe reads, every probe scores,
+one :class:`Verdict` per message keyed by message id (a message no probe could score is
+returned as a :class:`Reject`: a dead letter); uncertain and audit-sampled messages go to
+the review topic (rate-limited across all scorers); message texts and how each probe
+decided go to Redis with a TTL so labels can be joined later, and every decision is added
+to its version's evidence counters. Offsets are committed only after the broker has
+acknowledged everything the batch produced (see :mod:`worker.kafka.batch_loop`). Probes
+hot-swap from a watcher thread, each batch scored by one snapshot of them (see
+:mod:`worker.scoring.probe_watch`). The HTTP server (``probeguard serve``) holds the same
+engine.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
-from collections import defaultdict
-from collections.abc import Iterator, Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
 
 import redis
 
-from probes.checkpoint import load_checkpoint
-from schemas import ChatMessage, DecidedRecord, ProbeDecision, ReviewRequest, Verdict, utcnow
-from worker.defaults import serving_default
-from worker.errors import ConfigError
+from schemas import ChatMessage
 from worker.kafka.batch_loop import BatchLoop, Item, Outgoing, Reject
 from worker.kafka.clients import consumer_lag, ensure_topics
 from worker.kafka.runtime import RoleRuntime
 from worker.llm.extract import HiddenStateExtractor
-from worker.scoring import review
-from worker.scoring.batch import BatchScorer, BatchScores, ServedProbe
+from worker.scoring.batch import BatchScorer
+from worker.scoring.engine import ScoringEngine
 from worker.scoring.metrics import ScorerMetrics
 from worker.scoring.probe_watch import ProbeWatcher
 from worker.settings import Settings
-from worker.store.checkpoints import CheckpointRegistry
-from worker.store.evidence import EvidenceStore
-from worker.store.redis import Breaker, Keys, make_text_redis
 
 __all__ = ["Scorer", "ScorerMetrics"]
 
 log = logging.getLogger(__name__)
-# With the watcher thread, serve the packaged default only once the registry has been read
-# (or after this long without Redis): a published live version wins from the first message.
-DEFAULT_AFTER_S = 5.0
 
 
 class Scorer:
-    """Wires extractor, probes, registry, Kafka and Redis into the scoring loop."""
+    """The scoring engine on the chat topic's consumer group."""
 
     def __init__(
         self,
@@ -65,11 +51,6 @@ class Scorer:
         text_redis: redis.Redis | None = None,
     ) -> None:
         self.settings = settings
-        self.extractor = extractor
-        self.redis: Any = redis_client
-        # The per-message cache: its own Redis when configured (see make_text_redis).
-        self.text_redis: Any = text_redis or make_text_redis(settings, redis_client)
-        self.keys = Keys(settings.redis_prefix)
         self.worker_id = worker_id or settings.resolved_worker_id()
         self.metrics = ScorerMetrics()
         self.runtime = RoleRuntime(
@@ -81,40 +62,26 @@ class Scorer:
         )
         self.health = self.runtime.health
         self.health.ready_check = self._ready
-        self.evidence = EvidenceStore.from_settings(redis_client, settings, cache=self.text_redis)
-        # One breaker for every best-effort Redis call: after a failure, batches skip Redis
-        # for a few seconds rather than each waiting on a socket timeout.
-        self.redis_breaker = Breaker()
-        self.text_breaker = Breaker()  # the text cache fails on its own (e.g. full)
-        registries = {
-            n: CheckpointRegistry(redis_client, self.keys, n, signing_key=settings.signing_key)
-            for n in settings.probe_names
-        }
-        self.watcher = ProbeWatcher(
-            registries,
-            extractor.fingerprint,
-            device=extractor.device,
-            signing_key=settings.signing_key,
-            check_interval_s=settings.stage_check_interval_s,
-            # Block on the event streams for at most half the socket timeout: a blocked
-            # read must never look like a dead connection.
-            block_ms=min(1000, int(settings.redis_socket_timeout_s * 500)),
-            on_swap=lambda name, stage, v: self.metrics.version.labels(name, stage).set(v),
-            on_refused=self._refused,
-            on_loaded=self._loaded,
-            on_untrusted=lambda name, why: self.metrics.untrusted.labels(name).inc(),
-            breaker=self.redis_breaker,
-        )
-        self.batch_scorer = BatchScorer(
+        self.engine = ScoringEngine(
+            settings,
             extractor,
-            lambda: self.watcher.slots,
-            shadow=settings.shadow,
-            flag_heads=settings.flag_head_names,
+            redis_client,
+            worker_id=self.worker_id,
+            metrics=self.metrics,
+            text_redis=text_redis,
         )
-        self.review_policy = review.ReviewPolicy.from_settings(settings)
-        # probe -> the packaged default folder served while nothing is published (None: none
-        # for this LLM), decided once at start.
-        self.defaults: dict[str, str | None] = {}
+
+    @property
+    def extractor(self) -> HiddenStateExtractor:
+        return self.engine.extractor
+
+    @property
+    def watcher(self) -> ProbeWatcher:
+        return self.engine.watcher
+
+    @property
+    def batch_scorer(self) -> BatchScorer:
+        return self.engine.batch_scorer
 
     @property
     def loop(self) -> BatchLoop[ChatMessage] | None:
@@ -124,8 +91,8 @@ class Scorer:
 
     def run(self) -> None:
         """Serve until :meth:`stop`: wait for a probe, then the batch loop; leave cleanly."""
-        with self.runtime.serving(), self._watching():
-            if not self._wait_for_probes():
+        with self.runtime.serving(), self.engine.watching():
+            if not self.engine.wait_for_probes(self.runtime.stop_event, self.health.beat):
                 return
             ensure_topics(self.settings)
             loop = self.runtime.loop_for(
@@ -144,18 +111,6 @@ class Scorer:
                 loop.close()
                 log.info("scorer stopped after %d messages", loop.stats.handled)
 
-    @contextlib.contextmanager
-    def _watching(self) -> Iterator[None]:
-        """The probe watcher thread (``probe_watch=thread``) for as long as the scorer runs."""
-        threaded = self.settings.probe_watch == "thread"
-        if threaded:
-            self.watcher.start()
-        try:
-            yield
-        finally:
-            if threaded:
-                self.watcher.stop()
-
     def stop(self) -> None:
         """Finish the batch in hand, commit it, leave the group (safe from a signal handler)."""
         self.runtime.stop()
@@ -167,264 +122,37 @@ class Scorer:
     # --- the batch -----------------------------------------------------------
 
     def handle(self, items: list[Item[ChatMessage]]) -> Sequence[Outgoing | Reject]:
-        start = time.perf_counter()
-        messages = [i.value for i in items]
-        scores = self.batch_scorer.score(messages)
-        elapsed = time.perf_counter() - start
-        latency_ms = elapsed * 1000.0
+        judged = self.engine.judge([i.value for i in items])
+        s = self.settings
         out: list[Outgoing | Reject] = [
-            Reject(items[pos], "unscorable", reason) for pos, reason in scores.errors.items()
+            Reject(items[pos], "unscorable", reason) for pos, reason in judged.errors.items()
         ]
-        now = utcnow()
-        for pos, results in scores.results.items():
-            msg = messages[pos]
-            verdict = Verdict(
-                verdict_id=Verdict.make_id(msg.message_id, results),
-                message_id=msg.message_id,
-                conversation_id=msg.conversation_id,
-                decision="flag" if any(r.flagged for r in results) else "allow",
-                results=results,
-                latency_ms=latency_ms,
-                worker_id=self.worker_id,
-                scored_at=now,
-            )
-            out.append(
-                Outgoing(
-                    self.settings.topic_verdicts,
-                    msg.message_id.encode(),
-                    verdict.encode(),
-                    source=items[pos],
-                )
-            )
-            for r in results:
-                if r.flagged:
-                    self.metrics.flags.labels(r.probe).inc()
-        out.extend(self._reviews(items, scores))
-        self._remember(messages, scores, latency_ms)
-        n = len(scores.results)
-        self.metrics.messages.inc(n)
-        self.metrics.batch_size.observe(len(items))
-        self.metrics.batch_seconds.observe(elapsed)
-        self.metrics.probe_seconds.observe(scores.probe_s)
-        if n:
-            self.metrics.message_seconds.observe(elapsed / n)
+        out.extend(
+            Outgoing(s.topic_verdicts, v.message_id.encode(), v.encode(), source=items[pos])
+            for pos, v in judged.verdicts.items()
+        )
+        out.extend(
+            Outgoing(s.topic_review, r.message_id.encode(), r.encode(), source=items[pos])
+            for pos, r in judged.reviews
+        )
         return out
-
-    def _reviews(self, items: list[Item[ChatMessage]], scores: BatchScores) -> list[Outgoing]:
-        candidates: list[tuple[ReviewRequest, Item[ChatMessage]]] = []
-        for pos, results in scores.results.items():
-            msg = items[pos].value
-            for r in results:
-                flag_score = scores.flag_scores.get((pos, r.probe))
-                reason = review.route(self.review_policy, msg.message_id, flag_score)
-                if reason is None:
-                    continue
-                request = ReviewRequest(
-                    message_id=msg.message_id,
-                    conversation_id=msg.conversation_id,
-                    text=msg.text,
-                    probe=r.probe,
-                    version=r.version,
-                    scores=r.scores,
-                    reason=reason,
-                    created_at=utcnow(),
-                )
-                candidates.append((request, items[pos]))
-        admitted = candidates[: self._review_budget(len(candidates))]
-        self.metrics.reviews_dropped.inc(len(candidates) - len(admitted))
-        for req, _ in admitted:
-            self.metrics.reviews.labels(req.reason).inc()
-        return [
-            Outgoing(self.settings.topic_review, r.message_id.encode(), r.encode(), source=item)
-            for r, item in admitted
-        ]
-
-    def _review_budget(self, wanted: int) -> int:
-        """How many review requests the budget shared by all scorers still admits.
-
-        A fixed window of ``review_window_s`` seconds, counted in Redis, so a flood
-        cannot swamp the reviewers however many scorers run.
-        """
-        if wanted == 0:
-            return 0
-        if not self.redis_breaker.ready():
-            return 0  # Redis is failing: without the shared budget, hold reviews back
-        policy = self.review_policy
-        window = policy.window_s
-        key = self.keys.review_budget(policy.window(time.time()))
-        try:
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.incrby(key, wanted)
-            pipe.expire(key, 2 * window)
-            used = int(pipe.execute()[0])
-        except (redis.RedisError, OSError) as exc:
-            self.metrics.redis_errors.inc()
-            self.redis_breaker.trip()
-            log.warning("review budget unavailable (%s); holding reviews back", exc)
-            return 0  # without the shared budget, err on the side of not flooding reviewers
-        return review.admitted(policy, wanted, used)
-
-    def _remember(
-        self, messages: list[ChatMessage], scores: BatchScores, latency_ms: float
-    ) -> None:
-        """Text and decisions per message (for label joins), evidence per version.
-
-        Best-effort, one round trip each to the text cache and to the registry's Redis,
-        each behind its own breaker: a failure (a full cache, say) costs label joins or
-        evidence, never the batch, and never the other.
-        """
-        by_pos: dict[int, dict[str, ProbeDecision]] = defaultdict(dict)
-        by_probe: dict[str, list[tuple[ProbeDecision, float]]] = defaultdict(list)
-        for (pos, probe), d in scores.decisions.items():
-            by_pos[pos][probe] = d
-            by_probe[probe].append((d, latency_ms))
-        self._cache_texts(messages, scores, by_pos)
-        if not by_probe:
-            return
-        if not self.redis_breaker.ready():
-            self.metrics.redis_skipped.inc()
-            return
-        try:
-            pipe = self.redis.pipeline(transaction=False)
-            for probe, decisions in by_probe.items():
-                self.evidence.add_scored(pipe, probe, decisions)
-            pipe.execute()
-        except (redis.RedisError, OSError) as exc:
-            self.metrics.redis_errors.inc()
-            self.redis_breaker.trip()
-            log.warning("evidence write failed (%s)", exc)
-
-    def _cache_texts(
-        self,
-        messages: list[ChatMessage],
-        scores: BatchScores,
-        by_pos: dict[int, dict[str, ProbeDecision]],
-    ) -> None:
-        # On the registry's own Redis, the text cache also waits out that Redis's breaker:
-        # tripped by the probe watcher or another write, it means the server is away, and
-        # a write now would only cost the batch one more socket timeout.
-        shared = self.text_redis is self.redis
-        if not self.text_breaker.ready() or (shared and not self.redis_breaker.ready()):
-            self.metrics.redis_skipped.inc()
-            return
-        ttl, cap = self.settings.text_cache_ttl_s, self.settings.text_cache_max_bytes
-        try:
-            pipe = self.text_redis.pipeline(transaction=False)
-            for pos in scores.results:
-                msg = messages[pos]
-                text = msg.text.encode()
-                if len(text) <= cap:
-                    pipe.set(self.keys.text(msg.message_id), text, ex=ttl)
-                if by_pos.get(pos):
-                    record = DecidedRecord(p=by_pos[pos]).encode()
-                    pipe.set(self.keys.decided(msg.message_id), record, ex=ttl)
-            pipe.execute()
-            self.text_breaker.reset()
-        except (redis.RedisError, OSError) as exc:
-            self.metrics.redis_errors.inc()
-            self.text_breaker.trip()
-            log.warning("text cache write failed (%s); labels may need to carry text", exc)
-
-    def _refused(self, name: str, version: int, why: str) -> None:
-        self.metrics.refused.labels(name).inc()
-        try:
-            self.evidence.record_refusal(name, version, f"{self.worker_id}: {why}")
-        except (redis.RedisError, OSError) as exc:
-            self.metrics.redis_errors.inc()
-            log.warning("could not record the refusal of %s v%d (%s)", name, version, exc)
-
-    def _loaded(self, name: str, version: int) -> None:
-        try:
-            self.evidence.record_load(name, version)
-        except (redis.RedisError, OSError) as exc:
-            self.metrics.redis_errors.inc()
-            log.warning("could not record the load of %s v%d (%s)", name, version, exc)
 
     # --- helpers -------------------------------------------------------------
 
     def _between_batches(self) -> None:
-        if self.settings.probe_watch == "poll":
+        if not self.engine.threaded:
             self.watcher.refresh()
         self.health.beat()
         if self.loop is not None:
             self.metrics.lag.set(sum(consumer_lag(self.loop.consumer).values()))
 
-    def _wait_for_probes(self) -> bool:
-        bootstrap = self.settings.bootstrap_checkpoint
-        threaded = self.settings.probe_watch == "thread"
-        # The watcher thread's first sync takes a moment: say "waiting" only after it.
-        started = time.monotonic()
-        last_note = started - 9.0 if threaded else 0.0
-        while not self.runtime.stop_event.is_set():
-            if not threaded:
-                self.watcher.refresh(force=True)
-            if bootstrap is not None:
-                self._serve_bootstrap(bootstrap)
-            elif self.settings.default_probe and (
-                self.watcher.synced() or time.monotonic() - started > DEFAULT_AFTER_S
-            ):
-                self._serve_packaged_defaults()
-            if self.batch_scorer.ready():
-                log.info("serving %s", self.watcher.versions())
-                return True
-            if time.monotonic() - last_note > 10:
-                missing = [n for n, sl in self.watcher.slots.items() if sl.live is None]
-                log.warning(
-                    "no live version of %s in the registry yet; waiting (publish one with "
-                    "`probeguard train`, or set PROBEGUARD_BOOTSTRAP_CHECKPOINT)",
-                    missing,
-                )
-                last_note = time.monotonic()
-            self.health.beat()  # waiting is healthy: liveness probes must not restart us
-            self.runtime.stop_event.wait(0.1 if threaded else 1.0)
-        return False
-
-    def _serve_bootstrap(self, path: Path) -> None:
-        probe, manifest = load_checkpoint(
-            path, self.extractor.fingerprint, signing_key=self.settings.signing_key
-        )
-        if manifest.probe not in self.watcher.slots:
-            raise ConfigError(
-                f"bootstrap checkpoint {str(path)!r} is for probe {manifest.probe!r}, "
-                f"not one of {self.settings.probe_names}"
-            )
-        self.watcher.serve_bootstrap(manifest.probe, ServedProbe(probe, manifest))
-
-    def _serve_packaged_defaults(self) -> None:
-        """Serve the packaged default (version 0) for every probe with nothing published,
-        once: moderation from the first message, until the registry has a live version."""
-        for name, slot in self.watcher.slots.items():
-            if slot.live is not None or name in self.defaults:
-                continue
-            found = serving_default(self.extractor.fingerprint, name)
-            self.defaults[name] = found.folder if found is not None else None
-            if found is None:
-                log.info("no packaged default for probe %s on this LLM; waiting for one", name)
-                continue
-            self.watcher.serve_bootstrap(name, ServedProbe(found.probe, found.manifest))
-            heads = ", ".join(h.name for h in found.probe.spec.heads)
-            note = "until a version is published"
-            log.info(
-                "serving the packaged default %s as %s v0 (heads: %s) %s",
-                found.folder,
-                name,
-                heads,
-                note,
-            )
-
     def _ready(self) -> tuple[bool, str]:
-        if not self.batch_scorer.ready():
-            return False, "no live probe loaded yet"
+        ready, note = self.engine.serving_note()
+        if not ready:
+            return False, note
         if self.loop is None or not self.loop.consumer.assignment():
             return False, "no partitions assigned yet"
         stall = self.runtime.stall()
         if stall is not None:
             return False, stall
-        versions = self.watcher.versions()
-        packaged = [
-            f"{name}: the packaged default {folder}"
-            for name, folder in self.defaults.items()
-            if folder is not None and versions.get(name, {}).get("live") == 0
-        ]
-        note = f" ({'; '.join(packaged)} until a version is published)" if packaged else ""
-        return True, f"serving {versions}{note}"
+        return True, note

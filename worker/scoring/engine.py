@@ -1,0 +1,412 @@
+"""What every scoring front end shares: probes in step with the registry, one LLM pass per
+batch, verdicts, review routing, and what a label needs later.
+
+The Kafka scorer (:mod:`worker.scoring.scorer`) and the HTTP server
+(:mod:`worker.serve`) both hold one :class:`ScoringEngine`: a batch of
+:class:`~schemas.ChatMessage` goes in, :meth:`ScoringEngine.judge` scores it with every
+served probe (:class:`~worker.scoring.batch.BatchScorer`), builds one :class:`Verdict` per
+message, routes uncertain and audit-sampled messages to review (rate-limited across every
+scorer and server by a budget counted in Redis), and writes each message's text and how
+each probe decided to Redis with a TTL, so a label given later is joined and credits the
+version that judged it, and every decision to its version's evidence counters (see
+:mod:`worker.store.evidence`). Only moving records (Kafka offsets, HTTP responses) is
+left to the front end.
+
+How much of a message stays behind is its :class:`Retain`: ``ALL`` (the scorer's
+messages), ``COUNT`` (Perspective's ``doNotStore``: no text, no decided record, no review
+request; its decision still counts in the aggregate evidence counters, which hold no text)
+or ``NOTHING`` (inputs derived from another, such as a Perspective span).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from probes.checkpoint import load_checkpoint
+from schemas import ChatMessage, DecidedRecord, ProbeDecision, ReviewRequest, Verdict, utcnow
+from worker.defaults import serving_default
+from worker.errors import ConfigError
+from worker.llm.extract import HiddenStateExtractor
+from worker.scoring import review
+from worker.scoring.batch import BatchScorer, BatchScores, ServedProbe
+from worker.scoring.metrics import ScorerMetrics
+from worker.scoring.probe_watch import ProbeWatcher
+from worker.settings import Settings
+from worker.store.checkpoints import CheckpointRegistry
+from worker.store.evidence import EvidenceStore
+from worker.store.redis import Breaker, Keys, make_text_redis
+
+__all__ = ["Judged", "Retain", "ScoringEngine"]
+
+log = logging.getLogger(__name__)
+# With the watcher thread, serve the packaged default only once the registry has been read
+# (or after this long without Redis): a published live version wins from the first message.
+DEFAULT_AFTER_S = 5.0
+
+
+class Retain(enum.IntEnum):
+    """What of a judged message is kept (each level keeps what the ones below keep)."""
+
+    NOTHING = 0
+    COUNT = 1  # its decision in the version's evidence counters
+    ALL = 2  # and its text and decision for label joins; it may be queued for review
+
+
+@dataclass
+class Judged:
+    """One batch's outcome, by input position."""
+
+    verdicts: dict[int, Verdict]
+    errors: dict[int, str]  # why a message could not be scored (a dead letter, a 500)
+    reviews: list[tuple[int, ReviewRequest]] = field(default_factory=list)  # within budget
+    scores: BatchScores | None = None
+    elapsed_s: float = 0.0
+
+
+class ScoringEngine:
+    """Extractor, probes, registry watcher and Redis, wired for scoring batches."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        extractor: HiddenStateExtractor,
+        redis_client: redis.Redis,
+        *,
+        worker_id: str,
+        metrics: ScorerMetrics,
+        text_redis: redis.Redis | None = None,
+    ) -> None:
+        self.settings = settings
+        self.extractor = extractor
+        self.redis: Any = redis_client
+        # The per-message cache: its own Redis when configured (see make_text_redis).
+        self.text_redis: Any = text_redis or make_text_redis(settings, redis_client)
+        self.keys = Keys(settings.redis_prefix)
+        self.worker_id = worker_id
+        self.metrics = metrics
+        self.evidence = EvidenceStore.from_settings(redis_client, settings, cache=self.text_redis)
+        # One breaker for every best-effort Redis call: after a failure, batches skip Redis
+        # for a few seconds rather than each waiting on a socket timeout.
+        self.redis_breaker = Breaker()
+        self.text_breaker = Breaker()  # the text cache fails on its own (e.g. full)
+        registries = {
+            n: CheckpointRegistry(redis_client, self.keys, n, signing_key=settings.signing_key)
+            for n in settings.probe_names
+        }
+        self.watcher = ProbeWatcher(
+            registries,
+            extractor.fingerprint,
+            device=extractor.device,
+            signing_key=settings.signing_key,
+            check_interval_s=settings.stage_check_interval_s,
+            # Block on the event streams for at most half the socket timeout: a blocked
+            # read must never look like a dead connection.
+            block_ms=min(1000, int(settings.redis_socket_timeout_s * 500)),
+            on_swap=lambda name, stage, v: self.metrics.version.labels(name, stage).set(v),
+            on_refused=self._refused,
+            on_loaded=self._loaded,
+            on_untrusted=lambda name, why: self.metrics.untrusted.labels(name).inc(),
+            breaker=self.redis_breaker,
+        )
+        self.batch_scorer = BatchScorer(
+            extractor,
+            lambda: self.watcher.slots,
+            shadow=settings.shadow,
+            flag_heads=settings.flag_head_names,
+        )
+        self.review_policy = review.ReviewPolicy.from_settings(settings)
+        # probe -> the packaged default folder served while nothing is published (None: none
+        # for this LLM), decided once at start.
+        self.defaults: dict[str, str | None] = {}
+
+    # --- the batch -----------------------------------------------------------
+
+    def judge(
+        self, messages: Sequence[ChatMessage], *, retain: Sequence[Retain] | None = None
+    ) -> Judged:
+        """Score ``messages``; verdicts, review requests within budget, texts and decisions
+        written for label joins and evidence, as each message's ``retain`` allows
+        (``Retain.ALL`` for every message by default)."""
+        start = time.perf_counter()
+        scores = self.batch_scorer.score(messages)
+        elapsed = time.perf_counter() - start
+        latency_ms = elapsed * 1000.0
+        keep = [Retain.ALL] * len(messages) if retain is None else list(retain)
+        now = utcnow()
+        verdicts: dict[int, Verdict] = {}
+        for pos, results in scores.results.items():
+            msg = messages[pos]
+            verdicts[pos] = Verdict(
+                verdict_id=Verdict.make_id(msg.message_id, results),
+                message_id=msg.message_id,
+                conversation_id=msg.conversation_id,
+                decision="flag" if any(r.flagged for r in results) else "allow",
+                results=results,
+                latency_ms=latency_ms,
+                worker_id=self.worker_id,
+                scored_at=now,
+            )
+            for r in results:
+                if r.flagged:
+                    self.metrics.flags.labels(r.probe).inc()
+        judged = Judged(
+            verdicts=verdicts,
+            errors=dict(scores.errors),
+            reviews=self._reviews(messages, scores, keep),
+            scores=scores,
+            elapsed_s=elapsed,
+        )
+        self._remember(messages, scores, latency_ms, keep)
+        n = len(scores.results)
+        self.metrics.messages.inc(n)
+        self.metrics.batch_size.observe(len(messages))
+        self.metrics.batch_seconds.observe(elapsed)
+        self.metrics.probe_seconds.observe(scores.probe_s)
+        if n:
+            self.metrics.message_seconds.observe(elapsed / n)
+        return judged
+
+    def _reviews(
+        self, messages: Sequence[ChatMessage], scores: BatchScores, keep: list[Retain]
+    ) -> list[tuple[int, ReviewRequest]]:
+        candidates: list[tuple[int, ReviewRequest]] = []
+        for pos, results in scores.results.items():
+            msg = messages[pos]
+            if keep[pos] < Retain.ALL:
+                continue  # nothing of a do-not-store message is queued
+            for r in results:
+                flag_score = scores.flag_scores.get((pos, r.probe))
+                reason = review.route(self.review_policy, msg.message_id, flag_score)
+                if reason is None:
+                    continue
+                request = ReviewRequest(
+                    message_id=msg.message_id,
+                    conversation_id=msg.conversation_id,
+                    text=msg.text,
+                    probe=r.probe,
+                    version=r.version,
+                    scores=r.scores,
+                    reason=reason,
+                    created_at=utcnow(),
+                )
+                candidates.append((pos, request))
+        admitted = candidates[: self._review_budget(len(candidates))]
+        self.metrics.reviews_dropped.inc(len(candidates) - len(admitted))
+        for _, req in admitted:
+            self.metrics.reviews.labels(req.reason).inc()
+        return admitted
+
+    def _review_budget(self, wanted: int) -> int:
+        """How many review requests the budget shared by all scorers still admits.
+
+        A fixed window of ``review_window_s`` seconds, counted in Redis, so a flood
+        cannot swamp the reviewers however many scorers run.
+        """
+        if wanted == 0:
+            return 0
+        if not self.redis_breaker.ready():
+            return 0  # Redis is failing: without the shared budget, hold reviews back
+        policy = self.review_policy
+        window = policy.window_s
+        key = self.keys.review_budget(policy.window(time.time()))
+        try:
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.incrby(key, wanted)
+            pipe.expire(key, 2 * window)
+            used = int(pipe.execute()[0])
+        except (redis.RedisError, OSError) as exc:
+            self.metrics.redis_errors.inc()
+            self.redis_breaker.trip()
+            log.warning("review budget unavailable (%s); holding reviews back", exc)
+            return 0  # without the shared budget, err on the side of not flooding reviewers
+        return review.admitted(policy, wanted, used)
+
+    def _remember(
+        self,
+        messages: Sequence[ChatMessage],
+        scores: BatchScores,
+        latency_ms: float,
+        keep: list[Retain],
+    ) -> None:
+        """Text and decisions per message (for label joins), evidence per version.
+
+        Best-effort, one round trip each to the text cache and to the registry's Redis,
+        each behind its own breaker: a failure (a full cache, say) costs label joins or
+        evidence, never the batch, and never the other.
+        """
+        by_pos: dict[int, dict[str, ProbeDecision]] = defaultdict(dict)
+        by_probe: dict[str, list[tuple[ProbeDecision, float]]] = defaultdict(list)
+        for (pos, probe), d in scores.decisions.items():
+            if keep[pos] >= Retain.ALL:
+                by_pos[pos][probe] = d
+            if keep[pos] >= Retain.COUNT:
+                by_probe[probe].append((d, latency_ms))
+        if any(keep[pos] >= Retain.ALL for pos in scores.results):
+            self._cache_texts(messages, scores, by_pos, keep)
+        if not by_probe:
+            return
+        if not self.redis_breaker.ready():
+            self.metrics.redis_skipped.inc()
+            return
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for probe, decisions in by_probe.items():
+                self.evidence.add_scored(pipe, probe, decisions)
+            pipe.execute()
+        except (redis.RedisError, OSError) as exc:
+            self.metrics.redis_errors.inc()
+            self.redis_breaker.trip()
+            log.warning("evidence write failed (%s)", exc)
+
+    def _cache_texts(
+        self,
+        messages: Sequence[ChatMessage],
+        scores: BatchScores,
+        by_pos: dict[int, dict[str, ProbeDecision]],
+        keep: list[Retain],
+    ) -> None:
+        # On the registry's own Redis, the text cache also waits out that Redis's breaker:
+        # tripped by the probe watcher or another write, it means the server is away, and
+        # a write now would only cost the batch one more socket timeout.
+        shared = self.text_redis is self.redis
+        if not self.text_breaker.ready() or (shared and not self.redis_breaker.ready()):
+            self.metrics.redis_skipped.inc()
+            return
+        ttl, cap = self.settings.text_cache_ttl_s, self.settings.text_cache_max_bytes
+        try:
+            pipe = self.text_redis.pipeline(transaction=False)
+            for pos in scores.results:
+                if keep[pos] < Retain.ALL:
+                    continue
+                msg = messages[pos]
+                text = msg.text.encode()
+                if len(text) <= cap:
+                    pipe.set(self.keys.text(msg.message_id), text, ex=ttl)
+                if by_pos.get(pos):
+                    record = DecidedRecord(p=by_pos[pos]).encode()
+                    pipe.set(self.keys.decided(msg.message_id), record, ex=ttl)
+            pipe.execute()
+            self.text_breaker.reset()
+        except (redis.RedisError, OSError) as exc:
+            self.metrics.redis_errors.inc()
+            self.text_breaker.trip()
+            log.warning("text cache write failed (%s); labels may need to carry text", exc)
+
+    def _refused(self, name: str, version: int, why: str) -> None:
+        self.metrics.refused.labels(name).inc()
+        try:
+            self.evidence.record_refusal(name, version, f"{self.worker_id}: {why}")
+        except (redis.RedisError, OSError) as exc:
+            self.metrics.redis_errors.inc()
+            log.warning("could not record the refusal of %s v%d (%s)", name, version, exc)
+
+    def _loaded(self, name: str, version: int) -> None:
+        try:
+            self.evidence.record_load(name, version)
+        except (redis.RedisError, OSError) as exc:
+            self.metrics.redis_errors.inc()
+            log.warning("could not record the load of %s v%d (%s)", name, version, exc)
+
+    # --- probes --------------------------------------------------------------
+
+    @property
+    def threaded(self) -> bool:
+        return self.settings.probe_watch == "thread"
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """The probe watcher thread (``probe_watch=thread``) for the duration of the block."""
+        if self.threaded:
+            self.watcher.start()
+        try:
+            yield
+        finally:
+            if self.threaded:
+                self.watcher.stop()
+
+    def wait_for_probes(self, stop: threading.Event, beat: Callable[[], None]) -> bool:
+        """Block until every probe has a live version (published, the bootstrap checkpoint
+        or the packaged default); False if ``stop`` was set first. ``beat`` is called while
+        waiting (waiting is healthy: liveness probes must not restart us)."""
+        bootstrap = self.settings.bootstrap_checkpoint
+        # The watcher thread's first sync takes a moment: say "waiting" only after it.
+        started = time.monotonic()
+        last_note = started - 9.0 if self.threaded else 0.0
+        while not stop.is_set():
+            if not self.threaded:
+                self.watcher.refresh(force=True)
+            if bootstrap is not None:
+                self._serve_bootstrap(bootstrap)
+            elif self.settings.default_probe and (
+                self.watcher.synced() or time.monotonic() - started > DEFAULT_AFTER_S
+            ):
+                self._serve_packaged_defaults()
+            if self.batch_scorer.ready():
+                log.info("serving %s", self.watcher.versions())
+                return True
+            if time.monotonic() - last_note > 10:
+                missing = [n for n, sl in self.watcher.slots.items() if sl.live is None]
+                log.warning(
+                    "no live version of %s in the registry yet; waiting (publish one with "
+                    "`probeguard train`, or set PROBEGUARD_BOOTSTRAP_CHECKPOINT)",
+                    missing,
+                )
+                last_note = time.monotonic()
+            beat()
+            stop.wait(0.1 if self.threaded else 1.0)
+        return False
+
+    def _serve_bootstrap(self, path: Path) -> None:
+        probe, manifest = load_checkpoint(
+            path, self.extractor.fingerprint, signing_key=self.settings.signing_key
+        )
+        if manifest.probe not in self.watcher.slots:
+            raise ConfigError(
+                f"bootstrap checkpoint {str(path)!r} is for probe {manifest.probe!r}, "
+                f"not one of {self.settings.probe_names}"
+            )
+        self.watcher.serve_bootstrap(manifest.probe, ServedProbe(probe, manifest))
+
+    def _serve_packaged_defaults(self) -> None:
+        """Serve the packaged default (version 0) for every probe with nothing published,
+        once: moderation from the first message, until the registry has a live version."""
+        for name, slot in self.watcher.slots.items():
+            if slot.live is not None or name in self.defaults:
+                continue
+            found = serving_default(self.extractor.fingerprint, name)
+            self.defaults[name] = found.folder if found is not None else None
+            if found is None:
+                log.info("no packaged default for probe %s on this LLM; waiting for one", name)
+                continue
+            self.watcher.serve_bootstrap(name, ServedProbe(found.probe, found.manifest))
+            heads = ", ".join(h.name for h in found.probe.spec.heads)
+            log.info(
+                "serving the packaged default %s as %s v0 (heads: %s) until a version is published",
+                found.folder,
+                name,
+                heads,
+            )
+
+    def serving_note(self) -> tuple[bool, str]:
+        """Whether every probe has a live version, and what is served (for ``/readyz``)."""
+        if not self.batch_scorer.ready():
+            return False, "no live probe loaded yet"
+        versions = self.watcher.versions()
+        packaged = [
+            f"{name}: the packaged default {folder}"
+            for name, folder in self.defaults.items()
+            if folder is not None and versions.get(name, {}).get("live") == 0
+        ]
+        note = f" ({'; '.join(packaged)} until a version is published)" if packaged else ""
+        return True, f"serving {versions}{note}"
