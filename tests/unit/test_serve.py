@@ -1,0 +1,266 @@
+"""``probeguard serve``'s parts that need no server: keys, rate limits, the category and
+attribute mappings, sentence spans and the micro-batcher."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from schemas import ChatMessage, HeadSpec, ProbeResult, ProbeSpec, Verdict, utcnow
+from worker.errors import ConfigError
+from worker.scoring.engine import Judged, Retain
+from worker.serve.app import _spans
+from worker.serve.batcher import MicroBatcher
+from worker.serve.keys import KeyRing, RateLimiter, new_key
+from worker.serve.mapping import attribute_labels, category_labels
+from worker.serve.server import is_loopback
+
+
+def test_a_new_key_verifies_against_its_entry_only() -> None:
+    key, entry = new_key("chat-app")
+    other_key, other = new_key("forum")
+    assert key.startswith("pg.chat-app.") and entry.startswith("chat-app:scrypt$")
+    assert key not in entry  # only the hash is configured
+    ring = KeyRing.parse(f"{entry}, {other}")
+    assert ring.check(key) == "chat-app"
+    assert ring.check(other_key) == "forum"
+    assert ring.check(key[:-1] + ("0" if key[-1] != "0" else "1")) is None
+    assert ring.check(other_key.replace("forum", "chat-app")) is None  # another entry's hash
+    assert ring.check("") is None and ring.check("Bearer x") is None
+    assert "scrypt" not in repr(ring)
+
+
+def test_a_checked_key_is_remembered() -> None:
+    key, entry = new_key("a")
+    ring = KeyRing.parse(entry)
+    assert ring.lookup(key) == (False, None)
+    assert ring.verify(key) == "a"
+    assert ring.lookup(key) == (True, "a")
+    assert ring.verify("pg.a." + "0" * 48) is None
+    assert ring.lookup("pg.a." + "0" * 48) == (True, None)
+
+
+@pytest.mark.parametrize(
+    ("raw", "why"),
+    [
+        ("nocolon", "expected name:scrypt"),
+        ("a:plain-password", "not a scrypt hash"),
+        ("a:scrypt$1000$8$1$AAAA$AAAA", "power of two"),
+        ("bad name:scrypt$1024$8$1$AAAA$AAAA", "expected name"),
+    ],
+)
+def test_malformed_key_entries_are_named_not_shown(raw: str, why: str) -> None:
+    with pytest.raises(ConfigError, match=why) as err:
+        KeyRing.parse(raw)
+    assert "AAAA" not in str(err.value)
+
+
+def test_a_duplicate_key_name_is_refused() -> None:
+    _, entry = new_key("a")
+    with pytest.raises(ConfigError, match="twice"):
+        KeyRing.parse(f"{entry},{entry}")
+
+
+def test_key_names_are_checked() -> None:
+    with pytest.raises(ConfigError, match="must match"):
+        new_key("no spaces")
+
+
+def test_rate_limiter_allows_the_burst_then_says_when() -> None:
+    limiter = RateLimiter(rate=2.0, burst=3)
+    assert [limiter.take("k", now=10.0) for _ in range(3)] == [0.0, 0.0, 0.0]
+    wait = limiter.take("k", now=10.0)
+    assert wait == pytest.approx(0.5)
+    assert limiter.take("other", now=10.0) == 0.0  # buckets are per key
+    assert limiter.take("k", now=10.5) == 0.0  # refilled one token
+
+
+def test_loopback_addresses() -> None:
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1")
+    assert not is_loopback("example.com")
+
+
+def moderation_spec() -> ProbeSpec:
+    return ProbeSpec(
+        name="moderation",
+        token_pool="mean",
+        layer_mix="scalar_mix",
+        layers=[1],
+        hidden_size=8,
+        task="multilabel",
+        labels=["non-toxic", "toxic", "self-harm", "offensive", "sexual/minors"],
+        heads=[
+            HeadSpec(name="toxicity", task="multiclass", labels=["non-toxic", "toxic"]),
+            HeadSpec(name="self-harm", task="multilabel", labels=["self-harm"]),
+            HeadSpec(name="offensive", task="multilabel", labels=["offensive"]),
+            HeadSpec(name="sexual-minors", task="multilabel", labels=["sexual/minors"]),
+        ],
+        flag_labels=["toxic", "self-harm", "sexual/minors"],
+    )
+
+
+def test_categories_leave_out_a_multiclass_heads_other_classes() -> None:
+    assert category_labels(moderation_spec()) == [
+        "toxic",
+        "self-harm",
+        "offensive",
+        "sexual/minors",
+    ]
+    single = ProbeSpec(
+        name="toxicity",
+        token_pool="mean",
+        layer_mix="scalar_mix",
+        layers=[1],
+        hidden_size=8,
+        task="multiclass",
+        labels=["ok", "toxic"],
+        flag_labels=["toxic"],
+    )
+    assert category_labels(single) == ["toxic"]
+
+
+def test_perspective_attributes_map_by_name_and_by_label() -> None:
+    attrs = attribute_labels(moderation_spec())
+    assert attrs["TOXICITY"] == "toxic"
+    assert attrs["PROFANITY"] == "offensive"
+    assert attrs["SELF_HARM"] == "self-harm"
+    assert attrs["SEXUAL_MINORS"] == "sexual/minors"
+    assert "IDENTITY_ATTACK" not in attrs  # no hate label
+    assert "SEVERE_TOXICITY" not in attrs
+
+
+@pytest.mark.parametrize(
+    ("text", "spans"),
+    [
+        ("One sentence only", []),
+        ("  Hi there.  How are you?\nFine", ["Hi there.", "How are you?", "Fine"]),
+        ("Wait... what?!", ["Wait...", "what?!"]),
+        ("a. " * 20, ["a."] * 15 + ["a. " * 4 + "a."]),
+    ],
+)
+def test_sentence_spans(text: str, spans: list[str]) -> None:
+    got = _spans(text)
+    assert [text[b:e] for b, e in got] == spans
+    assert all(0 <= b < e <= len(text) for b, e in got)
+
+
+def msg(i: int) -> ChatMessage:
+    return ChatMessage(message_id=f"m{i}", conversation_id="c", text=f"t{i}", created_at=utcnow())
+
+
+class RecordingJudge:
+    """Scores nothing: records each batch and answers a verdict per message."""
+
+    def __init__(self, fail_on: str | None = None, delay_s: float = 0.0) -> None:
+        self.batches: list[list[str]] = []
+        self.fail_on = fail_on
+        self.delay_s = delay_s
+
+    def __call__(self, messages: list[ChatMessage], retain: list[Retain]) -> Judged:
+        self.batches.append([m.message_id for m in messages])
+        time.sleep(self.delay_s)
+        if self.fail_on in self.batches[-1]:
+            raise RuntimeError("boom")
+        result = ProbeResult(
+            probe="p", version=1, scores={"ok": 1.0}, predicted=["ok"], flagged=False
+        )
+        verdicts = {
+            i: Verdict(
+                verdict_id=Verdict.make_id(m.message_id, [result]),
+                message_id=m.message_id,
+                conversation_id=m.conversation_id,
+                decision="allow",
+                results=[result],
+                latency_ms=1.0,
+                worker_id="w",
+                scored_at=utcnow(),
+            )
+            for i, m in enumerate(messages)
+        }
+        return Judged(verdicts=verdicts, errors={})
+
+
+def batcher(judge: RecordingJudge, **kw: float) -> MicroBatcher:
+    options = {"max_batch": 4, "max_wait_s": 0.2, **kw}
+    return MicroBatcher(judge, CollectorRegistry(), **options).start()  # type: ignore[arg-type]
+
+
+def test_requests_arriving_within_the_wait_share_a_batch_and_get_their_own_results() -> None:
+    judge = RecordingJudge()
+    b = batcher(judge)
+    try:
+        first = b.submit([msg(0)], [Retain.ALL])
+        second = b.submit([msg(1), msg(2)], [Retain.ALL, Retain.ALL])
+        one, two = first.result(5), second.result(5)
+    finally:
+        b.stop()
+    assert judge.batches == [["m0", "m1", "m2"]]
+    assert [v.message_id for v in one.verdicts.values()] == ["m0"]
+    assert {i: v.message_id for i, v in two.verdicts.items()} == {0: "m1", 1: "m2"}
+
+
+def test_a_request_never_splits_and_a_full_batch_does_not_wait() -> None:
+    judge = RecordingJudge()
+    b = batcher(judge, max_batch=3, max_wait_s=5.0)
+    try:
+        start = time.monotonic()
+        futures = [b.submit([msg(i), msg(i + 10)], [Retain.ALL] * 2) for i in range(3)]
+        for f in futures:
+            f.result(20)
+    finally:
+        b.stop()
+    # 2 + 2 > 3: every request is a batch of its own, never split across two.
+    assert judge.batches == [["m0", "m10"], ["m1", "m11"], ["m2", "m12"]]
+    assert time.monotonic() - start < 16  # the wait is bounded from each request's arrival
+
+
+def test_a_failing_batch_fails_its_requests_not_the_thread() -> None:
+    judge = RecordingJudge(fail_on="m0")
+    b = batcher(judge, max_wait_s=0.0)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            b.submit([msg(0)], [Retain.ALL]).result(5)
+        assert b.submit([msg(1)], [Retain.ALL]).result(5).verdicts[0].message_id == "m1"
+        assert b.alive()
+    finally:
+        b.stop()
+
+
+def test_requests_queued_while_a_batch_is_scored_join_the_next_without_waiting() -> None:
+    judge = RecordingJudge(delay_s=0.3)
+    b = batcher(judge, max_batch=8, max_wait_s=0.25)
+    try:
+        first = b.submit([msg(0)], [Retain.ALL])
+        time.sleep(0.3)  # the first batch (m0) is being scored
+        later = [b.submit([msg(i)], [Retain.ALL]) for i in (1, 2, 3)]
+        first.result(5)
+        done = threading.Event()
+        later[-1].add_done_callback(lambda _f: done.set())
+        assert done.wait(5)
+    finally:
+        b.stop()
+    assert judge.batches == [["m0"], ["m1", "m2", "m3"]]
+
+
+def test_serve_key_prints_a_key_then_its_entry(capsys: pytest.CaptureFixture[str]) -> None:
+    from worker.cli import main
+
+    assert main(["serve", "key", "chat-app"]) == 0
+    key, entry = capsys.readouterr().out.splitlines()
+    assert KeyRing.parse(entry).check(key) == "chat-app"
+
+
+def test_serve_without_keys_says_how_to_make_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from worker.cli import main
+
+    monkeypatch.delenv("PROBEGUARD_SERVE_API_KEYS", raising=False)
+    assert main(["serve", "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "PROBEGUARD_SERVE_API_KEYS" in err and "probeguard serve key" in err
+    assert "--no-auth" in err
