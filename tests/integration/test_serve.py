@@ -411,3 +411,36 @@ def test_without_keys_it_listens_on_loopback_only(settings: Settings, redis_ns) 
     s = settings.model_copy(update={"probes": PROBE, "serve_port": 0})
     with pytest.raises(ConfigError, match="loopback"):
         ModerationServer(s, extractor(), redis_ns.client, keys=None, host="0.0.0.0")
+
+
+def test_the_canary_gets_whole_conversations(serve, redis_ns: RedisNamespace) -> None:
+    live = publish(redis_ns, seed=0)
+    fp = extractor().fingerprint
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, PROBE)
+    canary = publish_probe(
+        registry, fp, probe=build_probe(moderation_spec(fp.hidden_size), seed=1), set_live=False
+    )
+    registry.set_stages(
+        "canary", set_fields={"canary": canary, "canary_share": 0.5}, version=canary
+    )
+    served = serve()
+    deadline = time.monotonic() + 30
+    while served.server.service.engine.watcher.slots[PROBE].canary is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    client = served.openai()
+
+    def model(conversation: str) -> str:
+        return client.moderations.create(
+            input="same text", extra_headers={"X-Probeguard-Conversation": conversation}
+        ).model
+
+    by_conversation = {c: model(c) for c in (f"conv-{i}" for i in range(16))}
+    assert set(by_conversation.values()) == {f"{PROBE}@v{live}", f"{PROBE}@v{canary}"}
+    assert all(model(c) == m for c, m in list(by_conversation.items())[:4])  # sticky
+    session = served.analyze(
+        {"comment": {"text": "x"}, "requestedAttributes": {"TOXICITY": {}}, "sessionId": "conv-1"}
+    )
+    mid = session.headers["X-Probeguard-Message-Id"]
+    decided = DecidedRecord.decode(redis_ns.client.get(redis_ns.keys.decided(mid)) or b"")
+    assert f"{PROBE}@v{decided.p[PROBE].v}" == by_conversation["conv-1"]
