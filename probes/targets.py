@@ -11,7 +11,10 @@ head the example does not annotate: unknown, masked out of the loss and the metr
 taken as negative. A label naming its ``head`` annotates that head alone (for a
 multilabel head, the labels named are its positives and the rest negative: ``[]`` is a
 negative). One without a head annotates only the heads it names a label of, so a label
-written for a single-head probe (``"toxic"``) never says anything of the other heads.
+written for a single-head probe (``"toxic"``) never says anything of the other heads;
+unless it is *exhaustive* (a reviewer judged every head): then every head none of whose
+labels is named is a negative, a multiclass head by its one class that does not flag
+(one with several such classes stays unknown: which of them is meant cannot be told).
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ __all__ = ["annotated", "encode_target", "encode_targets", "head_targets"]
 
 
 def encode_target(
-    spec: ProbeSpec, names: Sequence[str], head: str | None = None
+    spec: ProbeSpec, names: Sequence[str], head: str | None = None, *, exhaustive: bool = False
 ) -> tuple[torch.Tensor, int]:
     """``(target, balance bucket)`` for one example labeled ``names`` (for ``head`` alone,
-    when given).
+    when given; for every head of a multi-head probe when ``exhaustive``).
 
     Raises :class:`ProbeError` saying why the labels cannot be learned by ``spec``.
     """
@@ -43,7 +46,7 @@ def encode_target(
         where = f"head {head!r}'s" if head is not None else "the probe's"
         raise ProbeError(f"labels {unknown} are not among {where} {space}")
     if spec.heads:
-        return _encode_heads(spec, names, head)
+        return _encode_heads(spec, names, head, exhaustive)
     if spec.task == "multiclass":
         if len(names) != 1:
             raise ProbeError(f"a multiclass probe needs exactly one label, got {list(names)}")
@@ -57,13 +60,18 @@ def encode_target(
 
 
 def _encode_heads(
-    spec: ProbeSpec, names: Sequence[str], head: str | None
+    spec: ProbeSpec, names: Sequence[str], head: str | None, exhaustive: bool = False
 ) -> tuple[torch.Tensor, int]:
     target = torch.full((len(spec.labels),), float("nan"))
     for h in spec.head_specs:
         mine = [n for n in names if n in h.labels]
-        if head not in (None, h.name) or (head is None and not mine):
+        if head not in (None, h.name) or (head is None and not mine and not exhaustive):
             continue
+        if h.task == "multiclass" and not mine and exhaustive:  # its class that does not flag
+            calm = [x for x in h.labels if x not in spec.flag_labels]
+            if len(calm) != 1:
+                continue
+            mine = calm
         if h.task == "multiclass" and len(mine) != 1:
             raise ProbeError(f"multiclass head {h.name!r} needs exactly one label, got {mine}")
         cols = spec.head_columns(h.name)

@@ -98,7 +98,9 @@ class HumanLabel(WireModel):
 
     ``head`` addresses one head of a multi-head probe: the label says nothing of the other
     heads (unknown, never negative), and ``labels: []`` is a negative for that head.
-    Without it, a label annotates the heads it names a label of.
+    Without it, a label annotates the heads it names a label of, unless it is
+    ``exhaustive``: the labeler judged every head (a reviewer who saw them all), so a head
+    none of whose labels is given is a negative (``labels: []``: nothing applies).
     """
 
     schema_version: Literal[1] = 1
@@ -110,6 +112,7 @@ class HumanLabel(WireModel):
     labeler_id: Id
     created_at: AwareDatetime
     text: Text | None = None
+    exhaustive: bool | None = None  # every head judged; None/False: only those named
 
     @field_validator("labels")
     @classmethod
@@ -124,6 +127,8 @@ class HumanLabel(WireModel):
     def _exactly_one(self) -> HumanLabel:
         if (self.label is None) == (self.labels is None):
             raise ValueError("give exactly one of 'label' (multi-class) or 'labels' (multi-label)")
+        if self.exhaustive and self.head is not None:
+            raise ValueError("a label for one 'head' cannot also be 'exhaustive'")
         return self
 
     @property
@@ -133,7 +138,7 @@ class HumanLabel(WireModel):
 
     @model_serializer(mode="wrap")
     def _compact(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
-        return _omit_none(self, handler, ("head",))
+        return _omit_none(self, handler, ("head", "exhaustive"))
 
 
 class ShadowResult(WireModel):

@@ -334,3 +334,49 @@ def test_the_flusher_keeps_answers_whose_send_raised(
     q._send_due()
     assert len(q.producer.sent) == 1 and q.sent == 1
     assert not q.sending and q.stats().held == 0 and key not in q.items
+
+
+def test_a_multi_head_answer_judges_every_head(
+    qsettings: Settings, redis_ns: RedisNamespace, queues: list[ReviewQueue]
+) -> None:
+    from schemas import HeadSpec, ProbeSpec
+    from worker.kafka.clients import ensure_topics
+
+    spec = ProbeSpec(
+        name="moderation",
+        token_pool="mean",
+        layer_mix="scalar_mix",
+        layers=[1],
+        hidden_size=8,
+        task="multilabel",
+        labels=["non-toxic", "toxic", "hate", "violence"],
+        heads=[
+            HeadSpec(name="toxicity", task="multiclass", labels=["non-toxic", "toxic"]),
+            HeadSpec(name="hate", task="multilabel", labels=["hate"]),
+            HeadSpec(name="violence", task="multilabel", labels=["violence"]),
+        ],
+        flag_labels=["toxic", "hate", "violence"],
+    )
+    put(qsettings, 2)
+    ensure_topics(qsettings, partitions=2)
+    q = ReviewQueue(qsettings, redis_ns.client, spec_of=lambda *_: spec).start()
+    queues.append(q)
+    assert q.ready.wait(30)
+    wait_until(lambda: q.stats().waiting == 2, "the items to arrive")
+    first = q.next_item("ann")
+    assert first is not None
+    assert [(h.name, h.labels, h.multiclass) for h in first.heads] == [
+        ("toxicity", ("non-toxic", "toxic"), True),
+        ("hate", ("hate",), False),
+        ("violence", ("violence",), False),
+    ]
+    with pytest.raises(ReviewError, match="toxicity: choose at most one"):
+        q.answer("ann", first.key, ["non-toxic", "toxic"])
+    q.answer("ann", first.key, ["toxic", "hate"])
+    second = q.next_item("ann")
+    assert second is not None
+    q.answer("ann", second.key, [])  # nothing applies: a no for every head
+    sent = {lb.message_id: lb for lb in labels(qsettings, 2)}
+    assert sent[first.request.message_id].labels == ["toxic", "hate"]
+    assert sent[second.request.message_id].labels == []
+    assert all(lb.exhaustive for lb in sent.values())

@@ -11,8 +11,9 @@ from probes import ProbeError, build_probe, decide, encode_target, encode_target
 from probes.learner import Learner
 from probes.metrics import choose_thresholds, evaluate, recall_at_fpr
 from probes.targets import annotated, head_targets
-from schemas import HeadSpec, ProbeSpec
+from schemas import HeadSpec, HumanLabel, ProbeSpec, utcnow
 from tests.unit.synthetic import make_spec, toy_task
+from worker.learning.labels import flag_truths
 
 NAN = float("nan")
 
@@ -69,6 +70,48 @@ def test_a_label_for_one_head_leaves_the_others_unknown() -> None:
     assert annotated(spec, targets)["topic"].tolist() == [False, True]
     assert annotated(spec, targets)["toxicity"].tolist() == [True, True]
     assert head_targets(spec, targets, "topic").tolist() == [1]
+
+
+def test_an_exhaustive_label_is_a_negative_for_every_head_it_leaves_blank() -> None:
+    spec = heads_spec()
+    # A reviewer who judged every head: nothing applies is a negative, not "unknown"...
+    nothing, _ = encode_target(spec, [], exhaustive=True)
+    # ...but a multiclass head with two classes that do not flag stays unknown.
+    torch.testing.assert_close(nothing, torch.tensor([0.0, NAN, NAN]), equal_nan=True)
+    topic, _ = encode_target(spec, ["spam"], exhaustive=True)
+    torch.testing.assert_close(topic, torch.tensor([0.0, 0.0, 1.0]))
+    binary = ProbeSpec.model_validate(
+        {
+            **{k: v for k, v in spec.model_dump().items() if k != "labels"},
+            "flag_labels": ["toxic", "spam"],
+        }
+    )
+    calm, _ = encode_target(binary, [], exhaustive=True)
+    torch.testing.assert_close(calm, torch.tensor([0.0, 1.0, 0.0]))  # topic: its calm class
+    with pytest.raises(ValidationError, match="cannot also be 'exhaustive'"):
+        HumanLabel(
+            message_id="m",
+            head="topic",
+            labels=[],
+            exhaustive=True,
+            labeler_id="r",
+            created_at=utcnow(),
+        )
+    plain = HumanLabel(message_id="m", labels=[], labeler_id="r", created_at=utcnow())
+    assert b"exhaustive" not in plain.encode()  # old consumers see the same bytes
+
+
+def test_an_exhaustive_no_is_a_flag_truth_and_a_plain_one_is_not() -> None:
+    spec = heads_spec()
+    common = {"labeler_id": "r", "created_at": utcnow(), "labels": []}
+    said = flag_truths(
+        spec,
+        [
+            HumanLabel(message_id="judged", exhaustive=True, **common),
+            HumanLabel(message_id="plain", **common),
+        ],
+    )
+    assert said == [("judged", False)]
 
 
 def test_unannotated_heads_add_nothing_to_the_loss_or_the_gradient() -> None:

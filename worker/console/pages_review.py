@@ -25,7 +25,7 @@ __all__ = ["router"]
 
 log = logging.getLogger(__name__)
 router = APIRouter()
-KEYS = "123456789"
+KEYS = "1234567890qwertyiop"  # not s, u: skip and undo
 
 
 def _queue(console: Console) -> Any:

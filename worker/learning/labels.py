@@ -44,7 +44,7 @@ def _says_no_flag_head_flags(spec: ProbeSpec, label: HumanLabel) -> bool:
     """Whether a label without a flag label is a negative for the whole flag decision: it
     annotates every head that can flag (a multi-head label for one other head says nothing
     of whether the message should be flagged)."""
-    if not spec.heads:
+    if not spec.heads or label.exhaustive:
         return True
     flagging = {spec.head_of(x).name for x in spec.flag_labels}
     named = {label.head} if label.head else {spec.head_of(n).name for n in label.all_labels}

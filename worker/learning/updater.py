@@ -273,7 +273,10 @@ class Updater:
                 rejects.append(Reject(item, "unjoinable", why))
                 continue
             try:
-                target, bucket = encode_target(spec, item.value.all_labels, item.value.head)
+                label = item.value
+                target, bucket = encode_target(
+                    spec, label.all_labels, label.head, exhaustive=bool(label.exhaustive)
+                )
             except ProbeError as exc:
                 rejects.append(Reject(item, "unknown_label", str(exc)))
                 continue

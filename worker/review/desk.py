@@ -18,7 +18,7 @@ from typing import Any
 
 from kafka import TopicPartition
 
-from schemas import HumanLabel, ReviewRequest, utcnow
+from schemas import HumanLabel, ProbeSpec, ReviewRequest, utcnow
 from worker.errors import ReviewError
 from worker.kafka.offsets import OffsetTracker
 from worker.review.claims import ClaimStore, is_done
@@ -41,6 +41,20 @@ class ReviewItem:
     arrived: float
     record_key: bytes | None = None  # the Kafka key it came with (kept when put back)
     set_aside: float | None = None  # monotonic time of its first skip
+    # A multi-head probe's heads: the reviewer judges every one (an exhaustive label).
+    heads: tuple[HeadChoice, ...] = ()
+
+
+@dataclass(frozen=True)
+class HeadChoice:
+    name: str
+    labels: tuple[str, ...]
+    multiclass: bool
+
+    @classmethod
+    def of(cls, spec: ProbeSpec | None) -> tuple[HeadChoice, ...]:
+        heads = spec.heads if spec is not None else []
+        return tuple(cls(h.name, tuple(h.labels), h.task == "multiclass") for h in heads)
 
 
 @dataclass
@@ -221,6 +235,13 @@ class ReviewDesk:
             "text": req.text,
             "probe": req.probe,  # the probe that asked learns it (and no other)
         }
+        if item.heads:
+            # The reviewer saw every head: a head left blank is a no, not unknown.
+            for head in item.heads:
+                mine = [x for x in labels if x in head.labels]
+                if head.multiclass and len(mine) > 1:
+                    raise ReviewError(f"{head.name}: choose at most one of {mine}")
+            return HumanLabel(labels=list(labels), exhaustive=True, **common)
         if item.multilabel:
             return HumanLabel(labels=list(labels), **common)
         if len(labels) != 1:

@@ -60,7 +60,7 @@ from worker.errors import TransientError
 from worker.kafka.batch_loop import BatchLoop, Item, Outgoing
 from worker.kafka.clients import consumer_lag, make_consumer, make_producer
 from worker.review.claims import is_done
-from worker.review.desk import Held, ReviewDesk, ReviewItem
+from worker.review.desk import HeadChoice, Held, ReviewDesk, ReviewItem
 from worker.settings import Settings
 
 __all__ = ["QueueStats", "ReviewItem", "ReviewQueue"]
@@ -252,6 +252,7 @@ class ReviewQueue(ReviewDesk):
                 choices=choices,
                 multilabel=spec is not None and spec.task == "multilabel",
                 flag_labels=tuple(spec.flag_labels) if spec else (),
+                heads=HeadChoice.of(spec),
                 offsets=[(tp, offset)],
                 arrived=time.time(),
                 record_key=it.key,
