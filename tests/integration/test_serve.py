@@ -147,6 +147,8 @@ def test_a_label_credits_the_version_that_judged_the_call(serve, redis_ns: Redis
         assert raw is not None
         assert DecidedRecord.decode(raw).p[PROBE].v == version
         assert redis_ns.client.get(redis_ns.keys.text(f"{got.id}-{i}")) == [b"first", b"second"][i]
+    # Reviews are not sent (PROBEGUARD_SERVE_REVIEW is off): the scorers' budget is untouched.
+    assert not list(redis_ns.client.scan_iter(match=f"{redis_ns.prefix}:review_budget*"))
 
 
 def test_refusals_in_openais_shape(serve, redis_ns: RedisNamespace) -> None:

@@ -50,5 +50,6 @@ def _run(args: argparse.Namespace) -> int:
         bootstrap_checkpoint=args.bootstrap_checkpoint,
         shadow=args.shadow,
     )
-    scorer = Scorer(settings, HiddenStateExtractor.from_settings(settings), make_redis(settings))
+    client = make_redis(settings)  # a missing Redis is said before the LLM loads
+    scorer = Scorer(settings, HiddenStateExtractor.from_settings(settings), client)
     return serve(scorer, "finishing the batch in hand, then leaving")

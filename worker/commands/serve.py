@@ -77,9 +77,10 @@ def _run(args: argparse.Namespace) -> int:
             "no API keys: set PROBEGUARD_SERVE_API_KEYS (`probeguard serve key NAME` prints "
             "an entry), or pass --no-auth to serve without keys on loopback"
         )
+    client = make_redis(settings)  # a missing Redis is said before the LLM loads
     extractor = HiddenStateExtractor.from_settings(settings)
     server = ModerationServer(
-        settings, extractor, make_redis(settings), keys=None if args.no_auth else keys
+        settings, extractor, client, keys=None if args.no_auth else keys
     ).start()
     print(f"serve: {server.url} (Ctrl-C stops)", flush=True)
     done = threading.Event()

@@ -133,11 +133,16 @@ class ScoringEngine:
     # --- the batch -----------------------------------------------------------
 
     def judge(
-        self, messages: Sequence[ChatMessage], *, retain: Sequence[Retain] | None = None
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        retain: Sequence[Retain] | None = None,
+        review: bool = True,
     ) -> Judged:
-        """Score ``messages``; verdicts, review requests within budget, texts and decisions
-        written for label joins and evidence, as each message's ``retain`` allows
-        (``Retain.ALL`` for every message by default)."""
+        """Score ``messages``; verdicts, review requests within budget (``review``: none
+        are asked for, and the shared budget is left alone, when nobody will send them),
+        texts and decisions written for label joins and evidence, as each message's
+        ``retain`` allows (``Retain.ALL`` for every message by default)."""
         start = time.perf_counter()
         scores = self.batch_scorer.score(messages)
         elapsed = time.perf_counter() - start
@@ -163,7 +168,7 @@ class ScoringEngine:
         judged = Judged(
             verdicts=verdicts,
             errors=dict(scores.errors),
-            reviews=self._reviews(messages, scores, keep),
+            reviews=self._reviews(messages, scores, keep) if review else [],
             scores=scores,
             elapsed_s=elapsed,
         )

@@ -79,7 +79,9 @@ class Service:
         )
         self.outbox = Outbox(settings, self.collector)
         self.batcher = MicroBatcher(
-            lambda messages, retain: self.engine.judge(messages, retain=retain),
+            lambda messages, retain: self.engine.judge(
+                messages, retain=retain, review=settings.serve_review
+            ),
             self.collector,
             max_batch=settings.serve_max_batch,
             max_wait_s=settings.serve_max_wait_ms / 1000.0,
