@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from worker.rollout.policy import Action
 
 __all__ = ["UpdaterMetrics"]
 
@@ -47,6 +50,11 @@ class UpdaterMetrics:
             ["action"],
             registry=r,
         )
+        # At 0 from the start: deploy/alerts.yml alerts on increase(...{action="rollback"}),
+        # which misses the first rollback of a series that has no earlier sample.
+        for action in get_args(Action):
+            if action != "none":
+                self.stage_changes.labels(action)
         self.skipped = Counter(
             "probeguard_updater_labels_skipped",
             "Labels left to other probes (addressed to another, or labels this probe lacks)",

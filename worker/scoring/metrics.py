@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 __all__ = ["ScorerMetrics"]
@@ -75,3 +77,11 @@ class ScorerMetrics:
             "Batches whose text cache/evidence writes were skipped while Redis was failing",
             registry=r,
         )
+
+    def serving(self, probes: Iterable[str]) -> None:
+        """Export the per-probe counters at 0 from the start: an alert on ``increase()``
+        (deploy/alerts.yml) misses a series' first increment when it has no earlier sample,
+        so a scorer's first refused checkpoint would otherwise never alert."""
+        for name in probes:
+            for counter in (self.refused, self.untrusted, self.flags):
+                counter.labels(name)
