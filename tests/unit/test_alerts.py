@@ -8,8 +8,6 @@ test` and .ci/run run); without it those two tests skip, except under CI.
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +17,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
-from tests.unit.metric_names import defined, exposed, metric_names
+from tests.unit.prometheus_helpers import defined, exposed, metric_names, promtool
 from worker.console.metrics import console_metrics
 from worker.kafka.runtime import RoleRuntime
 from worker.learning.metrics import UpdaterMetrics
@@ -31,15 +29,6 @@ DEPLOY = ROOT / "deploy"
 RULES = DEPLOY / "alerts.yml"
 RULE_TESTS = DEPLOY / "alerts_test.yml"
 SEVERITIES = {"critical", "warning"}
-
-
-def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("promtool is not installed (.ci/run installs it: make prometheus-deps)")
-        pytest.skip("needs promtool from Debian's prometheus package (make prometheus-deps)")
-    return path
 
 
 def run_promtool(*args: str) -> str:
@@ -166,6 +155,11 @@ def test_the_name_check_bites() -> None:
     expr = (
         'histogram_quantile(0.99, sum by (job, le) (rate(probeguard_x_bucket{le="+Inf",'
         ' job=~"a|b"}[5m]))) > 1 and on (instance) probeguard_y offset 1h or vector(0)'
-        " unless deriv(sum(probeguard_z)[10m:1m]) > 0"
+        " unless deriv(sum(probeguard_z)[10m:1m]) > 0 * on (instance) group_left probeguard_w"
     )
-    assert metric_names(expr) == {"probeguard_x_bucket", "probeguard_y", "probeguard_z"}
+    assert metric_names(expr) == {
+        "probeguard_x_bucket",
+        "probeguard_y",
+        "probeguard_z",
+        "probeguard_w",
+    }

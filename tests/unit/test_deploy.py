@@ -515,6 +515,7 @@ def test_docs_point_to_every_deploy_file() -> None:
         "prometheus.yml",
         "alerts.yml",
         "alerts_test.yml",
+        "grafana-dashboard.json",
         "k8s/",
     ):
         assert f"`{name}`" in guide

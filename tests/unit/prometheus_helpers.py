@@ -1,6 +1,6 @@
-"""The Prometheus names the code exports, read from its source, and the metric names a
-PromQL expression uses: what deploy/alerts.yml and deploy/grafana-dashboard.json are
-checked against (tests/unit/test_alerts.py, tests/unit/test_dashboard.py).
+"""For the tests of deploy/alerts.yml and deploy/grafana-dashboard.json
+(tests/unit/test_alerts.py, tests/unit/test_dashboard.py): the Prometheus names the code
+exports, read from its source; the metric names a PromQL expression uses; promtool.
 
 Read statically, so a metric defined anywhere under ``worker/`` counts without starting
 the role that defines it: every ``Counter``/``Gauge``/``Histogram``/``Summary`` call with a
@@ -11,9 +11,13 @@ literal name, and ``f"probeguard_{role}_..."`` expanded over the ``role=`` of ev
 from __future__ import annotations
 
 import ast
+import os
 import re
+import shutil
 from functools import cache
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,9 +95,20 @@ def metric_names(expr: str) -> set[str]:
     text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
     text = re.sub(r"\[[^\]]*\]", "[]", text)  # ranges and subqueries: [10m:1m]
     words = {m.group(0) for m in _IDENT.finditer(text) if not _is_call(text, m.end())}
-    keywords = {"and", "or", "unless", "bool", "offset", "inf", "nan", "Inf", "NaN"}
+    keywords = {"and", "or", "unless", "bool", "offset", "group_left", "group_right"}
+    keywords |= {"inf", "nan", "Inf", "NaN"}
     return {w for w in words if w not in keywords and not re.fullmatch(r"\d\w*", w)}
 
 
 def _is_call(text: str, end: int) -> bool:
     return text[end:].lstrip().startswith("(")
+
+
+def promtool() -> str:
+    """promtool's path; skips the test without it, except under CI (which installs it)."""
+    path = shutil.which("promtool")
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("promtool is not installed (.ci/run installs it: make prometheus-deps)")
+        pytest.skip("needs promtool from Debian's prometheus package (make prometheus-deps)")
+    return path
