@@ -7,6 +7,7 @@ from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from schemas import DeadLetterKind
 from worker.rollout.policy import Action
 
 __all__ = ["UpdaterMetrics"]
@@ -23,6 +24,8 @@ class UpdaterMetrics:
         self.dead_letters = Counter(
             "probeguard_updater_dead_letters", "Labels dead-lettered", ["kind"], registry=r
         )
+        for kind in get_args(DeadLetterKind):  # at 0, as stage_changes below
+            self.dead_letters.labels(kind)
         self.prequential = Gauge(
             "probeguard_updater_prequential",
             "Windowed test-then-train metric",

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from schemas import DeadLetterKind
 
 __all__ = ["ScorerMetrics"]
 
@@ -19,6 +22,8 @@ class ScorerMetrics:
         self.dead_letters = Counter(
             "probeguard_scorer_dead_letters", "Payloads dead-lettered", ["kind"], registry=r
         )
+        for kind in get_args(DeadLetterKind):  # at 0: a burst's rate() is not lost (see serving)
+            self.dead_letters.labels(kind)
         self.batch_size = Histogram(
             "probeguard_scorer_batch_size",
             "Messages per batch",
