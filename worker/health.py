@@ -87,7 +87,12 @@ class HealthServer:
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    # The client gave up first (a scrape past its scrape_timeout while the
+                    # LLM holds the CPU): nothing to answer, and no traceback on stderr.
+                    self.close_connection = True
 
             def log_message(self, format: str, *args: object) -> None:
                 pass  # scrapes every few seconds would drown the log

@@ -364,6 +364,11 @@ def test_prometheus_scrapes_every_role_on_its_metrics_port(
     assert scraped == set(roles)
     mounts = compose()["services"]["prometheus"]["volumes"]
     assert "./prometheus.yml:/etc/prometheus/prometheus.yml:ro" in mounts
+    # Rule files resolve next to the config: each is mounted there (alerts.yml).
+    assert config["rule_files"], "no alert rules loaded"
+    for name in config["rule_files"]:
+        assert (DEPLOY / name).is_file(), name
+        assert f"./{name}:/etc/prometheus/{name}:ro" in mounts
 
 
 # --- kubernetes ------------------------------------------------------------------------
@@ -504,5 +509,16 @@ def test_kustomize_renders() -> None:
 def test_docs_point_to_every_deploy_file() -> None:
     assert "deploy/README.md" in (ROOT / "README.md").read_text()
     guide = (DEPLOY / "README.md").read_text()
-    for name in ("Dockerfile", "docker-compose.yml", "prometheus.yml", "k8s/"):
+    for name in (
+        "Dockerfile",
+        "docker-compose.yml",
+        "prometheus.yml",
+        "alerts.yml",
+        "alerts_test.yml",
+        "grafana-dashboard.json",
+        "k8s/",
+    ):
         assert f"`{name}`" in guide
+    listed = {p.name for p in DEPLOY.iterdir() if p.is_file()} - {"README.md", ".env"}
+    missing = {name for name in listed if f"`{name}`" not in guide}
+    assert not missing, f"deploy/README.md does not mention {sorted(missing)}"

@@ -14,10 +14,12 @@ from typing import Any
 import jinja2
 from fastapi import Request
 from fastapi.responses import HTMLResponse
+from prometheus_client import CollectorRegistry
 
 from worker.console import web
 from worker.console.auth import LoginThrottle, User
 from worker.console.explainer import Explainer, SpecCache
+from worker.console.metrics import console_metrics
 from worker.review.queue import ReviewQueue
 from worker.settings import Settings
 from worker.store.evidence import EvidenceStore
@@ -39,6 +41,7 @@ class Console:
     texts: Any = field(init=False)  # the text store's Redis (PROBEGUARD_TEXT_REDIS_URL)
     evidence: EvidenceStore = field(init=False)
     specs: SpecCache = field(init=False)
+    collector: CollectorRegistry = field(init=False)  # served on /metrics
     env: jinja2.Environment = field(default_factory=web.templates)
     throttle: LoginThrottle = field(default_factory=LoginThrottle)
 
@@ -47,6 +50,7 @@ class Console:
         self.texts = make_text_redis(self.settings, self.client)
         self.evidence = EvidenceStore.from_settings(self.client, self.settings, cache=self.texts)
         self.specs = SpecCache(self.client, self.keys)
+        self.collector = console_metrics(self.queue)
 
     def page(self, request: Request, name: str, status: int = 200, **values: Any) -> HTMLResponse:
         """Render ``name`` with the common values (user, CSRF token, flash, probes)."""

@@ -1,4 +1,4 @@
-"""Signing in and out, the root redirect and ``/healthz``.
+"""Signing in and out, the root redirect, ``/healthz`` and ``/metrics``.
 
 Sessions are described in :mod:`worker.console.web`; a failed sign-in costs the same
 time whether or not the user exists, and repeated failures for one name are throttled.
@@ -11,6 +11,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Form, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
 from worker.console import web
@@ -30,6 +31,13 @@ _DUMMY = User("-", "reviewer", hash_password(secrets.token_urlsafe(16)))
 @router.get("/healthz", include_in_schema=False)
 def healthz() -> PlainTextResponse:
     return PlainTextResponse("ok")
+
+
+@router.get("/metrics", include_in_schema=False)
+def metrics(request: Request) -> Response:
+    """Prometheus text, without a session (as ``/healthz``): counts only, no content."""
+    collector = console_of(request).collector
+    return Response(generate_latest(collector), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/")

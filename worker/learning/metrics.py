@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from schemas import DeadLetterKind
+from worker.rollout.policy import Action
 
 __all__ = ["UpdaterMetrics"]
 
@@ -20,6 +24,8 @@ class UpdaterMetrics:
         self.dead_letters = Counter(
             "probeguard_updater_dead_letters", "Labels dead-lettered", ["kind"], registry=r
         )
+        for kind in get_args(DeadLetterKind):  # at 0, as stage_changes below
+            self.dead_letters.labels(kind)
         self.prequential = Gauge(
             "probeguard_updater_prequential",
             "Windowed test-then-train metric",
@@ -47,6 +53,11 @@ class UpdaterMetrics:
             ["action"],
             registry=r,
         )
+        # At 0 from the start: deploy/alerts.yml alerts on increase(...{action="rollback"}),
+        # which misses the first rollback of a series that has no earlier sample.
+        for action in get_args(Action):
+            if action != "none":
+                self.stage_changes.labels(action)
         self.skipped = Counter(
             "probeguard_updater_labels_skipped",
             "Labels left to other probes (addressed to another, or labels this probe lacks)",

@@ -95,6 +95,7 @@ class ScoringEngine:
         self.keys = Keys(settings.redis_prefix)
         self.worker_id = worker_id
         self.metrics = metrics
+        metrics.serving(settings.probe_names)
         self.evidence = EvidenceStore.from_settings(redis_client, settings, cache=self.text_redis)
         # One breaker for every best-effort Redis call: after a failure, batches skip Redis
         # for a few seconds rather than each waiting on a socket timeout.

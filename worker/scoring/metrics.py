@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import get_args
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from schemas import DeadLetterKind
 
 __all__ = ["ScorerMetrics"]
 
@@ -17,6 +22,8 @@ class ScorerMetrics:
         self.dead_letters = Counter(
             "probeguard_scorer_dead_letters", "Payloads dead-lettered", ["kind"], registry=r
         )
+        for kind in get_args(DeadLetterKind):  # at 0: a burst's rate() is not lost (see serving)
+            self.dead_letters.labels(kind)
         self.batch_size = Histogram(
             "probeguard_scorer_batch_size",
             "Messages per batch",
@@ -75,3 +82,11 @@ class ScorerMetrics:
             "Batches whose text cache/evidence writes were skipped while Redis was failing",
             registry=r,
         )
+
+    def serving(self, probes: Iterable[str]) -> None:
+        """Export the per-probe counters at 0 from the start: an alert on ``increase()``
+        (deploy/alerts.yml) misses a series' first increment when it has no earlier sample,
+        so a scorer's first refused checkpoint would otherwise never alert."""
+        for name in probes:
+            for counter in (self.refused, self.untrusted, self.flags):
+                counter.labels(name)
