@@ -103,12 +103,14 @@ def test_an_exhaustive_label_is_a_negative_for_every_head_it_leaves_blank() -> N
 
 def test_an_exhaustive_no_is_a_flag_truth_and_a_plain_one_is_not() -> None:
     spec = heads_spec()
-    common = {"labeler_id": "r", "created_at": utcnow(), "labels": []}
+    now = utcnow()
     said = flag_truths(
         spec,
         [
-            HumanLabel(message_id="judged", exhaustive=True, **common),
-            HumanLabel(message_id="plain", **common),
+            HumanLabel(
+                message_id="judged", exhaustive=True, labels=[], labeler_id="r", created_at=now
+            ),
+            HumanLabel(message_id="plain", labels=[], labeler_id="r", created_at=now),
         ],
     )
     assert said == [("judged", False)]
