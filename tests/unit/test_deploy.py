@@ -149,6 +149,12 @@ def compose_roles() -> dict[str, dict[str, Any]]:
 _INTERPOLATION = re.compile(r"\$\{(\w+)(?::?[-?]([^}]*))?\}")
 
 
+def http_port(command: str, s: Settings) -> int:
+    """The port a role serves /metrics, /healthz and /readyz on: the health server's, or
+    for ``serve`` its own HTTP port."""
+    return s.serve_port if command == "serve" else s.metrics_port
+
+
 def compose_env(service: dict[str, Any]) -> dict[str, str]:
     """A service's environment with compose's ${VAR:-default} filled from the defaults."""
     env = service.get("environment") or {}
@@ -319,7 +325,7 @@ def test_compose_healthcheck_uses_the_metrics_port(
         test = " ".join(svc["healthcheck"]["test"])
         match = re.search(r"http://127\.0\.0\.1:(\d+)(/[a-z]+)", test)
         assert match, f"{name}: healthcheck does not call the health server"
-        assert int(match.group(1)) == s.metrics_port
+        assert int(match.group(1)) == http_port(svc["command"][0], s)
         assert http_status(health_server + match.group(2)) == 200
 
 
@@ -359,7 +365,8 @@ def test_prometheus_scrapes_every_role_on_its_metrics_port(
                 targets.append((host, int(port)))
         for host, port in targets:
             assert host in roles, f"job {job['job_name']}: {host} is not a probeguard service"
-            assert port == settings_from(monkeypatch, compose_env(roles[host])).metrics_port
+            s = settings_from(monkeypatch, compose_env(roles[host]))
+            assert port == http_port(roles[host]["command"][0], s)
             scraped.add(host)
     assert scraped == set(roles)
     mounts = compose()["services"]["prometheus"]["volumes"]
