@@ -25,7 +25,7 @@ from worker.errors import RegistryError, StagesChanged
 from worker.rollout.changes import Rollout
 from worker.rollout.policy import Policy, next_action
 from worker.store.checkpoints import CheckpointRegistry
-from worker.store.evidence import EvidenceStore
+from worker.store.evidence import Confusion, EvidenceStore, Truth
 from worker.store.lease import Lease
 
 pytestmark = pytest.mark.integration
@@ -371,3 +371,43 @@ def test_labels_whose_counts_failed_are_credited_on_redelivery(
         flaky.record_labels("tox", [("m0", True)])
     assert flaky.record_labels("tox", [("m0", True)]) == 1  # redelivered: credited now
     assert evidence.read("tox", 3).labels.tp == 1
+
+
+def test_evidence_per_head_counts_scored_and_labeled_once_per_head(
+    evidence: EvidenceStore, redis_ns: RedisNamespace
+) -> None:
+    live, canary = 3, 5
+    judged = {live: ["toxicity", "sexual"], canary: ["toxicity", "sexual", "jailbreak"]}
+    decisions = [
+        ProbeDecision(v=live, f=True, c=canary, h=["toxicity"]),  # live, during the trial
+        ProbeDecision(v=canary, f=True, h=["sexual", "jailbreak"]),  # the canary decided
+        ProbeDecision(v=live, f=False, sv=canary, sf=True, h=[], sh=["sexual"]),  # shadow
+        ProbeDecision(v=live, f=False),  # recorded before heads existed: whole counts only
+    ]
+    pipe = redis_ns.client.pipeline()
+    evidence.add_scored(pipe, "tox", [(d, 1.0) for d in decisions], heads=judged)
+    for i, d in enumerate(decisions):
+        pipe.set(evidence.keys.decided(f"m{i}"), DecidedRecord(p={"tox": d}).encode())
+    pipe.execute()
+    truths = [
+        Truth("m0", True, {"toxicity": True}),
+        Truth("m1", None, {"sexual": False}),  # a label for one head: no word on the flag
+        Truth("m2", None, {"sexual": True}),
+        Truth("m3", False, {"toxicity": False}),  # a single-head decision: the flag only
+    ]
+    assert evidence.record_truths("tox", truths) == 4
+    assert evidence.record_truths("tox", truths) == 0  # redelivered: counted once
+    # Another label for another head of the same message still counts, for that head.
+    assert evidence.record_truths("tox", [Truth("m1", None, {"jailbreak": True})]) == 1
+    lv, cv = evidence.read("tox", live), evidence.read("tox", canary)
+    assert (lv.messages, set(lv.heads)) == (3, {"toxicity", "sexual"})
+    assert (lv.heads["toxicity"].messages, lv.heads["toxicity"].flags) == (2, 1)
+    assert lv.heads["toxicity"].labels == Confusion(tp=1)
+    assert lv.heads["sexual"].labels == Confusion(fn=1)  # m2: live did not flag sexual
+    assert vars(lv.labels) == {"tp": 1, "fp": 0, "fn": 0, "tn": 1}
+    tox, sexual, jb = (cv.heads[h] for h in ("toxicity", "sexual", "jailbreak"))
+    assert (tox.messages, tox.baseline_messages, tox.baseline_flags) == (1, 1, 1)
+    assert tox.shadow_messages == 1 and tox.baseline_labels == Confusion(tp=1)
+    assert (sexual.messages, sexual.flags, sexual.shadow_flags, sexual.scored) == (1, 1, 1, 2)
+    assert sexual.labels == Confusion(fp=1, tp=1)  # m1 decided, m2 shadowed
+    assert (jb.messages, jb.flags, jb.labels) == (1, 1, Confusion(tp=1))
