@@ -105,7 +105,7 @@ class Counts:
     baseline_labels: Confusion = field(default_factory=Confusion)
 
     @staticmethod
-    def fields(h: Mapping[str, str], prefix: str = "") -> dict[str, Any]:
+    def counters(h: Mapping[str, str], prefix: str = "") -> dict[str, Any]:
         """The counters under ``prefix`` of a decoded hash, as keyword arguments."""
 
         def i(name: str) -> int:
@@ -156,14 +156,14 @@ class Evidence(Counts):
         names = sorted({k.split(".")[1] for k in h if k.startswith("h.") and k.count(".") == 2})
         return cls(
             version=version,
-            **Counts.fields(h),
+            **Counts.counters(h),
             latency_ms_sum=float(h.get("lat_ms", 0.0)),
             shadow_agree=int(float(h.get("sh_agree", 0))),
             errors=int(float(h.get("errors", 0))),
             last_error=h.get("error", ""),
             error_since=float(h["error_at"]) if "error_at" in h else None,
             loads=int(float(h.get("loads", 0))),
-            heads={name: Counts(**Counts.fields(h, f"h.{name}.")) for name in names},
+            heads={name: Counts(**Counts.counters(h, f"h.{name}.")) for name in names},
         )
 
     @property
