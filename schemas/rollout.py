@@ -4,6 +4,13 @@ A scorer writes one :class:`DecidedRecord` per message to Redis (``{prefix}:deci
 with the text cache's TTL); the updater reads it back when a label for that message
 arrives and credits the label to the version(s) that judged the message. Field names
 are short on purpose: one record per message is kept for days.
+
+A multi-head probe's decision also names the heads that flagged (``h``; ``sh`` for the
+shadowed canary): a head flags when it predicts one of its flag labels in the version's
+spec, whatever the deployment's ``PROBEGUARD_FLAG_HEADS`` (evidence judges every head, so a
+broken head is caught before it is allowed to flag). Only the heads that flagged are
+listed, usually none; a single-head probe's record has neither field (absent: one head),
+so its records read exactly as before.
 """
 
 from __future__ import annotations
@@ -34,6 +41,9 @@ class ProbeDecision(WireModel):
     sv: Version | None = None
     sf: bool | None = None
     ss: Probability | None = None
+    # A multi-head probe: the heads that flagged (decided; shadowed canary). None: one head.
+    h: Annotated[list[ProbeName], Field(max_length=64)] | None = None
+    sh: Annotated[list[ProbeName], Field(max_length=64)] | None = None
 
 
 class DecidedRecord(WireModel):

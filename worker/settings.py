@@ -491,6 +491,12 @@ class Settings(BaseSettings):
     rollback_min_messages: PositiveInt = Field(
         200, description="Messages (canary and live each) before the flag-rate rule applies."
     )
+    rollback_head_min_flags: PositiveInt = Field(
+        20,
+        description="Per head of a multi-head probe, the flag-rate rule also needs this many "
+        "flags: the canary's, or the ones live's rate predicts for its messages (a rare head's "
+        "few flags differ by a factor by chance).",
+    )
     rollout_check_interval_s: Annotated[float, Field(gt=0)] = Field(
         2.0, description="How often the active updater evaluates the policy, seconds."
     )

@@ -25,7 +25,7 @@ from worker.errors import RegistryError, StagesChanged
 from worker.rollout.changes import Rollout
 from worker.rollout.policy import Policy, next_action
 from worker.store.checkpoints import CheckpointRegistry
-from worker.store.evidence import EvidenceStore
+from worker.store.evidence import Confusion, EvidenceStore, Truth
 from worker.store.lease import Lease
 
 pytestmark = pytest.mark.integration
@@ -371,3 +371,121 @@ def test_labels_whose_counts_failed_are_credited_on_redelivery(
         flaky.record_labels("tox", [("m0", True)])
     assert flaky.record_labels("tox", [("m0", True)]) == 1  # redelivered: credited now
     assert evidence.read("tox", 3).labels.tp == 1
+
+
+def test_evidence_per_head_counts_scored_and_labeled_once_per_head(
+    evidence: EvidenceStore, redis_ns: RedisNamespace
+) -> None:
+    live, canary = 3, 5
+    judged = {live: ["toxicity", "sexual"], canary: ["toxicity", "sexual", "jailbreak"]}
+    decisions = [
+        ProbeDecision(v=live, f=True, c=canary, h=["toxicity"]),  # live, during the trial
+        ProbeDecision(v=canary, f=True, h=["sexual", "jailbreak"]),  # the canary decided
+        ProbeDecision(v=live, f=False, sv=canary, sf=True, h=[], sh=["sexual"]),  # shadow
+        ProbeDecision(v=live, f=False),  # recorded before heads existed: whole counts only
+    ]
+    pipe = redis_ns.client.pipeline()
+    evidence.add_scored(pipe, "tox", [(d, 1.0) for d in decisions], heads=judged)
+    for i, d in enumerate(decisions):
+        pipe.set(evidence.keys.decided(f"m{i}"), DecidedRecord(p={"tox": d}).encode())
+    pipe.execute()
+    truths = [
+        Truth("m0", True, {"toxicity": True}),
+        Truth("m1", None, {"sexual": False}),  # a label for one head: no word on the flag
+        Truth("m2", None, {"sexual": True}),
+        Truth("m3", False, {"toxicity": False}),  # a single-head decision: the flag only
+    ]
+    assert evidence.record_truths("tox", truths) == 4
+    assert evidence.record_truths("tox", truths) == 0  # redelivered: counted once
+    # Another label for another head of the same message still counts, for that head.
+    assert evidence.record_truths("tox", [Truth("m1", None, {"jailbreak": True})]) == 1
+    lv, cv = evidence.read("tox", live), evidence.read("tox", canary)
+    assert (lv.messages, set(lv.heads)) == (3, {"toxicity", "sexual"})
+    assert (lv.heads["toxicity"].messages, lv.heads["toxicity"].flags) == (2, 1)
+    assert lv.heads["toxicity"].labels == Confusion(tp=1)
+    assert lv.heads["sexual"].labels == Confusion(fn=1)  # m2: live did not flag sexual
+    assert vars(lv.labels) == {"tp": 1, "fp": 0, "fn": 0, "tn": 1}
+    tox, sexual, jb = (cv.heads[h] for h in ("toxicity", "sexual", "jailbreak"))
+    assert (tox.messages, tox.baseline_messages, tox.baseline_flags) == (1, 1, 1)
+    assert tox.shadow_messages == 1 and tox.baseline_labels == Confusion(tp=1)
+    assert (sexual.messages, sexual.flags, sexual.shadow_flags, sexual.scored) == (1, 1, 1, 2)
+    assert sexual.labels == Confusion(fp=1, tp=1)  # m1 decided, m2 shadowed
+    assert (jb.messages, jb.flags, jb.labels) == (1, 1, Confusion(tp=1))
+
+
+def test_cli_status_and_show_give_evidence_per_head(
+    cli, registry: CheckpointRegistry, evidence: EvidenceStore, redis_ns: RedisNamespace
+) -> None:
+    v1 = publish(registry, live=True)
+    v2 = publish(registry)
+    assert cli("canary", str(v2), "--share", "0.1")[0] == 0
+    per_head = {"n": 200, "flags": 40, "h.toxicity.n": 200, "h.toxicity.flags": 30}
+    per_head |= {"h.self-harm-and-a-long-name.n": 200, "h.self-harm-and-a-long-name.flags": 2}
+    per_head |= {"h.toxicity.tp": 8, "h.toxicity.fp": 2, "h.toxicity.tn": 10}
+    per_head |= {"h.jailbreak.fn": 3}  # credited to a head v1 lacks: not shown
+    redis_ns.client.hset(evidence.keys.evidence("tox", v1), mapping=per_head)
+    canary = {"n": 20, "flags": 19, "h.toxicity.n": 20, "h.toxicity.flags": 19}
+    redis_ns.client.hset(evidence.keys.evidence("tox", v2), mapping=canary)
+    code, out, _ = cli("status")
+    assert code == 0 and all(len(line) <= 80 for line in out.splitlines()), out
+    lines = out.splitlines()
+    at = lines.index(next(line for line in lines if line.startswith("per head")))
+    assert f"v{v2} canary" in lines[at] and f"v{v1} live" in lines[at]
+    table = {line.split()[0]: line.split()[1:] for line in lines[at + 2 :] if line.strip()}
+    assert table["toxicity"] == ["95.0%", "0", "-", "15.0%", "20", "0.89"]
+    assert table["self-harm-and-a…"] == ["-", "1.0%", "0", "-"]  # the canary has no such head
+    assert "jailbreak" not in out
+    data = json.loads(cli("status", "--json")[1])
+    heads = {r["version"]: r["heads"] for r in data["versions"]}
+    assert heads[v1]["toxicity"]["flag_rate"] == 0.15 and heads[v1]["toxicity"]["f1"] == 0.8889
+    assert heads[v1]["toxicity"]["confusion"] == {"tp": 8, "fp": 2, "fn": 0, "tn": 10}
+    assert set(heads[v1]) == {"toxicity", "self-harm-and-a-long-name"}
+    code, out, _ = cli("show", str(v1))
+    assert code == 0 and "toxicity: 200 msgs, flag rate 0.150, 20 labels, F1 0.889" in out
+    # A single-head version shows no per-head view.
+    redis_ns.client.delete(evidence.keys.evidence("tox", v1), evidence.keys.evidence("tox", v2))
+    redis_ns.client.hset(evidence.keys.evidence("tox", v1), mapping={"n": 5, "flags": 1})
+    code, out, _ = cli("status")
+    assert "per head" not in out
+    assert all(r["heads"] is None for r in json.loads(cli("status", "--json")[1])["versions"])
+
+
+def test_the_console_probes_page_shows_evidence_per_head(
+    registry: CheckpointRegistry,
+    evidence: EvidenceStore,
+    rollout: Rollout,
+    redis_ns: RedisNamespace,
+) -> None:
+    import re
+
+    from worker.console.probes_view import probe_page
+    from worker.console.web import templates
+    from worker.settings import Settings
+
+    v1 = publish(registry, live=True)
+    v2 = publish(registry)
+    rollout.start_canary(v2, 0.1, reason="test")
+    live = {"n": 400, "flags": 120, "h.toxicity.n": 400, "h.toxicity.flags": 100}
+    live |= {"h.sexual.n": 400, "h.sexual.flags": 4, "h.sexual.tp": 9, "h.sexual.fn": 1}
+    canary = {"n": 300, "flags": 105, "h.toxicity.n": 300, "h.toxicity.flags": 75}
+    canary |= {"h.sexual.n": 300, "h.sexual.flags": 60}  # 1 % -> 20 %
+    redis_ns.client.hset(evidence.keys.evidence("tox", v1), mapping=live)
+    redis_ns.client.hset(evidence.keys.evidence("tox", v2), mapping=canary)
+    settings = Settings(rollout="canary", rollback_min_messages=100)
+    view = probe_page(registry, evidence, settings, None)
+    assert [r.version for r in view.head_versions] == [v2, v1]
+    assert view.head_names == ("sexual", "toxicity")
+    assert view.decision.action == "rollback" and "head sexual" in view.decision.reason
+    bar = next(p for p in view.progress if p.rule == "worst head's flag-rate factor")
+    assert not bar.met and "head sexual" in bar.text
+    html = templates().get_template("probes.html").render(
+        csrf="x", user=None, path="/probes", flash=None, probe="tox", probes=["tox"],
+        view=view, operator=False, default_share=0.1,
+    )  # fmt: skip
+    table = html[html.index('<table class="heads">') :]
+    table = table[: table.index("</table>")]
+    cells = [re.sub(r"<[^>]+>|\s+", " ", row).split() for row in table.split("<tr>")[3:]]
+    assert cells == [
+        ["sexual", "20.0%", "0", "–", "1.0%", "10", "0.95"],  # NaN shows as the console's dash
+        ["toxicity", "25.0%", "0", "–", "25.0%", "0", "–"],
+    ]

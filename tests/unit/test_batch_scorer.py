@@ -11,7 +11,7 @@ import torch
 
 from probes.checkpoint import checkpoint_to_bytes
 from probes.probe import build_probe
-from schemas import ChatMessage, CheckpointManifest, ProbeSpec
+from schemas import ChatMessage, CheckpointManifest, DecidedRecord, HeadSpec, ProbeSpec
 from tests.tiny_llm import make_tiny_llm
 from worker.llm.extract import HiddenStateExtractor
 from worker.scoring.batch import BatchScorer, ProbeSlot, ServedProbe
@@ -166,3 +166,52 @@ def test_probes_pay_for_real_tokens_not_the_polls_longest_message(
         (a,), (b,) = results, grouped.results[pos]
         assert a.flagged == b.flagged
         assert a.scores == pytest.approx(b.scores, abs=1e-5)
+
+
+def multi_head(
+    extractor: HiddenStateExtractor, version: int, thresholds: dict[str, float]
+) -> ServedProbe:
+    """Heads toxicity (``toxic``), spam (``spam``) and topic (``a``/``b``, never flags)."""
+    spec = ProbeSpec(
+        name="moderation",
+        token_pool="mean",
+        layer_mix="scalar_mix",
+        layers=[1, 2],
+        hidden_size=extractor.hidden_size,
+        task="multilabel",
+        heads=[
+            HeadSpec(name="toxicity", task="multilabel", labels=["toxic"]),
+            HeadSpec(name="spam", task="multilabel", labels=["spam"]),
+            HeadSpec(name="topic", task="multiclass", labels=["a", "b"]),
+        ],
+        flag_labels=["toxic", "spam"],
+        thresholds=thresholds,
+    )
+    probe = build_probe(spec, seed=version)
+    _, manifest = checkpoint_to_bytes(probe, llm=extractor.fingerprint, version=version)
+    return ServedProbe(probe.eval(), CheckpointManifest.decode(manifest))
+
+
+def test_multi_head_decisions_name_the_heads_that_flagged_whatever_the_flag_policy() -> None:
+    ex = Counting()
+    live = multi_head(ex, 1, {"toxic": 0.0, "spam": 1.0})  # toxicity flags all, spam none
+    canary = multi_head(ex, 2, {"toxic": 1.0, "spam": 0.0})  # the other way round
+    slot = ProbeSlot("moderation", live, canary, canary_share=0.5)
+    # The deployment lets only spam flag: live's verdicts allow, its toxicity head still counts.
+    scores = BatchScorer(ex, {"moderation": slot}, shadow=True, flag_heads=frozenset({"spam"}))
+    got = scores.score(messages())
+    assert got.heads == {
+        ("moderation", 1): ("toxicity", "spam"),
+        ("moderation", 2): ("toxicity", "spam"),
+    }
+    for pos in range(len(TEXTS)):
+        d = got.decisions[(pos, "moderation")]
+        assert (d.v, d.f, d.h, d.sv, d.sf, d.sh) == (1, False, ["toxicity"], 2, True, ["spam"])
+        (result,) = got.results[pos]
+        assert result.heads is not None and not result.heads["toxicity"].flagged
+    # A single-head probe's decision and stored record read as before heads existed.
+    single = BatchScorer(ex, {"toxicity": ProbeSlot("toxicity", served(ex, "toxicity", [1], 3))})
+    plain = single.score(messages())
+    assert plain.heads == {} and plain.decisions[(0, "toxicity")].h is None
+    record = DecidedRecord(p={"toxicity": plain.decisions[(0, "toxicity")]}).encode()
+    assert b'"h"' not in record and b'"sh"' not in record

@@ -1,5 +1,5 @@
 """The Probes page's data: versions and stages, the canary's trial against the rules,
-metrics over versions, layer weights, history.
+evidence per head of a multi-head probe, metrics over versions, layer weights, history.
 
 Everything comes from the functions ``probeguard probe status`` uses
 (:func:`worker.rollout.status.gather`) and from the rollout policy itself
@@ -18,7 +18,7 @@ from worker.console.explainer import Explainer
 from worker.errors import RegistryError
 from worker.rollout.changes import Rollout
 from worker.rollout.policy import Policy, RolloutDecision, next_action
-from worker.rollout.status import StatusReport, gather
+from worker.rollout.status import StatusReport, VersionRow, gather, head_columns
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.evidence import EvidenceStore
@@ -51,6 +51,9 @@ class ProbePage:
     entropy_now: float | None
     history: list[Any]  # CheckpointEvent, newest first
     weights_error: str = ""
+    # Live's and the canary's evidence per head (multi-head probes): the versions, the heads
+    head_versions: tuple[VersionRow, ...] = ()
+    head_names: tuple[str, ...] = ()
 
 
 def _num(x: float | None) -> float | None:
@@ -97,6 +100,18 @@ def _progress(policy: Policy, decision: RolloutDecision, canary: Any) -> list[Pr
                 f"live F1 − canary F1 = {gap:+.3f}; promote if ≤ ε={policy.promote_epsilon:g}, "
                 f"roll back if > δ={policy.rollback_delta:g}",
                 float(gap) <= policy.promote_epsilon,
+            )
+        )
+    head_factor, head = n.get("head_flag_rate_factor"), n.get("worst_head")
+    if isinstance(head_factor, int | float):
+        rows.append(
+            Progress(
+                "worst head's flag-rate factor",
+                float(head_factor),
+                policy.rollback_flag_rate_factor,
+                f"head {head}: flag rates differ by ×{head_factor:.2f}; roll back above "
+                f"k={policy.rollback_flag_rate_factor:g}",
+                float(head_factor) <= policy.rollback_flag_rate_factor,
             )
         )
     factor = n.get("flag_rate_factor")
@@ -162,6 +177,7 @@ def probe_page(
         except Exception as exc:  # a broken blob must not take the page down; say why
             weights_error = f"v{shown}: {exc}"
     history = [e for _, e in registry.history(200) if e.kind != "published"][-30:][::-1]
+    head_versions, head_names = head_columns(status)
     return ProbePage(
         status=status,
         policy=policy,
@@ -175,4 +191,6 @@ def probe_page(
         entropy_now=_num(metric[shown].get("layer_entropy")) if shown in metric else None,
         history=history,
         weights_error=weights_error,
+        head_versions=tuple(head_versions),
+        head_names=tuple(head_names),
     )

@@ -41,7 +41,7 @@ from worker.errors import Fenced, KafkaSetupError, RegistryError
 from worker.kafka.batch_loop import BatchLoop, Between, Item, Outgoing, Reject
 from worker.kafka.clients import ensure_topics
 from worker.kafka.runtime import RoleRuntime
-from worker.learning.labels import flag_truths, skip_reason
+from worker.learning.labels import label_truths, skip_reason
 from worker.learning.metrics import UpdaterMetrics
 from worker.learning.online_learner import Labeled, LearningConfig, OnlineLearner
 from worker.learning.resume import (
@@ -310,15 +310,16 @@ class Updater:
         return self.learner
 
     def _credit(self, spec: ProbeSpec, labels: list[HumanLabel]) -> None:
-        """Evidence: each label against the flag decision of the version(s) that judged it.
+        """Evidence: each label against the flag decision of the version(s) that judged it,
+        and against the decision of each head it annotates.
 
         Best-effort: without Redis the labels are still learned from.
         """
         if not spec.flag_labels or not labels:
             return
-        truths = flag_truths(spec, labels)
+        truths = label_truths(spec, labels)
         try:
-            self.metrics.labels_credited.inc(self.evidence.record_labels(self.name, truths))
+            self.metrics.labels_credited.inc(self.evidence.record_truths(self.name, truths))
         except (redis.RedisError, OSError) as exc:
             log.warning("could not record label evidence (%s)", exc)
 

@@ -5,6 +5,9 @@ Stages of a version as shown: ``live``, ``canary``, ``rolled back`` (never promo
 automatically again), ``candidate`` (newer than live, never tried: the policy's next
 canary is the newest one), ``retired`` (anything else: earlier lives, ended trials,
 superseded candidates).
+
+A multi-head version's evidence is also shown per head (flag rate, labels and F1 of each
+head it judges): every head in ``--json``, live's and the canary's below the table.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 from schemas import CheckpointEvent, CheckpointManifest
 from worker.errors import UnknownVersion
 from worker.store.checkpoints import CheckpointRegistry, Stages
-from worker.store.evidence import Evidence, EvidenceStore
+from worker.store.evidence import Counts, Evidence, EvidenceStore
 from worker.store.lease import Lease
 
 __all__ = [
@@ -29,6 +32,7 @@ __all__ = [
     "VersionRow",
     "gather",
     "gather_version",
+    "head_columns",
     "render_history",
     "render_status",
     "render_version",
@@ -71,7 +75,37 @@ class VersionRow:
             "confusion": vars(e.labels),
             "created_at": self.created_at.isoformat() if self.created_at else None,
             "labels_seen": self.labels_seen,
+            "heads": {name: _head_dict(c) for name, c in judged(e).items()} or None,
         }
+
+
+def judged(e: Evidence) -> dict[str, Counts]:
+    """The heads a multi-head version judged messages with (a label credited to a head the
+    version does not have leaves counters, but no messages)."""
+    return {name: c for name, c in e.heads.items() if c.scored}
+
+
+def _head_dict(c: Counts) -> dict[str, Any]:
+    return {
+        "messages": c.messages,
+        "shadow_messages": c.shadow_messages,
+        "flags": c.scored_flags,
+        "flag_rate": _num(c.flag_rate),
+        "labels": c.labels.labeled,
+        "f1": _num(c.labels.f1),
+        "confusion": vars(c.labels),
+        "baseline_messages": c.baseline_messages,
+        "baseline_flags": c.baseline_flags,
+        "baseline_confusion": vars(c.baseline_labels),
+    }
+
+
+def head_columns(report: StatusReport) -> tuple[list[VersionRow], list[str]]:
+    """What the per-head view compares: live and the canary (those of them that judged
+    heads) and the union of their heads."""
+    rows = [r for r in report.rows if r.stage in ("live", "canary") and judged(r.evidence)]
+    names = sorted({name for r in rows for name in judged(r.evidence)})
+    return rows, names
 
 
 @dataclass(frozen=True)
@@ -224,6 +258,14 @@ def render_version(detail: VersionDetail) -> str:
             f"F1 {_fmt(ev.labels.f1)}, AUPRC {_fmt(detail.row.auprc)}, {ev.errors} refusal(s)",
         )
     )
+    for i, (name, c) in enumerate(judged(ev).items()):
+        fields.append(
+            (
+                "" if i else "per head",
+                f"{name}: {c.scored} msgs, flag rate {_fmt(c.flag_rate)}, "
+                f"{c.labels.labeled} labels, F1 {_fmt(c.labels.f1)}",
+            )
+        )
     if ev.last_error:
         fields.append(("refused", ev.last_error))
     if detail.rolled_back_reason:
@@ -328,12 +370,37 @@ def render_status(report: StatusReport, *, now: float | None = None) -> str:
     hidden = report.total_versions - len(report.rows)
     if hidden > 0:
         lines.append(f"({hidden} older version(s) not shown; --versions N shows more)")
+    lines += _render_heads(report)
     for r in report.rows:
         if r.stage == "rolled back" and r.version in report.rolled_back:
             lines += _wrap(f"v{r.version} rolled back: {report.rolled_back[r.version]}")
         if r.evidence.errors:
             lines += _wrap(f"v{r.version} refused: {r.evidence.last_error}")
     return "\n".join(lines)
+
+
+_HEAD = 17  # the head name's column; each version then takes 21 (flag%, labels, F1)
+
+
+def _render_heads(report: StatusReport) -> list[str]:
+    """Live's and the canary's evidence per head, one line per head (80 columns)."""
+    rows, names = head_columns(report)
+    if not rows:
+        return []
+    titles = "".join(f"{f'v{r.version} {r.stage}':>21}" for r in rows)
+    lines = ["", f"{'per head':<{_HEAD}}{titles}"]
+    lines.append(f"{'':<{_HEAD}}" + f"{'flag%':>8} {'labels':>6} {'F1':>5}" * len(rows))
+    for name in names:
+        cells = ""
+        for r in rows:
+            c = r.evidence.heads.get(name)
+            if c is None or not c.scored:
+                cells += f"{'-':>8} {'':>6} {'':>5}"
+                continue
+            cells += f"{_pct(c.flag_rate):>8} {c.labels.labeled:>6} {_f(c.labels.f1, '.2f'):>5}"
+        short = name if len(name) < _HEAD else name[: _HEAD - 2] + "…"
+        lines.append(f"{short:<{_HEAD}}{cells}".rstrip())
+    return lines
 
 
 def render_history(events: list[CheckpointEvent], *, wide: bool = False) -> str:

@@ -11,8 +11,9 @@ successive canaries see the same conversations. In shadow mode the live version
 always decides and the canary's scores ride along in ``ProbeResult.shadow``.
 
 Each result also yields a :class:`~schemas.ProbeDecision` (which version decided,
-its flag and flag score, the canary it stood in for or was shadowed by): the
-scorer stores it for label joins and counts it as evidence.
+its flag and flag score, the canary it stood in for or was shadowed by, and for a
+multi-head probe the heads that flagged): the scorer stores it for label joins and
+counts it as evidence, per head over the heads each version judges (``BatchScores.heads``).
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ class BatchScores:
     flag_scores: dict[tuple[int, str], float] = field(default_factory=dict)
     # (input position, probe) -> how it was decided, for evidence and label joins
     decisions: dict[tuple[int, str], ProbeDecision] = field(default_factory=dict)
+    # (probe, version) -> the heads a multi-head version judged (those with a flag label):
+    # every message it decided or shadowed counts for each of them in its per-head evidence
+    heads: dict[tuple[str, int], tuple[str, ...]] = field(default_factory=dict)
 
 
 class BatchScorer:
@@ -170,6 +174,9 @@ class BatchScorer:
         out: BatchScores,
     ) -> None:
         shadowed = canary if self.shadow else None  # scored for comparison, never acting
+        for r in (live, canary):
+            if r is not None and r.judged:
+                out.heads[(slot.name, r.served.version)] = r.judged
         for row, pos in enumerate(ex.index):
             if pos not in out.results:
                 continue  # some probe could not score it
@@ -191,6 +198,8 @@ class BatchScorer:
                 sv=shadowed.served.version if shadowed is not None else None,
                 sf=shadowed.flagged[row] if shadowed is not None else None,
                 ss=_score(shadowed, row) if shadowed is not None else None,
+                h=_flagged_heads(decided, row),
+                sh=_flagged_heads(shadowed, row),
             )
             result = ProbeResult(
                 probe=slot.name,
@@ -220,6 +229,14 @@ class _Run:
     flag_score: list[float] | None  # highest probability among the flag labels, per row
     non_finite: list[int]  # rows whose probabilities are NaN or inf
     heads: list[dict[str, HeadResult]] | None = None  # per row, of a multi-head probe
+    # A multi-head probe's heads with a flag label (by its own spec, whatever the
+    # deployment's flag policy), and per row those that flagged: per-head evidence.
+    judged: tuple[str, ...] = ()
+    head_flags: list[list[str]] | None = None
+
+
+def _flagged_heads(run: _Run | None, row: int) -> list[str] | None:
+    return None if run is None or run.head_flags is None else run.head_flags[row]
 
 
 def _score(run: _Run, row: int) -> float | None:
@@ -273,6 +290,15 @@ def _head_results(spec: ProbeSpec, decision: Decision) -> list[dict[str, HeadRes
     ]
 
 
+def _judged_heads(spec: ProbeSpec, decision: Decision) -> tuple[tuple[str, ...], list[list[str]]]:
+    """The heads of ``spec`` (the version's own, unfiltered) that have a flag label, and per
+    row those of them that predicted one."""
+    judged = tuple(h.name for h in spec.heads if any(x in spec.flag_labels for x in h.labels))
+    flags = decision.head_flags(spec)  # per head, [B] bool
+    rows = len(decision.flagged)
+    return judged, [[h for h in judged if bool(flags[h][row])] for row in range(rows)]
+
+
 def _run(
     served: ServedProbe,
     ex: Extraction,
@@ -288,6 +314,7 @@ def _run(
     decision = decide(spec, probs)
     flag_idx = [spec.labels.index(label) for label in spec.flag_labels]
     values = probs.tolist()
+    judged, head_flags = _judged_heads(probe.spec, decision) if spec.heads else ((), None)
     return _Run(
         served=served,
         scores=[dict(zip(spec.labels, row, strict=True)) for row in values],
@@ -296,4 +323,6 @@ def _run(
         flag_score=probs[:, flag_idx].max(dim=1).values.tolist() if flag_idx else None,
         non_finite=non_finite,
         heads=_head_results(spec, decision) if spec.heads else None,
+        judged=judged,
+        head_flags=head_flags,
     )

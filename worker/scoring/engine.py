@@ -268,7 +268,8 @@ class ScoringEngine:
         try:
             pipe = self.redis.pipeline(transaction=False)
             for probe, decisions in by_probe.items():
-                self.evidence.add_scored(pipe, probe, decisions)
+                heads = {v: hs for (name, v), hs in scores.heads.items() if name == probe}
+                self.evidence.add_scored(pipe, probe, decisions, heads=heads)
             pipe.execute()
         except (redis.RedisError, OSError) as exc:
             self.metrics.redis_errors.inc()

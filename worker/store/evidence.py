@@ -25,7 +25,15 @@ first, at most ``pairs_max``). Hash fields of ``evidence``:
 ``error``       the last refusal reason
 ``error_at``    when the first refusal was recorded (epoch seconds)
 ``loads``       scorers that loaded and verified it
+``h.<head>.*``  a multi-head version's numbers per head, with the names above:
+                ``n flags sh_n sh_flags bl_n bl_flags``, the confusion cells and
+                ``bl_`` ones (a head flags when it predicts one of its flag labels)
 ==============  ==============================================================
+
+Every head of a multi-head version that has a flag label judges every message the
+version decides (or shadows), so its ``n`` is the version's; a head appears only in the
+versions that have it. A label is credited per head for the heads it annotates (see
+:func:`worker.learning.labels.label_truths`), once per message and head.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ import contextlib
 import math
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +53,7 @@ from schemas import DecidedRecord, ProbeDecision
 from worker.settings import DEFAULTS, Settings
 from worker.store.redis import Keys
 
-__all__ = ["Confusion", "Evidence", "EvidenceStore"]
+__all__ = ["Confusion", "Counts", "Evidence", "EvidenceStore", "Truth"]
 
 
 @dataclass(frozen=True)
@@ -83,50 +91,36 @@ class Confusion:
         return precision_recall_f1(self.tp, self.fp, self.fn)[2]
 
 
-@dataclass(frozen=True)
-class Evidence:
-    """The numbers of one version (see the module docstring for each field's meaning)."""
+@dataclass(frozen=True, kw_only=True)
+class Counts:
+    """Messages, flags and labeled confusion: of a whole version, or of one of its heads."""
 
-    version: int
     messages: int = 0
     flags: int = 0
-    latency_ms_sum: float = 0.0
     shadow_messages: int = 0
     shadow_flags: int = 0
-    shadow_agree: int = 0
     baseline_messages: int = 0
     baseline_flags: int = 0
     labels: Confusion = field(default_factory=Confusion)
     baseline_labels: Confusion = field(default_factory=Confusion)
-    errors: int = 0
-    last_error: str = ""
-    error_since: float | None = None
-    loads: int = 0
 
-    @classmethod
-    def from_hash(cls, version: int, raw: dict[bytes, bytes] | dict[str, str]) -> Evidence:
-        h = {_text(k): _text(v) for k, v in raw.items()}
+    @staticmethod
+    def counters(h: Mapping[str, str], prefix: str = "") -> dict[str, Any]:
+        """The counters under ``prefix`` of a decoded hash, as keyword arguments."""
 
         def i(name: str) -> int:
-            return int(float(h.get(name, 0)))
+            return int(float(h.get(prefix + name, 0)))
 
-        return cls(
-            version=version,
-            messages=i("n"),
-            flags=i("flags"),
-            latency_ms_sum=float(h.get("lat_ms", 0.0)),
-            shadow_messages=i("sh_n"),
-            shadow_flags=i("sh_flags"),
-            shadow_agree=i("sh_agree"),
-            baseline_messages=i("bl_n"),
-            baseline_flags=i("bl_flags"),
-            labels=Confusion(i("tp"), i("fp"), i("fn"), i("tn")),
-            baseline_labels=Confusion(i("bl_tp"), i("bl_fp"), i("bl_fn"), i("bl_tn")),
-            errors=i("errors"),
-            last_error=h.get("error", ""),
-            error_since=float(h["error_at"]) if "error_at" in h else None,
-            loads=i("loads"),
-        )
+        return {
+            "messages": i("n"),
+            "flags": i("flags"),
+            "shadow_messages": i("sh_n"),
+            "shadow_flags": i("sh_flags"),
+            "baseline_messages": i("bl_n"),
+            "baseline_flags": i("bl_flags"),
+            "labels": Confusion(i("tp"), i("fp"), i("fn"), i("tn")),
+            "baseline_labels": Confusion(i("bl_tp"), i("bl_fp"), i("bl_fn"), i("bl_tn")),
+        }
 
     @property
     def scored(self) -> int:
@@ -141,6 +135,37 @@ class Evidence:
     def flag_rate(self) -> float:
         return self.scored_flags / self.scored if self.scored else math.nan
 
+
+@dataclass(frozen=True)
+class Evidence(Counts):
+    """The numbers of one version (see the module docstring for each field's meaning);
+    ``heads``: per head of a multi-head version (empty for a single-head one)."""
+
+    version: int
+    latency_ms_sum: float = 0.0
+    shadow_agree: int = 0
+    errors: int = 0
+    last_error: str = ""
+    error_since: float | None = None
+    loads: int = 0
+    heads: Mapping[str, Counts] = field(default_factory=dict)
+
+    @classmethod
+    def from_hash(cls, version: int, raw: dict[bytes, bytes] | dict[str, str]) -> Evidence:
+        h = {_text(k): _text(v) for k, v in raw.items()}
+        names = sorted({k.split(".")[1] for k in h if k.startswith("h.") and k.count(".") == 2})
+        return cls(
+            version=version,
+            **Counts.counters(h),
+            latency_ms_sum=float(h.get("lat_ms", 0.0)),
+            shadow_agree=int(float(h.get("sh_agree", 0))),
+            errors=int(float(h.get("errors", 0))),
+            last_error=h.get("error", ""),
+            error_since=float(h["error_at"]) if "error_at" in h else None,
+            loads=int(float(h.get("loads", 0))),
+            heads={name: Counts(**Counts.counters(h, f"h.{name}.")) for name in names},
+        )
+
     @property
     def latency_ms(self) -> float:
         """Mean verdict latency of the messages it decided."""
@@ -152,12 +177,74 @@ class Evidence:
         return self.shadow_agree / self.shadow_messages if self.shadow_messages else math.nan
 
 
+@dataclass(frozen=True)
+class Truth:
+    """What one human label says of its message: whether it deserves a flag (None: the
+    label does not say, e.g. it annotates one head of several) and, for each head of a
+    multi-head probe it annotates, whether that head should flag."""
+
+    message_id: str
+    flag: bool | None = None
+    heads: Mapping[str, bool] = field(default_factory=dict)
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
 def _cell(flagged: bool, truth: bool) -> str:
     return ("tp" if truth else "fp") if flagged else ("fn" if truth else "tn")
+
+
+def _count_heads(
+    into: dict[str, float], judged: Iterable[str], flagged: Sequence[str] | None, kind: str
+) -> None:
+    """Per-head message and flag counts (``kind``: "", "bl_" or "sh_") of one decision."""
+    if flagged is None:
+        return  # a single-head decision
+    for head in judged:
+        into[f"h.{head}.{kind}n"] += 1
+        into[f"h.{head}.{kind}flags"] += head in flagged
+
+
+def _decision(blob: bytes | None, probe: str) -> ProbeDecision | None:
+    if blob is None:
+        return None
+    try:
+        return DecidedRecord.decode(blob).p.get(probe)
+    except ValidationError:
+        return None
+
+
+def _credit_flag(
+    counts: dict[int, dict[str, int]], pairs: dict[int, list[str]], d: ProbeDecision, truth: bool
+) -> None:
+    if d.v > 0:
+        counts[d.v][_cell(d.f, truth)] += 1
+        if d.s is not None:
+            pairs[d.v].append(f"{d.s:.4f} {int(truth)}")
+    if d.c is not None:
+        counts[d.c]["bl_" + _cell(d.f, truth)] += 1
+    if d.sv is not None and d.sf is not None:
+        counts[d.sv][_cell(d.sf, truth)] += 1
+        if d.ss is not None:
+            pairs[d.sv].append(f"{d.ss:.4f} {int(truth)}")
+
+
+def _credit_head(
+    counts: dict[int, dict[str, int]], d: ProbeDecision, head: str, truth: bool
+) -> None:
+    """One head's cell for each version that judged the message. A version without that
+    head counts as not flagging it; the policy and the status compare a head only where
+    the version judged messages with it."""
+    if d.h is None:
+        return
+    if d.v > 0:
+        counts[d.v][f"h.{head}.{_cell(head in d.h, truth)}"] += 1
+    if d.c is not None:
+        counts[d.c][f"h.{head}.bl_{_cell(head in d.h, truth)}"] += 1
+    if d.sv is not None and d.sh is not None:
+        counts[d.sv][f"h.{head}.{_cell(head in d.sh, truth)}"] += 1
 
 
 class EvidenceStore:
@@ -194,12 +281,19 @@ class EvidenceStore:
     # --- scorers -------------------------------------------------------------
 
     def add_scored(
-        self, pipe: Any, probe: str, decisions: Iterable[tuple[ProbeDecision, float]]
+        self,
+        pipe: Any,
+        probe: str,
+        decisions: Iterable[tuple[ProbeDecision, float]],
+        *,
+        heads: Mapping[int, Sequence[str]] | None = None,
     ) -> None:
-        """Queue on ``pipe`` the counters for a batch of ``(decision, latency_ms)``.
+        """Queue on ``pipe`` the counters for a batch of ``(decision, latency_ms)``;
+        ``heads``: version -> the heads a multi-head version judged (its per-head counters).
 
         Aggregated per version first: a batch costs a few HINCRBYs, not one per message.
         """
+        judged = heads or {}
         sums: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         for d, latency_ms in decisions:
             if d.v > 0:  # version 0 is a bootstrap file, not a registry version
@@ -207,15 +301,18 @@ class EvidenceStore:
                 own["n"] += 1
                 own["flags"] += d.f
                 own["lat_ms"] += latency_ms
+                _count_heads(own, judged.get(d.v, ()), d.h, "")
             if d.c is not None:
                 base = sums[d.c]
                 base["bl_n"] += 1
                 base["bl_flags"] += d.f
+                _count_heads(base, judged.get(d.v, ()), d.h, "bl_")
             if d.sv is not None and d.sf is not None:
                 shadow = sums[d.sv]
                 shadow["sh_n"] += 1
                 shadow["sh_flags"] += d.sf
                 shadow["sh_agree"] += d.sf == d.f
+                _count_heads(shadow, judged.get(d.sv, ()), d.sh, "sh_")
         for version, fields in sums.items():
             key = self.keys.evidence(probe, version)
             for name, amount in fields.items():
@@ -240,44 +337,61 @@ class EvidenceStore:
     # --- the updater ---------------------------------------------------------
 
     def record_labels(self, probe: str, labeled: Sequence[tuple[str, bool]]) -> int:
-        """Credit ``(message_id, truth)`` pairs (truth: the message deserves a flag).
+        """Credit ``(message_id, truth)`` pairs (truth: the message deserves a flag); see
+        :meth:`record_truths`."""
+        return self.record_truths(probe, [Truth(mid, truth) for mid, truth in labeled])
 
-        Each label counts once, however often it is redelivered (a marker per message);
-        messages no scorer recorded a decision for are skipped. Returns how many were
-        credited.
+    def record_truths(self, probe: str, truths: Sequence[Truth]) -> int:
+        """Credit what each label says to the version(s) that judged its message: the
+        flag decision, and each head it annotates (multi-head decisions only).
+
+        Each counts once, however often a label is redelivered (a marker per message, and
+        per message and head); messages no scorer recorded a decision for are skipped.
+        Returns how many labels were credited.
         """
-        if not labeled:
+        if not truths:
             return 0
-        raw = self.cache.mget([self.keys.decided(mid) for mid, _ in labeled])
-        found: list[tuple[str, bool, ProbeDecision]] = []
-        for (mid, truth), blob in zip(labeled, raw, strict=True):
-            if blob is None:
+        raw = self.cache.mget([self.keys.decided(t.message_id) for t in truths])
+        # (marker key, label index, decision, head or None for the flag decision)
+        marks: list[tuple[str, int, ProbeDecision, str | None]] = []
+        for k, (t, blob) in enumerate(zip(truths, raw, strict=True)):
+            d = _decision(blob, probe)
+            if d is None:
                 continue
-            try:
-                decision = DecidedRecord.decode(blob).p.get(probe)
-            except ValidationError:
-                continue
-            if decision is not None:
-                found.append((mid, truth, decision))
-        if not found:
+            if t.flag is not None:
+                marks.append((self.keys.labeled(probe, t.message_id), k, d, None))
+            if d.h is not None:
+                marks += [
+                    (self.keys.labeled_head(probe, head, t.message_id), k, d, head)
+                    for head in t.heads
+                ]
+        if not marks:
             return 0
         pipe = self.cache.pipeline(transaction=False)
-        for mid, _, _ in found:
-            pipe.set(self.keys.labeled(probe, mid), 1, nx=True, ex=self.marker_ttl_s)
-        fresh = [f for f, new in zip(found, pipe.execute(), strict=True) if new]
+        for key, _, _, _ in marks:
+            pipe.set(key, 1, nx=True, ex=self.marker_ttl_s)
+        fresh = [m for m, new in zip(marks, pipe.execute(), strict=True) if new]
         counts: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         pairs: dict[int, list[str]] = defaultdict(list)
-        for _, truth, d in fresh:
-            if d.v > 0:
-                counts[d.v][_cell(d.f, truth)] += 1
-                if d.s is not None:
-                    pairs[d.v].append(f"{d.s:.4f} {int(truth)}")
-            if d.c is not None:
-                counts[d.c]["bl_" + _cell(d.f, truth)] += 1
-            if d.sv is not None and d.sf is not None:
-                counts[d.sv][_cell(d.sf, truth)] += 1
-                if d.ss is not None:
-                    pairs[d.sv].append(f"{d.ss:.4f} {int(truth)}")
+        for _, k, d, head in fresh:
+            t = truths[k]
+            if head is None:
+                _credit_flag(counts, pairs, d, bool(t.flag))
+            else:
+                _credit_head(counts, d, head, t.heads[head])
+        try:
+            self._write_credits(probe, counts, pairs)
+        except Exception:
+            # The markers say "credited" but the counts did not land: take them back, so a
+            # redelivery credits these labels instead of skipping them for good.
+            with contextlib.suppress(Exception):
+                self.cache.delete(*(key for key, _, _, _ in fresh))
+            raise
+        return len({k for _, k, _, _ in fresh})
+
+    def _write_credits(
+        self, probe: str, counts: dict[int, dict[str, int]], pairs: dict[int, list[str]]
+    ) -> None:
         pipe = self.client.pipeline(transaction=False)
         for version, fields in counts.items():
             for name, amount in fields.items():
@@ -286,15 +400,7 @@ class EvidenceStore:
             for version, items in pairs.items():
                 pipe.lpush(self.keys.pairs(probe, version), *items)
                 pipe.ltrim(self.keys.pairs(probe, version), 0, self.pairs_max - 1)
-        try:
-            pipe.execute()
-        except Exception:
-            # The markers say "credited" but the counts did not land: take them back, so a
-            # redelivery credits these labels instead of skipping them for good.
-            with contextlib.suppress(Exception):
-                self.cache.delete(*(self.keys.labeled(probe, mid) for mid, _, _ in fresh))
-            raise
-        return len(fresh)
+        pipe.execute()
 
     # --- reading -------------------------------------------------------------
 

@@ -87,6 +87,7 @@ class Keys:
     ``K:evidence:{v}``           hash     canary/live evidence counters (``store.evidence``)
     ``K:pairs:{v}``              list     "flag_score truth" per labeled message (evidence)
     ``K:labeled:{message_id}``   string   label already credited to evidence (TTL) [cache]
+    ``K:labeled_head:{h}:{m}``   string   the same, for head ``h`` of message ``m`` [cache]
     ``P:text:{message_id}``      string   message text for label joins (scorers; TTL) [cache]
     ``P:decided:{message_id}``   string   which version decided a message (scorers; TTL) [cache]
     ``P:review_budget:{window}`` string   review requests sent in a time window (scorers; TTL)
@@ -162,6 +163,9 @@ class Keys:
 
     def labeled(self, probe: str, message_id: str) -> str:
         return self._join(probe, "labeled", message_id)
+
+    def labeled_head(self, probe: str, head: str, message_id: str) -> str:
+        return self._join(probe, "labeled_head", head, message_id)
 
     def per_version(self, probe: str, version: int) -> list[str]:
         """Every key that belongs to one version (what retention deletes with it)."""
