@@ -46,6 +46,7 @@ def two_heads(ex: HiddenStateExtractor, thresholds: dict[str, float], seed: int)
         layers=[1, 2],
         hidden_size=ex.hidden_size,
         task="multilabel",
+        labels=["non-toxic", "toxic", "spam"],
         heads=[
             HeadSpec(name="toxicity", task="multiclass", labels=["non-toxic", "toxic"]),
             HeadSpec(name="spam", task="multilabel", labels=["spam"]),

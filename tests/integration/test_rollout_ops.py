@@ -419,12 +419,12 @@ def test_cli_status_and_show_give_evidence_per_head(
     v1 = publish(registry, live=True)
     v2 = publish(registry)
     assert cli("canary", str(v2), "--share", "0.1")[0] == 0
-    per_head = {"n": 200, "flags": 40, "h.toxicity.n": 200, "h.toxicity.flags": 30}
+    per_head: Any = {"n": 200, "flags": 40, "h.toxicity.n": 200, "h.toxicity.flags": 30}
     per_head |= {"h.self-harm-and-a-long-name.n": 200, "h.self-harm-and-a-long-name.flags": 2}
     per_head |= {"h.toxicity.tp": 8, "h.toxicity.fp": 2, "h.toxicity.tn": 10}
     per_head |= {"h.jailbreak.fn": 3}  # credited to a head v1 lacks: not shown
     redis_ns.client.hset(evidence.keys.evidence("tox", v1), mapping=per_head)
-    canary = {"n": 20, "flags": 19, "h.toxicity.n": 20, "h.toxicity.flags": 19}
+    canary: Any = {"n": 20, "flags": 19, "h.toxicity.n": 20, "h.toxicity.flags": 19}
     redis_ns.client.hset(evidence.keys.evidence("tox", v2), mapping=canary)
     code, out, _ = cli("status")
     assert code == 0 and all(len(line) <= 80 for line in out.splitlines()), out
@@ -465,12 +465,12 @@ def test_the_console_probes_page_shows_evidence_per_head(
     v1 = publish(registry, live=True)
     v2 = publish(registry)
     rollout.start_canary(v2, 0.1, reason="test")
-    live = {"n": 400, "flags": 120, "h.toxicity.n": 400, "h.toxicity.flags": 100}
+    live: Any = {"n": 400, "flags": 120, "h.toxicity.n": 400, "h.toxicity.flags": 100}
     live |= {"h.sexual.n": 400, "h.sexual.flags": 4, "h.sexual.tp": 9, "h.sexual.fn": 1}
-    canary = {"n": 300, "flags": 105, "h.toxicity.n": 300, "h.toxicity.flags": 75}
-    canary |= {"h.sexual.n": 300, "h.sexual.flags": 60}  # 1 % -> 20 %
+    canary2: Any = {"n": 300, "flags": 105, "h.toxicity.n": 300, "h.toxicity.flags": 75}
+    canary2 |= {"h.sexual.n": 300, "h.sexual.flags": 60}  # 1 % -> 20 %
     redis_ns.client.hset(evidence.keys.evidence("tox", v1), mapping=live)
-    redis_ns.client.hset(evidence.keys.evidence("tox", v2), mapping=canary)
+    redis_ns.client.hset(evidence.keys.evidence("tox", v2), mapping=canary2)
     settings = Settings(rollout="canary", rollback_min_messages=100)
     view = probe_page(registry, evidence, settings, None)
     assert [r.version for r in view.head_versions] == [v2, v1]

@@ -179,6 +179,7 @@ def multi_head(
         layers=[1, 2],
         hidden_size=extractor.hidden_size,
         task="multilabel",
+        labels=["toxic", "spam", "a", "b"],
         heads=[
             HeadSpec(name="toxicity", task="multilabel", labels=["toxic"]),
             HeadSpec(name="spam", task="multilabel", labels=["spam"]),

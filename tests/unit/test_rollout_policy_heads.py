@@ -7,6 +7,7 @@ Evidence is built from Redis hash fields, as scorers and the updater write them
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from tests.registry_helpers import num
 from tests.unit.test_rollout_policy import GOOD_LIVE, POLICY, conf, on_trial
@@ -128,7 +129,7 @@ def test_one_heads_f1_collapse_rolls_back_naming_it() -> None:
 def test_a_healthy_multi_head_canary_is_promoted() -> None:
     heads = {h: conf(120, 0.9) for h in HEADS}
     live_heads = {h: conf(400, 0.9) for h in HEADS}
-    whole = cells("", conf(150, 0.9)) | cells("bl_", conf(300, 0.91))
+    whole: dict[str, Any] = cells("", conf(150, 0.9)) | cells("bl_", conf(300, 0.91))
     rates = {"toxicity": 0.3, "sexual": 0.1, "hate": 0.08, "violence": 0.1}
     fields = canary(rates=rates, labels=heads, **whole) | baseline(rates=rates, labels=live_heads)
     d = next_action(POLICY, on_trial(hashed(2, fields), GOOD_LIVE))
@@ -140,7 +141,7 @@ def test_a_healthy_multi_head_canary_is_promoted() -> None:
 def test_promotion_needs_every_head_within_epsilon() -> None:
     heads = {h: conf(120, 0.9) for h in HEADS} | {"sexual": conf(120, 0.86)}
     live_heads = {h: conf(400, 0.9) for h in HEADS}
-    whole = cells("", conf(150, 0.9)) | cells("bl_", conf(300, 0.91))
+    whole: dict[str, Any] = cells("", conf(150, 0.9)) | cells("bl_", conf(300, 0.91))
     fields = canary(labels=heads, **whole) | baseline(labels=live_heads)
     d = next_action(POLICY, on_trial(hashed(2, fields), GOOD_LIVE))
     assert d.action == "clear" and d.reason.startswith("head sexual: F1")
@@ -180,6 +181,7 @@ def test_a_label_says_something_of_the_heads_it_annotates_only() -> None:
         layers=[1],
         hidden_size=8,
         task="multilabel",
+        labels=["non-toxic", "toxic", "sexual", "offensive"],
         heads=[
             HeadSpec(name="toxicity", task="multiclass", labels=["non-toxic", "toxic"]),
             HeadSpec(name="sexual", task="multilabel", labels=["sexual"]),
