@@ -334,3 +334,23 @@ def test_the_flusher_keeps_answers_whose_send_raised(
     q._send_due()
     assert len(q.producer.sent) == 1 and q.sent == 1
     assert not q.sending and q.stats().held == 0 and key not in q.items
+
+
+def test_a_text_over_the_default_limit_can_be_labelled(
+    qsettings: Settings, redis_ns: RedisNamespace
+) -> None:
+    """M1: with MAX_TEXT_CHARS raised, the label for a long text is built against it (it
+    used to fail validation against the default 32,000: HTTP 500, never labelled)."""
+    s = qsettings.model_copy(update={"max_text_chars": 100_000})
+    q = ReviewQueue(s, redis_ns.client)
+    text = "a long message " * 3000  # 45,000 characters
+    fields = request("m1-long").model_dump() | {"text": text}
+    req = ReviewRequest.build(s.limits, **fields)
+    key = f"{req.probe}:{req.message_id}"
+    q.items[key] = ReviewItem(
+        key, req, ("ok", "toxic"), False, (), [(TopicPartition("t", 0), 0)], time.time()
+    )
+    assert q.next_item("ann") is not None
+    label = q.answer("ann", key, ["toxic"])
+    assert label.text == text
+    assert HumanLabel.decode(label.encode(), s.limits) == label

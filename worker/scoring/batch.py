@@ -28,9 +28,11 @@ import torch
 from probes.decision import Decision, decide, flagging_heads
 from probes.probe import Probe
 from schemas import (
+    DEFAULT_LIMITS,
     ChatMessage,
     CheckpointManifest,
     HeadResult,
+    Limits,
     ProbeDecision,
     ProbeResult,
     ProbeSpec,
@@ -96,15 +98,19 @@ class BatchScorer:
         *,
         shadow: bool = False,
         flag_heads: frozenset[str] | None = None,
+        limits: Limits = DEFAULT_LIMITS,
     ) -> None:
         """``slots``: the slots, or a function returning what is served now (a watcher's
         snapshot, see :mod:`worker.scoring.probe_watch`), read once per batch.
         ``flag_heads``: the heads of multi-head probes that may flag (``None``: every head
-        with a flag label; see :func:`probes.decision.flagging_heads`)."""
+        with a flag label; see :func:`probes.decision.flagging_heads`). ``limits``: the
+        deployment's wire limits, which the results are built against (a probe with more
+        labels than the default allows must still produce results)."""
         self.extractor = extractor
         self._slots = slots
         self.shadow = shadow
         self.flag_heads = flag_heads
+        self.limits = limits
 
     @property
     def slots(self) -> Mapping[str, ProbeSlot]:
@@ -140,10 +146,10 @@ class BatchScorer:
             for slot in slots.values():
                 if slot.live is None:
                     continue
-                live = _run(slot.live, ex, layers, self.flag_heads)
+                live = _run(slot.live, ex, layers, self.flag_heads, self.limits)
                 canary = None
                 if slot.canary is not None and slot.canary.version != slot.live.version:
-                    canary = _run(slot.canary, ex, layers, self.flag_heads)
+                    canary = _run(slot.canary, ex, layers, self.flag_heads, self.limits)
                 runs[slot.name] = (live, canary)
                 for r in (live, canary):
                     if r is None:
@@ -178,7 +184,8 @@ class BatchScorer:
             decided = canary if use_canary and canary is not None else live
             shadow = None
             if shadowed is not None:
-                shadow = ShadowResult(
+                shadow = ShadowResult.build(
+                    self.limits,
                     version=shadowed.served.version,
                     scores=shadowed.scores[row],
                     predicted=shadowed.predicted[row],
@@ -192,7 +199,8 @@ class BatchScorer:
                 sf=shadowed.flagged[row] if shadowed is not None else None,
                 ss=_score(shadowed, row) if shadowed is not None else None,
             )
-            result = ProbeResult(
+            result = ProbeResult.build(
+                self.limits,
                 probe=slot.name,
                 version=decided.served.version,
                 scores=decided.scores[row],
@@ -259,11 +267,14 @@ def _probabilities(probe: Probe, hidden: torch.Tensor, mask: torch.Tensor) -> to
     return out
 
 
-def _head_results(spec: ProbeSpec, decision: Decision) -> list[dict[str, HeadResult]]:
+def _head_results(
+    spec: ProbeSpec, decision: Decision, limits: Limits
+) -> list[dict[str, HeadResult]]:
     names, flags = decision.label_names(spec), decision.head_flags(spec)
     return [
         {
-            h.name: HeadResult(
+            h.name: HeadResult.build(
+                limits,
                 predicted=[x for x in names[row] if x in h.labels],
                 flagged=bool(flags[h.name][row]),
             )
@@ -278,6 +289,7 @@ def _run(
     ex: Extraction,
     layers: tuple[int, ...],
     flag_heads: frozenset[str] | None = None,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> _Run:
     probe = served.probe
     spec = flagging_heads(probe.spec, flag_heads)
@@ -295,5 +307,5 @@ def _run(
         flagged=[bool(f) for f in decision.flagged.tolist()],
         flag_score=probs[:, flag_idx].max(dim=1).values.tolist() if flag_idx else None,
         non_finite=non_finite,
-        heads=_head_results(spec, decision) if spec.heads else None,
+        heads=_head_results(spec, decision, limits) if spec.heads else None,
     )

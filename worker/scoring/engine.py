@@ -124,6 +124,7 @@ class ScoringEngine:
             lambda: self.watcher.slots,
             shadow=settings.shadow,
             flag_heads=settings.flag_head_names,
+            limits=settings.limits,
         )
         self.review_policy = review.ReviewPolicy.from_settings(settings)
         # probe -> the packaged default folder served while nothing is published (None: none
@@ -147,7 +148,8 @@ class ScoringEngine:
         verdicts: dict[int, Verdict] = {}
         for pos, results in scores.results.items():
             msg = messages[pos]
-            verdicts[pos] = Verdict(
+            verdicts[pos] = Verdict.build(
+                self.settings.limits,
                 verdict_id=Verdict.make_id(msg.message_id, results),
                 message_id=msg.message_id,
                 conversation_id=msg.conversation_id,
@@ -190,7 +192,8 @@ class ScoringEngine:
                 reason = review.route(self.review_policy, msg.message_id, flag_score)
                 if reason is None:
                     continue
-                request = ReviewRequest(
+                request = ReviewRequest.build(
+                    self.settings.limits,
                     message_id=msg.message_id,
                     conversation_id=msg.conversation_id,
                     text=msg.text,
