@@ -158,10 +158,22 @@ class BatchLoop(Generic[T]):
         )
 
     def close(self) -> None:
-        """Leave the group at once (commits nothing more) and drain the producer."""
-        self.consumer.close()
-        self.producer.flush(30)
-        self.producer.close(30)
+        """Leave the group at once (commits nothing more) and drain the producer.
+
+        Never raises for a broker that does not answer (flush times out): what was not
+        acknowledged was not committed either, so the next owner redoes it; the role
+        that closes the loop (e.g. an updater whose lease ended) must outlive the outage.
+        """
+        steps: list[Callable[[], object]] = [
+            self.consumer.close,
+            lambda: self.producer.flush(30),
+            lambda: self.producer.close(30),
+        ]
+        for step in steps:
+            try:
+                step()
+            except KafkaError as exc:
+                log.warning("closing the batch loop: %s (nothing more was committed)", exc)
 
     # --- the loop ------------------------------------------------------------
 

@@ -230,7 +230,7 @@ class ScoringEngine:
             used = int(pipe.execute()[0])
         except (redis.RedisError, OSError) as exc:
             self.metrics.redis_errors.inc()
-            self.redis_breaker.trip()
+            self.redis_breaker.trip(exc)
             log.warning("review budget unavailable (%s); holding reviews back", exc)
             return 0  # without the shared budget, err on the side of not flooding reviewers
         return review.admitted(policy, wanted, used)
@@ -269,7 +269,7 @@ class ScoringEngine:
             pipe.execute()
         except (redis.RedisError, OSError) as exc:
             self.metrics.redis_errors.inc()
-            self.redis_breaker.trip()
+            self.redis_breaker.trip(exc)
             log.warning("evidence write failed (%s)", exc)
 
     def _cache_texts(
@@ -303,7 +303,7 @@ class ScoringEngine:
             self.text_breaker.reset()
         except (redis.RedisError, OSError) as exc:
             self.metrics.redis_errors.inc()
-            self.text_breaker.trip()
+            self.text_breaker.trip(exc)
             log.warning("text cache write failed (%s); labels may need to carry text", exc)
 
     def _refused(self, name: str, version: int, why: str) -> None:
@@ -412,4 +412,19 @@ class ScoringEngine:
             if folder is not None and versions.get(name, {}).get("live") == 0
         ]
         note = f" ({'; '.join(packaged)} until a version is published)" if packaged else ""
-        return True, f"serving {versions}{note}"
+        return True, f"serving {versions}{note}{self._degraded()}"
+
+    def _degraded(self) -> str:
+        """What a Redis outage costs while scoring goes on (for ``/readyz``: still ready,
+        since every message is scored; the note says what is missing)."""
+        notes = []
+        registry = self.redis_breaker.outage()
+        if registry is not None:
+            notes.append(
+                f"Redis {registry}: serving the last good probes; no evidence or review "
+                "requests until it answers"
+            )
+        cache = self.text_breaker.outage()
+        if cache is not None:
+            notes.append(f"the text cache {cache}: labels must carry their text")
+        return "".join(f"; degraded: {n}" for n in notes)

@@ -221,7 +221,7 @@ class ProbeWatcher:
         if self.redis_ok:
             log.warning("Redis unreachable (%s); serving the last good probes", exc)
         self.redis_ok = False
-        self.breaker.trip()
+        self.breaker.trip(exc)
         self._next_check = time.monotonic() + self.check_interval_s
 
     def _snapshot(self) -> dict[str, ProbeSlot]:
