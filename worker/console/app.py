@@ -6,6 +6,7 @@
     /explain                   one text's decomposition, as `probeguard explain` (pages_explain.py)
     /static/*                  the stylesheet and the one script file
     /healthz                   liveness, no data (pages_auth.py)
+    /readyz                    the review queue takes in requests, no data (pages_auth.py)
 
 Build one with :func:`create_app` from a :class:`Console` (what the pages read and
 write, in ``context.py``); :class:`worker.console.server.ConsoleServer` serves it on a

@@ -1,4 +1,4 @@
-"""Signing in and out, the root redirect and ``/healthz``.
+"""Signing in and out, the root redirect, ``/healthz`` and ``/readyz``.
 
 Sessions are described in :mod:`worker.console.web`; a failed sign-in costs the same
 time whether or not the user exists, and repeated failures for one name are throttled.
@@ -30,6 +30,15 @@ _DUMMY = User("-", "reviewer", hash_password(secrets.token_urlsafe(16)))
 @router.get("/healthz", include_in_schema=False)
 def healthz() -> PlainTextResponse:
     return PlainTextResponse("ok")
+
+
+@router.get("/readyz", include_in_schema=False)
+def readyz(request: Request) -> PlainTextResponse:
+    """Whether the review queue takes in review requests (503 with why, while Redis or the
+    broker does not answer); no session needed, and no data."""
+    queue = console_of(request).queue
+    ok, why = queue.readiness() if queue is not None else (True, "ok (no review queue)")
+    return PlainTextResponse(why + "\n", status_code=200 if ok else 503)
 
 
 @router.get("/")
