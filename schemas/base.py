@@ -32,6 +32,25 @@ class WireModel(BaseModel):
         """Decode JSON bytes, enforcing ``limits``. Raises ``pydantic.ValidationError``."""
         return cls.model_validate_json(raw, context={"limits": limits})
 
+    @classmethod
+    def build(cls, limits: Limits, /, **fields: Any) -> Self:
+        """Construct a model to send, checked against ``limits``.
+
+        A plain ``Model(...)`` applies the default limits, so a deployment that raised them
+        (``PROBEGUARD_MAX_TEXT_CHARS``, ``_MAX_LABELS``) would decode a message and then
+        fail to build the verdict or review request for it. Services build what they send
+        with their configured limits::
+
+            >>> from schemas import ReviewRequest, utcnow
+            >>> long = Limits(max_text_chars=100_000)
+            >>> req = ReviewRequest.build(long, message_id="m-1", text="x" * 40_000,
+            ...     probe="toxicity", version=1, scores={"toxic": 0.5}, reason="audit",
+            ...     created_at=utcnow())
+            >>> len(req.text)
+            40000
+        """
+        return cls.model_validate(fields, context={"limits": limits})
+
     def encode(self) -> bytes:
         """Compact JSON bytes, the inverse of :meth:`decode`."""
         return self.model_dump_json(exclude_none=False).encode()

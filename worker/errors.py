@@ -110,14 +110,24 @@ class LensUnavailable(ProbeguardError):
 
 class TransientError(ProbeguardError):
     """Raised by a handler when a dependency is down (e.g. Redis): the batch is rewound
-    and retried after a backoff, as often as it takes, and never dead-lettered."""
+    and retried after a backoff, as often as it takes, and never dead-lettered.
+
+    ``sticky``: only a restart of the process clears it (see :class:`DeviceError`)."""
+
+    sticky = False
 
 
 class DeviceError(TransientError):
     """The accelerator failed (out of memory, a CUDA error): the inputs are not at fault.
 
-    A sticky CUDA error (e.g. an illegal memory access) persists until the process
-    restarts: the loop then stalls and the role reports not ready."""
+    A CUDA error other than out of memory (e.g. an illegal memory access) is ``sticky``:
+    it persists until the process restarts. The loop retries the batch, and after
+    ``device_faults_to_restart`` of them in a row the role fails ``/healthz`` so the
+    orchestrator restarts it (and its partitions move to a healthy member)."""
+
+    def __init__(self, message: str, *, sticky: bool = False) -> None:
+        super().__init__(message)
+        self.sticky = sticky
 
 
 class RegistryError(ProbeguardError):

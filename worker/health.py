@@ -23,17 +23,22 @@ log = logging.getLogger(__name__)
 
 
 class Health:
-    """Liveness from a heartbeat the loop beats; readiness from a callable."""
+    """Liveness from a heartbeat the loop beats, and from ``fatal`` (a fault that only a
+    restart clears, however often the loop beats); readiness from a callable."""
 
     def __init__(self, stale_after_s: float = 60.0) -> None:
         self.stale_after_s = stale_after_s
         self._beat = time.monotonic()
         self.ready_check: Callable[[], tuple[bool, str]] = lambda: (True, "ok")
+        self.fatal: Callable[[], str | None] = lambda: None
 
     def beat(self) -> None:
         self._beat = time.monotonic()
 
     def alive(self) -> tuple[bool, str]:
+        fatal = self.fatal()
+        if fatal is not None:
+            return False, fatal
         age = time.monotonic() - self._beat
         if age > self.stale_after_s:
             return False, f"loop stalled: last iteration {age:.0f}s ago"

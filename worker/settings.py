@@ -263,6 +263,13 @@ class Settings(BaseSettings):
         description="A scorer or updater whose batch in hand has failed to complete (broker, "
         "handler, Redis) for this many seconds reports not ready on `/readyz`.",
     )
+    device_faults_to_restart: Annotated[int, Field(ge=1)] = Field(
+        5,
+        description="A scorer or updater whose batch in hand failed this many times in a "
+        "row on a device fault other than out of memory (e.g. a CUDA illegal memory "
+        "access, which lasts until the process restarts) fails `/healthz`, so the "
+        "orchestrator restarts it and its partitions move on; `/readyz` says why.",
+    )
     log_json: bool = Field(False, description="Log one JSON object per line.")
     worker_id: str | None = Field(
         None,

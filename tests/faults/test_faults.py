@@ -13,6 +13,8 @@ import operator
 import signal
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from tests.kafka_helpers import produce_raw
 from tests.process_helpers import Threaded, settings_env, spawn, wait_until
 from tests.registry_helpers import publish_probe
 from tests.tiny_llm import make_tiny_llm
+from worker.embedded import free_port
 from worker.learning.updater import Updater
 from worker.llm.extract import HiddenStateExtractor
 from worker.scoring.scorer import Scorer
@@ -229,6 +232,139 @@ def test_redis_paused_for_15s_scoring_goes_on_and_the_updater_catches_up(
             f"labels published as v{latest} after",
         )
     )
+
+
+LONG_OUTAGE_S = 25.0
+
+
+def _get(port: int, path: str) -> tuple[int, str]:
+    """Status and body of ``/healthz`` or ``/readyz`` (0 when nothing answers)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError as exc:
+        return 0, str(exc)
+
+
+def test_redis_paused_past_every_timeout_no_role_dies_and_both_recover(
+    stack: Stack, model_dir: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """A Redis frozen for longer than every client timeout (socket, lease TTL) once killed
+    ``probeguard train`` with an unhandled TimeoutError; the roles run as processes here,
+    as in production, and must outlive it, say so on /readyz, and recover by themselves."""
+    s = stack.settings
+    path, _ = model_dir
+    reg = registry(s)
+    ports = {"updater": free_port(), "scorer": free_port()}
+    timeouts = {"redis_socket_timeout_s": 1.0, "lease_ttl_ms": 2000}
+    learn = {"publish_every_labels": 32, "publish_every_s": 1.0, "stats_warmup": 16}
+    learn |= {"learn_lr": 3e-3, "learn_batch_size": 16, "stage_check_interval_s": 0.5}
+    logs = {role: tmp_path / f"{role}.log" for role in ports}
+    procs = {
+        role: spawn(
+            "train" if role == "updater" else "score",
+            settings_env(s, path, metrics_port=ports[role], **timeouts, **learn),
+            logs[role],
+        )
+        for role in ports
+    }
+
+    def tails() -> str:
+        return "\n".join(f"--- {r}\n{p.read_text()[-3000:]}" for r, p in logs.items())
+
+    def both_alive() -> None:
+        dead = {r: p.returncode for r, p in procs.items() if p.poll() is not None}
+        assert not dead, f"a role died: {dead}\n{tails()}"
+
+    try:
+        produce_raw(s, s.topic_labels, labels(0, 64))
+        wait_until(lambda: reg.stages().live is not None, "a first version", 120)
+        before = reg.latest()
+        warm = chats("w", 0, 20)
+        produce_raw(s, s.topic_chat, warm)
+        with Tally(s) as tally:
+            tally.wait(lambda o: len(o.verdicts) >= len(warm), 120, "the scorer to score")
+            wait_until(lambda: _get(ports["scorer"], "/readyz")[0] == 200, "scorer ready", 60)
+
+            during = chats("r", 0, 300)
+            stack.redis.signal(signal.SIGSTOP)
+            paused_at = time.monotonic()
+            try:
+                produce_raw(s, s.topic_chat, during)
+                produce_raw(s, s.topic_labels, labels(64, 128))
+                readyz: dict[str, tuple[int, str]] = {}
+                while time.monotonic() - paused_at < LONG_OUTAGE_S:
+                    tally.poll()
+                    if time.monotonic() - paused_at > LONG_OUTAGE_S - 5 and not readyz:
+                        readyz = {r: _get(port, "/readyz") for r, port in ports.items()}
+                both_alive()
+            finally:
+                stack.redis.signal(signal.SIGCONT)
+            # Degraded, and said so: the updater cannot publish (not ready), the scorer
+            # scores on with its last good probes (ready, with a note).
+            assert readyz["updater"][0] == 503 and "Redis" in readyz["updater"][1], readyz
+            assert readyz["scorer"][0] == 200 and "Redis" in readyz["scorer"][1], readyz
+
+            after = chats("a", 0, 100)
+            produce_raw(s, s.topic_chat, after)
+            produce_raw(s, s.topic_labels, labels(128, 160))
+            keys = {k.decode() for k, _ in warm + during + after}
+            out = tally.settle(keys, timeout_s=240)
+        wait_until(lambda: learned(reg) >= 160, "the labels given after the pause", 240)
+        latest = reg.latest()
+        assert latest is not None and before is not None and latest > before
+        both_alive()
+        for role, port in ports.items():
+            assert _get(port, "/healthz")[0] == 200, role
+            wait_until(partial(_ready, port), f"{role} ready again", 120)
+        # The scorer is back on Redis (its breakers back off up to 60 s; the text cache's
+        # learns of it on the next batch): serving what the updater published after the
+        # pause, and no longer degraded.
+        deadline, n = time.monotonic() + 120, 0
+        while f"'live': {reg.latest()}," not in (body := _get(ports["scorer"], "/readyz")[1]) or (
+            "degraded" in body
+        ):
+            assert time.monotonic() < deadline, f"the scorer has not recovered: {body}"
+            produce_raw(s, s.topic_chat, chats("z", n, n + 5))
+            n += 5
+            time.sleep(2)
+        missing = out.missing(keys)
+        assert not missing, f"{len(missing)} missing, e.g. {sorted(missing)[:5]}"
+        assert not out.dead
+        record(
+            Row(
+                f"Redis SIGSTOP {LONG_OUTAGE_S:.0f} s, past every timeout (processes)",
+                len(keys),
+                len(out.verdicts),
+                len(out.dead),
+                len(missing),
+                f"both alive; 160 labels learned, v{latest} published after the pause",
+            )
+        )
+    except BaseException:
+        print(tails())
+        raise
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _ready(port: int) -> bool:
+    return _get(port, "/readyz")[0] == 200
+
+
+def learned(reg: CheckpointRegistry) -> int:
+    """Labels the newest published version has learned from (0 before the first)."""
+    latest = reg.latest()
+    return 0 if latest is None else reg.manifest(latest).counters.labels_seen
 
 
 # --- bad checkpoints ------------------------------------------------------------------

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis
 from kafka import TopicPartition
 from kafka.errors import KafkaTimeoutError
 
@@ -16,7 +17,9 @@ from schemas import DeadLetter, HumanLabel, ReviewRequest, utcnow
 from tests.conftest import RedisNamespace
 from tests.kafka_helpers import committed_total, drain, produce_raw
 from tests.process_helpers import wait_until
+from worker.embedded import EmbeddedRedis, free_port
 from worker.errors import ReviewError
+from worker.kafka.clients import ensure_topics
 from worker.review.queue import ReviewItem, ReviewQueue
 from worker.settings import Settings
 
@@ -380,3 +383,48 @@ def test_a_multi_head_answer_judges_every_head(
     assert sent[first.request.message_id].labels == ["toxic", "hate"]
     assert sent[second.request.message_id].labels == []
     assert all(lb.exhaustive for lb in sent.values())
+
+
+def test_a_text_over_the_default_limit_can_be_labelled(
+    qsettings: Settings, redis_ns: RedisNamespace
+) -> None:
+    """M1: with MAX_TEXT_CHARS raised, the label for a long text is built against it (it
+    used to fail validation against the default 32,000: HTTP 500, never labelled)."""
+    s = qsettings.model_copy(update={"max_text_chars": 100_000})
+    q = ReviewQueue(s, redis_ns.client)
+    text = "a long message " * 3000  # 45,000 characters
+    fields = request("m1-long").model_dump() | {"text": text}
+    req = ReviewRequest.build(s.limits, **fields)
+    key = f"{req.probe}:{req.message_id}"
+    q.items[key] = ReviewItem(
+        key, req, ("ok", "toxic"), False, (), [(TopicPartition("t", 0), 0)], time.time()
+    )
+    assert q.next_item("ann") is not None
+    label = q.answer("ann", key, ["toxic"])
+    assert label.text == text
+    assert HumanLabel.decode(label.encode(), s.limits) == label
+
+
+def test_the_queue_outlives_a_redis_outage_and_says_so(qsettings: Settings) -> None:
+    """While Redis does not answer, review requests cannot become items: the queue keeps
+    retrying, reports not ready (the console's /readyz), and takes them in once Redis is
+    back, without a restart."""
+    port = free_port()  # nothing listens there yet: Redis is "down" from the start
+    client = redis.Redis(
+        host="127.0.0.1", port=port, socket_timeout=0.5, socket_connect_timeout=0.5, protocol=2
+    )
+    s = qsettings.model_copy(update={"stall_not_ready_s": 0.5})
+    ensure_topics(s, partitions=2)
+    q = ReviewQueue(s, client).start()
+    try:
+        assert q.ready.wait(30)
+        put(s, 3)
+        wait_until(lambda: not q.readiness()[0], "the queue to say it is stuck", 30)
+        assert "not answering" in q.readiness()[1] and str(port) not in q.readiness()[1]
+        assert q.stats().waiting == 0 and all(t.is_alive() for t in q._threads)
+        with EmbeddedRedis(port=port):
+            wait_until(lambda: q.stats().waiting == 3, "the requests taken in", 60)
+            assert q.readiness() == (True, "ok")
+    finally:
+        q.stop()
+        client.close()

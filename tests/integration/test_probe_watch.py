@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import threading
 import uuid
+from typing import Any
 
 import pytest
 import redis
+import torch
 
 from probes.checkpoint import checkpoint_to_bytes, probe_from_bytes
 from probes.probe import build_probe
@@ -18,6 +20,7 @@ from tests.registry_helpers import publish_probe, toxicity_spec
 from tests.tiny_llm import make_tiny_llm
 from worker.embedded import EmbeddedRedis, free_port
 from worker.rollout.changes import Rollout
+from worker.scoring import probe_watch
 from worker.scoring.batch import ServedProbe
 from worker.scoring.probe_watch import ProbeWatcher
 from worker.store.checkpoints import CheckpointRegistry
@@ -89,3 +92,84 @@ def test_the_thread_serves_through_a_redis_outage_and_reconnects() -> None:
         watcher.stop()
         client.close()
     assert not watcher.watching and no_watcher_threads()
+
+
+SIGNING_KEY = b"a-test-key-of-sufficient-length"
+
+
+def two_probes(redis_ns: RedisNamespace) -> tuple[ProbeWatcher, dict[str, CheckpointRegistry]]:
+    """A poll-mode watcher over probes ``a`` (listed first) and ``b``, signed: ``a`` v1 live,
+    ``b`` v2 live after v1, each in the watcher's hands."""
+    fp = make_tiny_llm().fingerprint
+    regs = {
+        n: CheckpointRegistry(redis_ns.client, redis_ns.keys, n, signing_key=SIGNING_KEY)
+        for n in ("a", "b")
+    }
+    publish_probe(regs["a"], fp, seed=1, signing_key=SIGNING_KEY)
+    for seed in (1, 2):
+        publish_probe(regs["b"], fp, seed=seed, signing_key=SIGNING_KEY)
+    watcher = ProbeWatcher(regs, fp, signing_key=SIGNING_KEY)
+    watcher.refresh(force=True)
+    assert watcher.versions() == {
+        "a": {"live": 1, "canary": None},
+        "b": {"live": 2, "canary": None},
+    }
+    return watcher, regs
+
+
+def lives(watcher: ProbeWatcher) -> dict[str, int | None]:
+    return {name: v["live"] for name, v in watcher.versions().items()}
+
+
+def rollback_b(redis_ns: RedisNamespace, regs: dict[str, CheckpointRegistry]) -> None:
+    evidence = EvidenceStore(redis_ns.client, redis_ns.keys)
+    assert Rollout(regs["b"], evidence, actor="op").rollback_live(reason="bad") == 1
+
+
+def test_one_probes_unreadable_record_does_not_block_the_others_swaps(
+    redis_ns: RedisNamespace,
+) -> None:
+    """M5: a's live manifest no longer parses. It used to abort the whole sync (in poll
+    mode: raise out of the scorer), so b's rollback was never applied."""
+    watcher, regs = two_probes(redis_ns)
+    redis_ns.client.set(redis_ns.keys.manifest("a", 1), b"{}")
+    rollback_b(redis_ns, regs)
+    watcher.refresh(force=True)  # raises nothing
+    assert watcher.versions() == {
+        "a": {"live": 1, "canary": None},
+        "b": {"live": 1, "canary": None},
+    }
+    assert "a" in watcher.failing and "b" not in watcher.failing
+
+
+def test_out_of_device_memory_loading_one_probe_does_not_block_the_others(
+    redis_ns: RedisNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """M5: moving a's new version to the device runs out of memory; b's rollback is still
+    applied, a keeps v1 and gets v2 at a later check, once memory allows."""
+    watcher, regs = two_probes(redis_ns)
+    fp = make_tiny_llm().fingerprint
+    oom = True
+    real = probe_watch.probe_from_bytes
+
+    def loading(*args: Any, **kw: Any) -> Any:
+        probe, manifest = real(*args, **kw)
+        if manifest.probe == "a" and oom:
+
+            def to(*_: object, **__: object) -> None:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+            probe.to = to  # type: ignore[method-assign,assignment]
+        return probe, manifest
+
+    monkeypatch.setattr(probe_watch, "probe_from_bytes", loading)
+    a2 = publish_probe(regs["a"], fp, seed=2, signing_key=SIGNING_KEY)
+    rollback_b(redis_ns, regs)
+    watcher.refresh(force=True)
+    assert watcher.versions() == {
+        "a": {"live": 1, "canary": None},
+        "b": {"live": 1, "canary": None},
+    }
+    oom = False
+    watcher.refresh(force=True)
+    assert watcher.versions()["a"]["live"] == a2 and not watcher.failing

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from schemas import DeadLetter, ReviewRequest, Verdict
+from probes.checkpoint import checkpoint_to_bytes
+from probes.probe import build_probe
+from schemas import ChatMessage, CheckpointManifest, DeadLetter, ProbeSpec, ReviewRequest, Verdict
 from tests.conftest import RedisNamespace
 from tests.kafka_helpers import drain, produce_raw
 from tests.process_helpers import settings_env, spawn, tiny_model_dir, wait_until
@@ -23,7 +25,9 @@ from tests.tiny_llm import make_tiny_llm
 from worker.embedded import free_port
 from worker.kafka.clients import ensure_topics
 from worker.llm.extract import Extraction, HiddenStateExtractor
-from worker.scoring.scorer import Scorer
+from worker.scoring.batch import ServedProbe
+from worker.scoring.engine import ScoringEngine
+from worker.scoring.scorer import Scorer, ScorerMetrics
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 
@@ -410,3 +414,53 @@ def test_a_version_published_mid_batch_is_swapped_in_before_that_batch_ends(
     running.stop()
     assert not scorer.watcher.watching
     assert not [t for t in threading.enumerate() if t.name == "probe-watch" and t.is_alive()]
+
+
+def _engine(settings: Settings, redis_ns: RedisNamespace, labels: list[str]) -> ScoringEngine:
+    """An engine serving a random probe over ``labels`` (the last one flags), no Kafka."""
+    ex = extractor(settings)
+    spec = ProbeSpec(
+        name="toxicity",
+        token_pool="mean",
+        layer_mix="scalar_mix",
+        layers=[1, 2],
+        hidden_size=ex.hidden_size,
+        task="multiclass",
+        labels=labels,
+        flag_labels=[labels[-1]],
+    )
+    probe = build_probe(spec, seed=1).eval()
+    _, manifest = checkpoint_to_bytes(probe, llm=ex.fingerprint, version=1)
+    engine = ScoringEngine(settings, ex, redis_ns.client, worker_id="w", metrics=ScorerMetrics())
+    engine.watcher.serve_bootstrap(
+        "toxicity", ServedProbe(probe, CheckpointManifest.decode(manifest))
+    )
+    return engine
+
+
+def test_raised_limits_apply_to_the_verdicts_and_review_requests_sent(
+    settings: Settings, redis_ns: RedisNamespace
+) -> None:
+    """M1: what the scorer sends is checked against the configured limits, not the
+    defaults. A 40,000-character message (allowed by MAX_TEXT_CHARS=100000) picked for
+    review, and a probe with 70 labels (MAX_LABELS=100), used to fail the batch: the
+    message was dead-lettered as ``processing`` and never got a verdict."""
+    settings = settings.model_copy(
+        update={
+            "max_text_chars": 100_000,
+            "max_labels": 100,
+            "review_low": 0.0,  # every message is uncertain: all go to review
+            "review_high": 1.0,
+        }
+    )
+    engine = _engine(settings, redis_ns, [f"l{i}" for i in range(70)])
+    text = "how is everyone today? " * 1800  # 41,400 characters
+    msg = ChatMessage.decode(chat(1, text), settings.limits)
+    judged = engine.judge([msg])
+    assert not judged.errors
+    assert len(judged.verdicts[0].results[0].scores) == 70
+    ((pos, request),) = judged.reviews
+    assert pos == 0 and request.text == text and len(request.scores) == 70
+    # What was sent decodes on the other side with the same limits.
+    assert ReviewRequest.decode(request.encode(), settings.limits) == request
+    assert Verdict.decode(judged.verdicts[0].encode(), settings.limits) == judged.verdicts[0]

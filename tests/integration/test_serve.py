@@ -182,6 +182,19 @@ def test_refusals_in_openais_shape(serve, redis_ns: RedisNamespace) -> None:
     assert image.status_code == 400 and "image" in image.json()["error"]["message"]
 
 
+def test_a_text_within_the_configured_limit_is_scored(serve, redis_ns: RedisNamespace) -> None:
+    """M1: with MAX_TEXT_CHARS raised, a text longer than the default 32,000 characters is
+    scored (it used to be refused with a 400 by the default limit)."""
+    publish(redis_ns)
+    served = serve(max_text_chars=100_000)
+    text = "have a nice day " * 2500  # 40,000 characters
+    got = served.http.post("/v1/moderations", json={"input": text})
+    assert got.status_code == 200, got.text
+    assert len(got.json()["results"]) == 1
+    over = served.http.post("/v1/moderations", json={"input": "x" * 100_001})
+    assert over.status_code == 413 and "100000" in over.text
+
+
 def test_rate_limit_per_key_is_a_429_with_retry_after(serve, redis_ns: RedisNamespace) -> None:
     publish(redis_ns)
     served = serve(serve_rate_per_key=0.2, serve_rate_burst=2)

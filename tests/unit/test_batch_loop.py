@@ -15,11 +15,16 @@ from typing import Any
 
 from kafka import TopicPartition
 from kafka.errors import KafkaTimeoutError, MessageSizeTooLargeError
+from prometheus_client import CollectorRegistry
 
 from schemas import ChatMessage, DeadLetter
 from schemas.messages import DEAD_LETTER_PAYLOAD_BYTES
+from tests.tiny_llm import make_tiny_llm
 from worker.errors import TransientError
 from worker.kafka.batch_loop import BatchLoop, Between, Item, Outgoing, Reject
+from worker.kafka.runtime import RoleRuntime
+from worker.llm.extract import HiddenStateExtractor
+from worker.settings import Settings
 
 TOPIC = "chat"
 
@@ -314,3 +319,67 @@ def test_stop_from_between_batches_polls_no_more_and_commits_nothing() -> None:
     loop.between_batches = lambda: next(answers)
     loop.run()
     assert consumer.position == 2 and consumer.commits == [] and loop.stop_event.is_set()
+
+
+@dataclass
+class Faulty:
+    """A role's runtime and batch loop whose handler runs the tiny LLM, with its forward
+    pass raising like torch on a device fault until :meth:`heal`."""
+
+    runtime: RoleRuntime
+    loop: BatchLoop[ChatMessage]
+    producer: Producer
+    extractor: HiddenStateExtractor
+    healthy: Any
+
+    def heal(self) -> None:
+        self.extractor._run = self.healthy  # type: ignore[method-assign]
+
+
+def device_fault(message: str, **settings: Any) -> Faulty:
+    extractor = HiddenStateExtractor(make_tiny_llm(), max_tokens=16, batch_size=4)
+    healthy = extractor._run
+
+    def fault(*args: object, **kw: object) -> None:
+        raise RuntimeError(message)
+
+    def handler(items: list[Item[ChatMessage]]) -> Sequence[Outgoing]:
+        extractor.extract([i.value.text for i in items], (1,))
+        return verdicts(items)
+
+    s = Settings(metrics_port=0).model_copy(update=settings)
+    runtime = RoleRuntime(s, CollectorRegistry(), role="scorer", worker_id="w")
+    producer = Producer()
+    loop, _ = make_loop(Consumer([chat(0), chat(1)]), producer, handler)
+    runtime.loop = loop
+    extractor._run = fault  # type: ignore[method-assign]
+    return Faulty(runtime, loop, producer, extractor, healthy)
+
+
+def test_a_sticky_device_fault_fails_liveness_after_the_configured_attempts() -> None:
+    """M4: a CUDA error that lasts until the process restarts used to stall the
+    partitions for good while every retry refreshed liveness. After
+    ``device_faults_to_restart`` failures in a row of the batch, /healthz fails (so the
+    orchestrator restarts the pod) and /readyz says why; the batch is still retried."""
+    illegal = "CUDA error: an illegal memory access was encountered"
+    f = device_fault(illegal, device_faults_to_restart=3)
+    for attempt in range(1, 4):
+        assert f.runtime.health.alive()[0], f"restarted before attempt {attempt}"
+        f.runtime.health.beat()  # as the roles do before every attempt
+        f.loop.run_once()
+    alive, why = f.runtime.health.alive()
+    assert not alive and illegal in why and "3 attempts in a row" in why
+    assert f.runtime.stall() == why  # /readyz says why
+    assert f.producer.sent == []  # nothing was dead-lettered: the device is at fault
+    f.heal()
+    f.loop.run_once()
+    assert f.runtime.health.alive()[0] and f.runtime.stall() is None
+    assert len(f.producer.topic("verdicts")) == 2
+
+
+def test_out_of_device_memory_never_fails_liveness() -> None:
+    # Out of memory may pass (another process on the device): the loop waits, not ready.
+    f = device_fault("CUDA out of memory", device_faults_to_restart=1)
+    for _ in range(5):
+        f.loop.run_once()
+    assert f.runtime.health.alive()[0] and f.loop.stalled_s() > 0

@@ -7,6 +7,7 @@
     /static/*                  the stylesheet and the one script file
     /healthz                   liveness, no data (pages_auth.py)
     /metrics                   Prometheus: the review backlog (metrics.py, pages_auth.py)
+    /readyz                    the review queue takes in requests, no data (pages_auth.py)
 
 Build one with :func:`create_app` from a :class:`Console` (what the pages read and
 write, in ``context.py``); :class:`worker.console.server.ConsoleServer` serves it on a

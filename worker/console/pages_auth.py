@@ -1,4 +1,4 @@
-"""Signing in and out, the root redirect, ``/healthz`` and ``/metrics``.
+"""Signing in and out, the root redirect, ``/healthz``, ``/readyz`` and ``/metrics``.
 
 Sessions are described in :mod:`worker.console.web`; a failed sign-in costs the same
 time whether or not the user exists, and repeated failures for one name are throttled.
@@ -38,6 +38,15 @@ def metrics(request: Request) -> Response:
     """Prometheus text, without a session (as ``/healthz``): counts only, no content."""
     collector = console_of(request).collector
     return Response(generate_latest(collector), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/readyz", include_in_schema=False)
+def readyz(request: Request) -> PlainTextResponse:
+    """Whether the review queue takes in review requests (503 with why, while Redis or the
+    broker does not answer); no session needed, and no data."""
+    queue = console_of(request).queue
+    ok, why = queue.readiness() if queue is not None else (True, "ok (no review queue)")
+    return PlainTextResponse(why + "\n", status_code=200 if ok else 503)
 
 
 @router.get("/")

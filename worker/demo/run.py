@@ -256,7 +256,8 @@ class DemoRun:
                     if self.stop.is_set():
                         return
                     mid = f"{self.run_id}-{rep}-{i}"
-                    msg = ChatMessage(
+                    msg = ChatMessage.build(
+                        settings.limits,
                         message_id=mid,
                         conversation_id=f"conv-{i % 17}",
                         text=row.text[: settings.max_text_chars],
@@ -270,7 +271,8 @@ class DemoRun:
                         pending.append(
                             (
                                 time.time() + self.opts.label_delay_s,
-                                HumanLabel(
+                                HumanLabel.build(
+                                    settings.limits,
                                     message_id=mid,
                                     probe="demo",
                                     label=row.label,

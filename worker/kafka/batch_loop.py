@@ -27,7 +27,9 @@ Failures cost only what failed:
   is dead-lettered as ``processing`` and the others are handled. After :meth:`stop`, a
   failure is not dead-lettered at all: the batch is rewound for the next owner.
 - :class:`~worker.errors.TransientError` (a dependency is down): the batch is rewound
-  and retried after a backoff, never dead-lettered.
+  and retried after a backoff, never dead-lettered. Sticky ones (a device fault that
+  lasts until the process restarts) are counted in :attr:`BatchLoop.sticky_faults`, so
+  the role can fail its liveness probe and be restarted.
 
 While a batch cannot be completed the loop is *stalled* (:meth:`BatchLoop.stalled_s`;
 roles report it on ``/readyz``); retries, refusals and commit failures are counted
@@ -124,6 +126,8 @@ class BatchLoop(Generic[T]):
         self._stalled_since: float | None = None
         self._stalled_on: set[TopicPartition] = set()
         self.last_failure = ""
+        # Sticky transient failures (see TransientError.sticky) of the batch in hand.
+        self.sticky_faults = 0
 
     @classmethod
     def for_topic(
@@ -154,10 +158,22 @@ class BatchLoop(Generic[T]):
         )
 
     def close(self) -> None:
-        """Leave the group at once (commits nothing more) and drain the producer."""
-        self.consumer.close()
-        self.producer.flush(30)
-        self.producer.close(30)
+        """Leave the group at once (commits nothing more) and drain the producer.
+
+        Never raises for a broker that does not answer (flush times out): what was not
+        acknowledged was not committed either, so the next owner redoes it; the role
+        that closes the loop (e.g. an updater whose lease ended) must outlive the outage.
+        """
+        steps: list[Callable[[], object]] = [
+            self.consumer.close,
+            lambda: self.producer.flush(30),
+            lambda: self.producer.close(30),
+        ]
+        for step in steps:
+            try:
+                step()
+            except KafkaError as exc:
+                log.warning("closing the batch loop: %s (nothing more was committed)", exc)
 
     # --- the loop ------------------------------------------------------------
 
@@ -206,6 +222,7 @@ class BatchLoop(Generic[T]):
         if not self.defer_commits:
             self.commit_pending()
         self._stalled_since, self._stalled_on = None, set()
+        self.sticky_faults = 0
         self.stats.batches += 1
         self.stats.records += len(records)
         self.stats.handled += len(items)
@@ -247,6 +264,8 @@ class BatchLoop(Generic[T]):
             try:
                 results = list(self.handler(items))
             except TransientError as exc:
+                if exc.sticky:
+                    self.sticky_faults += 1
                 self._failed("retry_transient", f"dependency unavailable: {exc}")
                 log.warning("dependency unavailable (%s); retrying the batch later", exc)
                 self.stop_event.wait(self.backoff_s)
@@ -428,6 +447,7 @@ class BatchLoop(Generic[T]):
         """Nothing in hand: not stalled any more once the stalled partitions are gone."""
         if self._stalled_since is not None and not (self._stalled_on & self.consumer.assignment()):
             self._stalled_since, self._stalled_on = None, set()
+            self.sticky_faults = 0
 
     def _event(self, name: str) -> None:
         if self.on_event is not None:

@@ -89,7 +89,10 @@ def ensure_topics(
     count = partitions or settings.topic_partitions
     admin = make_admin(settings)
     try:
-        existing = set(admin.list_topics())
+        try:
+            existing = set(admin.list_topics())
+        except KafkaError as exc:  # e.g. a timeout: the broker went away after connecting
+            raise KafkaSetupError(f"cannot list the topics: {exc}") from exc
         missing = [t for t in wanted if t not in existing]
         created = []
         for topic in missing:  # one at a time: a race on one must not hide the others

@@ -9,7 +9,10 @@ retries, refused records and commit failures it exports as
 ``probeguard_<role>_loop_retries_total{reason}``,
 ``probeguard_<role>_records_refused_total`` and
 ``probeguard_<role>_commit_failures_total``, and whose stall (a batch that cannot be
-completed) it reports by :meth:`RoleRuntime.stall` (roles put it on ``/readyz``).
+completed) it reports by :meth:`RoleRuntime.stall` (roles put it on ``/readyz``). A
+sticky device fault on ``device_faults_to_restart`` attempts in a row of the batch in hand
+fails ``/healthz`` (:meth:`RoleRuntime.fatal`): the fault lasts until the process restarts,
+so only the orchestrator's restart (which also moves the partitions) ends the stall.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class RoleRuntime:
         self.stalled.set_function(lambda: self.loop.stalled_s() if self.loop is not None else 0.0)
         # A loop that has not come back from a poll for longer than Kafka allows is dead.
         self.health = Health(stale_after_s=max(60.0, settings.kafka_max_poll_interval_ms / 1000))
+        self.health.fatal = self.fatal
         port = settings.metrics_port if metrics_port is None else metrics_port
         self.server = HealthServer(collector, self.health, port) if port else None
         self.stop_event = threading.Event()
@@ -123,9 +127,24 @@ class RoleRuntime:
         elif event == "commit_failure":
             self.commit_failures.inc()
 
+    def fatal(self) -> str | None:
+        """Why the process must be restarted (``/healthz`` fails): a sticky device fault on
+        ``device_faults_to_restart`` attempts in a row of the batch in hand; else None."""
+        loop = self.loop
+        if loop is None or loop.sticky_faults < self.settings.device_faults_to_restart:
+            return None
+        return (
+            f"device fault on {loop.sticky_faults} attempts in a row of the batch in hand "
+            f"({loop.last_failure}); it lasts until the process restarts"
+        )
+
     def stall(self) -> str | None:
         """Why the role cannot make progress, when its batch in hand has failed to complete
-        for longer than ``stall_not_ready_s``; None while it progresses."""
+        for longer than ``stall_not_ready_s`` or a fatal fault asks for a restart; None
+        while it progresses."""
+        fatal = self.fatal()
+        if fatal is not None:
+            return fatal
         loop = self.loop
         if loop is None:
             return None

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis
+from kafka.errors import KafkaError
 
 from probes import ProbeError, encode_target
 from probes.checkpoint import checkpoint_to_bytes
@@ -57,7 +58,7 @@ from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.evidence import EvidenceStore
 from worker.store.lease import Lease, LeaseKeeper
-from worker.store.redis import Keys, join_texts, make_text_redis
+from worker.store.redis import Breaker, Keys, join_texts, make_text_redis
 
 __all__ = ["Updater", "default_spec"]  # default_spec: from worker.learning.resume
 
@@ -104,6 +105,9 @@ class Updater:
         )
         self.health = self.runtime.health
         self.health.ready_check = self._ready
+        # Redis failures in a row, for /readyz only: nothing is skipped while it fails (the
+        # lease and publishing keep retrying, which is how the updater comes back by itself).
+        self.redis_state = Breaker()
         self.active = False
         self.keeper = LeaseKeeper(self.lease)  # replaced by a running one per tenure
         # Set by _resume() when the lease is ours: the learning core, and what it
@@ -134,7 +138,7 @@ class Updater:
             try:
                 self._standby_or_serve()
             finally:
-                self.lease.release()
+                self._give_up_lease()
 
     def _standby_or_serve(self) -> None:
         announced = False
@@ -144,21 +148,32 @@ class Updater:
             if self._try_lease():
                 try:
                     self._serve()
-                except (redis.RedisError, OSError, KafkaSetupError) as exc:
-                    # e.g. Redis failing during the resume: give the lease up and retry,
-                    # rather than exit (and let the standby fail the same way).
+                except (redis.RedisError, OSError, KafkaError, KafkaSetupError) as exc:
+                    # e.g. Redis or the broker failing during the resume: give the lease up
+                    # and retry, rather than exit (and let the standby fail the same way).
                     log.error("serving %s failed (%s); back to standby", self.name, exc)
                     self._give_up_lease()
                 announced = False
             elif not announced:
-                holder = self.lease.current()
-                log.info(
-                    "standby: the %s lease is held by %s",
-                    self.name,
-                    holder[1] if holder else "nobody (retrying)",
-                )
-                announced = True
+                announced = self._announce_standby()
             stop.wait(self.settings.lease_ttl_ms / 3000)
+
+    def _announce_standby(self) -> bool:
+        """Log who holds the lease; False when Redis cannot say (asked again next time).
+
+        Every Redis call of the standby loop is guarded: an outage of any length leaves
+        the updater waiting here, and it takes the lease once Redis answers."""
+        try:
+            holder = self.lease.current()
+        except (redis.RedisError, OSError) as exc:
+            self.redis_state.trip(exc)
+            return False
+        log.info(
+            "standby: the %s lease is held by %s",
+            self.name,
+            holder[1] if holder else "nobody (retrying)",
+        )
+        return True
 
     def _give_up_lease(self) -> None:
         with contextlib.suppress(redis.RedisError, OSError):  # it expires anyway
@@ -172,20 +187,32 @@ class Updater:
         stall = self.runtime.stall()
         if stall is not None:
             return False, stall
+        outage = self.redis_state.outage()
+        if outage is not None:
+            # Nothing can be published (nor the lease held) without Redis: not ready, and
+            # it says so; the updater takes up again by itself once Redis answers.
+            then = "publishes again" if self.active else "takes the lease again"
+            return False, f"Redis {outage}: the updater {then} once it answers"
         return True, "active" if self.active else "standby"
 
     def _try_lease(self) -> bool:
         try:
-            return self.lease.acquire() is not None
+            token = self.lease.acquire()
         except (redis.RedisError, OSError) as exc:
-            log.warning("cannot reach Redis for the lease (%s); retrying", exc)
+            if self.redis_state.failing_since is None:
+                log.warning("cannot reach Redis for the lease (%s); retrying", exc)
+            self.redis_state.trip(exc)
             return False
+        self.redis_state.reset()
+        return token is not None
 
     def _serve(self) -> None:
         log.info("lease for %s acquired (token %s); resuming", self.name, self.lease.token)
         # Renewed on its own thread, however long a batch takes; once lost, nothing more
         # is published or committed, and the next tenure resumes from the registry.
-        self.keeper = LeaseKeeper(self.lease, on_lost=self._lease_lost).start()
+        self.keeper = LeaseKeeper(
+            self.lease, on_lost=self._lease_lost, breaker=self.redis_state
+        ).start()
         try:
             self._serve_tenure()
         finally:
@@ -321,6 +348,7 @@ class Updater:
         try:
             self.metrics.labels_credited.inc(self.evidence.record_truths(self.name, truths))
         except (redis.RedisError, OSError) as exc:
+            self.redis_state.trip(exc)
             log.warning("could not record label evidence (%s)", exc)
 
     # --- between batches: lease and publishing ------------------------------
@@ -414,9 +442,12 @@ class Updater:
             self.keeper.mark_lost(f"{exc}; another updater holds it")  # stops the loop
             return None
         except (RegistryError, redis.RedisError, OSError) as exc:
+            if not isinstance(exc, RegistryError):
+                self.redis_state.trip(exc)
             log.warning("publishing failed (%s); will retry", exc)
             self.last_publish = time.monotonic()
             return None
+        self.redis_state.reset()
         self.parent = version
         self.unpublished = 0
         self.last_publish = time.monotonic()

@@ -349,7 +349,9 @@ class HiddenStateExtractor:
                     **self._run_isolating(batch[half:], wanted, hidden, starts),
                 }
             if fault is not None:
-                raise DeviceError(f"device fault in the forward pass: {exc!r}") from exc
+                raise DeviceError(
+                    f"device fault in the forward pass: {exc!r}", sticky=fault == "device"
+                ) from exc
             if len(batch) == 1:
                 log.warning("extraction failed for one text: %s", exc, exc_info=True)
                 return {batch[0].row: str(ExtractionInputError("failed", repr(exc)))}

@@ -235,18 +235,21 @@ class ReviewDesk:
             "text": req.text,
             "probe": req.probe,  # the probe that asked learns it (and no other)
         }
+        # Built against the configured limits: a text longer than the default limit came
+        # through (the queue decodes with them) and its label must be sendable too.
+        limits = self.settings.limits
         if item.heads:
             # The reviewer saw every head: a head left blank is a no, not unknown.
             for head in item.heads:
                 mine = [x for x in labels if x in head.labels]
                 if head.multiclass and len(mine) > 1:
                     raise ReviewError(f"{head.name}: choose at most one of {mine}")
-            return HumanLabel(labels=list(labels), exhaustive=True, **common)
+            return HumanLabel.build(limits, labels=list(labels), exhaustive=True, **common)
         if item.multilabel:
-            return HumanLabel(labels=list(labels), **common)
+            return HumanLabel.build(limits, labels=list(labels), **common)
         if len(labels) != 1:
             raise ReviewError(f"choose exactly one label, got {len(labels)}")
-        return HumanLabel(label=labels[0], **common)
+        return HumanLabel.build(limits, label=labels[0], **common)
 
     def _drop(self, item: ReviewItem) -> None:
         """The item is done with (answered, or put back): out of memory, offsets resolved."""

@@ -119,6 +119,9 @@ class ReviewQueue(ReviewDesk):
         self.consumer: Any = None
         self.loop: BatchLoop[ReviewRequest] | None = None
         self.ready = threading.Event()  # the consumer has joined its group
+        # Since when the consumer thread's iterations have failed (a broker or Redis that
+        # does not answer), for readiness; None while they succeed.
+        self._failing_since: float | None = None
 
     # --- life cycle ------------------------------------------------------------
 
@@ -212,10 +215,33 @@ class ReviewQueue(ReviewDesk):
                 self._requeue_due()
                 self._commit()
                 self._flow_control()
-            except Exception as exc:  # the loop must outlive a Redis or broker hiccup
+                self._failing_since = None
+            except Exception as exc:  # the loop must outlive a Redis or broker outage
                 log.warning("review consumer: %s; retrying", exc)
+                if self._failing_since is None:
+                    self._failing_since = time.monotonic()
                 self._reread()
                 self._stop.wait(1.0)
+
+    def readiness(self) -> tuple[bool, str]:
+        """For the console's ``/readyz``: whether review requests are being taken in.
+
+        Not ready before the consumer has joined its group, or while taking requests in has
+        failed for longer than ``stall_not_ready_s`` (Redis or the broker not answering:
+        the queue retries by itself). Public, so it names no server and no exception."""
+        if not self.ready.is_set():
+            return False, "the review queue has not joined its consumer group yet"
+        since = self._failing_since
+        stalled = max(
+            self.loop.stalled_s() if self.loop is not None else 0.0,
+            time.monotonic() - since if since is not None else 0.0,
+        )
+        if stalled > self.settings.stall_not_ready_s:
+            return False, (
+                f"the review queue has taken in nothing for {stalled:.0f}s: Redis or the "
+                "broker is not answering (it retries by itself; see the log)"
+            )
+        return True, "ok"
 
     def _take(self, items: list[Item[ReviewRequest]]) -> list[Outgoing]:
         """The batch loop's handler: valid requests become items (nothing to produce)."""

@@ -29,9 +29,11 @@ import torch
 from probes.decision import Decision, decide, flagging_heads
 from probes.probe import Probe
 from schemas import (
+    DEFAULT_LIMITS,
     ChatMessage,
     CheckpointManifest,
     HeadResult,
+    Limits,
     ProbeDecision,
     ProbeResult,
     ProbeSpec,
@@ -100,15 +102,19 @@ class BatchScorer:
         *,
         shadow: bool = False,
         flag_heads: frozenset[str] | None = None,
+        limits: Limits = DEFAULT_LIMITS,
     ) -> None:
         """``slots``: the slots, or a function returning what is served now (a watcher's
         snapshot, see :mod:`worker.scoring.probe_watch`), read once per batch.
         ``flag_heads``: the heads of multi-head probes that may flag (``None``: every head
-        with a flag label; see :func:`probes.decision.flagging_heads`)."""
+        with a flag label; see :func:`probes.decision.flagging_heads`). ``limits``: the
+        deployment's wire limits, which the results are built against (a probe with more
+        labels than the default allows must still produce results)."""
         self.extractor = extractor
         self._slots = slots
         self.shadow = shadow
         self.flag_heads = flag_heads
+        self.limits = limits
 
     @property
     def slots(self) -> Mapping[str, ProbeSlot]:
@@ -144,10 +150,10 @@ class BatchScorer:
             for slot in slots.values():
                 if slot.live is None:
                     continue
-                live = _run(slot.live, ex, layers, self.flag_heads)
+                live = _run(slot.live, ex, layers, self.flag_heads, self.limits)
                 canary = None
                 if slot.canary is not None and slot.canary.version != slot.live.version:
-                    canary = _run(slot.canary, ex, layers, self.flag_heads)
+                    canary = _run(slot.canary, ex, layers, self.flag_heads, self.limits)
                 runs[slot.name] = (live, canary)
                 for r in (live, canary):
                     if r is None:
@@ -185,7 +191,8 @@ class BatchScorer:
             decided = canary if use_canary and canary is not None else live
             shadow = None
             if shadowed is not None:
-                shadow = ShadowResult(
+                shadow = ShadowResult.build(
+                    self.limits,
                     version=shadowed.served.version,
                     scores=shadowed.scores[row],
                     predicted=shadowed.predicted[row],
@@ -201,7 +208,8 @@ class BatchScorer:
                 h=_flagged_heads(decided, row),
                 sh=_flagged_heads(shadowed, row),
             )
-            result = ProbeResult(
+            result = ProbeResult.build(
+                self.limits,
                 probe=slot.name,
                 version=decided.served.version,
                 scores=decided.scores[row],
@@ -276,11 +284,14 @@ def _probabilities(probe: Probe, hidden: torch.Tensor, mask: torch.Tensor) -> to
     return out
 
 
-def _head_results(spec: ProbeSpec, decision: Decision) -> list[dict[str, HeadResult]]:
+def _head_results(
+    spec: ProbeSpec, decision: Decision, limits: Limits
+) -> list[dict[str, HeadResult]]:
     names, flags = decision.label_names(spec), decision.head_flags(spec)
     return [
         {
-            h.name: HeadResult(
+            h.name: HeadResult.build(
+                limits,
                 predicted=[x for x in names[row] if x in h.labels],
                 flagged=bool(flags[h.name][row]),
             )
@@ -304,6 +315,7 @@ def _run(
     ex: Extraction,
     layers: tuple[int, ...],
     flag_heads: frozenset[str] | None = None,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> _Run:
     probe = served.probe
     spec = flagging_heads(probe.spec, flag_heads)
@@ -322,7 +334,7 @@ def _run(
         flagged=[bool(f) for f in decision.flagged.tolist()],
         flag_score=probs[:, flag_idx].max(dim=1).values.tolist() if flag_idx else None,
         non_finite=non_finite,
-        heads=_head_results(spec, decision) if spec.heads else None,
+        heads=_head_results(spec, decision, limits) if spec.heads else None,
         judged=judged,
         head_flags=head_flags,
     )

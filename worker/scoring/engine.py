@@ -125,6 +125,7 @@ class ScoringEngine:
             lambda: self.watcher.slots,
             shadow=settings.shadow,
             flag_heads=settings.flag_head_names,
+            limits=settings.limits,
         )
         self.review_policy = review.ReviewPolicy.from_settings(settings)
         # probe -> the packaged default folder served while nothing is published (None: none
@@ -153,7 +154,8 @@ class ScoringEngine:
         verdicts: dict[int, Verdict] = {}
         for pos, results in scores.results.items():
             msg = messages[pos]
-            verdicts[pos] = Verdict(
+            verdicts[pos] = Verdict.build(
+                self.settings.limits,
                 verdict_id=Verdict.make_id(msg.message_id, results),
                 message_id=msg.message_id,
                 conversation_id=msg.conversation_id,
@@ -196,7 +198,8 @@ class ScoringEngine:
                 reason = review.route(self.review_policy, msg.message_id, flag_score)
                 if reason is None:
                     continue
-                request = ReviewRequest(
+                request = ReviewRequest.build(
+                    self.settings.limits,
                     message_id=msg.message_id,
                     conversation_id=msg.conversation_id,
                     text=msg.text,
@@ -233,7 +236,7 @@ class ScoringEngine:
             used = int(pipe.execute()[0])
         except (redis.RedisError, OSError) as exc:
             self.metrics.redis_errors.inc()
-            self.redis_breaker.trip()
+            self.redis_breaker.trip(exc)
             log.warning("review budget unavailable (%s); holding reviews back", exc)
             return 0  # without the shared budget, err on the side of not flooding reviewers
         return review.admitted(policy, wanted, used)
@@ -273,7 +276,7 @@ class ScoringEngine:
             pipe.execute()
         except (redis.RedisError, OSError) as exc:
             self.metrics.redis_errors.inc()
-            self.redis_breaker.trip()
+            self.redis_breaker.trip(exc)
             log.warning("evidence write failed (%s)", exc)
 
     def _cache_texts(
@@ -307,7 +310,7 @@ class ScoringEngine:
             self.text_breaker.reset()
         except (redis.RedisError, OSError) as exc:
             self.metrics.redis_errors.inc()
-            self.text_breaker.trip()
+            self.text_breaker.trip(exc)
             log.warning("text cache write failed (%s); labels may need to carry text", exc)
 
     def _refused(self, name: str, version: int, why: str) -> None:
@@ -416,4 +419,19 @@ class ScoringEngine:
             if folder is not None and versions.get(name, {}).get("live") == 0
         ]
         note = f" ({'; '.join(packaged)} until a version is published)" if packaged else ""
-        return True, f"serving {versions}{note}"
+        return True, f"serving {versions}{note}{self._degraded()}"
+
+    def _degraded(self) -> str:
+        """What a Redis outage costs while scoring goes on (for ``/readyz``: still ready,
+        since every message is scored; the note says what is missing)."""
+        notes = []
+        registry = self.redis_breaker.outage()
+        if registry is not None:
+            notes.append(
+                f"Redis {registry}: serving the last good probes; no evidence or review "
+                "requests until it answers"
+            )
+        cache = self.text_breaker.outage()
+        if cache is not None:
+            notes.append(f"the text cache {cache}: labels must carry their text")
+        return "".join(f"; degraded: {n}" for n in notes)

@@ -21,7 +21,10 @@ stays (a refused canary is simply not served). With a signing key the stage poin
 themselves must verify (see :mod:`worker.store.checkpoints`): pointers that do not,
 or that are older than ones already seen, change nothing.
 If Redis is unreachable the scorer keeps scoring with what it has; the watcher backs off
-(``Breaker``: 5 s, doubling up to 60 s) and reconnects by itself.
+(``Breaker``: 5 s, doubling up to 60 s) and reconnects by itself. Any other failure while
+following one probe (an unreadable record, out of device memory while loading) costs only
+that probe: it keeps what it serves, the others are followed, and it is tried again at the
+next stage check.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ class ProbeWatcher:
         self._work = {name: ProbeSlot(name) for name in registries}
         self._served: Mapping[str, ProbeSlot] = self._snapshot()
         self.refused: dict[str, set[int]] = {name: set() for name in registries}
+        self.failing: dict[str, str] = {}  # probe -> why its last sync failed unexpectedly
         self._cursors: dict[str, str] = {}
         self._next_check = 0.0
         self._lock = threading.RLock()
@@ -196,7 +200,7 @@ class ProbeWatcher:
             changed = False
             try:
                 for name, registry in self.registries.items():
-                    changed |= self._sync(name, registry)
+                    changed |= self._sync_one(name, registry)
                 if changed:
                     self._publish()
             finally:
@@ -217,7 +221,7 @@ class ProbeWatcher:
         if self.redis_ok:
             log.warning("Redis unreachable (%s); serving the last good probes", exc)
         self.redis_ok = False
-        self.breaker.trip()
+        self.breaker.trip(exc)
         self._next_check = time.monotonic() + self.check_interval_s
 
     def _snapshot(self) -> dict[str, ProbeSlot]:
@@ -241,6 +245,27 @@ class ProbeWatcher:
             key = stream.decode() if isinstance(stream, bytes) else stream
             self._cursors[by_key[key]] = entries[-1][0].decode()
         return True
+
+    def _sync_one(self, name: str, registry: CheckpointRegistry) -> bool:
+        """:meth:`_sync` for one probe; an unexpected error costs only that probe (it keeps
+        what it serves and is tried again at the next stage check), never the probes after
+        it nor, in ``poll`` mode, the scorer. Redis errors still end the whole sync: Redis
+        is shared, and the breaker backs off for every probe."""
+        try:
+            changed = self._sync(name, registry)
+        except (redis.RedisError, OSError):
+            raise
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            if self.failing.get(name) != why:  # log each new failure once, with its trace
+                log.exception("syncing %s failed; it keeps what it serves", name)
+            self.failing[name] = why
+            # What it changed before failing (a live swapped in, then the canary failed)
+            # is served: the next check sees it as current and would not publish it.
+            return self._work[name] != self._served[name]
+        if self.failing.pop(name, None) is not None:
+            log.info("syncing %s works again", name)
+        return changed
 
     def _sync(self, name: str, registry: CheckpointRegistry) -> bool:
         stages = registry.stages()

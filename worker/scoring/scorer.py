@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import redis
 
 from schemas import ChatMessage
+from worker.errors import KafkaSetupError
 from worker.kafka.batch_loop import BatchLoop, Item, Outgoing, Reject
 from worker.kafka.clients import consumer_lag, ensure_topics
 from worker.kafka.runtime import RoleRuntime
@@ -35,6 +36,7 @@ from worker.settings import Settings
 __all__ = ["Scorer", "ScorerMetrics"]
 
 log = logging.getLogger(__name__)
+SETUP_RETRY_S = 5.0  # between attempts to reach the broker at start
 
 
 class Scorer:
@@ -70,6 +72,7 @@ class Scorer:
             metrics=self.metrics,
             text_redis=text_redis,
         )
+        self.setup_error = ""  # why the batch loop could not be set up yet (the broker)
 
     @property
     def extractor(self) -> HiddenStateExtractor:
@@ -94,16 +97,9 @@ class Scorer:
         with self.runtime.serving(), self.engine.watching():
             if not self.engine.wait_for_probes(self.runtime.stop_event, self.health.beat):
                 return
-            ensure_topics(self.settings)
-            loop = self.runtime.loop_for(
-                group_id=self.settings.group_scorer,
-                topic=self.settings.topic_chat,
-                model=ChatMessage,
-                handler=self.handle,
-                dead_letters=self.metrics.dead_letters,
-                max_batch=self.settings.batch_size,
-                between_batches=self._between_batches,
-            )
+            loop = self._open_loop()
+            if loop is None:
+                return
             log.info("scoring %s as %s", self.settings.topic_chat, self.worker_id)
             try:
                 loop.run()
@@ -114,6 +110,30 @@ class Scorer:
     def stop(self) -> None:
         """Finish the batch in hand, commit it, leave the group (safe from a signal handler)."""
         self.runtime.stop()
+
+    def _open_loop(self) -> BatchLoop[ChatMessage] | None:
+        """The batch loop, once the broker answers (topics made, clients created); None if
+        stopped first. A broker that is down at start is waited out (and said on
+        ``/readyz``), like an outage later on, rather than ending the scorer."""
+        stop = self.runtime.stop_event
+        while not stop.is_set():
+            try:
+                ensure_topics(self.settings)
+                return self.runtime.loop_for(
+                    group_id=self.settings.group_scorer,
+                    topic=self.settings.topic_chat,
+                    model=ChatMessage,
+                    handler=self.handle,
+                    dead_letters=self.metrics.dead_letters,
+                    max_batch=self.settings.batch_size,
+                    between_batches=self._between_batches,
+                )
+            except KafkaSetupError as exc:
+                self.setup_error = str(exc)
+                log.warning("%s; retrying in %.0f s", exc, SETUP_RETRY_S)
+                self.health.beat()
+                stop.wait(SETUP_RETRY_S)
+        return None
 
     @property
     def port(self) -> int | None:
@@ -150,6 +170,8 @@ class Scorer:
         ready, note = self.engine.serving_note()
         if not ready:
             return False, note
+        if self.loop is None and self.setup_error:
+            return False, f"waiting for the broker: {self.setup_error}"
         if self.loop is None or not self.loop.consumer.assignment():
             return False, "no partitions assigned yet"
         stall = self.runtime.stall()

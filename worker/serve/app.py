@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ValidationError
 
-from schemas import ChatMessage, ProbeResult, ProbeSpec, describe_error, utcnow
+from schemas import ChatMessage, Limits, ProbeResult, ProbeSpec, describe_error, utcnow
 from schemas.moderation_api import (
     OPENAI_CATEGORIES,
     AttributeScores,
@@ -174,7 +174,7 @@ def create_app(service: Service) -> FastAPI:
             conversation = _conversation(request.headers.get(CONVERSATION_HEADER), rid)
             retain = Retain.COUNT if s.serve_do_not_store else Retain.ALL
             messages = [
-                _message(f"{rid}-{i}", conversation, text, f"input[{i}]", s.max_text_chars)
+                _message(f"{rid}-{i}", conversation, text, f"input[{i}]", s.limits)
                 for i, text in enumerate(texts)
             ]
             scored = await service.score(messages, [retain] * len(messages))
@@ -211,11 +211,11 @@ def create_app(service: Service) -> FastAPI:
                 req.sessionId or request.headers.get(CONVERSATION_HEADER), mid
             )
             private = req.doNotStore or s.serve_do_not_store
-            messages = [_message(mid, conversation, text, "comment.text", s.max_text_chars)]
+            messages = [_message(mid, conversation, text, "comment.text", s.limits)]
             retain = [Retain.COUNT if private else Retain.ALL]
             spans = _spans(text) if req.spanAnnotations else []
             for i, (b, e) in enumerate(spans):
-                span = _message(f"{mid}.s{i}", conversation, text[b:e], "comment.text", None)
+                span = _message(f"{mid}.s{i}", conversation, text[b:e], "comment.text", s.limits)
                 messages.append(span)
                 retain.append(Retain.NOTHING)
             scored = await service.score(messages, retain)
@@ -334,9 +334,12 @@ def _conversation(value: str | None, fallback: str) -> str:
 
 
 def _message(
-    message_id: str, conversation: str, text: str, param: str, max_chars: int | None
+    message_id: str, conversation: str, text: str, param: str, limits: Limits
 ) -> ChatMessage:
-    if max_chars is not None and len(text) > max_chars:
+    """The input as a chat message, checked against the configured ``limits`` (a text
+    over the default limit but within ``PROBEGUARD_MAX_TEXT_CHARS`` is scored)."""
+    max_chars = limits.max_text_chars
+    if len(text) > max_chars:
         raise ApiError(
             413,
             f"{param} has {len(text)} characters; at most {max_chars} (PROBEGUARD_MAX_TEXT_CHARS)",
@@ -344,8 +347,12 @@ def _message(
             code="text_too_long",
         )
     try:
-        return ChatMessage(
-            message_id=message_id, conversation_id=conversation, text=text, created_at=utcnow()
+        return ChatMessage.build(
+            limits,
+            message_id=message_id,
+            conversation_id=conversation,
+            text=text,
+            created_at=utcnow(),
         )
     except ValidationError as exc:
         raise ApiError(400, describe_error(exc)[1], param=param) from None

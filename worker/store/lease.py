@@ -16,6 +16,8 @@ from typing import Any
 
 import redis
 
+from worker.store.redis import Breaker
+
 __all__ = ["Lease", "LeaseKeeper"]
 
 log = logging.getLogger(__name__)
@@ -107,12 +109,14 @@ class LeaseKeeper:
     """Renews a held :class:`Lease` every ``ttl/3`` on its own thread, so a batch of any
     length keeps it. :attr:`lost` is set for good once the lease is no longer ours
     (renewal refused), or when it could not be renewed for a whole TTL (Redis
-    unreachable: another holder may have taken over); ``on_lost`` runs then.
+    unreachable: another holder may have taken over); ``on_lost`` runs then. Each renewal
+    that fails or succeeds trips or resets ``breaker`` (the holder reports it on ``/readyz``).
     """
 
-    def __init__(self, lease: Lease, on_lost: Any = None) -> None:
+    def __init__(self, lease: Lease, on_lost: Any = None, breaker: Breaker | None = None) -> None:
         self.lease = lease
         self.on_lost = on_lost
+        self.breaker = breaker
         self.lost = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
@@ -144,9 +148,13 @@ class LeaseKeeper:
             try:
                 ok = self.lease.renew()
             except (redis.RedisError, OSError) as exc:
+                if self.breaker is not None:
+                    self.breaker.trip(exc)
                 if time.monotonic() - last_ok > self.lease.ttl_ms / 1000:
                     self._lose(f"not renewed for a whole TTL ({exc})")
                 continue
+            if self.breaker is not None:
+                self.breaker.reset()
             if not ok:
                 self._lose("renewal refused: it expired or another holder has it")
             last_ok = time.monotonic()

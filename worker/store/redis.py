@@ -196,13 +196,14 @@ class Keys:
 
 
 class Breaker:
-    """Skips best-effort Redis work for a while after a failure.
+    """Skips best-effort Redis work for a while after a failure, and remembers the outage.
 
     A hung Redis costs a socket timeout per call, and the scorer makes its calls on the
     thread that polls Kafka: trying on every batch would stall scoring (and any group
     rebalance, which kafka-python drives from ``poll``) for the whole outage. Callers ask
     :meth:`ready` first, :meth:`trip` on a failure and :meth:`reset` on a success; the
     pause doubles with each failure in a row, from ``cooldown_s`` up to ``max_cooldown_s``.
+    :meth:`outage` says since when calls have failed and why, for ``/readyz``.
     """
 
     def __init__(self, cooldown_s: float = 5.0, max_cooldown_s: float = 60.0) -> None:
@@ -210,18 +211,34 @@ class Breaker:
         self.max_cooldown_s = max_cooldown_s
         self.failures = 0
         self._until = 0.0
+        self.failing_since: float | None = None  # monotonic time of the first failure in a row
+        self.last_error = ""
 
     def ready(self) -> bool:
         return time.monotonic() >= self._until
 
-    def trip(self) -> None:
+    def trip(self, exc: BaseException | None = None) -> None:
         pause = min(self.max_cooldown_s, self.cooldown_s * 2**self.failures)
         self.failures += 1
         self._until = time.monotonic() + pause
+        if self.failing_since is None:
+            self.failing_since = time.monotonic()
+        if exc is not None:
+            self.last_error = f"{type(exc).__name__}: {exc}"[:300]
 
     def reset(self) -> None:
         self.failures = 0
         self._until = 0.0
+        self.failing_since = None
+
+    def outage(self) -> str | None:
+        """``"failing for 12s (TimeoutError: ...)"`` since the first failure in a row; None
+        once a call has succeeded again."""
+        since = self.failing_since
+        if since is None:
+            return None
+        why = f" ({self.last_error})" if self.last_error else ""
+        return f"failing for {time.monotonic() - since:.0f}s{why}"
 
 
 def join_texts(text_redis: Any, keys: Keys, labels: list[HumanLabel]) -> list[str | None]:
