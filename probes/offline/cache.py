@@ -20,6 +20,8 @@ Shard metadata: ``ids`` (JSON list) and ``errors`` (JSON object: source row ->
 reason) for rows the extractor could not process. A shard file appears
 atomically (write to a temporary name, then rename), so a shard that exists
 is complete: an interrupted build resumes at the first missing shard.
+
+Owner-only: files ``0600``, the directories a build creates ``0700`` (``probes.files``).
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ from safetensors import safe_open
 from safetensors.torch import save as st_save
 from torch import Tensor
 
-from probes._io import atomic_write
 from probes.errors import CacheError
+from probes.files import atomic_write, private_dir
 from probes.kinds.pooling import SUMMARIES
 from probes.offline.dataset import ProbeDataset
 from schemas import CacheManifest, Task, describe_error
@@ -60,7 +62,7 @@ def shard_path(directory: Path, k: int) -> Path:
 
 
 def write_manifest(directory: Path, manifest: CacheManifest) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
+    private_dir(directory)
     atomic_write(directory / MANIFEST, manifest.encode())
 
 

@@ -28,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 from probes.errors import ProbeError
+from probes.files import private_dir
 from probes.offline.cache import (
     MANIFEST,
     HiddenStateCache,
@@ -264,7 +265,7 @@ def build_cache(
         shard_rows=shard_rows,
         dtype=dtype,
     )
-    out.mkdir(parents=True, exist_ok=True)
+    private_dir(out)
     for stale in out.glob(".shard-*.tmp"):
         stale.unlink()
     manifest = _check_resumable(out, planned)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from probes import build_probe, save_checkpoint
+from probes.files import atomic_write
 from probes.metrics import evaluate
 from probes.offline.cache import HiddenStateCache
 from probes.offline.dataset import ProbeDataset
@@ -200,10 +201,9 @@ def _source_file(source: Source, data_root: Path, cache_root: Path) -> Path:
             keep.add(r["id"])
             taken[r["label"]] = taken.get(r["label"], 0) + 1
     out = cache_root / "sources" / f"{source.dataset}.jsonl"
-    out.parent.mkdir(parents=True, exist_ok=True)
     text = "".join(json.dumps(r) + "\n" for r in rows if r["id"] in keep)
     if not out.exists() or out.read_text() != text:
-        out.write_text(text)
+        atomic_write(out, text)  # owner-only: the texts of the capped source
     return out
 
 
@@ -309,7 +309,7 @@ def build_default(
     }
     counters = TrainingCounters(labels_seen=len(train), steps=result.steps)
     save_checkpoint(probe, out, llm=extractor.fingerprint, counters=counters, weights="fp32")
-    (out / "card.json").write_text(json.dumps(card, indent=1) + "\n")
+    atomic_write(out / "card.json", json.dumps(card, indent=1) + "\n")
     return BuildResult(out, card)
 
 
