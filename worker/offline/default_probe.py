@@ -208,11 +208,16 @@ def _source_file(source: Source, data_root: Path, cache_root: Path) -> Path:
 
 
 def _load(
-    source: Source, spec: ProbeSpec, cache_root: Path, data_root: Path, extractor: ExtractorLike
+    source: Source,
+    spec: ProbeSpec,
+    cache_root: Path,
+    data_root: Path,
+    extractor: ExtractorLike,
+    key: bytes | None,
 ) -> ProbeDataset:
     directory = cache_root / source.dataset
-    build_cache(_source_file(source, data_root, cache_root), directory, extractor)
-    cache = HiddenStateCache(directory)
+    build_cache(_source_file(source, data_root, cache_root), directory, extractor, key=key)
+    cache = HiddenStateCache(directory, key=key)
     data = load_split(cache, spec.token_pool, list(spec.layers), "label")
     targets = multitask_targets(spec, source.source_heads, cache.row_labels())
     return as_multitask(data, spec, targets)
@@ -260,16 +265,18 @@ def build_default(
     cache_root: Path,
     noncommercial: bool = False,
     config: FitConfig = FitConfig(max_epochs=25, patience=5),
+    key: bytes | None = None,
 ) -> BuildResult:
-    """Build caches for the recipe's sources (resuming), fit the multi-head default with a
-    fixed seed, measure it per source on the held-out rows, and write it to ``out``
-    (``manifest.json``, ``tensors.safetensors``, ``card.json``)."""
+    """Build caches for the recipe's sources (resuming; encrypted with ``key`` when given),
+    fit the multi-head default with a fixed seed, measure it per source on the held-out
+    rows, and write it to ``out`` (``manifest.json``, ``tensors.safetensors``,
+    ``card.json``)."""
     started = time.time()
     sources = [s for s in SOURCES if noncommercial or not s.noncommercial]
     layers = default_token_layers(extractor.num_layers)
     hidden_size = extractor.fingerprint.hidden_size
     spec = default_spec(hidden_size, layers, noncommercial=noncommercial)
-    loaded = {s.dataset: _load(s, spec, cache_root, data_root, extractor) for s in sources}
+    loaded = {s.dataset: _load(s, spec, cache_root, data_root, extractor, key) for s in sources}
     train = ProbeDataset.concat([_part(d, "train") for d in loaded.values()])
     val = ProbeDataset.concat([_part(d, "validation") for d in loaded.values()])
     log.info("default: %d train rows, %d validation rows", len(train), len(val))
