@@ -81,9 +81,9 @@ def encryption_for(key: bytes | None) -> CacheEncryption | None:
     return None if key is None else CacheEncryption(key_fingerprint=CacheKey(key).fingerprint)
 
 
-def _shard_aad(directory: Path, k: int) -> bytes:
+def _shard_aad(manifest_bytes: bytes, k: int) -> bytes:
     """What an encrypted shard is bound to: its index and its cache's manifest bytes."""
-    manifest = hashlib.sha256((directory / MANIFEST).read_bytes()).hexdigest()
+    manifest = hashlib.sha256(manifest_bytes).hexdigest()
     return f"probeguard-hidden-cache/shard-{k:05d}/manifest-sha256:{manifest}".encode()
 
 
@@ -157,7 +157,7 @@ def write_shard(
     }
     blob = st_save({name: t.contiguous() for name, t in tensors.items()}, metadata=metadata)
     if key is not None:
-        blob = CacheKey(key).seal(blob, _shard_aad(directory, k))
+        blob = CacheKey(key).seal(blob, _shard_aad((directory / MANIFEST).read_bytes(), k))
     atomic_write(shard_path(directory, k), blob)
 
 
@@ -214,6 +214,7 @@ class HiddenStateCache:
             raise CacheError(
                 f"invalid cache manifest in {self.directory}: {describe_error(exc)[1]}"
             ) from exc
+        self._raw_manifest = raw  # what encrypted shards are authenticated against
         self._key = self._check_key(key)
 
     def _check_key(self, key: bytes | None) -> CacheKey | None:
@@ -240,7 +241,8 @@ class HiddenStateCache:
         path, what = shard_path(self.directory, k), f"shard {k} of {self.directory}"
         try:
             if self._key is not None:
-                blob = self._key.open(path.read_bytes(), _shard_aad(self.directory, k), what)
+                aad = _shard_aad(self._raw_manifest, k)
+                blob = self._key.open(path.read_bytes(), aad, what)
                 handle = None
             else:
                 handle = safe_open(path, framework="pt")
