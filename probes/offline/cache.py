@@ -20,31 +20,43 @@ Shard metadata: ``ids`` (JSON list) and ``errors`` (JSON object: source row ->
 reason) for rows the extractor could not process. A shard file appears
 atomically (write to a temporary name, then rename), so a shard that exists
 is complete: an interrupted build resumes at the first missing shard.
+
+Owner-only: files ``0600``, the directories a build creates ``0700`` (``probes.files``).
+Encrypted at rest when built with a key (``PROBEGUARD_CACHE_KEY``): each shard file then
+holds its safetensors bytes sealed with AES-256-GCM (``probes.offline.sealed``), the
+manifest says so and names the key's fingerprint, and reading it needs the same key. A
+plaintext cache reads without one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from pydantic import ValidationError
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor
 
-from probes._io import atomic_write
 from probes.errors import CacheError
+from probes.files import atomic_write, private_dir
 from probes.kinds.pooling import SUMMARIES
 from probes.offline.dataset import ProbeDataset
-from schemas import CacheManifest, Task, describe_error
+from probes.offline.sealed import KEY_SETTING, CacheKey
+from schemas import CacheEncryption, CacheManifest, Task, describe_error
 
 __all__ = [
     "MANIFEST",
     "HiddenStateCache",
     "concat_batches",
+    "encryption_for",
     "features_for",
     "shard_path",
     "shard_tensors",
@@ -60,8 +72,19 @@ def shard_path(directory: Path, k: int) -> Path:
 
 
 def write_manifest(directory: Path, manifest: CacheManifest) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
+    private_dir(directory)
     atomic_write(directory / MANIFEST, manifest.encode())
+
+
+def encryption_for(key: bytes | None) -> CacheEncryption | None:
+    """What a manifest records of a cache built with ``key`` (None: not encrypted)."""
+    return None if key is None else CacheEncryption(key_fingerprint=CacheKey(key).fingerprint)
+
+
+def _shard_aad(manifest_bytes: bytes, k: int) -> bytes:
+    """What an encrypted shard is bound to: its index and its cache's manifest bytes."""
+    manifest = hashlib.sha256(manifest_bytes).hexdigest()
+    return f"probeguard-hidden-cache/shard-{k:05d}/manifest-sha256:{manifest}".encode()
 
 
 def _stored(name: str, t: Tensor, layers: list[int], layer_dim: int, dtype: str) -> Tensor:
@@ -119,16 +142,22 @@ def write_shard(
     tensors: dict[str, Tensor],
     ids: list[str],
     errors: dict[int, str],
+    key: bytes | None = None,
 ) -> None:
-    """Write shard ``k`` atomically. ``tensors`` must hold ``row``, ``length`` and ``label``."""
-    for key in ("row", "length", "label"):
-        if key not in tensors:
-            raise CacheError(f"shard {k} lacks the {key!r} tensor")
+    """Write shard ``k`` atomically. ``tensors`` must hold ``row``, ``length`` and ``label``.
+
+    With ``key`` it is encrypted, bound to the ``manifest.json`` already in ``directory``.
+    """
+    for name in ("row", "length", "label"):
+        if name not in tensors:
+            raise CacheError(f"shard {k} lacks the {name!r} tensor")
     metadata = {
         "ids": json.dumps(ids),
         "errors": json.dumps({str(r): e for r, e in errors.items()}),
     }
-    blob = st_save({key: t.contiguous() for key, t in tensors.items()}, metadata=metadata)
+    blob = st_save({name: t.contiguous() for name, t in tensors.items()}, metadata=metadata)
+    if key is not None:
+        blob = CacheKey(key).seal(blob, _shard_aad((directory / MANIFEST).read_bytes(), k))
     atomic_write(shard_path(directory, k), blob)
 
 
@@ -143,10 +172,37 @@ def features_for(pool: str, layers: list[int], available: CacheManifest) -> Feat
     return "tokens"
 
 
-class HiddenStateCache:
-    """Read side of a cache directory (see the module docstring)."""
+class _Shard(Protocol):
+    """What the reader uses of an open shard: a safetensors ``safe_open`` handle, or
+    :class:`_DecryptedShard`."""
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def metadata(self) -> dict[str, str]: ...
+    def get_tensor(self, name: str) -> Tensor: ...
+
+
+class _DecryptedShard:
+    """A decrypted shard's safetensors bytes, read like a ``safe_open`` handle."""
+
+    def __init__(self, blob: bytes) -> None:
+        size = int.from_bytes(blob[:8], "little")
+        self._metadata: dict[str, str] = json.loads(blob[8 : 8 + size]).get("__metadata__", {})
+        self._tensors = st_load(blob)
+
+    def metadata(self) -> dict[str, str]:
+        return self._metadata
+
+    def get_tensor(self, name: str) -> Tensor:
+        return self._tensors[name]
+
+
+class HiddenStateCache:
+    """Read side of a cache directory (see the module docstring).
+
+    ``key``: the secret an encrypted cache was built with (``PROBEGUARD_CACHE_KEY``); an
+    encrypted cache is refused without it or with another, a plaintext one ignores it.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], key: bytes | None = None) -> None:
         self.directory = Path(directory)
         try:
             raw = (self.directory / MANIFEST).read_bytes()
@@ -158,6 +214,45 @@ class HiddenStateCache:
             raise CacheError(
                 f"invalid cache manifest in {self.directory}: {describe_error(exc)[1]}"
             ) from exc
+        self._raw_manifest = raw  # what encrypted shards are authenticated against
+        self._key = self._check_key(key)
+
+    def _check_key(self, key: bytes | None) -> CacheKey | None:
+        sealed = self.manifest.encryption
+        if sealed is None:
+            return None
+        where = f"cache {str(self.directory)!r} is encrypted ({sealed.algorithm}"
+        if key is None:
+            raise CacheError(
+                f"{where}, key fingerprint {sealed.key_fingerprint}): set {KEY_SETTING} "
+                "to the key it was built with"
+            )
+        cache_key = CacheKey(key)
+        if cache_key.fingerprint != sealed.key_fingerprint:
+            raise CacheError(
+                f"{where}) with another key (fingerprint {sealed.key_fingerprint}) than "
+                f"{KEY_SETTING} (fingerprint {cache_key.fingerprint})"
+            )
+        return cache_key
+
+    @contextmanager
+    def _shard(self, k: int) -> Iterator[_Shard]:
+        """Shard ``k`` open for reading (decrypted and authenticated if encrypted)."""
+        path, what = shard_path(self.directory, k), f"shard {k} of {self.directory}"
+        try:
+            if self._key is not None:
+                aad = _shard_aad(self._raw_manifest, k)
+                blob = self._key.open(path.read_bytes(), aad, what)
+                handle = None
+            else:
+                handle = safe_open(path, framework="pt")
+        except (OSError, SafetensorError) as exc:
+            raise CacheError(f"{what} is unreadable: {exc}") from exc
+        if handle is None:
+            yield _DecryptedShard(blob)
+            return
+        with handle as f:
+            yield f
 
     def missing_shards(self) -> list[int]:
         return [
@@ -177,7 +272,7 @@ class HiddenStateCache:
         """Source rows the extractor skipped, with the reason."""
         out: dict[int, str] = {}
         for k in range(self.manifest.num_shards):
-            with safe_open(shard_path(self.directory, k), framework="pt") as f:
+            with self._shard(k) as f:
                 out.update({int(r): e for r, e in json.loads(f.metadata()["errors"]).items()})
         return out
 
@@ -188,7 +283,7 @@ class HiddenStateCache:
         self._check_complete()
         out: list[frozenset[str]] = []
         for k in range(m.num_shards):
-            with safe_open(shard_path(self.directory, k), framework="pt") as f:
+            with self._shard(k) as f:
                 label = f.get_tensor("label").tolist()
                 hot = f.get_tensor("labels").bool() if m.has_labels_field else None
             for i, li in enumerate(label):
@@ -223,7 +318,7 @@ class HiddenStateCache:
         key = "tokens" if features == "tokens" else f"summary.{features}"
         parts, lengths, targets, ids = [], [], [], []
         for k in range(m.num_shards):
-            with safe_open(shard_path(self.directory, k), framework="pt") as f:
+            with self._shard(k) as f:
                 ids += json.loads(f.metadata()["ids"])
                 lengths.append(f.get_tensor("length"))
                 targets.append(f.get_tensor(target))

@@ -29,7 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=(
             "Per-layer summaries (mean/max/first/last) serve the mean/max/first/last probes with "
             "any layer mix; token-level states serve the gate and MHA probes, which weigh tokens "
-            "by learned scores. The LLM comes from PROBEGUARD_MODEL (see settings)."
+            "by learned scores. The LLM comes from PROBEGUARD_MODEL (see settings). With "
+            "PROBEGUARD_CACHE_KEY set, every shard is encrypted (AES-256-GCM)."
         ),
     )
     build.add_argument("--data", type=Path, required=True, help="labeled JSONL file")
@@ -68,7 +69,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     build.add_argument("--no-progress", action="store_true", help="no progress bar")
     build.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     build.set_defaults(func=_build)
-    info = actions.add_parser("info", help="print a cache's manifest, completeness and size")
+    info = actions.add_parser(
+        "info",
+        help="print a cache's manifest, completeness and size (an encrypted cache needs "
+        "PROBEGUARD_CACHE_KEY)",
+    )
     info.add_argument("cache", type=Path)
     info.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     info.set_defaults(func=_info)
@@ -103,25 +108,35 @@ def _build(args: argparse.Namespace) -> int:
         batch_size=settings.batch_size,
         progress=not args.no_progress,
         dtype=settings.state_dtype,
+        key=settings.cache_key_bytes,
     )
-    return _report(args.out, manifest, as_json=args.json)
+    return _report(args.out, manifest, settings.cache_key_bytes, as_json=args.json)
 
 
 @offline_errors
 def _info(args: argparse.Namespace) -> int:
     from probes.offline.cache import HiddenStateCache
+    from worker.settings import load_settings
 
-    cache = HiddenStateCache(args.cache)
-    return _report(args.cache, cache.manifest, as_json=args.json, missing=cache.missing_shards())
+    key = load_settings().cache_key_bytes
+    cache = HiddenStateCache(args.cache, key=key)
+    return _report(
+        args.cache, cache.manifest, key, as_json=args.json, missing=cache.missing_shards()
+    )
 
 
 def _report(
-    out: Path, manifest: CacheManifest, *, as_json: bool, missing: list[int] | None = None
+    out: Path,
+    manifest: CacheManifest,
+    key: bytes | None,
+    *,
+    as_json: bool,
+    missing: list[int] | None = None,
 ) -> int:
     from probes.offline.cache import HiddenStateCache
     from worker.offline.fit_eval import dir_size
 
-    cache = HiddenStateCache(out)
+    cache = HiddenStateCache(out, key=key)
     missing = cache.missing_shards() if missing is None else missing
     errors = cache.errors() if not missing else {}
     size = dir_size(out)
@@ -139,6 +154,7 @@ def _report(
         "summaries": manifest.summaries,
         "llm": manifest.llm.model_id,
         "llm_digest": manifest.llm.digest,
+        "encryption": None if manifest.encryption is None else manifest.encryption.model_dump(),
     }
     if as_json:
         print_json(summary)
@@ -148,5 +164,12 @@ def _report(
             f"({summary['mb_per_1000_messages']} MB per 1,000 messages); token layers "
             f"{manifest.token_layers}, summaries {manifest.summaries} of "
             f"{len(manifest.summary_layers)} layers"
+            + ("" if manifest.encryption is None else f"; {_sealed(manifest)}")
         )
     return 0
+
+
+def _sealed(manifest: CacheManifest) -> str:
+    sealed = manifest.encryption
+    assert sealed is not None
+    return f"encrypted ({sealed.algorithm}, key fingerprint {sealed.key_fingerprint})"

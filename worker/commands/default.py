@@ -71,7 +71,8 @@ def _build(args: argparse.Namespace) -> int:
     from worker.offline.default_probe import build_default
     from worker.settings import load_settings
 
-    extractor = HiddenStateExtractor.from_settings(load_settings())
+    settings = load_settings()
+    extractor = HiddenStateExtractor.from_settings(settings)
     folder = extractor.fingerprint.model_id.rsplit("/", 1)[-1].split(".")[0].lower()
     suffix = "-noncommercial" if args.noncommercial else ""
     out = args.out or ROOT / f"{folder}{suffix}"
@@ -83,6 +84,7 @@ def _build(args: argparse.Namespace) -> int:
         cache_root=args.cache_root,
         noncommercial=args.noncommercial,
         config=config,
+        key=settings.cache_key_bytes,
     )
     if args.pin:
         pins = json.loads(PINS.read_text()) if PINS.is_file() else {}

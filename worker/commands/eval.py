@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from worker.commands._common import offline_errors, print_json
+
+if TYPE_CHECKING:
+    from probes.offline.cache import HiddenStateCache
 
 __all__ = ["register"]
 
@@ -75,17 +78,21 @@ def _check_science(args: argparse.Namespace) -> None:
         raise SystemExit(f"probeguard eval: --curve-epochs must be >= 1, got {args.curve_epochs}")
 
 
+def _open_cache(path: Path) -> HiddenStateCache:
+    """The cache at ``path``, with ``PROBEGUARD_CACHE_KEY`` for an encrypted one."""
+    from probes.offline.cache import HiddenStateCache
+    from worker.settings import load_settings
+
+    return HiddenStateCache(path, key=load_settings().cache_key_bytes)
+
+
 @offline_errors
 def _run(args: argparse.Namespace) -> int:
     from worker.offline.evaluate import evaluate_on_cache, evaluate_on_rows
 
     _check_science(args)
     if args.cache is not None:
-        from probes.offline.cache import HiddenStateCache
-
-        probe, report = evaluate_on_cache(
-            args.checkpoint, HiddenStateCache(args.cache), head=args.head
-        )
+        probe, report = evaluate_on_cache(args.checkpoint, _open_cache(args.cache), head=args.head)
     else:
         from worker.llm.extract import HiddenStateExtractor
         from worker.offline.labeled import read_labeled
@@ -118,11 +125,10 @@ def _run(args: argparse.Namespace) -> int:
 def _science(args: argparse.Namespace, probe: Any, report: dict[str, Any]) -> None:
     import logging
 
-    from probes.offline.cache import HiddenStateCache
     from probes.offline.fit import FitConfig
     from worker.offline import probe_science as ps
 
-    cache = HiddenStateCache(args.cache)
+    cache = _open_cache(args.cache)
     name = probe.spec.name
     if args.class_layers:
         report["class_layers"] = ps.class_layers(probe, cache)
@@ -140,7 +146,7 @@ def _science(args: argparse.Namespace, probe: Any, report: dict[str, Any]) -> No
             report["class_layers_png"] = str(path)
     if not args.per_layer:
         return
-    train = HiddenStateCache(args.train_cache)
+    train = _open_cache(args.train_cache)
     texts = ps.texts_by_id([train, cache], args.texts) if args.control else None
     config = FitConfig(max_epochs=args.curve_epochs, patience=min(6, args.curve_epochs))
     log = logging.getLogger("probeguard.eval")

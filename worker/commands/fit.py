@@ -193,15 +193,17 @@ def _run(args: argparse.Namespace) -> int:
         point = OperatingPoint.parse(args.operating_point)
     except ValueError as exc:
         raise SystemExit(f"probeguard fit: {exc}") from exc
-    cache = HiddenStateCache(args.cache)
-    val_cache = HiddenStateCache(args.val_cache) if args.val_cache else None
+    settings = load_settings()
+    key = settings.cache_key_bytes
+    cache = HiddenStateCache(args.cache, key=key)
+    val_cache = HiddenStateCache(args.val_cache, key=key) if args.val_cache else None
     opts, config = _options(args, point)
     result, cv, depth = _fit(args, cache, val_cache, opts, config, folds)
     save_fit(
         result,
         args.out,
         cache,
-        signing_key=load_settings().signing_key,
+        signing_key=settings.signing_key,
         cv=cv,
         weights=args.weights,
         depth=depth,

@@ -75,7 +75,9 @@ def _run(args: argparse.Namespace) -> int:
         for line in lines:
             print(f"  {line}")
         if args.env_file is not None:
-            args.env_file.write_text("\n".join(lines) + "\n")
+            from probes.files import atomic_write
+
+            atomic_write(args.env_file, "\n".join(lines) + "\n")  # may hold a Redis password
             print(f"(written to {args.env_file})")
         print("Press Ctrl-C to stop.", flush=True)
 

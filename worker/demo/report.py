@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from probes.files import atomic_write, private_dir
 from worker.plots import figure, plot_class_layers, plot_layer_weights
 
 __all__ = ["write_report"]
@@ -137,7 +138,7 @@ _TABLE_KEYS = [
 
 def write_report(fig_data: dict[str, Any], out: Path, *, title: str = "probeguard demo") -> Path:
     """Write the plots, ``figures.json`` and ``index.html`` into ``out``; returns the page."""
-    out.mkdir(parents=True, exist_ok=True)
+    private_dir(out)
     images = [
         plot_prequential(fig_data, out / "prequential.png"),
         plot_latency(fig_data, out / "latency.png"),
@@ -192,9 +193,9 @@ learning online from delayed human labels.</p>
 <h2>Plots</h2>{imgs}
 </body></html>
 """
-    (out / "index.html").write_text(page)
+    atomic_write(out / "index.html", page)
     slim = {k: v for k, v in fig_data.items() if k not in ("latency_ms", "arrivals_s", "served")}
-    (out / "figures.json").write_text(json.dumps(slim, indent=1, default=str))
+    atomic_write(out / "figures.json", json.dumps(slim, indent=1, default=str))
     return out / "index.html"
 
 

@@ -27,6 +27,7 @@ from kafka import KafkaConsumer
 from pydantic import SecretStr
 
 from probes import spread_layers
+from probes.files import atomic_write, private_dir
 from schemas import ChatMessage, HumanLabel, LabeledText, ProbeSpec, Verdict, utcnow
 from worker.defaults import serving_default
 from worker.demo.figures import Observed, final_figures, snapshot
@@ -363,14 +364,14 @@ def run_demo(
     )
     with demo.stack() as stack:
         configured = demo.configure(stack)
-        opts.out.mkdir(parents=True, exist_ok=True)
+        private_dir(opts.out)
         spec_path: Path | None = opts.out / "probe-spec.json"
         if from_default and packaged is not None:
             log.info("starting from the packaged default %s (no labels needed)", packaged.folder)
             spec_path = None
         else:
             assert spec_path is not None
-            spec_path.write_text(spec.model_dump_json(indent=1))
+            atomic_write(spec_path, spec.model_dump_json(indent=1))
         log.info(
             "replaying %d messages (%s) at %s msg/s; labels for %.0f%%",
             demo.total,

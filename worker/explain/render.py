@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from probes.files import atomic_write, private_dir
+
 __all__ = ["print_rich", "rank_class", "render_plain", "write_html"]
 
 WIDTH = 80
@@ -272,7 +274,7 @@ def write_html(r: dict[str, Any], out: Path) -> Path:
     """``index.html``, ``layers.png``, ``tokens.png`` and ``explain.json`` in ``out``."""
     from worker.plots import plot_layer_scores, plot_token_weights
 
-    out.mkdir(parents=True, exist_ok=True)
+    private_dir(out)
     cols = score_columns(r)
     label, pick = cols[0]
     plot_layer_scores(
@@ -291,7 +293,7 @@ def write_html(r: dict[str, Any], out: Path) -> Path:
             t["layers"], t["tokens"], t["weights"], out / "tokens.png", title=t["description"]
         )
         images.append("tokens.png")
-    (out / "explain.json").write_text(json.dumps(r, indent=1))
+    atomic_write(out / "explain.json", json.dumps(r, indent=1))
     esc = html.escape
     rows = "".join(
         f"<tr><td>{esc(str(e['layer']))}</td><td>{e['weight']:.3f}</td>"
@@ -344,7 +346,7 @@ weighted sum of the per-layer logits.</p>
 {ecco_html}
 </body></html>
 """
-    (out / "index.html").write_text(page)
+    atomic_write(out / "index.html", page)
     return out / "index.html"
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from probes.files import atomic_write
 from worker.errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -94,8 +95,7 @@ def file_sha256(path: Path, *, memo_dir: Path | None = None) -> str:
     value = digest.hexdigest()
     if memo is not None:
         try:
-            memo.parent.mkdir(parents=True, exist_ok=True)
-            memo.write_text(value)
+            atomic_write(memo, value)
         except OSError as exc:
             log.debug("cannot memoise the hash of %s: %s", path, exc)
     return value

@@ -19,7 +19,8 @@ embeddings, as in SmolLM2). The scoring path never asks for it.
 Dequantizing a GGUF takes seconds to minutes, so the first start writes the dequantized
 weights (float32 safetensors), config and tokenizer to
 ``{cache_dir}/llm/gguf-{sha256 of the GGUF}/``; later starts load that directory instead.
-File hashes are memoised under ``{cache_dir}/sha256/`` by path, size and mtime.
+File hashes are memoised under ``{cache_dir}/sha256/`` by path, size and mtime. Both are
+owner-only (files 0600, the directories probeguard creates 0700).
 
 ``Settings.llm_quantize = "int8"`` then quantizes the base model's ``nn.Linear`` layers to
 int8 (torch dynamic quantization: int8 weights, activations quantized per call; CPU and
@@ -50,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from probes.files import make_private, private_dir
 from worker.errors import ModelLoadError
 from worker.llm.fingerprint import weights_sha256
 from worker.llm.model import LoadedLLM, find_layer_stack
@@ -359,7 +361,7 @@ def _write_cache_entry(
     # entry, and of two processes racing on a first start, one rename wins.
     tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    private_dir(tmp)  # 0700, and so are the cache directories above it that it creates
     try:
         config = model.config
         # The weights are plain tensors now; a kept quantization_config would send the
@@ -378,6 +380,7 @@ def _write_cache_entry(
             "transformers": transformers.__version__,
         }
         (tmp / _DEQUANT_MANIFEST).write_text(json.dumps(manifest, indent=2))
+        make_private(tmp)  # what transformers and safetensors wrote: 0600 before it is live
         if entry.exists() and not _cache_entry_valid(entry, sha):
             shutil.rmtree(entry)  # a stale or broken entry of an older format
         os.replace(tmp, entry)

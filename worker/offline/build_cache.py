@@ -14,6 +14,10 @@ What is stored, and why (see ``probes.offline.cache`` for the byte layout):
 Resumable: shard ``k`` covers source rows ``[k·S, (k+1)·S)`` and is written
 atomically, in an order that depends only on those rows, so an interrupted
 build that is started again skips finished shards and ends with the same tensors.
+
+At rest: owner-only files and directories; with ``key`` (``PROBEGUARD_CACHE_KEY``) every
+shard is encrypted and the manifest records the key's fingerprint (a resumed build must
+use the same key).
 """
 
 from __future__ import annotations
@@ -28,10 +32,12 @@ import torch
 from tqdm import tqdm
 
 from probes.errors import ProbeError
+from probes.files import private_dir
 from probes.offline.cache import (
     MANIFEST,
     HiddenStateCache,
     concat_batches,
+    encryption_for,
     shard_path,
     shard_tensors,
     write_manifest,
@@ -121,8 +127,10 @@ def plan_cache(
     summaries: list[SummaryKind],
     shard_rows: int,
     dtype: StateDtype = "float16",
+    key: bytes | None = None,
 ) -> CacheManifest:
-    """The manifest of the cache these arguments describe (validated)."""
+    """The manifest of the cache these arguments describe (validated); ``key``: the
+    secret its shards are encrypted with."""
     with_labels = [r.labels is not None for r in rows]
     if any(with_labels) and not all(with_labels):
         first = with_labels.index(False)
@@ -143,23 +151,24 @@ def plan_cache(
             labels_vocab=sorted({label for r in rows for label in r.labels or []}),
             has_labels_field=all(with_labels),
             created_at=utcnow(),
+            encryption=encryption_for(key),
         )
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
         raise OfflineError(f"invalid cache request: {exc}") from exc
 
 
-def _check_resumable(out: Path, planned: CacheManifest) -> CacheManifest:
+def _check_resumable(out: Path, planned: CacheManifest, key: bytes | None) -> CacheManifest:
     """The manifest to keep: the existing one when it describes the same cache."""
     if not (out / MANIFEST).exists():
         write_manifest(out, planned)
         return planned
     try:
-        existing = HiddenStateCache(out).manifest
+        existing = HiddenStateCache(out, key=key).manifest  # refuses a missing or wrong key
     except ProbeError as exc:
         raise OfflineError(str(exc)) from exc
     if not existing.same_content(planned):
         a, b = existing.model_dump(), planned.model_dump()
-        fields = [k for k in a if k != "created_at" and a[k] != b[k]]
+        fields = [k for k in {**a, **b} if k != "created_at" and a.get(k) != b.get(k)]
         raise OfflineError(
             f"{out} holds a cache built differently (differs in {fields}); "
             "choose another --out or delete it"
@@ -249,8 +258,10 @@ def build_cache(
     batch_size: int = 16,
     progress: bool = True,
     dtype: StateDtype = "float16",
+    key: bytes | None = None,
 ) -> CacheManifest:
-    """Extract ``data`` into the cache directory ``out`` (resuming a partial one)."""
+    """Extract ``data`` into the cache directory ``out`` (resuming a partial one), its
+    shards encrypted with ``key`` when given."""
     rows = read_labeled(data)
     top = extractor.num_layers
     source = CacheSource(path=str(data), sha256=file_sha256(data), rows=len(rows))
@@ -263,11 +274,12 @@ def build_cache(
         summaries=list(summaries),
         shard_rows=shard_rows,
         dtype=dtype,
+        key=key,
     )
-    out.mkdir(parents=True, exist_ok=True)
+    private_dir(out)
     for stale in out.glob(".shard-*.tmp"):
         stale.unlink()
-    manifest = _check_resumable(out, planned)
+    manifest = _check_resumable(out, planned, key)
     todo = [k for k in range(manifest.num_shards) if not shard_path(out, k).exists()]
     done_rows = len(rows) - sum(len(rows[k * shard_rows : (k + 1) * shard_rows]) for k in todo)
     if done_rows:
@@ -286,7 +298,7 @@ def build_cache(
                 tensors, ids, errors = _shard(
                     rows[start : start + shard_rows], start, extractor, manifest, batch_size, bar
                 )
-                write_shard(out, k, tensors, ids, errors)
+                write_shard(out, k, tensors, ids, errors, key=key)
             except ProbeError as exc:
                 raise OfflineError(f"shard {k} (rows {start}..): {exc}") from exc
     return manifest

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from probes import build_probe, save_checkpoint
+from probes.files import atomic_write
 from probes.metrics import evaluate
 from probes.offline.cache import HiddenStateCache
 from probes.offline.dataset import ProbeDataset
@@ -200,19 +201,23 @@ def _source_file(source: Source, data_root: Path, cache_root: Path) -> Path:
             keep.add(r["id"])
             taken[r["label"]] = taken.get(r["label"], 0) + 1
     out = cache_root / "sources" / f"{source.dataset}.jsonl"
-    out.parent.mkdir(parents=True, exist_ok=True)
     text = "".join(json.dumps(r) + "\n" for r in rows if r["id"] in keep)
     if not out.exists() or out.read_text() != text:
-        out.write_text(text)
+        atomic_write(out, text)  # owner-only: the texts of the capped source
     return out
 
 
 def _load(
-    source: Source, spec: ProbeSpec, cache_root: Path, data_root: Path, extractor: ExtractorLike
+    source: Source,
+    spec: ProbeSpec,
+    cache_root: Path,
+    data_root: Path,
+    extractor: ExtractorLike,
+    key: bytes | None,
 ) -> ProbeDataset:
     directory = cache_root / source.dataset
-    build_cache(_source_file(source, data_root, cache_root), directory, extractor)
-    cache = HiddenStateCache(directory)
+    build_cache(_source_file(source, data_root, cache_root), directory, extractor, key=key)
+    cache = HiddenStateCache(directory, key=key)
     data = load_split(cache, spec.token_pool, list(spec.layers), "label")
     targets = multitask_targets(spec, source.source_heads, cache.row_labels())
     return as_multitask(data, spec, targets)
@@ -260,16 +265,18 @@ def build_default(
     cache_root: Path,
     noncommercial: bool = False,
     config: FitConfig = FitConfig(max_epochs=25, patience=5),
+    key: bytes | None = None,
 ) -> BuildResult:
-    """Build caches for the recipe's sources (resuming), fit the multi-head default with a
-    fixed seed, measure it per source on the held-out rows, and write it to ``out``
-    (``manifest.json``, ``tensors.safetensors``, ``card.json``)."""
+    """Build caches for the recipe's sources (resuming; encrypted with ``key`` when given),
+    fit the multi-head default with a fixed seed, measure it per source on the held-out
+    rows, and write it to ``out`` (``manifest.json``, ``tensors.safetensors``,
+    ``card.json``)."""
     started = time.time()
     sources = [s for s in SOURCES if noncommercial or not s.noncommercial]
     layers = default_token_layers(extractor.num_layers)
     hidden_size = extractor.fingerprint.hidden_size
     spec = default_spec(hidden_size, layers, noncommercial=noncommercial)
-    loaded = {s.dataset: _load(s, spec, cache_root, data_root, extractor) for s in sources}
+    loaded = {s.dataset: _load(s, spec, cache_root, data_root, extractor, key) for s in sources}
     train = ProbeDataset.concat([_part(d, "train") for d in loaded.values()])
     val = ProbeDataset.concat([_part(d, "validation") for d in loaded.values()])
     log.info("default: %d train rows, %d validation rows", len(train), len(val))
@@ -309,7 +316,7 @@ def build_default(
     }
     counters = TrainingCounters(labels_seen=len(train), steps=result.steps)
     save_checkpoint(probe, out, llm=extractor.fingerprint, counters=counters, weights="fp32")
-    (out / "card.json").write_text(json.dumps(card, indent=1) + "\n")
+    atomic_write(out / "card.json", json.dumps(card, indent=1) + "\n")
     return BuildResult(out, card)
 
 

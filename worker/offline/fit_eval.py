@@ -20,6 +20,7 @@ from probes import (
     save_checkpoint,
 )
 from probes.checkpoint import WeightFormat
+from probes.files import atomic_write
 from probes.offline.cache import HiddenStateCache, features_for
 from probes.offline.dataset import ProbeDataset
 from probes.offline.fit import FitConfig, FitResult, fit
@@ -328,7 +329,8 @@ def write_fit_report(
 ) -> None:
     """``out/fit-report.json``: the summary, the training history, the validation report,
     each fold and the depth table."""
-    (out / "fit-report.json").write_text(
+    atomic_write(
+        out / "fit-report.json",
         json.dumps(
             {
                 "summary": summary,
@@ -339,7 +341,7 @@ def write_fit_report(
             },
             default=str,
             indent=1,
-        )
+        ),
     )
 
 
