@@ -235,6 +235,12 @@ class Settings(BaseSettings):
         description="Padded tokens per forward pass (texts x longest text): a poll's texts are "
         "sorted by length and cut into micro-batches there. `0`: `BATCH_SIZE` texts per pass.",
     )
+    batch_min_fill: Annotated[float, Field(ge=0.0, le=1.0)] = Field(
+        0.5,
+        description="A text shorter than this share of its micro-batch's longest starts a "
+        "new forward pass, so padding stays below about 1/share of a row (measured in "
+        "`bench/serve.md`: 1.3-2x the texts/s on skewed chat lengths). `0`: any lengths mix.",
+    )
     max_tokens: Annotated[int, Field(ge=8, le=131_072)] = Field(
         256, description="Tokens kept per message (or per chunk, see `MAX_CHUNKS`)."
     )

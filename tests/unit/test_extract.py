@@ -389,3 +389,16 @@ def test_outputs_are_normal_tensors_usable_for_training() -> None:
     loss = (out.hidden[:, out.mask] @ weight).square().sum() + weight.sum()
     loss.backward()
     assert weight.grad is not None
+
+
+def test_min_fill_keeps_short_texts_out_of_long_passes_with_the_same_states() -> None:
+    from worker.llm.extract import length_batches
+
+    assert length_batches([6, 100, 40, 90, 10], budget=None, min_fill=0.5) == [[1, 3], [2], [4, 0]]
+    assert length_batches([6, 100, 40, 90, 10], budget=None) == [[1, 3, 2, 4, 0]]
+    llm = make_tiny_llm()
+    texts = ["hi", "a much longer message " * 6, "short one", "mid length text here ok"]
+    mixed = extractor(llm, batch_size=8).extract(texts, (1, 2))
+    split = extractor(llm, batch_size=8, batch_min_fill=0.5).extract(texts, (1, 2))
+    assert mixed.mask.tolist() == split.mask.tolist()
+    torch.testing.assert_close(split.hidden, mixed.hidden, atol=1e-5, rtol=1e-4)
