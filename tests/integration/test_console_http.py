@@ -1,0 +1,248 @@
+"""The console over HTTP on a real Redis, without a browser or a broker: sessions that sign
+out for real, sign-in throttling by client address, stage changes on a pinned probe, and a
+fast 503 while Redis hangs.
+
+The client is the standard library's, so these run wherever Redis does; it keeps the
+session cookie itself (a test can copy it, as a thief would) and can connect from any
+loopback address (127.0.0.2, ...), so the console sees different clients.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from html.parser import HTMLParser
+from http.cookies import SimpleCookie
+from urllib.parse import urlencode, urlsplit
+
+import pytest
+from pydantic import SecretStr
+
+from schemas import CheckpointManifest, LLMFingerprint, ProbeSpec, utcnow
+from tests.conftest import RedisNamespace
+from worker.console.auth import User, hash_password
+from worker.console.server import ConsoleServer
+from worker.rollout.operator import Operator
+from worker.settings import Settings
+from worker.store.checkpoints import CheckpointRegistry
+from worker.store.evidence import EvidenceStore
+
+pytestmark = pytest.mark.integration
+
+PASSWORDS = {"rita": "rita-reviews-a-lot", "otto": "otto-operates-it"}
+ROLES = {"rita": "reviewer", "otto": "operator"}
+SECRET = b"s" * 32
+
+
+@dataclass
+class Reply:
+    status: int
+    location: str
+    text: str
+
+
+class Web:
+    """One browser's worth of HTTP: its cookies, its source address."""
+
+    def __init__(self, url: str, source: str = "127.0.0.1") -> None:
+        u = urlsplit(url)
+        self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
+        self.source = source
+        self.cookies: dict[str, str] = {}
+
+    def request(
+        self, method: str, path: str, form: dict[str, str] | None = None, timeout: float = 60
+    ) -> Reply:
+        conn = http.client.HTTPConnection(
+            self.host, self.port, timeout=timeout, source_address=(self.source, 0)
+        )
+        headers = {"Accept": "text/html"}
+        body = None if form is None else urlencode(form)
+        if body is not None:
+            headers["Content-Type"] = "application/x-www-form-urlencoded"
+        if self.cookies:
+            headers["Cookie"] = "; ".join(f"{k}={v}" for k, v in self.cookies.items())
+        try:
+            conn.request(method, path, body=body, headers=headers)
+            r = conn.getresponse()
+            text = r.read().decode()
+            for raw in r.headers.get_all("set-cookie") or []:
+                cookie: SimpleCookie = SimpleCookie()
+                cookie.load(raw)
+                for name, morsel in cookie.items():
+                    if "1970" in morsel["expires"] or morsel.value in ("", "null"):
+                        self.cookies.pop(name, None)
+                    else:
+                        self.cookies[name] = morsel.value
+            return Reply(r.status, r.headers.get("location", ""), text)
+        finally:
+            conn.close()
+
+    def get(self, path: str, timeout: float = 60) -> Reply:
+        return self.request("GET", path, timeout=timeout)
+
+    def post(self, path: str, form: dict[str, str], timeout: float = 60) -> Reply:
+        return self.request("POST", path, form, timeout=timeout)
+
+    def csrf(self, path: str = "/login") -> str:
+        return csrf_of(self.get(path).text)
+
+    def sign_in(self, user: str, password: str | None = None) -> Reply:
+        token = self.csrf()
+        return self.post(
+            "/login",
+            {"username": user, "password": password or PASSWORDS[user], "csrf": token},
+        )
+
+
+def csrf_of(html: str) -> str:
+    found = re.search(r'name="csrf" value="([^"]+)"', html) or re.search(
+        r'name="csrf-token" content="([^"]+)"', html
+    )
+    assert found, "no CSRF token on the page"
+    return found.group(1)
+
+
+class _Forms(HTMLParser):
+    """Every form on a page: its hidden and text inputs, and the ids of its buttons."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forms: list[tuple[dict[str, str], list[str]]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = {k: v or "" for k, v in attrs}
+        if tag == "form":
+            self.forms.append(({}, []))
+        elif tag == "input" and self.forms and "name" in a and a.get("type") != "checkbox":
+            self.forms[-1][0][a["name"]] = a.get("value", "")
+        elif tag == "button" and self.forms and "id" in a:
+            self.forms[-1][1].append(a["id"])
+
+
+def form_with(html: str, button_id: str) -> dict[str, str]:
+    """The fields of the form holding the button ``button_id``, as the browser posts them."""
+    parser = _Forms()
+    parser.feed(html)
+    for fields, buttons in parser.forms:
+        if button_id in buttons:
+            return dict(fields)
+    raise AssertionError(f"no form with button #{button_id} on the page")
+
+
+# --- fixtures -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def users() -> dict[str, User]:
+    return {
+        name: User(name, ROLES[name], hash_password(pw, n=2**10))  # type: ignore[arg-type]
+        for name, pw in PASSWORDS.items()
+    }
+
+
+def console_settings(redis_url: str, prefix: str, **more: object) -> Settings:
+    return Settings(
+        redis_url=SecretStr(redis_url),
+        redis_prefix=prefix,
+        console_port=0,
+        console_explain=False,
+        probes="tox",
+        **more,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture
+def console(redis_ns: RedisNamespace, users: dict[str, User]) -> Iterator[ConsoleServer]:
+    s = console_settings(redis_ns.url, redis_ns.prefix)
+    server = ConsoleServer(s, users=users, secret_key=SECRET, review=False).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+FP = LLMFingerprint(
+    model_id="tiny", source_sha256="0" * 64, num_layers=4, hidden_size=8, tokenizer_sha256="1" * 64
+)
+SPEC = ProbeSpec(
+    name="tox",
+    token_pool="mean",
+    layer_mix="scalar_mix",
+    layers=[1, 2],
+    hidden_size=8,
+    task="multiclass",
+    labels=["ok", "toxic"],
+    flag_labels=["toxic"],
+)
+
+
+def publish(registry: CheckpointRegistry, *, live: bool) -> int:
+    v = registry.allocate_version()
+    blob = b"tensors" + str(v).encode()
+    manifest = CheckpointManifest(
+        probe="tox",
+        version=v,
+        created_at=utcnow(),
+        spec=SPEC,
+        llm=FP,
+        tensors_sha256=hashlib.sha256(blob).hexdigest(),
+    )
+    registry.publish(blob, manifest.encode(), set_live=live)
+    return v
+
+
+# --- M2: stage changes on a pinned probe ----------------------------------------------------
+
+
+def change_from_page(web: Web, button_id: str, reason: str) -> Reply:
+    """Click ``button_id`` on the Probes page, then confirm with ``reason``, as a browser."""
+    page = web.get("/probes?probe=tox")
+    assert page.status == 200, page.text
+    first = web.post("/probes/change", form_with(page.text, button_id))
+    assert first.status == 200 and "Confirm" in first.text, first.text
+    return web.post("/probes/change", {**form_with(first.text, "confirm"), "reason": reason})
+
+
+def test_a_pinned_probe_can_be_rolled_back_again_and_promoted_from_the_page(
+    console: ConsoleServer, redis_ns: RedisNamespace
+) -> None:
+    """M2: a console rollback pins the probe; the next rollback or promotion from the page
+    works as it does with `probeguard probe` (the pin stays), and only a stale view of the
+    pin is refused."""
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "tox")
+    evidence = EvidenceStore(redis_ns.client, redis_ns.keys)
+    v1, v2, v3 = (publish(registry, live=True) for _ in range(3))
+    v4 = publish(registry, live=False)
+    Operator(registry, evidence, actor="cli").rollback(reason="v3 is bad")
+    assert registry.stages().live == v2 and registry.stages().pinned
+
+    web = Web(console.url)
+    assert web.sign_in("otto").status == 303
+    done = change_from_page(web, "rollback", "v2 is bad too")
+    assert done.status == 303
+    st = registry.stages()
+    assert st.live == v1 and st.pinned, web.get("/probes?probe=tox").text
+    assert set(registry.rolled_back()) == {v2, v3}
+
+    page = web.get("/probes?probe=tox")
+    promote = form_with(page.text, f"promote-{v4}")
+    confirm = web.post("/probes/change", promote)
+    # Someone unpins meanwhile: the page's view of the pin is stale, and the click refused.
+    Operator(registry, evidence, actor="cli").unpin(reason="elsewhere")
+    refused = web.post("/probes/change", {**form_with(confirm.text, "confirm"), "reason": "x"})
+    assert refused.status == 303 and registry.stages().live == v1
+    assert "stages changed" in web.get("/probes?probe=tox").text
+    Operator(registry, evidence, actor="cli").pin(reason="again")
+    assert change_from_page(web, f"promote-{v4}", "v4 fixes it").status == 303
+    st = registry.stages()
+    assert st.live == v4 and st.pinned
+    # The last change line names the version only where an event has one (F11).
+    after_promote = web.get("/probes?probe=tox").text
+    Operator(registry, evidence, actor="cli").pin(reason="hold")
+    after_pin = web.get("/probes?probe=tox").text
+    assert "last change" in after_pin and "pinned by cli" in after_pin
+    assert "vNone" not in after_pin and "vNone" not in after_promote
