@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from html.parser import HTMLParser
@@ -246,3 +247,85 @@ def test_a_pinned_probe_can_be_rolled_back_again_and_promoted_from_the_page(
     after_pin = web.get("/probes?probe=tox").text
     assert "last change" in after_pin and "pinned by cli" in after_pin
     assert "vNone" not in after_pin and "vNone" not in after_promote
+
+
+# --- F1: sessions end at sign-out, and an operator can end them all -----------------------
+
+
+def test_a_copied_cookie_is_refused_after_sign_out_and_after_a_restart(
+    redis_ns: RedisNamespace, users: dict[str, User]
+) -> None:
+    """F1 / L6: signing out ends the session on the server, so a copy of the cookie taken
+    before no longer opens a page nor renews a claim, in this console or in the next one
+    started with the same key. A session not ended survives the restart."""
+    s = console_settings(redis_ns.url, redis_ns.prefix)
+    server = ConsoleServer(s, users=users, secret_key=SECRET, review=False).start()
+    try:
+        web, other = Web(server.url), Web(server.url)
+        assert web.sign_in("rita").status == 303 and other.sign_in("otto").status == 303
+        assert web.get("/probes").status == 200
+        stolen = dict(web.cookies)  # copied before sign-out
+        assert stolen
+        thief = Web(server.url)
+        thief.cookies = dict(stolen)
+        assert thief.get("/probes").status == 200
+        out = web.post("/logout", {"csrf": web.csrf("/probes")})
+        assert out.status == 303 and out.location == "/login"
+        refused = thief.get("/probes")
+        assert refused.status == 303 and refused.location.startswith("/login")
+        thief.cookies = dict(stolen)
+        assert thief.post("/review/heartbeat", {}).status == 401
+    finally:
+        server.stop()
+    again = ConsoleServer(s, users=users, secret_key=SECRET, review=False).start()
+    try:
+        thief2 = Web(again.url)
+        thief2.cookies = dict(stolen)
+        assert thief2.get("/probes").status == 303  # still ended after the restart
+        other.port = again.port
+        assert other.get("/probes").status == 200  # a session not ended lives on
+    finally:
+        again.stop()
+
+
+def test_an_operator_ends_every_session_of_a_user(
+    console: ConsoleServer,
+    redis_ns: RedisNamespace,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`probeguard console sign-out NAME` ends all of NAME's sessions (a stolen cookie, a
+    lost laptop) without a password change; other users keep theirs."""
+    from worker.cli import main
+
+    laptop, phone, otto = Web(console.url), Web(console.url), Web(console.url)
+    for web, name in ((laptop, "rita"), (phone, "rita"), (otto, "otto")):
+        assert web.sign_in(name).status == 303
+    monkeypatch.setenv("PROBEGUARD_REDIS_URL", redis_ns.url)
+    monkeypatch.setenv("PROBEGUARD_REDIS_PREFIX", redis_ns.prefix)
+    assert main(["console", "sign-out", "rita"]) == 0
+    assert "ended 2 sessions of rita" in capsys.readouterr().out
+    assert laptop.get("/probes").status == 303 and phone.get("/probes").status == 303
+    assert otto.get("/probes").status == 200
+    assert laptop.sign_in("rita").status == 303 and laptop.get("/probes").status == 200
+
+
+def test_a_session_ends_at_its_ttl_however_often_it_is_used(
+    redis_ns: RedisNamespace, users: dict[str, User]
+) -> None:
+    """The cookie is re-signed on every flash, but the server-side session is not extended:
+    a session lasts at most PROBEGUARD_CONSOLE_SESSION_TTL_S from sign-in."""
+    s = console_settings(redis_ns.url, redis_ns.prefix, console_session_ttl_s=60)
+    server = ConsoleServer(s, users=users, secret_key=SECRET, review=False).start()
+    try:
+        web = Web(server.url)
+        assert web.sign_in("rita").status == 303
+        keys = list(redis_ns.client.scan_iter(match=f"{redis_ns.prefix}:console:session:*"))
+        assert len(keys) == 1 and 0 < redis_ns.client.ttl(keys[0]) <= 60
+        assert web.get("/probes").status == 200
+        assert 0 < redis_ns.client.ttl(keys[0]) <= 60
+        redis_ns.client.expire(keys[0], 1)  # as if the TTL had run out
+        time.sleep(1.5)
+        assert web.get("/probes").status == 303
+    finally:
+        server.stop()

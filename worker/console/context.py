@@ -20,6 +20,7 @@ from worker.console import web
 from worker.console.auth import LoginThrottle, User
 from worker.console.explainer import Explainer, SpecCache
 from worker.console.metrics import console_metrics
+from worker.console.sessions import SessionStore
 from worker.review.queue import ReviewQueue
 from worker.settings import Settings
 from worker.store.evidence import EvidenceStore
@@ -42,6 +43,7 @@ class Console:
     evidence: EvidenceStore = field(init=False)
     specs: SpecCache = field(init=False)
     collector: CollectorRegistry = field(init=False)  # served on /metrics
+    sessions: SessionStore = field(init=False)
     env: jinja2.Environment = field(default_factory=web.templates)
     throttle: LoginThrottle = field(default_factory=LoginThrottle)
 
@@ -51,6 +53,9 @@ class Console:
         self.evidence = EvidenceStore.from_settings(self.client, self.settings, cache=self.texts)
         self.specs = SpecCache(self.client, self.keys)
         self.collector = console_metrics(self.queue)
+        self.sessions = SessionStore(
+            self.client, self.keys, ttl_s=self.settings.console_session_ttl_s
+        )
 
     def page(self, request: Request, name: str, status: int = 200, **values: Any) -> HTMLResponse:
         """Render ``name`` with the common values (user, CSRF token, flash, probes)."""
@@ -73,4 +78,5 @@ def console_of(request: Request) -> Console:
 
 def user_of(request: Request) -> User:
     """The signed-in user; raises :class:`web.NotSignedIn` otherwise."""
-    return web.signed_in(request, console_of(request).users)
+    console = console_of(request)
+    return web.signed_in(request, console.users, console.sessions)

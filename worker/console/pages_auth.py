@@ -1,6 +1,7 @@
 """Signing in and out, the root redirect, ``/healthz``, ``/readyz`` and ``/metrics``.
 
-Sessions are described in :mod:`worker.console.web`; a failed sign-in costs the same
+Sessions are described in :mod:`worker.console.web` and :mod:`worker.console.sessions`:
+signing out ends the session on the server. A failed sign-in costs the same
 time whether or not the user exists, and repeated failures for one name are throttled.
 """
 
@@ -91,8 +92,9 @@ def login(
             error="unknown user or wrong password",
         )
     console.throttle.succeeded(name)
-    request.session.clear()  # a fresh session (and CSRF token) at every sign-in
-    request.session.update({"user": user.name, "pw": web.hash_digest(user)})
+    _end(request)  # a fresh session (and CSRF token) at every sign-in
+    sid = console.sessions.start(user.name)
+    request.session.update({"user": user.name, "pw": web.hash_digest(user), "sid": sid})
     return see_other(web.safe_next(next))
 
 
@@ -103,5 +105,14 @@ def logout(request: Request, csrf: Annotated[str, Form()] = "") -> RedirectRespo
     queue = console_of(request).queue
     if queue is not None:
         queue.leave(user.name)
-    request.session.clear()
+    _end(request)
     return see_other("/login")
+
+
+def _end(request: Request) -> None:
+    """End the request's session on the server (a copy of its cookie is refused from now
+    on) and clear the cookie."""
+    sid, name = request.session.get("sid"), request.session.get("user")
+    if isinstance(sid, str) and isinstance(name, str):
+        console_of(request).sessions.end(sid, name)
+    request.session.clear()

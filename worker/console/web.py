@@ -3,8 +3,10 @@
 - Every response carries a strict Content-Security-Policy: scripts and styles only from
   ``/static`` (no inline script or style anywhere), no frames, forms post only here.
 - Sessions are signed cookies (``HttpOnly``, ``SameSite=Strict``; ``Secure`` with
-  ``PROBEGUARD_CONSOLE_SECURE_COOKIES``). The session names the user and a digest of
-  their password hash: changing a password (or removing a user) ends their sessions.
+  ``PROBEGUARD_CONSOLE_SECURE_COOKIES``) that name the user, a digest of their password
+  hash and a session id checked against Redis (:mod:`worker.console.sessions`): signing
+  out, ``probeguard console sign-out NAME``, the session TTL, changing a password or
+  removing a user end a session, and a copy of its cookie with it.
 - Every state change (each POST) must carry the session's CSRF token, as a form field
   ``csrf`` or an ``X-CSRF-Token`` header, and must not come from another origin.
 - After a POST, pages answer :func:`see_other` (303) with a :func:`flash` note for the
@@ -27,6 +29,7 @@ from fastapi.responses import RedirectResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from worker.console.auth import Permission, User
+from worker.console.sessions import SessionStore
 
 __all__ = [
     "CSP",
@@ -131,14 +134,16 @@ def hash_digest(user: User) -> str:
     return hashlib.sha256(user.password_hash.encode()).hexdigest()[:16]
 
 
-def signed_in(request: Request, users: dict[str, User]) -> User:
-    """The session's user, still configured and with the same password; else NotSignedIn."""
+def signed_in(request: Request, users: dict[str, User], sessions: SessionStore) -> User:
+    """The session's user, still configured, with the same password, and a session that
+    has not ended (signed out, revoked, past its TTL); else NotSignedIn."""
     name = request.session.get("user")
     user = users.get(name) if isinstance(name, str) else None
     digest = request.session.get("pw")
-    if user is None or not isinstance(digest, str):
+    sid = request.session.get("sid")
+    if user is None or not isinstance(digest, str) or not isinstance(sid, str):
         raise NotSignedIn()
-    if not hmac.compare_digest(digest, hash_digest(user)):
+    if not hmac.compare_digest(digest, hash_digest(user)) or not sessions.check(sid, user.name):
         request.session.clear()
         raise NotSignedIn()
     return user

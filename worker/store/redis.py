@@ -96,6 +96,11 @@ class Keys:
                                           once its label was acknowledged (console)
     ``P:review:answers``         zset     ``reviewer<US>item`` by answer time, last hour
                                           (console: per-reviewer rates)
+    ``P:console:session:{sha}``  string   a signed-in console session (the user's name;
+                                          TTL = session TTL, deleted at sign-out); sha256
+                                          of the session id in the cookie
+    ``P:console:sessions:{u}``   set      the session digests of user ``u``, for
+                                          ``probeguard console sign-out`` (console)
     ===========================  =======  ==========================================================
 
     Keys marked [cache] live in the text cache's Redis (``PROBEGUARD_TEXT_REDIS_URL``, by
@@ -193,6 +198,12 @@ class Keys:
 
     def review_answers(self) -> str:
         return self._join("review", "answers")
+
+    def console_session(self, digest: str) -> str:
+        return self._join("console", "session", digest)
+
+    def console_sessions(self, user: str) -> str:
+        return self._join("console", "sessions", user)
 
 
 class Breaker:
