@@ -329,3 +329,25 @@ def test_a_session_ends_at_its_ttl_however_often_it_is_used(
         assert web.get("/probes").status == 303
     finally:
         server.stop()
+
+
+# --- F2: nobody can lock a user out from elsewhere ------------------------------------------
+
+
+def test_failed_sign_ins_elsewhere_do_not_lock_a_user_out(console: ConsoleServer) -> None:
+    """F2: five wrong passwords for otto from one address block that address for otto;
+    otto's right password from his own address still signs him in. A client guessing
+    many names is refused for all of them after PER_ADDRESS failures."""
+    attacker = Web(console.url, source="127.0.0.2")
+    for _ in range(5):
+        assert attacker.sign_in("otto", "not-the-password").status == 401
+    refused = attacker.sign_in("otto")  # right, but from the attacker's address
+    assert refused.status == 429 and "too many failed attempts" in refused.text
+    otto = Web(console.url, source="127.0.0.3")
+    assert otto.sign_in("otto").status == 303 and otto.get("/probes").status == 200
+    assert Web(console.url, source="127.0.0.2").sign_in("rita").status == 303
+    guesser = Web(console.url, source="127.0.0.4")
+    per_address = console.console.throttle.per_address
+    for i in range(per_address):
+        assert guesser.sign_in(f"user{i}", "guess-guess").status == 401
+    assert guesser.sign_in("rita").status == 429

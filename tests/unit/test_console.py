@@ -60,6 +60,53 @@ def test_login_throttle() -> None:
     assert not t.blocked("eve")
 
 
+def test_failures_against_a_name_do_not_lock_its_user_out_elsewhere() -> None:
+    """F2: five wrong passwords for alice from one address block that address for alice,
+    not alice: she signs in from her own address. A client that tries many names is
+    blocked for every name after ``per_address`` failures."""
+    t = LoginThrottle(attempts=5, window_s=60, per_address=20)
+    for _ in range(5):
+        t.failed("alice", "203.0.113.9")
+    assert t.blocked("alice", "203.0.113.9") and not t.blocked("alice", "198.51.100.7")
+    assert not t.blocked("bob", "203.0.113.9")  # the same client, another name: not yet
+    for i in range(15):
+        t.failed(f"name-{i}", "203.0.113.9")
+    assert t.blocked("bob", "203.0.113.9") and not t.blocked("bob", "198.51.100.7")
+    # An IPv6 client counts per /64: other addresses of the same host do not start afresh.
+    for i in range(20):
+        t.failed(f"x{i}", f"2001:db8:1:2::{i + 1:x}")
+    assert t.blocked("carol", "2001:db8:1:2:ffff::1") and not t.blocked("carol", "2001:db8:1:3::1")
+    t.succeeded("alice", "203.0.113.9")
+    assert not t.blocked("alice", "192.0.2.1") and t.blocked("bob", "203.0.113.9")
+
+
+def test_the_throttle_table_is_never_cleared_wholesale() -> None:
+    """L2 / F5: failures on 10,001 other names do not reset a user's counter (the table
+    used to be emptied once it held 10,000 names)."""
+    t = LoginThrottle(attempts=5)
+    for _ in range(5):
+        t.failed("alice")
+    for i in range(10_001):
+        t.failed(f"random-{i}")
+    assert t.blocked("alice")
+    # The same, the way the sign-in page counts (a blocked client is not checked, so not
+    # counted): 10,001 names from 501 addresses leave alice's address blocked for her.
+    t = LoginThrottle(attempts=5, per_address=20)
+    for _ in range(5):
+        t.failed("alice", "192.0.2.1")
+    for i in range(10_001):
+        address = f"10.0.{i // 20 // 256}.{i // 20 % 256}"
+        if not t.blocked(f"random-{i}", address):
+            t.failed(f"random-{i}", address)
+    assert t.blocked("alice", "192.0.2.1") and not t.blocked("alice", "192.0.2.2")
+    # Full, it forgets the address that failed least recently, not the others.
+    t = LoginThrottle(attempts=1, max_clients=3)
+    for address in ("192.0.2.1", "192.0.2.2", "192.0.2.3", "192.0.2.4"):
+        t.failed("alice", address)
+    assert not t.blocked("alice", "192.0.2.1")
+    assert all(t.blocked("alice", a) for a in ("192.0.2.2", "192.0.2.3", "192.0.2.4"))
+
+
 def test_offsets_commit_up_to_the_oldest_unanswered_item() -> None:
     tp, other = TopicPartition("review", 0), TopicPartition("review", 1)
     t = OffsetTracker()

@@ -8,6 +8,7 @@ the app that mounts it.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,10 @@ class Console:
     sessions: SessionStore = field(init=False)
     env: jinja2.Environment = field(default_factory=web.templates)
     throttle: LoginThrottle = field(default_factory=LoginThrottle)
+    # Password checks (scrypt) running at once, at most; the others wait for a turn.
+    password_checks: threading.BoundedSemaphore = field(
+        default_factory=lambda: threading.BoundedSemaphore(2)
+    )
 
     def __post_init__(self) -> None:
         self.keys = Keys(self.settings.redis_prefix)
