@@ -529,6 +529,12 @@ class Settings(BaseSettings):
     console_secure_cookies: bool = Field(
         False, description="Send cookies only over https (set it behind TLS)."
     )
+    console_redis_timeout_s: Annotated[float, Field(gt=0.0, le=60.0)] = Field(
+        1.0,
+        description="The console's Redis socket and connect timeout, seconds (its pages "
+        "and review queue; a timeout is not retried): with Redis hung, a page answers 503 "
+        "after about this long instead of PROBEGUARD_REDIS_SOCKET_TIMEOUT_S per call.",
+    )
     console_session_ttl_s: Annotated[int, Field(ge=60)] = Field(
         12 * 3600, description="How long a session lasts, seconds (default: 12 hours)."
     )

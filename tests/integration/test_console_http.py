@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import re
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from schemas import CheckpointManifest, LLMFingerprint, ProbeSpec, utcnow
 from tests.conftest import RedisNamespace
 from worker.console.auth import User, hash_password
 from worker.console.server import ConsoleServer
+from worker.embedded import EmbeddedRedis
 from worker.rollout.operator import Operator
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
@@ -351,3 +353,35 @@ def test_failed_sign_ins_elsewhere_do_not_lock_a_user_out(console: ConsoleServer
     for i in range(per_address):
         assert guesser.sign_in(f"user{i}", "guess-guess").status == 401
     assert guesser.sign_in("rita").status == 429
+
+
+# --- F4: a hung Redis answers a clear 503 at once ---------------------------------------------
+
+
+def test_a_hung_redis_is_a_quick_503_and_the_console_recovers(users: dict[str, User]) -> None:
+    """F4 / F6: with Redis stopped (SIGSTOP: connections open, nothing answers) a page or
+    a POST answered a 503 only after 10-60 s (a 5 s socket timeout per call, retried, per
+    call on the way). The console's own client gives up after
+    PROBEGUARD_CONSOLE_REDIS_TIMEOUT_S (1 s): a 503 within a few seconds, and pages as
+    before once Redis answers again."""
+    with EmbeddedRedis() as server:
+        s = console_settings(server.url, "hung")
+        console = ConsoleServer(s, users=users, secret_key=SECRET, review=False).start()
+        try:
+            web = Web(console.url)
+            assert web.sign_in("otto").status == 303
+            assert web.get("/probes").status == 200
+            token = web.csrf("/probes")
+            server.signal(signal.SIGSTOP)
+            try:
+                for method, path in (("GET", "/probes"), ("POST", "/logout"), ("GET", "/")):
+                    t0 = time.monotonic()
+                    r = web.request(method, path, {"csrf": token} if method == "POST" else None)
+                    took = time.monotonic() - t0
+                    assert r.status == 503 and "Redis is unreachable" in r.text, (path, r)
+                    assert took < 4.0, f"{method} {path}: 503 after {took:.1f} s"
+            finally:
+                server.signal(signal.SIGCONT)
+            assert web.get("/probes").status == 200  # still signed in: nothing was changed
+        finally:
+            console.stop()

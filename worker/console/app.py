@@ -61,6 +61,18 @@ def create_app(console: Console, *, secret_key: bytes | None = None) -> FastAPI:
     return app
 
 
+def _retry_url(request: Request) -> str:
+    """Where a 503 page tries again: the same page after a GET; after a POST (nothing was
+    done), the page the form was on."""
+    path = request.url.path
+    if request.method == "GET":  # only a path on this site (no '//host' trick)
+        return web.safe_next(path + ("?" + request.url.query if request.url.query else ""))
+    for page in ("/review", "/probes", "/explain", "/login"):
+        if path.startswith(page):
+            return page
+    return "/review"
+
+
 def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(redis.RedisError)
     def redis_down(request: Request, exc: redis.RedisError) -> Response:
@@ -74,6 +86,7 @@ def _error_handlers(app: FastAPI) -> None:
             title="Redis is unreachable",
             message="The console cannot read or write Redis right now; nothing was changed. "
             "Try again in a moment.",
+            retry_url=_retry_url(request),
         )
 
     @app.exception_handler(web.NotSignedIn)

@@ -13,9 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
+import redis
 from fastapi import Request
 from fastapi.responses import HTMLResponse
 from prometheus_client import CollectorRegistry
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from worker.console import web
 from worker.console.auth import LoginThrottle, User
@@ -27,7 +30,25 @@ from worker.settings import Settings
 from worker.store.evidence import EvidenceStore
 from worker.store.redis import Keys, make_text_redis
 
-__all__ = ["Console", "console_of", "user_of"]
+__all__ = ["Console", "console_of", "redis_options", "user_of"]
+
+
+def redis_options(settings: Settings) -> dict[str, Any]:
+    """The console's Redis client options (for :func:`worker.store.redis.make_redis`): a
+    request waits at most ``console_redis_timeout_s`` for a Redis that does not answer and
+    does not retry that (a dropped connection is still retried once, quickly), so a hung
+    Redis is a 503 page within about a second, not a minute behind the review queue's lock.
+    """
+    t = settings.console_redis_timeout_s
+    return {
+        "socket_timeout": t,
+        "socket_connect_timeout": t,
+        "retry": Retry(
+            ExponentialBackoff(cap=0.5, base=0.05),
+            settings.redis_retries,
+            supported_errors=(redis.ConnectionError,),
+        ),
+    }
 
 
 @dataclass
@@ -54,7 +75,7 @@ class Console:
 
     def __post_init__(self) -> None:
         self.keys = Keys(self.settings.redis_prefix)
-        self.texts = make_text_redis(self.settings, self.client)
+        self.texts = make_text_redis(self.settings, self.client, **redis_options(self.settings))
         self.evidence = EvidenceStore.from_settings(self.client, self.settings, cache=self.texts)
         self.specs = SpecCache(self.client, self.keys)
         self.collector = console_metrics(self.queue)

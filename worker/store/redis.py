@@ -53,12 +53,14 @@ def make_redis(settings: Settings, url: str | None = None, **overrides: Any) -> 
         raise ConfigError(f"invalid Redis URL: {exc}") from None  # the URL may hold a password
 
 
-def make_text_redis(settings: Settings, main: redis.Redis | None = None) -> redis.Redis:
+def make_text_redis(
+    settings: Settings, main: redis.Redis | None = None, **overrides: Any
+) -> redis.Redis:
     """The client of the per-message cache: ``settings.text_redis_url``, else ``main`` (or
-    a new client of the main Redis)."""
+    a new client of the main Redis); ``overrides`` as for :func:`make_redis`."""
     if settings.text_redis_url is not None:
-        return make_redis(settings, settings.text_redis_url.get_secret_value())
-    return main if main is not None else make_redis(settings)
+        return make_redis(settings, settings.text_redis_url.get_secret_value(), **overrides)
+    return main if main is not None else make_redis(settings, **overrides)
 
 
 class Keys:
