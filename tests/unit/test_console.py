@@ -174,3 +174,53 @@ def test_console_without_users_says_how_to_add_one(
     assert main(["console", "--port", "0"]) == 1
     err = capsys.readouterr().err
     assert "PROBEGUARD_CONSOLE_USERS" in err and "probeguard console user" in err
+
+
+def _review_html(text: str) -> str:
+    """The review page as the console renders it for one item with ``text``."""
+    from schemas import ReviewRequest, utcnow
+    from worker.console.auth import User
+    from worker.console.web import templates
+    from worker.review.queue import QueueStats, ReviewItem
+
+    req = ReviewRequest(
+        message_id="m-1",
+        text=text,
+        probe="toxicity",
+        version=2,
+        scores={"ok": 0.4, "toxic": 0.6},
+        reason="uncertain",
+        created_at=utcnow(),
+    )
+    item = ReviewItem(
+        "toxicity:m-1", req, ("ok", "toxic"), False, ("toxic",), [(TopicPartition("r", 0), 0)], 0
+    )
+    stats = QueueStats(1, 1, 0, 0, 0, {}, 0, "")
+    return templates().get_template("review.html").render(
+        user=User("rita", "reviewer", "x"), item=item, keys="1234567890", stats=stats,
+        undoable=0, decided=[], report=None, explain_note="", undo_s=10.0, claim_ttl_s=60,
+        csrf="t", flash=None, probes=["toxicity"], path="/review",
+    )  # fmt: skip
+
+
+def test_bidi_and_zero_width_characters_are_revealed_not_rendered() -> None:
+    """F8: 'please open <RLO>gnp.exe<PDF>' displayed as 'please open exe.png', and
+    zero-width characters were invisible: the reviewer read another text than the model.
+    Each is now a visible marker in the message, with a note that counts them, and the
+    text stays escaped."""
+    text = "please open \u202egnp.exe\u202c <b>now</b> zero\u200bwidth\u200d ok"
+    html = _review_html(text)
+    message = html[html.index('id="message">') : html.index("</blockquote>")]
+    for ch in "\u202e\u202c\u200b\u200d":
+        assert ch not in message, f"U+{ord(ch):04X} reached the page unrevealed"
+    for code in ("202E", "202C", "200B", "200D"):
+        assert f"⟨U+{code}⟩</span>" in message
+    assert 'title="RIGHT-TO-LEFT OVERRIDE"' in message
+    assert "&lt;b&gt;now&lt;/b&gt;" in message and "<b>now" not in message
+    note = html[html.index('id="hidden-note"') :]
+    note = re.sub(r"<[^>]+>", "", note[: note.index("</p>")])
+    assert "contains 4 hidden or direction-changing characters" in note
+    assert "RIGHT-TO-LEFT OVERRIDE" in note and "ZERO WIDTH SPACE" in note
+    assert "in the order the model read it" in note
+    plain = _review_html("an ordinary message, with emoji 😀 and accents: café")
+    assert 'id="hidden-note"' not in plain and "hidden-char" not in plain.split('id="message"')[1]
