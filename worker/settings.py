@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas import DEFAULT_LIMITS, Limits, OperatingPoint, StateDtype
 from schemas.limits import HARD_MAX_LABELS, HARD_MAX_TEXT_CHARS
+from schemas.messages import PROBE_NAME
 
 __all__ = ["DEFAULTS", "Settings", "load_settings"]
 
@@ -278,7 +279,11 @@ class Settings(BaseSettings):
     )
 
     # --- Scorer --------------------------------------------------------------
-    probes: str = Field("toxicity", description="Comma-separated probe names every scorer serves.")
+    probes: str = Field(
+        "toxicity",
+        description="Comma-separated probe names every scorer serves (lowercase letters, "
+        "digits, `_` and `-`, as on the wire).",
+    )
     flag_heads: str | None = Field(
         None,
         description="Comma-separated heads of multi-head probes whose flag labels flag a "
@@ -628,6 +633,12 @@ class Settings(BaseSettings):
             raise ValueError("review_low must not exceed review_high")
         if not self.probe_names:
             raise ValueError("probes must name at least one probe")
+        for name in [*self.probe_names, *([self.train_probe] if self.train_probe else [])]:
+            if not PROBE_NAME.fullmatch(name):  # as the wire schema's ProbeName
+                raise ValueError(
+                    f"probe name {name[:64]!r} must match {PROBE_NAME.pattern} (lowercase "
+                    "letters, digits, '_' and '-'; what every message on the wire allows)"
+                )
         if self.promote_epsilon > self.rollback_delta:
             raise ValueError(
                 "promote_epsilon must not exceed rollback_delta (a canary that may be promoted "
