@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from html.parser import HTMLParser
 from http.cookies import SimpleCookie
+from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 import pytest
@@ -385,3 +386,72 @@ def test_a_hung_redis_is_a_quick_503_and_the_console_recovers(users: dict[str, U
             assert web.get("/probes").status == 200  # still signed in: nothing was changed
         finally:
             console.stop()
+
+
+# --- F7: items a bootstrap checkpoint scored ---------------------------------------------------
+
+
+class _Explainer:
+    """Explains with the registry's versions as the console's explainer does (no LLM)."""
+
+    def __init__(self, registry: CheckpointRegistry) -> None:
+        self.registry = registry
+
+    def explain(self, probe: str, text: str, *, version: int | None = None, **_: object) -> dict:
+        from worker.errors import ExplainError
+
+        v = version if version is not None else self.registry.stages().live
+        if v is None:
+            raise ExplainError(
+                f"probe {probe!r} has no live version in the registry; publish one with "
+                "`probeguard train`, name one with --version, or explain a file with --checkpoint"
+            )
+        return {"version": v}
+
+
+def test_a_v0_item_is_explained_by_live_with_a_note_or_says_why_not(
+    redis_ns: RedisNamespace,
+) -> None:
+    """F7: an item scored by a bootstrap checkpoint (v0, never in the registry) showed the
+    CLI's error ('... name one with --version ...') without a live version, and live's
+    explanation without a word that it is another version's once there was one."""
+    from types import SimpleNamespace
+
+    from schemas import ReviewRequest
+    from worker.console.pages_review import _explanation
+    from worker.review.queue import ReviewItem
+
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "tox")
+    console: Any = SimpleNamespace(
+        client=redis_ns.client, keys=redis_ns.keys, explainer=_Explainer(registry)
+    )
+    req = ReviewRequest(
+        message_id="m-0",
+        text="hello",
+        probe="tox",
+        version=0,
+        scores={"ok": 0.5, "toxic": 0.5},
+        reason="audit",
+        created_at=utcnow(),
+    )
+    item = ReviewItem("tox:m-0", req, ("ok", "toxic"), False, ("toxic",), [], 0.0)
+    report, note = _explanation(console, item)
+    assert report is None and "bootstrap checkpoint (v0)" in note and "no live version" in note
+    assert "--version" not in note and "probeguard" not in note
+    v = publish(registry, live=True)
+    report, note = _explanation(console, item)
+    assert report == {"version": v}
+    assert "bootstrap checkpoint (v0)" in note and f"live version v{v}" in note
+
+
+def test_a_malformed_post_without_a_session_is_a_plain_401(console: ConsoleServer) -> None:
+    """F10: a malformed POST got FastAPI's 422 detail before any sign-in check: the field
+    names, every accepted action and the input echoed back."""
+    web = Web(console.url)
+    form = {"probe": "tox", "action": "<script>", "csrf": web.csrf()}
+    r = web.post("/probes/change", form)
+    assert r.status == 401 and "sign in first" in r.text
+    assert "<script>" not in r.text and "rollback_canary" not in r.text
+    assert web.sign_in("otto").status == 303
+    r = web.post("/probes/change", {**form, "csrf": web.csrf("/probes")})
+    assert r.status == 422 and "action" in r.text and "<script>" not in r.text

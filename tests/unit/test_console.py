@@ -176,8 +176,9 @@ def test_console_without_users_says_how_to_add_one(
     assert "PROBEGUARD_CONSOLE_USERS" in err and "probeguard console user" in err
 
 
-def _review_html(text: str) -> str:
-    """The review page as the console renders it for one item with ``text``."""
+def _review_html(text: str | None, **more: object) -> str:
+    """The review page as the console renders it for one item with ``text`` (None: no
+    item left for the reviewer)."""
     from schemas import ReviewRequest, utcnow
     from worker.console.auth import User
     from worker.console.web import templates
@@ -185,7 +186,7 @@ def _review_html(text: str) -> str:
 
     req = ReviewRequest(
         message_id="m-1",
-        text=text,
+        text=text or "-",
         probe="toxicity",
         version=2,
         scores={"ok": 0.4, "toxic": 0.6},
@@ -197,9 +198,10 @@ def _review_html(text: str) -> str:
     )
     stats = QueueStats(1, 1, 0, 0, 0, {}, 0, "")
     return templates().get_template("review.html").render(
-        user=User("rita", "reviewer", "x"), item=item, keys="1234567890", stats=stats,
-        undoable=0, decided=[], report=None, explain_note="", undo_s=10.0, claim_ttl_s=60,
-        csrf="t", flash=None, probes=["toxicity"], path="/review",
+        user=User("rita", "reviewer", "x"), item=item if text is not None else None,
+        keys="1234567890", stats=stats, undoable=0, decided=[], report=None, explain_note="",
+        undo_s=10.0, claim_ttl_s=60, csrf="t", flash=None, probes=["toxicity"],
+        path="/review", **{"skipped": 0, "skip_s": 600.0, **more},
     )  # fmt: skip
 
 
@@ -224,3 +226,12 @@ def test_bidi_and_zero_width_characters_are_revealed_not_rendered() -> None:
     assert "in the order the model read it" in note
     plain = _review_html("an ordinary message, with emoji 😀 and accents: café")
     assert 'id="hidden-note"' not in plain and "hidden-char" not in plain.split('id="message"')[1]
+
+
+def test_the_empty_review_page_says_what_was_skipped_and_when_it_comes_back() -> None:
+    """'Nothing to review' beside '29 waiting' read as a contradiction: the reviewer had
+    skipped them. The page now says so, and when they come round again."""
+    html = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", "", _review_html(None, skipped=3)))
+    assert "Nothing to review" in html and "You skipped 3 of the items waiting" in html
+    assert "10 min after it was first skipped" in html
+    assert "You skipped" not in _review_html(None)

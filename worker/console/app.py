@@ -21,6 +21,7 @@ import secrets
 
 import redis
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.middleware.sessions import SessionMiddleware
@@ -95,6 +96,22 @@ def _error_handlers(app: FastAPI) -> None:
         if wants_page:
             return web.see_other(web.login_redirect(request))
         return JSONResponse({"error": "sign in first"}, status_code=401)
+
+    @app.exception_handler(RequestValidationError)
+    def malformed(request: Request, exc: RequestValidationError) -> Response:
+        # FastAPI's own answer echoes the input and lists what each field accepts, to
+        # anyone: without a session it is the same 401 as a well-formed request gets.
+        try:
+            user_of(request)
+        except web.NotSignedIn as no:
+            return not_signed_in(request, no)
+        except redis.RedisError as down:
+            return redis_down(request, down)
+        fields = sorted({str(e["loc"][-1]) for e in exc.errors() if e.get("loc")})
+        return JSONResponse(
+            {"error": f"malformed request (fields: {', '.join(fields)[:200] or '?'})"},
+            status_code=422,
+        )
 
     @app.exception_handler(web.Forbidden)
     def forbidden(request: Request, exc: web.Forbidden) -> Response:
