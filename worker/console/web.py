@@ -136,16 +136,19 @@ class Hidden:
     names: tuple[str, ...]
     more: bool  # kinds beyond those named
     bidi: bool
+    example: str = ""  # the first one's marker text, "U+202E"
 
 
 def hidden_chars(text: Any) -> Hidden:
-    """>>> hidden_chars("a\u202eb\u200bc\u200b")
-    Hidden(count=3, names=('RIGHT-TO-LEFT OVERRIDE', 'ZERO WIDTH SPACE'), more=False, bidi=True)
+    """>>> h = hidden_chars("a\u202eb\u200bc\u200b")
+    >>> h.count, h.names, h.bidi, h.example
+    (3, ('RIGHT-TO-LEFT OVERRIDE', 'ZERO WIDTH SPACE'), True, 'U+202E')
     """
     found = [ch for ch in str(text) if _hidden(ch)]
     kinds = list(dict.fromkeys(found))
     names = tuple(_char_name(ch) or f"U+{ord(ch):04X}" for ch in kinds[:6])
-    return Hidden(len(found), names, len(kinds) > 6, any(ch in _BIDI for ch in kinds))
+    example = f"U+{ord(found[0]):04X}" if found else ""
+    return Hidden(len(found), names, len(kinds) > 6, any(ch in _BIDI for ch in kinds), example)
 
 
 def reveal(text: Any) -> Markup:
