@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import re
 from datetime import UTC, datetime
 from typing import Annotated, Literal
 
@@ -33,6 +34,7 @@ from schemas.limits import Id, LabelName, Metadata, Text, check_label_count
 __all__ = [
     "DEAD_LETTER_KEY_BYTES",
     "DEAD_LETTER_PAYLOAD_BYTES",
+    "PROBE_NAME",
     "ChatMessage",
     "DeadLetter",
     "DeadLetterKind",
@@ -47,7 +49,8 @@ __all__ = [
 
 Probability = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 Scores = dict[LabelName, Probability]
-ProbeName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_\-]{0,63}$")]
+PROBE_NAME = re.compile(r"[a-z0-9][a-z0-9_\-]{0,63}")  # settings check names with it too
+ProbeName = Annotated[str, Field(pattern=f"^{PROBE_NAME.pattern}$")]
 
 
 def utcnow() -> datetime:

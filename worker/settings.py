@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas import DEFAULT_LIMITS, Limits, OperatingPoint, StateDtype
 from schemas.limits import HARD_MAX_LABELS, HARD_MAX_TEXT_CHARS
+from schemas.messages import PROBE_NAME
 
 __all__ = ["DEFAULTS", "Settings", "load_settings"]
 
@@ -298,7 +299,11 @@ class Settings(BaseSettings):
     )
 
     # --- Scorer --------------------------------------------------------------
-    probes: str = Field("toxicity", description="Comma-separated probe names every scorer serves.")
+    probes: str = Field(
+        "toxicity",
+        description="Comma-separated probe names every scorer serves (lowercase letters, "
+        "digits, `_` and `-`, as on the wire).",
+    )
     flag_heads: str | None = Field(
         None,
         description="Comma-separated heads of multi-head probes whose flag labels flag a "
@@ -549,6 +554,12 @@ class Settings(BaseSettings):
     console_secure_cookies: bool = Field(
         False, description="Send cookies only over https (set it behind TLS)."
     )
+    console_redis_timeout_s: Annotated[float, Field(gt=0.0, le=60.0)] = Field(
+        1.0,
+        description="The console's Redis socket and connect timeout, seconds (its pages "
+        "and review queue; a timeout is not retried): with Redis hung, a page answers 503 "
+        "after about this long instead of PROBEGUARD_REDIS_SOCKET_TIMEOUT_S per call.",
+    )
     console_session_ttl_s: Annotated[int, Field(ge=60)] = Field(
         12 * 3600, description="How long a session lasts, seconds (default: 12 hours)."
     )
@@ -642,6 +653,12 @@ class Settings(BaseSettings):
             raise ValueError("review_low must not exceed review_high")
         if not self.probe_names:
             raise ValueError("probes must name at least one probe")
+        for name in [*self.probe_names, *([self.train_probe] if self.train_probe else [])]:
+            if not PROBE_NAME.fullmatch(name):  # as the wire schema's ProbeName
+                raise ValueError(
+                    f"probe name {name[:64]!r} must match {PROBE_NAME.pattern} (lowercase "
+                    "letters, digits, '_' and '-'; what every message on the wire allows)"
+                )
         if self.promote_epsilon > self.rollback_delta:
             raise ValueError(
                 "promote_epsilon must not exceed rollback_delta (a canary that may be promoted "

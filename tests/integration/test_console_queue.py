@@ -284,6 +284,7 @@ def test_a_skipped_item_goes_back_to_the_tail_and_unpins_its_partition(
     item = q.next_item("ben")
     assert item is not None and item.request.message_id == first
     q.skip("ben", item.key)
+    assert q.skipped_by("ben") == 1 and q.skipped_by("ann") == 0  # the empty page says so
     other = q.next_item("ben")
     assert other is not None and other.request.message_id == second
     q.answer("ben", other.key, ["ok"])

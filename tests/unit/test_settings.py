@@ -48,6 +48,10 @@ def test_frozen() -> None:
         ({"PROBEGUARD_BATCH_SIZE": "0"}, "batch_size"),
         ({"PROBEGUARD_KAFKA_SECURITY_PROTOCOL": "SASL_SSL"}, "kafka_sasl_mechanism"),
         ({"PROBEGUARD_REDIS_PREFIX": "has space"}, "redis_prefix"),
+        # F9: names the wire schema's ProbeName refuses were accepted, e.g. HTML.
+        ({"PROBEGUARD_PROBES": "toxicity,<img src=x onerror=alert(7)>"}, "probe name '<img"),
+        ({"PROBEGUARD_PROBES": 'x"><svg onload=alert(8)>'}, "probe name 'x\"><svg"),
+        ({"PROBEGUARD_TRAIN_PROBE": "Toxicity"}, "probe name 'Toxicity'"),
     ],
 )
 def test_bad_values_name_the_setting(

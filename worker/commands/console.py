@@ -2,6 +2,7 @@
 
     probeguard console [serve] [--host H] [--port P] [--no-explain]
     probeguard console user NAME [--role reviewer|operator]   # prints a users entry
+    probeguard console sign-out NAME                          # ends all of NAME's sessions
 
 Pages: the review queue (label ``moderation.review`` with one key per label), probe
 versions with their rollout evidence and stage changes, and explanations. Settings:
@@ -57,6 +58,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--role", choices=["reviewer", "operator"], default="reviewer")
     a.add_argument("--password-stdin", action="store_true", help="read the password from stdin")
     a.set_defaults(func=_user)
+    a = acts.add_parser(
+        "sign-out",
+        help="end every console session of a user (a copied cookie, a lost device)",
+        description=(
+            "Ends every session of NAME in every console of this deployment (sessions live "
+            "in Redis under PROBEGUARD_REDIS_PREFIX); their cookies are refused from the "
+            "next request. NAME can sign in again; to stop that, change or remove the "
+            "user's entry in PROBEGUARD_CONSOLE_USERS."
+        ),
+    )
+    a.add_argument("name", help="the user whose sessions end")
+    a.set_defaults(func=_sign_out)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -80,6 +93,24 @@ def _serve(args: argparse.Namespace) -> int:
         done.wait()
     finally:
         server.stop()  # answers in their undo window are sent, offsets committed
+    return 0
+
+
+def _sign_out(args: argparse.Namespace) -> int:
+    from worker.commands._common import settings_with
+    from worker.console.sessions import SessionStore
+    from worker.store.redis import Keys, make_redis
+
+    settings = settings_with()
+    client = make_redis(settings)
+    try:
+        sessions = SessionStore(
+            client, Keys(settings.redis_prefix), ttl_s=settings.console_session_ttl_s
+        )
+        n = sessions.end_all(args.name)
+    finally:
+        client.close()
+    print(f"ended {n} session{'s' if n != 1 else ''} of {args.name}")
     return 0
 
 

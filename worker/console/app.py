@@ -21,6 +21,7 @@ import secrets
 
 import redis
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.middleware.sessions import SessionMiddleware
@@ -61,6 +62,18 @@ def create_app(console: Console, *, secret_key: bytes | None = None) -> FastAPI:
     return app
 
 
+def _retry_url(request: Request) -> str:
+    """Where a 503 page tries again: the same page after a GET; after a POST (nothing was
+    done), the page the form was on."""
+    path = request.url.path
+    if request.method == "GET":  # only a path on this site (no '//host' trick)
+        return web.safe_next(path + ("?" + request.url.query if request.url.query else ""))
+    for page in ("/review", "/probes", "/explain", "/login"):
+        if path.startswith(page):
+            return page
+    return "/review"
+
+
 def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(redis.RedisError)
     def redis_down(request: Request, exc: redis.RedisError) -> Response:
@@ -74,6 +87,7 @@ def _error_handlers(app: FastAPI) -> None:
             title="Redis is unreachable",
             message="The console cannot read or write Redis right now; nothing was changed. "
             "Try again in a moment.",
+            retry_url=_retry_url(request),
         )
 
     @app.exception_handler(web.NotSignedIn)
@@ -82,6 +96,22 @@ def _error_handlers(app: FastAPI) -> None:
         if wants_page:
             return web.see_other(web.login_redirect(request))
         return JSONResponse({"error": "sign in first"}, status_code=401)
+
+    @app.exception_handler(RequestValidationError)
+    def malformed(request: Request, exc: RequestValidationError) -> Response:
+        # FastAPI's own answer echoes the input and lists what each field accepts, to
+        # anyone: without a session it is the same 401 as a well-formed request gets.
+        try:
+            user_of(request)
+        except web.NotSignedIn as no:
+            return not_signed_in(request, no)
+        except redis.RedisError as down:
+            return redis_down(request, down)
+        fields = sorted({str(e["loc"][-1]) for e in exc.errors() if e.get("loc")})
+        return JSONResponse(
+            {"error": f"malformed request (fields: {', '.join(fields)[:200] or '?'})"},
+            status_code=422,
+        )
 
     @app.exception_handler(web.Forbidden)
     def forbidden(request: Request, exc: web.Forbidden) -> Response:

@@ -1,7 +1,10 @@
 """Signing in and out, the root redirect, ``/healthz``, ``/readyz`` and ``/metrics``.
 
-Sessions are described in :mod:`worker.console.web`; a failed sign-in costs the same
-time whether or not the user exists, and repeated failures for one name are throttled.
+Sessions are described in :mod:`worker.console.web` and :mod:`worker.console.sessions`:
+signing out ends the session on the server. A failed sign-in costs the same
+time whether or not the user exists; repeated failures are throttled per client address
+and per (address, name), so nobody can lock a user out from elsewhere
+(:class:`~worker.console.auth.LoginThrottle`).
 """
 
 from __future__ import annotations
@@ -71,18 +74,32 @@ def login(
     console = console_of(request)
     web.check_csrf(request, csrf)
     name = username.strip()[:64]
-    if console.throttle.blocked(name):
+    address = request.client.host if request.client else None
+    if console.throttle.blocked(name, address):
         return console.page(
             request,
             "login.html",
             status=429,
             next=web.safe_next(next),
-            error="too many failed attempts for this user; wait a few minutes",
+            error="too many failed attempts from your address; wait a few minutes",
         )
     user = console.users.get(name)
-    ok = (user or _DUMMY).check(password[:1024])
+    # At most a few password checks at once (each is a scrypt: ~40 ms of CPU, 16 MiB): a
+    # burst of sign-ins waits here instead of starving the pages' threads.
+    if not console.password_checks.acquire(timeout=10.0):
+        return console.page(
+            request,
+            "login.html",
+            status=503,
+            next=web.safe_next(next),
+            error="the console is busy checking other sign-ins; try again in a moment",
+        )
+    try:
+        ok = (user or _DUMMY).check(password[:1024])
+    finally:
+        console.password_checks.release()
     if user is None or not ok:
-        console.throttle.failed(name)
+        console.throttle.failed(name, address)
         return console.page(
             request,
             "login.html",
@@ -90,9 +107,10 @@ def login(
             next=web.safe_next(next),
             error="unknown user or wrong password",
         )
-    console.throttle.succeeded(name)
-    request.session.clear()  # a fresh session (and CSRF token) at every sign-in
-    request.session.update({"user": user.name, "pw": web.hash_digest(user)})
+    console.throttle.succeeded(name, address)
+    _end(request)  # a fresh session (and CSRF token) at every sign-in
+    sid = console.sessions.start(user.name)
+    request.session.update({"user": user.name, "pw": web.hash_digest(user), "sid": sid})
     return see_other(web.safe_next(next))
 
 
@@ -103,5 +121,14 @@ def logout(request: Request, csrf: Annotated[str, Form()] = "") -> RedirectRespo
     queue = console_of(request).queue
     if queue is not None:
         queue.leave(user.name)
-    request.session.clear()
+    _end(request)
     return see_other("/login")
+
+
+def _end(request: Request) -> None:
+    """End the request's session on the server (a copy of its cookie is refused from now
+    on) and clear the cookie."""
+    sid, name = request.session.get("sid"), request.session.get("user")
+    if isinstance(sid, str) and isinstance(name, str):
+        console_of(request).sessions.end(sid, name)
+    request.session.clear()

@@ -5,7 +5,10 @@ changes yet), the second (``confirm=1``) makes it through
 :class:`worker.rollout.operator.Operator`, the class ``probeguard probe`` uses: same
 refusals, same compare-and-set. The stages the operator looked at travel with the
 form, so a change made meanwhile by the updater (or another operator) refuses the click
-instead of being overridden unseen. Every event records ``<user> (console)`` as actor.
+instead of being overridden unseen. The pin is part of what they saw: on a pinned probe
+every change works as with the CLI (a live rollback, say, pins it again), and only a pin
+or unpin made since the page was shown refuses the click. Every event records
+``<user> (console)`` as actor.
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ def change(
     confirm: Annotated[bool, Form()] = False,
     seen_live: Annotated[str, Form()] = "",
     seen_canary: Annotated[str, Form()] = "",
+    seen_pinned: Annotated[str, Form()] = "",
     csrf: Annotated[str, Form()] = "",
 ) -> Response:
     console = console_of(request)
@@ -94,7 +98,7 @@ def change(
     registry = CheckpointRegistry(
         console.client, console.keys, name, signing_key=console.settings.signing_key
     )
-    seen = Stages(live=_version(seen_live), canary=_version(seen_canary))
+    seen = Stages(live=_version(seen_live), canary=_version(seen_canary), pinned=seen_pinned == "1")
     v = _version(version)
     share = console.settings.canary_share if share is None else share
     back = f"/probes?probe={name}"
@@ -115,6 +119,7 @@ def change(
             force=force,
             seen_live=seen_live,
             seen_canary=seen_canary,
+            seen_pinned="1" if seen.pinned else "",
             back=back,
         )
     return _apply(request, registry, user.name, action, v, share, reason, force, seen, back)

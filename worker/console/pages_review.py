@@ -20,6 +20,7 @@ from worker.console.context import Console, console_of, user_of
 from worker.console.web import flash, see_other
 from worker.errors import ExplainError, ReviewError
 from worker.review.queue import ReviewItem
+from worker.store.checkpoints import CheckpointRegistry
 
 __all__ = ["router"]
 
@@ -50,17 +51,39 @@ def _decided(console: Console, message_id: str) -> list[dict[str, Any]]:
 
 
 def _explanation(console: Console, item: ReviewItem) -> tuple[dict[str, Any] | None, str]:
+    """The item's explanation by the version that scored it, else by the live version
+    with a note saying so; None and why when neither can explain it."""
     req = item.request
+    if not req.version:  # a bootstrap checkpoint (v0) scored it: the registry never held it
+        live = CheckpointRegistry(console.client, console.keys, req.probe).stages().live
+        if live is None:
+            return None, (
+                "No explanation: a bootstrap checkpoint (v0) scored this item, and the "
+                "registry has no live version yet to explain it with."
+            )
+        try:
+            report = console.explainer.explain(
+                req.probe, req.text, version=live, cache_key=item.key, lens=False
+            )
+        except ExplainError as exc:
+            return None, str(exc)
+        return report, (
+            f"A bootstrap checkpoint (v0) scored this item; it is not in the registry, so this "
+            f"is the live version v{live}'s explanation, which may differ from v0's scores."
+        )
     try:
         report = console.explainer.explain(
-            req.probe, req.text, version=req.version or None, cache_key=item.key, lens=False
+            req.probe, req.text, version=req.version, cache_key=item.key, lens=False
         )
         return report, ""
     except ExplainError as exc:
         note = str(exc)
     try:  # the version may have been pruned: the live one explains it instead
         report = console.explainer.explain(req.probe, req.text, cache_key=item.key, lens=False)
-        return report, f"v{req.version} is gone; explained by the live version"
+        return report, (
+            f"v{req.version} is gone from the registry; this is the live version "
+            f"v{report.get('version')}'s explanation"
+        )
     except ExplainError:
         return None, note
 
@@ -80,6 +103,8 @@ def review(request: Request) -> HTMLResponse:
         keys=KEYS,
         stats=queue.stats(),
         undoable=queue.undoable(user.name),
+        skipped=queue.skipped_by(user.name) if item is None else 0,
+        skip_s=console.settings.console_skip_s,
         decided=_decided(console, item.request.message_id) if item else [],
         report=report,
         explain_note=note or console.explainer.status,

@@ -19,6 +19,7 @@ import uvicorn
 
 from worker.console.app import Console, create_app
 from worker.console.auth import User, parse_users
+from worker.console.context import redis_options
 from worker.console.explainer import Explainer, SpecCache
 from worker.errors import ConfigError, StackError
 from worker.kafka.clients import ensure_topics
@@ -54,7 +55,7 @@ class ConsoleServer:
                 "(`probeguard console user NAME --role operator` prints an entry)"
             )
         self.settings = settings
-        client = make_redis(settings)
+        client = make_redis(settings, **redis_options(settings))  # bounded: see there
         keys = Keys(settings.redis_prefix)
         queue = (
             ReviewQueue(settings, client, spec_of=SpecCache(client, keys), worker_id=worker_id)

@@ -3,12 +3,17 @@
 - Every response carries a strict Content-Security-Policy: scripts and styles only from
   ``/static`` (no inline script or style anywhere), no frames, forms post only here.
 - Sessions are signed cookies (``HttpOnly``, ``SameSite=Strict``; ``Secure`` with
-  ``PROBEGUARD_CONSOLE_SECURE_COOKIES``). The session names the user and a digest of
-  their password hash: changing a password (or removing a user) ends their sessions.
+  ``PROBEGUARD_CONSOLE_SECURE_COOKIES``) that name the user, a digest of their password
+  hash and a session id checked against Redis (:mod:`worker.console.sessions`): signing
+  out, ``probeguard console sign-out NAME``, the session TTL, changing a password or
+  removing a user end a session, and a copy of its cookie with it.
 - Every state change (each POST) must carry the session's CSRF token, as a form field
   ``csrf`` or an ``X-CSRF-Token`` header, and must not come from another origin.
 - After a POST, pages answer :func:`see_other` (303) with a :func:`flash` note for the
   next page.
+- Texts a reviewer judges are shown as the model read them: characters that are invisible
+  or reorder the display (bidi controls, zero-width characters) are revealed as markers
+  (:func:`reveal`), never applied.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,9 +30,11 @@ from urllib.parse import quote
 import jinja2
 from fastapi import Request
 from fastapi.responses import RedirectResponse
+from markupsafe import Markup, escape
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from worker.console.auth import Permission, User
+from worker.console.sessions import SessionStore
 
 __all__ = [
     "CSP",
@@ -36,6 +44,8 @@ __all__ = [
     "check_csrf",
     "csrf_token",
     "flash",
+    "hidden_chars",
+    "reveal",
     "see_other",
     "signed_in",
     "templates",
@@ -93,7 +103,71 @@ def templates() -> jinja2.Environment:
     )
     env.filters["num"] = _num
     env.filters["pct"] = _pct
+    env.filters["reveal"] = reveal
+    env.filters["hidden_chars"] = hidden_chars
     return env
+
+
+# --- hidden characters ---------------------------------------------------------------
+# What changes how a text is displayed without being seen: format characters (category
+# Cf: bidi embeddings, overrides and isolates, LRM/RLM/ALM, zero-width space and joiners,
+# word joiner, BOM, soft hyphen, tag characters), control characters other than line
+# breaks and tabs (Cc), and the Hangul fillers, which render blank.
+_BLANK = frozenset("\u115f\u1160\u3164\uffa0")
+_BIDI = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def _hidden(ch: str) -> bool:
+    if ch in "\n\r\t":
+        return False
+    return unicodedata.category(ch) in ("Cf", "Cc") or ch in _BLANK
+
+
+def _char_name(ch: str) -> str:
+    return unicodedata.name(ch, "CONTROL CHARACTER" if unicodedata.category(ch) == "Cc" else "")
+
+
+@dataclass(frozen=True)
+class Hidden:
+    """The hidden characters of a text: how many, the names of the first few kinds, and
+    whether any of them changes the reading direction."""
+
+    count: int
+    names: tuple[str, ...]
+    more: bool  # kinds beyond those named
+    bidi: bool
+    example: str = ""  # the first one's marker text, "U+202E"
+
+
+def hidden_chars(text: Any) -> Hidden:
+    """>>> h = hidden_chars("a\u202eb\u200bc\u200b")
+    >>> h.count, h.names, h.bidi, h.example
+    (3, ('RIGHT-TO-LEFT OVERRIDE', 'ZERO WIDTH SPACE'), True, 'U+202E')
+    """
+    found = [ch for ch in str(text) if _hidden(ch)]
+    kinds = list(dict.fromkeys(found))
+    names = tuple(_char_name(ch) or f"U+{ord(ch):04X}" for ch in kinds[:6])
+    example = f"U+{ord(found[0]):04X}" if found else ""
+    return Hidden(len(found), names, len(kinds) > 6, any(ch in _BIDI for ch in kinds), example)
+
+
+def reveal(text: Any) -> Markup:
+    """``text`` escaped, with each hidden character replaced by a visible marker
+    (``⟨U+202E⟩``, its name as the title), so what is shown reads as the model read it:
+    a right-to-left override shows where it is instead of reversing what follows."""
+    text = str(text)
+    parts: list[Markup] = []
+    start = 0
+    for i, ch in enumerate(text):
+        if _hidden(ch):
+            parts.append(escape(text[start:i]))
+            title = escape(_char_name(ch) or "hidden character")
+            parts.append(
+                Markup(f'<span class="hidden-char" title="{title}">⟨U+{ord(ch):04X}⟩</span>')
+            )
+            start = i + 1
+    parts.append(escape(text[start:]))
+    return Markup("").join(parts)
 
 
 def _num(v: Any, fmt: str = ".3f") -> str:
@@ -131,14 +205,16 @@ def hash_digest(user: User) -> str:
     return hashlib.sha256(user.password_hash.encode()).hexdigest()[:16]
 
 
-def signed_in(request: Request, users: dict[str, User]) -> User:
-    """The session's user, still configured and with the same password; else NotSignedIn."""
+def signed_in(request: Request, users: dict[str, User], sessions: SessionStore) -> User:
+    """The session's user, still configured, with the same password, and a session that
+    has not ended (signed out, revoked, past its TTL); else NotSignedIn."""
     name = request.session.get("user")
     user = users.get(name) if isinstance(name, str) else None
     digest = request.session.get("pw")
-    if user is None or not isinstance(digest, str):
+    sid = request.session.get("sid")
+    if user is None or not isinstance(digest, str) or not isinstance(sid, str):
         raise NotSignedIn()
-    if not hmac.compare_digest(digest, hash_digest(user)):
+    if not hmac.compare_digest(digest, hash_digest(user)) or not sessions.check(sid, user.name):
         request.session.clear()
         raise NotSignedIn()
     return user

@@ -152,6 +152,12 @@ class ReviewDesk:
             self._hold(reviewer, h.item.key)
             return h.item
 
+    def skipped_by(self, reviewer: str) -> int:
+        """Items waiting that this reviewer skipped (not offered to them until they come
+        round from the end of the topic)."""
+        with self.lock:
+            return len(self.skipped.get(reviewer, set()) & self.items.keys())
+
     def undoable(self, reviewer: str) -> int:
         with self.lock:
             return len(self.held.get(reviewer, []))

@@ -53,12 +53,14 @@ def make_redis(settings: Settings, url: str | None = None, **overrides: Any) -> 
         raise ConfigError(f"invalid Redis URL: {exc}") from None  # the URL may hold a password
 
 
-def make_text_redis(settings: Settings, main: redis.Redis | None = None) -> redis.Redis:
+def make_text_redis(
+    settings: Settings, main: redis.Redis | None = None, **overrides: Any
+) -> redis.Redis:
     """The client of the per-message cache: ``settings.text_redis_url``, else ``main`` (or
-    a new client of the main Redis)."""
+    a new client of the main Redis); ``overrides`` as for :func:`make_redis`."""
     if settings.text_redis_url is not None:
-        return make_redis(settings, settings.text_redis_url.get_secret_value())
-    return main if main is not None else make_redis(settings)
+        return make_redis(settings, settings.text_redis_url.get_secret_value(), **overrides)
+    return main if main is not None else make_redis(settings, **overrides)
 
 
 class Keys:
@@ -96,6 +98,11 @@ class Keys:
                                           once its label was acknowledged (console)
     ``P:review:answers``         zset     ``reviewer<US>item`` by answer time, last hour
                                           (console: per-reviewer rates)
+    ``P:console:session:{sha}``  string   a signed-in console session (the user's name;
+                                          TTL = session TTL, deleted at sign-out); sha256
+                                          of the session id in the cookie
+    ``P:console:sessions:{u}``   set      the session digests of user ``u``, for
+                                          ``probeguard console sign-out`` (console)
     ===========================  =======  ==========================================================
 
     Keys marked [cache] live in the text cache's Redis (``PROBEGUARD_TEXT_REDIS_URL``, by
@@ -193,6 +200,12 @@ class Keys:
 
     def review_answers(self) -> str:
         return self._join("review", "answers")
+
+    def console_session(self, digest: str) -> str:
+        return self._join("console", "session", digest)
+
+    def console_sessions(self, user: str) -> str:
+        return self._join("console", "sessions", user)
 
 
 class Breaker:

@@ -49,22 +49,54 @@
   }
 
   // While the page is open, renew the claim (a third of its TTL); a lost claim reloads.
+  // A renewal that fails (Redis or the console unreachable) shows the #offline banner and
+  // is retried sooner; the first one that succeeds hides it again.
   function heartbeat(item) {
     const ttl = Number(item.dataset.claimTtl || 60);
     const every = Math.max(2000, (ttl * 1000) / 3);
-    setInterval(async () => {
+    const banner = document.getElementById("offline");
+    const why = document.getElementById("offline-why");
+    function trouble(text) {
+      if (!banner) return;
+      if (why) why.textContent = text;
+      banner.hidden = false;
+    }
+    async function beat() {
+      let ok = false;
+      const stop = new AbortController();
+      const timer = setTimeout(() => stop.abort(), 10000);
       try {
         const r = await fetch("/review/heartbeat", {
           method: "POST",
           headers: { "X-CSRF-Token": csrf(), "Accept": "application/json" },
           credentials: "same-origin",
+          signal: stop.signal,
         });
         if (r.status === 401) { location.reload(); return; }
-        const data = await r.json();
-        numbers(data);
-        if (data.claim_kept === false) location.reload();
-      } catch (e) { /* offline for a moment: try again next time */ }
-    }, every);
+        if (r.ok) {
+          const data = await r.json();
+          numbers(data);
+          if (data.claim_kept === false) { location.reload(); return; }
+          ok = true;
+        } else {
+          trouble(r.status === 503 ? "the console cannot reach Redis" : "the console answered " + r.status);
+        }
+      } catch (e) {
+        trouble("the console does not answer");
+      } finally {
+        clearTimeout(timer);
+      }
+      if (ok && banner) banner.hidden = true;
+      setTimeout(beat, ok ? every : Math.min(every, 3000));
+    }
+    setTimeout(beat, every);
+  }
+
+  // An error page that can be retried (a Redis outage) tries again by itself.
+  const retry = document.getElementById("retry");
+  if (retry) {
+    const s = Number(retry.dataset.retry || 5);
+    setTimeout(() => { location.href = retry.dataset.retryUrl || location.href; }, s * 1000);
   }
 
   if (page === "review") {
