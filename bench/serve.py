@@ -444,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
             "autocast": extractor.autocast,
             "batch_size": base.batch_size,
             "batch_tokens": base.batch_tokens,
+            "batch_min_fill": base.batch_min_fill,
             "max_tokens": base.max_tokens,
             "serve_max_wait_ms": head["max_wait_ms"],
             "serve_max_batch": head["max_batch"],
