@@ -13,7 +13,14 @@ from typing import Any
 
 from worker.errors import OfflineError
 
-__all__ = ["layer_list", "offline_errors", "print_json", "serve", "settings_with"]
+__all__ = [
+    "layer_list",
+    "offline_errors",
+    "print_json",
+    "serve",
+    "settings_with",
+    "until_signalled",
+]
 
 
 def layer_list(value: str) -> list[int] | None:
@@ -94,3 +101,14 @@ def serve(role: Any, what: str) -> int:
     signal.signal(signal.SIGINT, _stop)
     role.run()
     return 0
+
+
+def until_signalled() -> None:
+    """Block until SIGINT or SIGTERM (for servers running on threads: console, serve)."""
+    import signal
+    import threading
+
+    done = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    done.wait()

@@ -73,10 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import signal
-    import threading
-
-    from worker.commands._common import settings_with
+    from worker.commands._common import settings_with, until_signalled
     from worker.console.server import ConsoleServer
 
     settings = settings_with(
@@ -86,11 +83,8 @@ def _serve(args: argparse.Namespace) -> int:
     )
     server = ConsoleServer(settings).start()
     print(f"console: {server.url} (Ctrl-C stops)", flush=True)
-    done = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: done.set())
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
     try:
-        done.wait()
+        until_signalled()
     finally:
         server.stop()  # answers in their undo window are sent, offsets committed
     return 0

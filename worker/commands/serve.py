@@ -59,10 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import signal
-    import threading
-
-    from worker.commands._common import settings_with
+    from worker.commands._common import settings_with, until_signalled
     from worker.errors import ConfigError
     from worker.llm.extract import HiddenStateExtractor
     from worker.serve.keys import KeyRing
@@ -83,11 +80,8 @@ def _run(args: argparse.Namespace) -> int:
         settings, extractor, client, keys=None if args.no_auth else keys
     ).start()
     print(f"serve: {server.url} (Ctrl-C stops)", flush=True)
-    done = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: done.set())
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
     try:
-        done.wait()
+        until_signalled()
     finally:
         server.stop()
     return 0

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from typing import TYPE_CHECKING, Any
-
-import uvicorn
+from typing import TYPE_CHECKING
 
 from worker.console.app import Console, create_app
 from worker.console.auth import User, parse_users
 from worker.console.context import redis_options
 from worker.console.explainer import Explainer, SpecCache
 from worker.errors import ConfigError, StackError
+from worker.http_thread import HttpThread
 from worker.kafka.clients import ensure_topics
 from worker.review.queue import ReviewQueue
 from worker.settings import Settings
@@ -67,9 +65,14 @@ class ConsoleServer:
         )
         self.console = Console(settings, users, client, queue, explainer)
         self.app = create_app(self.console, secret_key=secret_key)
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
         self.port = settings.console_port
+        self.http = HttpThread(
+            self.app,
+            settings.console_host,
+            settings.console_port,
+            name="console",
+            port_setting="PROBEGUARD_CONSOLE_PORT",
+        )
 
     @property
     def url(self) -> str:
@@ -85,57 +88,27 @@ class ConsoleServer:
             threading.Thread(
                 target=self.console.explainer.warm_up, name="console-llm", daemon=True
             ).start()
-        config = uvicorn.Config(
-            self.app,
-            host=s.console_host,
-            port=s.console_port,
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            server_header=False,
-        )
-        server = uvicorn.Server(config)
-        self._server = server
-        self._thread = threading.Thread(target=server.run, name="console-http", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.stop()
-                raise StackError(
-                    f"the console could not listen on {s.console_host}:{s.console_port} "
-                    "(port in use? set PROBEGUARD_CONSOLE_PORT)"
-                )
-            time.sleep(0.05)
-        self.port = _bound_port(server) or s.console_port
+        try:
+            self.http.start(timeout_s)
+        except StackError:
+            self.stop()
+            raise
+        self.port = self.http.port
         log.info("console at %s", self.url)
         return self
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(10)
+        self.http.stop()
         if self.console.queue is not None:
             self.console.queue.stop()
         self.console.client.close()
 
     def wait(self) -> None:
         """Block until the server stops (SIGINT/SIGTERM handled by the caller)."""
-        while self._thread is not None and self._thread.is_alive():
-            self._thread.join(0.5)
+        self.http.wait()
 
     def __enter__(self) -> ConsoleServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _bound_port(server: uvicorn.Server) -> int | None:
-    """The port actually bound (``PROBEGUARD_CONSOLE_PORT=0`` picks a free one)."""
-    servers: Any = getattr(server, "servers", [])
-    for srv in servers:
-        for sock in srv.sockets:
-            return int(sock.getsockname()[1])
-    return None

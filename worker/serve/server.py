@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import threading
-import time
 from typing import Any
 
 import redis
-import uvicorn
 
 from worker.errors import ConfigError, StackError
+from worker.http_thread import HttpThread
 from worker.llm.extract import HiddenStateExtractor
 from worker.serve.app import create_app
 from worker.serve.keys import KeyRing
@@ -65,8 +63,9 @@ class ModerationServer:
                 )
         self.service = Service(settings, extractor, redis_client, keys=keys)
         self.app = create_app(self.service)
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
+        self.http = HttpThread(
+            self.app, self.host, self.port, name="serve", port_setting="PROBEGUARD_SERVE_PORT"
+        )
 
     @property
     def url(self) -> str:
@@ -80,41 +79,19 @@ class ModerationServer:
 
     def start(self, timeout_s: float = 30.0) -> ModerationServer:
         self.service.start()
-        config = uvicorn.Config(
-            self.app,
-            host=self.host,
-            port=self.port,
-            log_level="warning",
-            access_log=False,  # request lines could carry ?key=
-            lifespan="off",
-            server_header=False,
-        )
-        server = self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=server.run, name="serve-http", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.stop()
-                raise StackError(
-                    f"serve could not listen on {self.host}:{self.port} "
-                    "(port in use? set PROBEGUARD_SERVE_PORT)"
-                )
-            time.sleep(0.05)
-        if self.port == 0:
-            self.port = int(server.servers[0].sockets[0].getsockname()[1])
+        try:
+            self.http.start(timeout_s)
+        except StackError:
+            self.service.stop()
+            raise
+        self.port = self.http.port
         log.info("moderation API at %s (/v1/moderations, /v1alpha1/comments:analyze)", self.url)
         return self
 
     def wait(self) -> None:
         """Block until the HTTP server exits (:meth:`stop` or a signal)."""
-        if self._thread is not None:
-            while self._thread.is_alive():
-                self._thread.join(0.5)
+        self.http.wait()
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(10)
+        self.http.stop()
         self.service.stop()
