@@ -145,7 +145,8 @@ def test_labels_for_two_heads_publish_a_version_whose_verdicts_carry_both(
     verdicts = chats(settings, "v", ["what a lovely day", "CLICK HERE free money"])
     for v in verdicts:
         (result,) = v.results
-        assert result.version == live and result.heads is not None
+        # The updater goes on learning: a later version may be live by now.
+        assert result.version >= live and result.heads is not None
         assert set(result.heads) == {"toxicity", "spam"}
         # The deployment's policy: only the spam head flags.
         assert result.flagged == result.heads["spam"].flagged

@@ -348,7 +348,7 @@ def test_same_scores_as_the_kafka_scorer(
 
 def test_a_hot_swap_under_load_fails_no_request(serve, redis_ns: RedisNamespace) -> None:
     first = publish(redis_ns, seed=0)
-    served = serve()
+    served = serve(serve_rate_per_key=1e6, serve_rate_burst=10**6)  # load, not a rate limit
     client = served.openai(max_retries=0)
     seen: list[str] = []
     failures: list[BaseException] = []
