@@ -136,16 +136,17 @@ def test_labels_for_two_heads_publish_a_version_whose_verdicts_carry_both(
     produce_raw(settings, settings.topic_labels, labels)
     wait_until(lambda: registry.stages().live is not None, "a first version")
     live = registry.stages().live
-    manifest = registry.manifest(live)  # type: ignore[arg-type]
+    assert live is not None
+    manifest = registry.manifest(live)
     assert [h.name for h in manifest.spec.heads] == ["toxicity", "spam"]
     # The first version was fine-tuned from the packaged default (no parent), not from zero.
     first = registry.manifest(min(registry.versions()))
     assert first.parent is None and [h.name for h in first.spec.heads] == ["toxicity", "spam"]
-    wait_until(lambda: scorer.watcher.versions()["toxicity"]["live"] == live, "scorer swap")
+    # The updater goes on learning: a later version may be live by the time we look.
+    wait_until(lambda: (scorer.watcher.versions()["toxicity"]["live"] or 0) >= live, "scorer swap")
     verdicts = chats(settings, "v", ["what a lovely day", "CLICK HERE free money"])
     for v in verdicts:
         (result,) = v.results
-        # The updater goes on learning: a later version may be live by now.
         assert result.version >= live and result.heads is not None
         assert set(result.heads) == {"toxicity", "spam"}
         # The deployment's policy: only the spam head flags.
