@@ -345,10 +345,16 @@ class ScoringEngine:
             if self.threaded:
                 self.watcher.stop()
 
-    def wait_for_probes(self, stop: threading.Event, beat: Callable[[], None]) -> bool:
+    def wait_for_probes(
+        self,
+        stop: threading.Event,
+        beat: Callable[[], None],
+        on_wait: Callable[[], None] | None = None,
+    ) -> bool:
         """Block until every probe has a live version (published, the bootstrap checkpoint
         or the packaged default); False if ``stop`` was set first. ``beat`` is called while
-        waiting (waiting is healthy: liveness probes must not restart us)."""
+        waiting (waiting is healthy: liveness probes must not restart us); ``on_wait`` once,
+        when it has to wait (the scorer leaves the group it joined early)."""
         bootstrap = self.settings.bootstrap_checkpoint
         # The watcher thread's first sync takes a moment: say "waiting" only after it.
         started = time.monotonic()
@@ -366,6 +372,9 @@ class ScoringEngine:
                 log.info("serving %s", self.watcher.versions())
                 return True
             if time.monotonic() - last_note > 10:
+                if on_wait is not None:
+                    on_wait()
+                    on_wait = None
                 missing = [n for n, sl in self.watcher.slots.items() if sl.live is None]
                 log.warning(
                     "no live version of %s in the registry yet; waiting (publish one with "
