@@ -40,7 +40,14 @@ from probes.errors import CheckpointError, IncompatibleCheckpoint
 from probes.files import atomic_write, private_dir
 from probes.probe import Probe, build_probe
 from probes.quantize import dequantize_state, quantize_state
-from schemas import CheckpointManifest, LLMFingerprint, Stage, TrainingCounters, describe_error
+from schemas import (
+    CheckpointManifest,
+    DriftReference,
+    LLMFingerprint,
+    Stage,
+    TrainingCounters,
+    describe_error,
+)
 from schemas.messages import utcnow
 
 __all__ = [
@@ -86,9 +93,11 @@ def checkpoint_to_bytes(
     created_at: datetime | None = None,
     signing_key: bytes | None = None,
     weights: WeightFormat = "fp32",
+    drift: DriftReference | None = None,
 ) -> tuple[bytes, bytes]:
     """Serialize ``probe`` to ``(safetensors bytes, manifest JSON bytes)``; ``weights="int8"``
-    stores int8 with per-row scales (see the module docstring)."""
+    stores int8 with per-row scales (see the module docstring); ``drift``: the training
+    statistics drift monitoring compares live traffic with (signed like the rest)."""
     if weights not in FORMATS:
         raise CheckpointError(f"unknown weight format {weights!r}; known: {sorted(FORMATS)}")
     state = {
@@ -113,6 +122,7 @@ def checkpoint_to_bytes(
             counters=counters or TrainingCounters(),
             metrics={k: float(v) for k, v in (metrics or {}).items()},
             stage=stage,
+            drift=drift,
         )
     except ValidationError as exc:
         raise CheckpointError(

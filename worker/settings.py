@@ -370,6 +370,26 @@ class Settings(BaseSettings):
         "swaps it in for the next batch) or `poll` (the scoring thread checks between "
         "batches, so a change waits for the batch in hand).",
     )
+    drift_window: Annotated[int, Field(ge=10, le=1_000_000)] = Field(
+        1000,
+        description="Drift monitoring: each scorer compares its last this many messages, per "
+        "served version with training statistics in its checkpoint, with those statistics "
+        "(`probeguard_scorer_drift_*`; see deploy/README.md, Monitoring).",
+    )
+    drift_min_messages: Annotated[int, Field(ge=1)] = Field(
+        200,
+        description="Messages a drift window must hold before its gauges are exported (fewer "
+        "give noisy numbers; at most `DRIFT_WINDOW`).",
+    )
+    drift_alert_shift: Annotated[float, Field(gt=0)] = Field(
+        1.0,
+        description="Standardized mean shift of a layer's pooled state that the console marks "
+        "as drift (keep it equal to the `ProbeguardInputDrift` rule of deploy/alerts.yml).",
+    )
+    drift_alert_psi: Annotated[float, Field(gt=0)] = Field(
+        0.25,
+        description="Score PSI the console marks as drift (as in the `ProbeguardInputDrift` rule).",
+    )
 
     # --- Updater (online learning) -----------------------------------------
     train_probe: str | None = Field(

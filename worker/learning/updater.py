@@ -418,8 +418,9 @@ class Updater:
         metrics = learner.metrics()
         try:
             version = self.registry.allocate_version()
+            probe = learner.publishable()
             blob, manifest = checkpoint_to_bytes(
-                learner.publishable(),
+                probe,
                 llm=self.extractor.fingerprint,
                 version=version,
                 parent=self.parent,
@@ -427,6 +428,7 @@ class Updater:
                 metrics=metrics,
                 signing_key=self.settings.signing_key,
                 weights=self.settings.publish_weights,
+                drift=learner.drift_reference(probe),
             )
             self.registry.publish(
                 blob,

@@ -40,6 +40,7 @@ from worker.errors import ConfigError
 from worker.llm.extract import HiddenStateExtractor
 from worker.scoring import review
 from worker.scoring.batch import BatchScorer, BatchScores, ServedProbe
+from worker.scoring.drift import DriftMonitor
 from worker.scoring.metrics import ScorerMetrics
 from worker.scoring.probe_watch import ProbeWatcher
 from worker.settings import Settings
@@ -53,6 +54,8 @@ log = logging.getLogger(__name__)
 # With the watcher thread, serve the packaged default only once the registry has been read
 # (or after this long without Redis): a published live version wins from the first message.
 DEFAULT_AFTER_S = 5.0
+# A scorer's drift window in Redis outlives it by this much (the console reads recent ones).
+DRIFT_SNAPSHOT_TTL_S = 3600
 
 
 class Retain(enum.IntEnum):
@@ -128,6 +131,9 @@ class ScoringEngine:
             limits=settings.limits,
         )
         self.review_policy = review.ReviewPolicy.from_settings(settings)
+        self.drift = DriftMonitor(
+            metrics, window=settings.drift_window, min_messages=settings.drift_min_messages
+        )
         # probe -> the packaged default folder served while nothing is published (None: none
         # for this LLM), decided once at start.
         self.defaults: dict[str, str | None] = {}
@@ -175,6 +181,7 @@ class ScoringEngine:
             scores=scores,
             elapsed_s=elapsed,
         )
+        self.drift.observe(scores.drift)
         self._remember(messages, scores, latency_ms, keep)
         n = len(scores.results)
         self.metrics.messages.inc(n)
@@ -273,6 +280,10 @@ class ScoringEngine:
             for probe, decisions in by_probe.items():
                 heads = {v: hs for (name, v), hs in scores.heads.items() if name == probe}
                 self.evidence.add_scored(pipe, probe, decisions, heads=heads)
+            for (probe, version), snapshot in self.drift.snapshots(utcnow()):
+                key = self.keys.drift(probe, version)
+                pipe.hset(key, self.worker_id, snapshot.encode())
+                pipe.expire(key, DRIFT_SNAPSHOT_TTL_S)
             pipe.execute()
         except (redis.RedisError, OSError) as exc:
             self.metrics.redis_errors.inc()

@@ -88,6 +88,8 @@ class Keys:
     ``K:updater_lease:token``    string   INCR -> fencing tokens
     ``K:evidence:{v}``           hash     canary/live evidence counters (``store.evidence``)
     ``K:pairs:{v}``              list     "flag_score truth" per labeled message (evidence)
+    ``K:drift:{v}``              hash     scorer id -> JSON ``DriftSnapshot``, its drift window
+                                          for v (scorers, every few seconds; TTL)
     ``K:labeled:{message_id}``   string   label already credited to evidence (TTL) [cache]
     ``K:labeled_head:{h}:{m}``   string   the same, for head ``h`` of message ``m`` [cache]
     ``P:text:{message_id}``      string   message text for label joins (scorers; TTL) [cache]
@@ -168,6 +170,9 @@ class Keys:
     def pairs(self, probe: str, version: int) -> str:
         return self._join(probe, "pairs", version)
 
+    def drift(self, probe: str, version: int) -> str:
+        return self._join(probe, "drift", version)
+
     def labeled(self, probe: str, message_id: str) -> str:
         return self._join(probe, "labeled", message_id)
 
@@ -182,6 +187,7 @@ class Keys:
             self.optim(probe, version),
             self.evidence(probe, version),
             self.pairs(probe, version),
+            self.drift(probe, version),
         ]
 
     # --- per message and deployment-wide --------------------------------------------------
