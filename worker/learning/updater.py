@@ -427,6 +427,7 @@ class Updater:
                 metrics=metrics,
                 signing_key=self.settings.signing_key,
                 weights=self.settings.publish_weights,
+                deployment=self.keys.prefix,
             )
             self.registry.publish(
                 blob,
