@@ -510,6 +510,16 @@ class Settings(BaseSettings):
         "`precision>=0.9` (the most recall at that precision) or `recall>=0.8` (the most "
         "precision at that recall).",
     )
+    labeler_max_labels: Annotated[int, Field(ge=0)] = Field(
+        1000,
+        description="Labels one labeler (`labeler_id`) may give a probe per "
+        "`LABELER_WINDOW_S`, across updaters (a Redis counter); the rest are dead-lettered "
+        "as `quarantined` and counted per labeler. A repeated label (same probe, message "
+        "and labeler) is learned once and does not count (`0`: no limit).",
+    )
+    labeler_window_s: Annotated[int, Field(ge=1, le=7 * 86_400)] = Field(
+        3600, description="Length of that per-labeler window, seconds."
+    )
 
     # --- Rollout (worker/rollout/policy.py; evaluated by the active updater) ------
     rollout: Literal["auto_live", "canary", "manual"] | None = Field(
@@ -525,6 +535,12 @@ class Settings(BaseSettings):
     )
     promote_min_labels: PositiveInt = Field(
         200, description="Labels on the canary's messages before it can be promoted."
+    )
+    promote_min_labelers: PositiveInt = Field(
+        2,
+        description="Distinct labelers whose labels the canary's evidence holds before it "
+        "can be promoted: one labeler alone (a misused credential, a buggy client) cannot "
+        "promote a canary (`1` for a single-reviewer deployment).",
     )
     promote_epsilon: Annotated[float, Field(ge=0.0, le=1.0)] = Field(
         0.02, description="ε: promote when canary F1 ≥ live F1 − ε."

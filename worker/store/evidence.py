@@ -30,6 +30,9 @@ first, at most ``pairs_max``). Hash fields of ``evidence``:
                 ``bl_`` ones (a head flags when it predicts one of its flag labels)
 ==============  ==============================================================
 
+Beside the hash, ``labelers:{v}`` counts the credited labels per labeler
+(:meth:`EvidenceStore.record_labelers`); :attr:`Evidence.labelers` is how many there are.
+
 Every head of a multi-head version that has a flag label judges every message the
 version decides (or shadows), so its ``n`` is the version's; a head appears only in the
 versions that have it. A label is credited per head for the heads it annotates (see
@@ -39,6 +42,7 @@ versions that have it. A label is credited per head for the heads it annotates (
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections import defaultdict
@@ -149,6 +153,7 @@ class Evidence(Counts):
     error_since: float | None = None
     loads: int = 0
     heads: Mapping[str, Counts] = field(default_factory=dict)
+    labelers: int = 0  # distinct labelers of the labels credited to it (``labelers:{v}``)
 
     @classmethod
     def from_hash(cls, version: int, raw: dict[bytes, bytes] | dict[str, str]) -> Evidence:
@@ -402,18 +407,51 @@ class EvidenceStore:
                 pipe.ltrim(self.keys.pairs(probe, version), 0, self.pairs_max - 1)
         pipe.execute()
 
+    # --- who labeled (kept apart from the credit above) -------------------------
+
+    def record_labelers(self, probe: str, labeled: Sequence[tuple[str, str]]) -> None:
+        """Count ``(message_id, labeler_id)`` per version whose own decision the label is
+        credited against (decided or shadowed; ``labelers:{v}``, labeler -> labels), so the
+        policy can require several distinct labelers before it promotes.
+
+        Like :meth:`record_truths` only the first label of a message counts (a marker per
+        message holding its labeler): a later label of another labeler was not credited,
+        and must not count as a second opinion; a redelivered label counts once."""
+        if not labeled:
+            return
+        raw = self.cache.mget([self.keys.decided(m) for m, _ in labeled])
+        judged: list[tuple[str, set[int]]] = []
+        pipe = self.cache.pipeline(transaction=False)
+        for (message_id, labeler), blob in zip(labeled, raw, strict=True):
+            d = _decision(blob, probe)
+            versions = {v for v in (d.v, d.sv) if v} if d is not None else set()
+            if versions:
+                judged.append((labeler, versions))
+                key = self.keys.credited_by(probe, message_id)
+                pipe.set(key, labeler, nx=True, ex=self.marker_ttl_s)
+        if not judged:
+            return
+        pipe_w = self.client.pipeline(transaction=False)
+        for (labeler, versions), fresh in zip(judged, pipe.execute(), strict=True):
+            for v in versions if fresh else ():
+                pipe_w.hincrby(self.keys.labelers(probe, v), labeler, 1)
+        pipe_w.execute()
+
     # --- reading -------------------------------------------------------------
 
     def read(self, probe: str, version: int) -> Evidence:
-        return Evidence.from_hash(version, self.client.hgetall(self.keys.evidence(probe, version)))
+        return self.read_many(probe, [version])[version]
 
     def read_many(self, probe: str, versions: Iterable[int]) -> dict[int, Evidence]:
         versions = list(versions)
         pipe = self.client.pipeline(transaction=False)
         for v in versions:
             pipe.hgetall(self.keys.evidence(probe, v))
+            pipe.hlen(self.keys.labelers(probe, v))
+        got = pipe.execute()
         return {
-            v: Evidence.from_hash(v, raw) for v, raw in zip(versions, pipe.execute(), strict=True)
+            v: dataclasses.replace(Evidence.from_hash(v, got[2 * k]), labelers=int(got[2 * k + 1]))
+            for k, v in enumerate(versions)
         }
 
     def auprc(self, probe: str, version: int) -> float:
