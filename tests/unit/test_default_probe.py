@@ -8,6 +8,8 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors import safe_open
 
 from probes import load_checkpoint
 from probes.offline.fit import FitConfig
@@ -78,6 +80,10 @@ def test_the_default_is_built_measured_and_licensed_by_its_recipe(
     held = sum(split_of(f"xstest-train-{i}") == "held_out" for i in range(60))
     assert rows["xstest"]["held_out"] == held
     assert manifest.counters.labels_seen == sum(r["train"] for r in rows.values())
+    # Shipped as int8 (a quarter of the size), and the card says so.
+    assert card["weights"] == "int8"
+    with safe_open(str(out / "tensors.safetensors"), "pt") as f:
+        assert torch.int8 in {f.get_tensor(k).dtype for k in f.keys()}  # noqa: SIM118
 
 
 def test_a_capped_source_keeps_the_same_rows_every_build(data_root: Path, tmp_path: Path) -> None:
