@@ -88,11 +88,19 @@ class Keys:
     ``K:updater_lease:token``    string   INCR -> fencing tokens
     ``K:evidence:{v}``           hash     canary/live evidence counters (``store.evidence``)
     ``K:pairs:{v}``              list     "flag_score truth" per labeled message (evidence)
-    ``K:labeled:{message_id}``   string   label already credited to evidence (TTL) [cache]
-    ``K:labeled_head:{h}:{m}``   string   the same, for head ``h`` of message ``m`` [cache]
+    ``K:labeled:{message_id}``   string   label already credited to evidence (TTL; set
+                                          with the counts, in one script)
+    ``K:labeled_head:{h}:{m}``   string   the same, for head ``h`` of message ``m``
     ``P:text:{message_id}``      string   message text for label joins (scorers; TTL) [cache]
     ``P:decided:{message_id}``   string   which version decided a message (scorers; TTL) [cache]
     ``P:review_budget:{window}`` string   review requests sent in a time window (scorers; TTL)
+    ``P:review:sent:{p}:{m}``    string   message ``m``'s request for probe ``p`` was admitted
+                                          (charged to the budget once; TTL) (scorers)
+    ``P:counted:{t}:{part}``     string   highest offset of topic ``t``'s partition whose
+                                          evidence is counted (scorers; TTL): redelivered
+                                          records at or below it count no more
+    ``P:once:{request_id}``      string   a script's reply, for a re-run after a lost reply
+                                          (``store.scripts``; TTL 10 min)
     ``P:review:claim:{item}``    string   a console reviewer's claim on a review item
                                           (``probe:message_id``), with a TTL; ``done|<who>``
                                           once its label was acknowledged (console)
@@ -194,6 +202,15 @@ class Keys:
 
     def review_budget(self, window: int) -> str:
         return self._join("review_budget", window)
+
+    def review_sent(self, probe: str, message_id: str) -> str:
+        return self._join("review", "sent", probe, message_id)
+
+    def counted(self, topic: str, partition: int) -> str:
+        return self._join("counted", topic, partition)
+
+    def once(self, request_id: str) -> str:
+        return self._join("once", request_id)
 
     def review_claim(self, item: str) -> str:
         return self._join("review", "claim", item)
