@@ -60,11 +60,11 @@ def _settings(url: str, prefix: str, **extra: Any) -> Settings:
     )
 
 
-def _scorer(settings: Settings, ex: HiddenStateExtractor) -> Scorer:
-    """A scorer (no broker) serving one random toxicity probe as version ``VERSION``."""
+def _scorer(settings: Settings, ex: HiddenStateExtractor, version: int = VERSION) -> Scorer:
+    """A scorer (no broker) serving one random toxicity probe as ``version``."""
     scorer = Scorer(settings, ex, make_redis(settings), worker_id="w", metrics_port=0)
     probe = build_probe(toxicity_spec(ex.hidden_size), seed=3).eval()
-    _, manifest = checkpoint_to_bytes(probe, llm=ex.fingerprint, version=VERSION)
+    _, manifest = checkpoint_to_bytes(probe, llm=ex.fingerprint, version=version)
     scorer.watcher.serve_bootstrap(
         "toxicity", ServedProbe(probe, CheckpointManifest.decode(manifest))
     )
@@ -122,6 +122,23 @@ def test_a_redelivered_batch_counts_each_message_once_and_charges_the_budget_onc
     _scorer(s, ex).handle(_items(16))
     assert _messages(redis_ns.client, redis_ns.keys) == 16
     assert _charged(redis_ns.client, redis_ns.keys) == 5  # the window's budget is spent
+
+
+def test_a_batch_redelivered_after_a_hot_swap_stays_with_the_version_that_counted_it(
+    redis_ns: RedisNamespace, ex: HiddenStateExtractor
+) -> None:
+    s = _settings(redis_ns.url, redis_ns.prefix)
+    batch = _items(6)
+    _scorer(s, ex).handle(batch)
+    _scorer(s, ex, version=VERSION + 1).handle(batch)  # the next owner serves a newer version
+    keys = redis_ns.keys
+    assert _messages(redis_ns.client, keys) == 6
+    assert not redis_ns.client.hget(keys.evidence("toxicity", VERSION + 1), "n")
+    # A label credits the version whose evidence counted the message.
+    store = EvidenceStore(redis_ns.client, keys)
+    assert store.record_truths("toxicity", [Truth(f"m-{i}", flag=True) for i in range(6)]) == 6
+    assert _labeled(redis_ns.client, keys) == 6
+    assert store.read("toxicity", VERSION + 1).labels.labeled == 0
 
 
 class Died(BaseException):

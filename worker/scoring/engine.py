@@ -309,8 +309,11 @@ class ScoringEngine:
                 if len(text) <= cap:
                     pipe.set(self.keys.text(msg.message_id), text, ex=ttl)
                 if by_pos.get(pos):
+                    # The first judgement stays (NX): a redelivery scored after a hot swap
+                    # must not move a label's credit to a version whose evidence never
+                    # counted the message (the first delivery's script counted it).
                     record = DecidedRecord(p=by_pos[pos]).encode()
-                    pipe.set(self.keys.decided(msg.message_id), record, ex=ttl)
+                    pipe.set(self.keys.decided(msg.message_id), record, ex=ttl, nx=True)
             pipe.execute()
             self.text_breaker.reset()
         except (redis.RedisError, OSError) as exc:
