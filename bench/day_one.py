@@ -6,9 +6,13 @@ then `probeguard score` as a separate process with the settings `up` wrote; one 
 message is produced the moment the scorer starts. Measured: seconds from the scorer's
 start to the verdict on the verdicts topic (the LLM's load included), the probe version
 (0: the packaged default) and the heads and categories the verdict carries; then the
-same with `PROBEGUARD_DEFAULT_PROBE=false` for contrast (no verdict within the wait)::
+same with `PROBEGUARD_DEFAULT_PROBE=false` for contrast (no verdict within the wait).
+``--runs`` scorer starts with the default (the median is reported, each run's seconds
+beside it, and the 1-minute load average: the cores may be shared), each with the seconds
+from its start to its phases' log lines (``breakdown_s``: imports done, LLM loaded, group
+joined, scoring)::
 
-    python bench/day_one.py --wait 60
+    python bench/day_one.py --wait 60 --runs 3
 
 The last line is one JSON object.
 """
@@ -63,6 +67,7 @@ def first_verdict(env: dict[str, str], default_probe: bool, wait_s: float) -> di
     )  # fmt: skip
     consumer.poll(timeout_ms=1000)  # join: only verdicts from now on
     started = time.monotonic()
+    wall_started = time.time()
     scorer = subprocess.Popen([str(BIN), "score"], env=run_env, stderr=subprocess.PIPE, text=True)
     mid = f"day-one-{uuid.uuid4().hex[:8]}"
     producer = KafkaProducer(bootstrap_servers=bootstrap)
@@ -92,6 +97,7 @@ def first_verdict(env: dict[str, str], default_probe: bool, wait_s: float) -> di
     return {
         "verdict": True,
         "seconds": round(seconds, 2),
+        "breakdown_s": breakdown(err, wall_started),
         "version": result.version,
         "decision": got.decision,
         "heads": sorted(result.heads or {}),
@@ -101,9 +107,35 @@ def first_verdict(env: dict[str, str], default_probe: bool, wait_s: float) -> di
     }
 
 
+# Log lines of the scorer that mark its phases (the first match of each), by name.
+PHASES = {
+    "imports": "hashing 1 weight file",  # the first log line: Python, torch, the CLI
+    "llm_loaded": " ready in ",
+    "group_joined": "worker.kafka.early_join: joined",
+    "scoring": "worker.scoring.scorer: scoring ",
+}
+
+
+def breakdown(err: str, wall_started: float) -> dict[str, float]:
+    """Seconds from the scorer's start to each phase's log line (its timestamp)."""
+    from datetime import datetime
+
+    out: dict[str, float] = {}
+    for line in err.splitlines():
+        for name, marker in PHASES.items():
+            if name not in out and marker in line:
+                try:
+                    at = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                except ValueError:
+                    continue
+                out[name] = round(at - wall_started, 2)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--wait", type=float, default=60.0, help="most seconds to wait for a verdict")
+    p.add_argument("--runs", type=int, default=3, help="scorer starts with the default (median)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         env_file = Path(tmp) / "env.sh"
@@ -115,8 +147,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             env = read_env(env_file)
             log("stack up; starting the scorer with the packaged default")
-            on = first_verdict(env, True, args.wait)
-            log(f"default on: {on}")
+            runs = []
+            for _ in range(args.runs):
+                runs.append(first_verdict(env, True, args.wait))
+                log(f"default on: {runs[-1]}")
+            timed = sorted((r for r in runs if r["verdict"]), key=lambda r: r["seconds"])
+            on = timed[len(timed) // 2] if timed else runs[0]
+            on = {**on, "runs_s": [r.get("seconds") for r in runs], "load_avg": os.getloadavg()[0]}
             off = first_verdict(env, False, min(args.wait, 30.0))
             log(f"default off: {off}")
         finally:

@@ -4,7 +4,7 @@ The byte-level pair is what the Redis registry stores as two values; the file
 functions put the same two blobs in a directory (``tensors.safetensors`` and
 ``manifest.json``). Loading checks, in order: the manifest parses, the sha256
 of the tensor bytes matches the manifest, the HMAC signature (when a key is
-given), the LLM fingerprint, the format tag, then the tensor names, shapes, dtypes and
+given; see below), the LLM fingerprint, the format tag, then the tensor names, shapes, dtypes and
 values against a probe freshly built from the manifest's spec. Any failure raises
 :class:`CheckpointError` (or :class:`IncompatibleCheckpoint`) naming the value.
 
@@ -13,6 +13,15 @@ the sha256 and the signature like every byte of the blob): ``probeguard-probe/1`
 fp32 state dict, and ``probeguard-probe-int8/1`` (``weights="int8"``), int8 with
 per-row scales (:mod:`probes.quantize`; about a quarter of the bytes). An int8
 checkpoint is dequantized to fp32 on load: the probe then serves as usual.
+
+Signatures come in two kinds. A file's (``deployment=None``: ``probeguard fit``, the
+seed checkpoint, versions published before binding existed) covers the manifest and the
+tensors. A registry version's is also *bound* to its deployment: the Redis key prefix
+and the probe's name are signed with it (:func:`sign`), so a checkpoint copied from
+another deployment that shares the key (staging) does not verify in this one. A registry
+read passes ``deployment``; an unbound signature is then accepted only where the caller
+says something else of this deployment vouches for it (``unbound_ok``: its signed stage
+pointers name the checkpoint's sha256).
 
 ::
 
@@ -40,7 +49,14 @@ from probes.errors import CheckpointError, IncompatibleCheckpoint
 from probes.files import atomic_write, private_dir
 from probes.probe import Probe, build_probe
 from probes.quantize import dequantize_state, quantize_state
-from schemas import CheckpointManifest, LLMFingerprint, Stage, TrainingCounters, describe_error
+from schemas import (
+    CheckpointManifest,
+    DriftReference,
+    LLMFingerprint,
+    Stage,
+    TrainingCounters,
+    describe_error,
+)
 from schemas.messages import utcnow
 
 __all__ = [
@@ -53,6 +69,7 @@ __all__ = [
     "probe_from_bytes",
     "save_checkpoint",
     "sign",
+    "verify_signature",
     "weight_format",
 ]
 
@@ -68,10 +85,56 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def sign(manifest: CheckpointManifest, tensor_bytes: bytes, key: bytes) -> str:
-    """HMAC-SHA256 over the manifest (without its signature) and the tensor bytes."""
+def sign(
+    manifest: CheckpointManifest, tensor_bytes: bytes, key: bytes, deployment: str | None = None
+) -> str:
+    """HMAC-SHA256 over the manifest (without its signature) and the tensor bytes; with
+    ``deployment`` (a registry's Redis key prefix) bound to it and the probe's name too.
+
+    The bound form starts with a JSON array, the unbound one with the manifest's JSON
+    object: the two can never collide."""
     unsigned = manifest.model_copy(update={"signature": None}).encode()
-    return hmac.new(key, unsigned + b"\0" + tensor_bytes, hashlib.sha256).hexdigest()
+    bound = b"" if deployment is None else _binding(deployment, manifest.probe)
+    return hmac.new(key, bound + unsigned + b"\0" + tensor_bytes, hashlib.sha256).hexdigest()
+
+
+def _binding(deployment: str, probe: str) -> bytes:
+    record = ["probeguard-checkpoint-binding/1", deployment, probe]
+    return json.dumps(record, separators=(",", ":")).encode() + b"\0"
+
+
+def verify_signature(
+    manifest: CheckpointManifest,
+    tensor_bytes: bytes,
+    key: bytes,
+    deployment: str | None = None,
+    *,
+    unbound_ok: bool = False,
+) -> Literal["bound", "unbound"]:
+    """Which signature ``manifest`` carries: ``"bound"`` to ``deployment``, or ``"unbound"``
+    (a file's); raises :class:`CheckpointError` when it has none that verifies. With
+    ``deployment`` an unbound one is refused unless ``unbound_ok`` (see the module
+    docstring); without, only the unbound kind verifies."""
+    name = f"{manifest.probe}@{manifest.version}"
+    if manifest.signature is None:
+        raise CheckpointError(f"checkpoint {name!r} is unsigned but a signing key is configured")
+    if deployment is not None and hmac.compare_digest(
+        manifest.signature, sign(manifest, tensor_bytes, key, deployment)
+    ):
+        return "bound"
+    if not hmac.compare_digest(manifest.signature, sign(manifest, tensor_bytes, key)):
+        where = "" if deployment is None else f" for deployment {deployment!r}"
+        raise CheckpointError(
+            f"checkpoint {name!r}: signature does not verify{where} (another key, another "
+            "deployment, or tampered)"
+        )
+    if deployment is not None and not unbound_ok:
+        raise CheckpointError(
+            f"checkpoint {name!r}: its signature is not bound to deployment {deployment!r} "
+            "(a file's, or published before signatures were bound) and nothing of this "
+            "deployment vouches for it; an operator who trusts it promotes it with --force"
+        )
+    return "unbound"
 
 
 def checkpoint_to_bytes(
@@ -86,9 +149,13 @@ def checkpoint_to_bytes(
     created_at: datetime | None = None,
     signing_key: bytes | None = None,
     weights: WeightFormat = "fp32",
+    drift: DriftReference | None = None,
+    deployment: str | None = None,
 ) -> tuple[bytes, bytes]:
     """Serialize ``probe`` to ``(safetensors bytes, manifest JSON bytes)``; ``weights="int8"``
-    stores int8 with per-row scales (see the module docstring)."""
+    stores int8 with per-row scales (see the module docstring); ``drift``: the training
+    statistics drift monitoring compares live traffic with (signed like the rest);
+    ``deployment`` binds the signature to a registry's key prefix."""
     if weights not in FORMATS:
         raise CheckpointError(f"unknown weight format {weights!r}; known: {sorted(FORMATS)}")
     state = {
@@ -113,13 +180,15 @@ def checkpoint_to_bytes(
             counters=counters or TrainingCounters(),
             metrics={k: float(v) for k, v in (metrics or {}).items()},
             stage=stage,
+            drift=drift,
         )
     except ValidationError as exc:
         raise CheckpointError(
             f"cannot describe probe {probe.spec.name!r}: {describe_error(exc)[1]}"
         ) from exc
     if signing_key is not None:
-        manifest = manifest.model_copy(update={"signature": sign(manifest, blob, signing_key)})
+        signature = sign(manifest, blob, signing_key, deployment)
+        manifest = manifest.model_copy(update={"signature": signature})
     return blob, manifest.encode()
 
 
@@ -199,11 +268,14 @@ def probe_from_bytes(
     expected_fingerprint: LLMFingerprint | None,
     *,
     signing_key: bytes | None = None,
+    deployment: str | None = None,
+    unbound_ok: bool = False,
 ) -> tuple[Probe, CheckpointManifest]:
     """Rebuild a probe from the two blobs, verifying everything (see the module docstring).
 
     ``expected_fingerprint`` is the LLM this process runs; ``None`` skips that check
-    and is meant for offline inspection only.
+    and is meant for offline inspection only. ``deployment`` and ``unbound_ok``: the
+    signature's binding, as :func:`verify_signature`.
     """
     try:
         manifest = CheckpointManifest.decode(manifest_json)
@@ -217,12 +289,7 @@ def probe_from_bytes(
             f"{manifest.tensors_sha256[:16]}… (corrupt or tampered)"
         )
     if signing_key is not None:
-        if manifest.signature is None:
-            raise CheckpointError(
-                f"checkpoint {name!r} is unsigned but a signing key is configured"
-            )
-        if not hmac.compare_digest(manifest.signature, sign(manifest, tensor_bytes, signing_key)):
-            raise CheckpointError(f"checkpoint {name!r}: signature does not verify")
+        verify_signature(manifest, tensor_bytes, signing_key, deployment, unbound_ok=unbound_ok)
     if expected_fingerprint is not None and manifest.llm != expected_fingerprint:
         raise IncompatibleCheckpoint(
             f"checkpoint {name!r} was trained on another LLM: "

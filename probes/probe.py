@@ -195,10 +195,19 @@ class Probe(nn.Module):
     @torch.no_grad()
     def predict_proba_many(self, hidden: Tensor, mask: Tensor | None = None) -> Tensor:
         """Probabilities ``[B, C]`` in label order, in eval mode, without gradients."""
+        return self.predict_proba_pooled(hidden, mask)[0]
+
+    @torch.no_grad()
+    def predict_proba_pooled(
+        self, hidden: Tensor, mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Probabilities ``[B, C]`` and the normalized per-layer summaries ``[L, B, D]`` they
+        came from (one pooling pass: drift monitoring reads the summaries for free)."""
         was_training = self.training
         self.eval()
         try:
-            return self.probabilities(self(hidden, mask))
+            pooled = self.summarize(hidden, mask)  # [L, B, D]
+            return self.probabilities(self.head(self.drop(self.mix(pooled)))), pooled
         finally:
             self.train(was_training)
 

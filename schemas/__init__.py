@@ -14,6 +14,7 @@ from schemas.cache import (
     StateDtype,
     SummaryKind,
 )
+from schemas.drift import DRIFT_BINS, DriftReference, DriftSnapshot
 from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.messages import (
     ChatMessage,
@@ -45,6 +46,7 @@ from schemas.rollout import DecidedRecord, ProbeDecision
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "DRIFT_BINS",
     "CacheEncryption",
     "CacheManifest",
     "CacheSource",
@@ -54,6 +56,8 @@ __all__ = [
     "DeadLetter",
     "DeadLetterKind",
     "DecidedRecord",
+    "DriftReference",
+    "DriftSnapshot",
     "EventKind",
     "HeadResult",
     "HeadSpec",

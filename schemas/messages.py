@@ -242,6 +242,7 @@ DeadLetterKind = Literal[
     "unscorable",  # valid JSON, but the model cannot read the text (e.g. control characters only)
     "processing",  # valid input the worker failed on (after retries)
     "refused",  # the broker refused a record produced for this input (e.g. too large)
+    "quarantined",  # a label past its labeler's limit (PROBEGUARD_LABELER_MAX_LABELS)
 ]
 
 # A dead letter keeps a prefix of the payload (and of the key), never all of it: whatever

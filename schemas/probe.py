@@ -14,6 +14,7 @@ from pydantic import (
 )
 
 from schemas.base import WireModel
+from schemas.drift import DriftReference
 from schemas.limits import LabelName
 from schemas.messages import ProbeName
 
@@ -269,6 +270,18 @@ class CheckpointManifest(WireModel):
     stage: Stage = "candidate"
     # HMAC-SHA256 over the manifest (without this field) and the tensors, when signing is on.
     signature: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
+    # Training statistics for drift monitoring (None: written before they existed, or by a
+    # path that records none; such a version reports no drift).
+    drift: DriftReference | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_no_drift(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        # Without drift statistics a manifest serializes exactly as before they existed, so
+        # signatures over older manifests still verify and older readers accept it.
+        data: dict[str, object] = handler(self)
+        if data.get("drift") is None:
+            data.pop("drift", None)
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> CheckpointManifest:
@@ -280,6 +293,8 @@ class CheckpointManifest(WireModel):
             raise ValueError("spec.hidden_size differs from the LLM's hidden size")
         if self.spec.deepest_layer > self.llm.num_layers:
             raise ValueError("spec.layers reads beyond the LLM's last layer")
+        if self.drift is not None and len(self.drift.layer_mean) != len(self.spec.layers):
+            raise ValueError("drift statistics cover another number of layers than spec.layers")
         return self
 
 

@@ -39,7 +39,12 @@ def publish_probe(
     )
     version = registry.allocate_version()
     blob, manifest = checkpoint_to_bytes(
-        probe, llm=fingerprint, version=version, signing_key=signing_key, weights=weights
+        probe,
+        llm=fingerprint,
+        version=version,
+        signing_key=signing_key,
+        weights=weights,
+        deployment=registry.keys.prefix,
     )
     registry.publish(blob, manifest, set_live=set_live)
     return version

@@ -370,6 +370,26 @@ class Settings(BaseSettings):
         "swaps it in for the next batch) or `poll` (the scoring thread checks between "
         "batches, so a change waits for the batch in hand).",
     )
+    drift_window: Annotated[int, Field(ge=10, le=1_000_000)] = Field(
+        1000,
+        description="Drift monitoring: each scorer compares its last this many messages, per "
+        "served version with training statistics in its checkpoint, with those statistics "
+        "(`probeguard_scorer_drift_*`; see deploy/README.md, Monitoring).",
+    )
+    drift_min_messages: Annotated[int, Field(ge=1)] = Field(
+        200,
+        description="Messages a drift window must hold before its gauges are exported (fewer "
+        "give noisy numbers; at most `DRIFT_WINDOW`).",
+    )
+    drift_alert_shift: Annotated[float, Field(gt=0)] = Field(
+        1.0,
+        description="Standardized mean shift of a layer's pooled state that the console marks "
+        "as drift (keep it equal to the `ProbeguardInputDrift` rule of deploy/alerts.yml).",
+    )
+    drift_alert_psi: Annotated[float, Field(gt=0)] = Field(
+        0.25,
+        description="Score PSI the console marks as drift (as in the `ProbeguardInputDrift` rule).",
+    )
 
     # --- Updater (online learning) -----------------------------------------
     train_probe: str | None = Field(
@@ -490,6 +510,16 @@ class Settings(BaseSettings):
         "`precision>=0.9` (the most recall at that precision) or `recall>=0.8` (the most "
         "precision at that recall).",
     )
+    labeler_max_labels: Annotated[int, Field(ge=0)] = Field(
+        1000,
+        description="Labels one labeler (`labeler_id`) may give a probe per "
+        "`LABELER_WINDOW_S`, across updaters (a Redis counter); the rest are dead-lettered "
+        "as `quarantined` and counted per labeler. A repeated label (same probe, message "
+        "and labeler) is learned once and does not count (`0`: no limit).",
+    )
+    labeler_window_s: Annotated[int, Field(ge=1, le=7 * 86_400)] = Field(
+        3600, description="Length of that per-labeler window, seconds."
+    )
 
     # --- Rollout (worker/rollout/policy.py; evaluated by the active updater) ------
     rollout: Literal["auto_live", "canary", "manual"] | None = Field(
@@ -505,6 +535,12 @@ class Settings(BaseSettings):
     )
     promote_min_labels: PositiveInt = Field(
         200, description="Labels on the canary's messages before it can be promoted."
+    )
+    promote_min_labelers: PositiveInt = Field(
+        2,
+        description="Distinct labelers whose labels the canary's evidence holds before it "
+        "can be promoted: one labeler alone (a misused credential, a buggy client) cannot "
+        "promote a canary (`1` for a single-reviewer deployment).",
     )
     promote_epsilon: Annotated[float, Field(ge=0.0, le=1.0)] = Field(
         0.02, description="ε: promote when canary F1 ≥ live F1 − ε."

@@ -26,18 +26,20 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from probes.drift import probe_reference
 from probes.errors import ProbeError
 from probes.learner import Learner
 from probes.metrics import choose_thresholds, evaluate
 from probes.offline.dataset import ProbeDataset
 from probes.probe import Probe
-from schemas import OperatingPoint, ProbeSpec
+from schemas import DriftReference, OperatingPoint, ProbeSpec
 
 __all__ = [
     "MAX_BATCH",
     "FitConfig",
     "FitResult",
     "class_weights",
+    "drift_reference",
     "epoch_score",
     "fit",
     "predict_dataset",
@@ -88,6 +90,7 @@ class FitResult:
     train_counts: dict[str, int] = field(default_factory=dict)  # rows (or positives) per label
     history: list[dict[str, float]] = field(default_factory=list)
     val_probs: list[Tensor] = field(default_factory=list)  # [N_val, C] per epoch, if recorded
+    drift: DriftReference | None = None  # the training split's statistics (probes.drift)
 
 
 def class_weights(train: ProbeDataset) -> Tensor:
@@ -133,6 +136,16 @@ def _epoch_order(train: ProbeDataset, config: FitConfig, g: torch.Generator) -> 
         raise ProbeError("balance='sampler' needs multiclass targets; use 'weights' for multilabel")
     w = class_weights(train)[train.targets].double()
     return torch.multinomial(w, len(train), replacement=True, generator=g)
+
+
+@torch.no_grad()
+def drift_reference(
+    probe: Probe, data: ProbeDataset, batch_size: int = 128
+) -> DriftReference | None:
+    """The drift statistics of ``probe`` on ``data`` (its training split), for the manifest."""
+    order = torch.arange(len(data))
+    batches = (data.batch(idx) for idx in _batches(data, batch_size, order, None))
+    return probe_reference(probe, ((hidden, mask, None) for hidden, mask, _ in batches))
 
 
 @torch.no_grad()
@@ -254,4 +267,5 @@ def fit(
         train_counts=dict(zip(train.labels, train.class_counts().tolist(), strict=True)),
         history=history,
         val_probs=val_probs,
+        drift=drift_reference(probe, train),
     )

@@ -149,10 +149,64 @@ def test_plots_and_evidence_render(
     page = new_page()
     sign_in(page, stack.url, "rita", "/probes")
     charts = page.locator("figure.chart")
-    assert charts.count() == 4
+    assert charts.count() == 5  # metrics, weights, entropy, flag rate, drift
     metrics = charts.nth(0)
     assert metrics.locator("polyline").count() == 2  # F1 and AUPRC
     assert metrics.locator("circle").count() == 2 * 3  # the first version had no metrics
     weights = charts.nth(1)
     assert weights.locator("rect.bar").count() == 2  # the tiny probe reads two layers
     assert "entropy" in weights.inner_text()
+
+
+def test_the_live_versions_drift_per_layer_is_plotted_from_every_scorers_window(
+    stack: Stack, new_page: Callable[[], Any], tiny_extractor: Any, tmp_path: Any
+) -> None:
+    """Two scorers' windows add up (a stale one and a hostile record are left out); layer 2
+    is 2 training SDs off, so it is highlighted and the page warns."""
+    from datetime import timedelta
+
+    from schemas import DRIFT_BINS, DriftReference, DriftSnapshot, utcnow
+
+    fp = tiny_extractor.fingerprint
+    ref = DriftReference(
+        examples=400,
+        layer_mean=[1.0, 1.0],
+        layer_std=[0.1, 0.1],
+        score_bins=[0.5, 0.5] + [0.0] * (DRIFT_BINS - 2),
+    )
+    probe = build_probe(toxicity_spec(fp.hidden_size), seed=3)
+    v = stack.registry.allocate_version()
+    blob, manifest = checkpoint_to_bytes(probe, llm=fp, version=v, drift=ref)
+    stack.registry.publish(blob, manifest, set_live=True)
+    key = stack.registry.keys.drift("toxicity", v)
+    now = utcnow()
+
+    def snap(at: Any, n: int, layer_sums: list[float], counts: list[int]) -> bytes:
+        return DriftSnapshot(at=at, messages=n, layer_sum=layer_sums, score_counts=counts).encode()
+
+    # Means over both fresh windows: layer 1 (105 + 98) / 200 = 1.015 -> 0.15 SD;
+    # layer 2 (120 + 120) / 200 = 1.2 -> 2 SD. Scores: 100 + 100 in bins 0 and 1, as trained.
+    stack.registry.client.hset(
+        key,
+        mapping={
+            "scorer-a": snap(now, 100, [105.0, 120.0], [50, 50] + [0] * 8),
+            "scorer-b": snap(now, 100, [98.0, 120.0], [50, 50] + [0] * 8),
+            "scorer-old": snap(now - timedelta(hours=1), 100, [900.0, 900.0], [0] * 9 + [100]),
+            "scorer-evil": b'{"<script>alert(1)</script>": 1}',
+        },
+    )
+    page = new_page()
+    sign_in(page, stack.url, "otto", "/probes")
+    figure = page.locator("figure", has_text=f"Input drift of v{v} per layer")
+    text = figure.inner_text()
+    assert "200 recent messages from 2 scorer(s)" in text
+    assert "score PSI 0.000" in text
+    bars = figure.locator("rect")
+    assert bars.count() == 2
+    assert figure.locator("rect.hi").count() == 1  # layer 2 only
+    assert figure.locator("rect.hi title").text_content() == "2: 2.00"
+    assert "drifted from this version's training data" in page.inner_text("main")
+    assert "<script>" not in page.content().split("</head>")[1]
+    page.set_viewport_size({"width": 1280, "height": 900})
+    figure.scroll_into_view_if_needed()
+    page.screenshot(path=str(tmp_path / "console-drift.png"), full_page=True)

@@ -95,7 +95,9 @@ def test_an_added_head_is_picked_up_by_the_running_updater_and_learns(
     tokens = got.hidden.float()[:, got.mask]  # [L, N_tok, D]
     base.set_input_stats(tokens.mean(dim=1), tokens.std(dim=1).clamp_min(1e-6))
     v1 = registry.allocate_version()
-    blob, manifest = checkpoint_to_bytes(base, llm=fp, version=v1, signing_key=key)
+    blob, manifest = checkpoint_to_bytes(
+        base, llm=fp, version=v1, signing_key=key, deployment=redis_ns.prefix
+    )
     registry.publish(blob, manifest, set_live=True, actor="test")
     # Momentum published with v1 (3 label rows); the grown version keeps it by label.
     # (Small: a large made-up momentum would steer the mix for many steps.)
@@ -138,14 +140,18 @@ def test_an_added_head_is_picked_up_by_the_running_updater_and_learns(
     wait_until(learned_all, "a version trained on all the new head's labels", timeout_s=120)
     v3 = updater.published[-1]
     stored = registry.get(v3)
-    trained, m3 = probe_from_bytes(stored.blob, stored.manifest_json, fp, signing_key=key)
+    trained, m3 = probe_from_bytes(
+        stored.blob, stored.manifest_json, fp, signing_key=key, deployment=redis_ns.prefix
+    )
     assert (
         m3.parent is not None
         and m3.parent >= v2
         and m3.counters.per_label.get("jailbreaking", 0) > 0
     )
     s2 = registry.get(v2)
-    grown = probe_from_bytes(s2.blob, s2.manifest_json, fp, signing_key=key)[0]
+    grown = probe_from_bytes(
+        s2.blob, s2.manifest_json, fp, signing_key=key, deployment=redis_ns.prefix
+    )[0]
     pos = [t + " x" for t in SPAM]
     neg = [t + " x" for t in [*GOOD, *RUDE]]
     cols = m3.spec.head_columns("jailbreak")

@@ -107,7 +107,7 @@ def label(mid: str, i: int) -> bytes:
     body = {
         "message_id": mid,  # no text: joined from the scorers' cache
         "label": "toxic" if toy(i)[1] else "ok",
-        "labeler_id": "alice",
+        "labeler_id": ("alice", "bob")[i % 2],  # a promotion needs two labelers (review M6)
         "created_at": "2026-11-30T12:00:00Z",
     }
     return json.dumps(body).encode()

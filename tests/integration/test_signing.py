@@ -23,7 +23,7 @@ from worker.kafka.clients import ensure_topics
 from worker.rollout.changes import Rollout
 from worker.scoring.scorer import Scorer
 from worker.settings import Settings
-from worker.store.checkpoints import CheckpointRegistry
+from worker.store.checkpoints import CheckpointRegistry, Stages
 from worker.store.evidence import EvidenceStore
 from worker.store.redis import Keys
 
@@ -71,6 +71,16 @@ def keyed(redis_ns: RedisNamespace, key: bytes | None = KEY.encode()) -> Checkpo
     return CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity", signing_key=key)
 
 
+def point_live(registry: CheckpointRegistry, version: int) -> None:
+    """Signed stage pointers making ``version`` live, written without the checks of
+    :meth:`CheckpointRegistry.set_stages` (which refuses a checkpoint that does not verify)."""
+    nxt = Stages(live=version, seq=registry._next_seq())
+    registry.client.hset(
+        registry.keys.stages(registry.probe),
+        mapping={"live": version, "seq": nxt.seq, "sig": registry.stage_signature(nxt)},
+    )
+
+
 def test_scorer_with_a_key_refuses_unsigned_and_wrongly_signed_versions(
     signed: Settings, redis_ns: RedisNamespace, running: Scorer
 ) -> None:
@@ -89,16 +99,20 @@ def test_scorer_with_a_key_refuses_unsigned_and_wrongly_signed_versions(
         redis_ns.client.set(registry.keys.manifest(registry.probe, version), forged.encode())
 
     # Versions that do not verify, pointed at with valid signed pointers: refused at load.
+    # (The registry's writers refuse to sign such pointers, review M3; they are written
+    # here as a key holder's older release could have.)
     attempts = [
-        lambda: publish_probe(registry, fp, seed=2),  # unsigned
-        lambda: publish_probe(registry, fp, seed=3, signing_key=b"some-other-key-0123456789"),
+        lambda: publish_probe(registry, fp, seed=2, set_live=False),  # unsigned
+        lambda: publish_probe(
+            registry, fp, seed=3, signing_key=b"some-other-key-0123456789", set_live=False
+        ),
         lambda: publish_probe(registry, fp, seed=4, signing_key=key, set_live=False),  # forged
     ]
     for n, attempt in enumerate(attempts):
         bad = attempt()
         if n == 2:
             forge_metrics(bad)
-            registry.promote(bad)
+        point_live(registry, bad)
         refused_now = running.watcher.refused["toxicity"]
         wait_until(partial(operator.contains, refused_now, bad), f"v{bad} refused")
     assert running.watcher.versions()["toxicity"]["live"] == v1
@@ -134,13 +148,17 @@ def test_updater_signs_what_it_publishes_and_resumes_only_from_signed(
     assert version is not None
     stored = registry.get(version)
     fp = updater.extractor.fingerprint
-    probe_from_bytes(stored.blob, stored.manifest_json, fp, signing_key=settings.signing_key)
+    prefix = registry.keys.prefix
+    key = settings.signing_key
+    probe_from_bytes(stored.blob, stored.manifest_json, fp, signing_key=key, deployment=prefix)
     with pytest.raises(CheckpointError, match="signature"):
         probe_from_bytes(stored.blob, stored.manifest_json, fp, signing_key=b"x" * 16)
+    with pytest.raises(CheckpointError, match="signature"):  # bound to its deployment
+        probe_from_bytes(stored.blob, stored.manifest_json, fp, signing_key=key)
 
     # Review C10: an unverifiable newest version (unsigned here; a corrupt blob or a key
     # rotation alike) used to make every updater exit at resume. It is skipped.
-    publish_probe(registry, fp, seed=9)
+    publish_probe(registry, fp, seed=9, set_live=False)
     again = Updater(settings, updater_extractor(), redis_ns.client, worker_id="u-signed-2")
     again._resume()
     assert again.parent == version

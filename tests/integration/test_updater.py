@@ -137,6 +137,10 @@ def test_labels_become_versions_that_scorers_serve_and_that_learn(
     assert set(manifest.spec.thresholds) == {"toxic"}
     assert 0.0 <= manifest.spec.thresholds["toxic"] <= 1.0
     assert all(e.actor == "updater-a" for _, e in registry.history(100) if e.kind == "published")
+    # Published with its training statistics (drift monitoring), on every layer it reads.
+    assert manifest.drift is not None and manifest.drift.examples > 0
+    assert len(manifest.drift.layer_mean) == len(manifest.spec.layers)
+    assert abs(sum(manifest.drift.score_bins) - 1.0) < 1e-3
 
 
 def test_the_updater_publishes_int8_when_configured_and_scorers_serve_it(

@@ -112,3 +112,20 @@ def promtool() -> str:
             pytest.fail("promtool is not installed (.ci/run installs it: make prometheus-deps)")
         pytest.skip("needs promtool from Debian's prometheus package (make prometheus-deps)")
     return path
+
+
+def drift_thresholds() -> tuple[float, float]:
+    """The mean-shift and PSI thresholds of deploy/alerts.yml's ProbeguardInputDrift rule,
+    as Prometheus reads them (tests compare the gauges and the console with them)."""
+    import yaml
+
+    rules = [
+        r
+        for g in yaml.safe_load((ROOT / "deploy" / "alerts.yml").read_text())["groups"]
+        for r in g["rules"]
+    ]
+    expr = next(r["expr"] for r in rules if r.get("alert") == "ProbeguardInputDrift")
+    shift = re.search(r"abs\(probeguard_scorer_drift_mean_shift\)\)\s*>\s*([\d.]+)", expr)
+    psi = re.search(r"\(probeguard_scorer_drift_score_psi\)\s*>\s*([\d.]+)", expr)
+    assert shift is not None and psi is not None, expr
+    return float(shift[1]), float(psi[1])

@@ -17,7 +17,13 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
-from tests.unit.prometheus_helpers import defined, exposed, metric_names, promtool
+from tests.unit.prometheus_helpers import (
+    defined,
+    drift_thresholds,
+    exposed,
+    metric_names,
+    promtool,
+)
 from worker.console.metrics import console_metrics
 from worker.kafka.runtime import RoleRuntime
 from worker.learning.metrics import UpdaterMetrics
@@ -107,10 +113,19 @@ def test_the_issue_asks_for_these_alerts() -> None:
         "ProbeguardUpdaterDeadLetterRate": "probeguard_updater_dead_letters_total",
         "ProbeguardScorerLatencyHigh": "probeguard_scorer_batch_seconds_bucket",
         "ProbeguardServeLatencyHigh": "probeguard_serve_request_seconds_bucket",
+        "ProbeguardInputDrift": "probeguard_scorer_drift_mean_shift",
     }
     for alert, metric in wanted.items():
         assert metric in used[alert], alert
     assert "probeguard_updater_stalled_seconds" in used["ProbeguardPartitionStalled"]
+    assert "probeguard_scorer_drift_score_psi" in used["ProbeguardInputDrift"]
+
+
+def test_the_console_marks_drift_where_the_alert_fires() -> None:
+    """The console's drift plot marks what ProbeguardInputDrift alerts on: the settings'
+    defaults are the rule's thresholds (the fault suite reads them from the rule too)."""
+    defaults = Settings()
+    assert drift_thresholds() == (defaults.drift_alert_shift, defaults.drift_alert_psi)
 
 
 @pytest.mark.parametrize("rule", rules(), ids=lambda r: r.get("alert") or r["record"])

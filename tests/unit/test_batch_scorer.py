@@ -97,14 +97,17 @@ def test_a_probe_that_flags_makes_the_decision_flag() -> None:
 def test_a_nan_row_costs_that_row_only() -> None:
     ex = Counting()
     a = served(ex, "toxicity", [1, 2], seed=1)
-    original = a.probe.predict_proba_many
+    original = a.probe.predict_proba_pooled
 
-    def nan_in_row_1(hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        probs = original(hidden, mask).clone()
+    def nan_in_row_1(
+        hidden: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        probs, pooled = original(hidden, mask)
+        probs = probs.clone()
         probs[1] = float("nan")  # e.g. a half-precision overflow for this one text
-        return probs
+        return probs, pooled
 
-    a.probe.predict_proba_many = nan_in_row_1  # type: ignore[method-assign]
+    a.probe.predict_proba_pooled = nan_in_row_1  # type: ignore[method-assign]
     scores = BatchScorer(ex, {"toxicity": ProbeSlot("toxicity", a)}).score(messages())
     assert set(scores.errors) == {1} and "NaN" in scores.errors[1]
     assert sorted(scores.results) == [0, 2, 3, 4]
@@ -147,14 +150,16 @@ def test_probes_pay_for_real_tokens_not_the_polls_longest_message(
     ]
     whole = BatchScorer(ex, {"toxicity": ProbeSlot("toxicity", probe)}).score(msgs)
     calls: list[tuple[int, int]] = []
-    original = probe.probe.predict_proba_many
+    original = probe.probe.predict_proba_pooled
 
-    def recording(hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def recording(
+        hidden: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         assert mask is not None
         calls.append(tuple(mask.shape))  # type: ignore[arg-type]
         return original(hidden, mask)
 
-    probe.probe.predict_proba_many = recording  # type: ignore[method-assign]
+    probe.probe.predict_proba_pooled = recording  # type: ignore[method-assign]
     monkeypatch.setattr(batch_module, "PROBE_BATCH_TOKENS", 128)
     grouped = BatchScorer(ex, {"toxicity": ProbeSlot("toxicity", probe)}).score(msgs)
     widest = 61  # "<s>" + 60 characters

@@ -16,7 +16,7 @@ from tests.unit.prometheus_helpers import exposed, metric_names, promtool
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json"
 # Issue 27: msg/s, p99 latency, lag, stalled, versions served, flags by probe, dead
-# letters, reviews, refusals, serve requests by code.
+# letters, reviews, refusals, serve requests by code; drift (item 4).
 WANTED = {
     "Messages scored /s": "probeguard_scorer_messages_total",
     "p99 latency": "probeguard_serve_request_seconds_bucket",
@@ -29,6 +29,7 @@ WANTED = {
     "Review backlog": "probeguard_console_review_depth",
     "Refusals": "probeguard_scorer_checkpoints_refused_total",
     "Serve requests by code /s": "probeguard_serve_requests_total",
+    "Input drift": "probeguard_scorer_drift_mean_shift",
 }
 # Grafana's own variables, replaced by a duration before the PromQL is parsed.
 GRAFANA_RANGES = re.compile(r"\$__(rate_interval|interval|range)\b")

@@ -12,7 +12,7 @@ import pytest
 from probes import load_checkpoint
 from probes.offline.fit import FitConfig
 from tests.unit.offline_helpers import tiny_extractor
-from worker.offline.default_probe import SOURCES, build_default, split_of
+from worker.offline.default_probe import SOURCES, build_default, refresh_drift, split_of
 
 CATEGORIES = ["sexual", "hate", "harassment", "violence", "self-harm"]
 
@@ -78,6 +78,29 @@ def test_the_default_is_built_measured_and_licensed_by_its_recipe(
     held = sum(split_of(f"xstest-train-{i}") == "held_out" for i in range(60))
     assert rows["xstest"]["held_out"] == held
     assert manifest.counters.labels_seen == sum(r["train"] for r in rows.values())
+    # Drift monitoring has its reference on day one: the train rows' statistics.
+    assert manifest.drift is not None and manifest.drift.examples == manifest.counters.labels_seen
+    assert len(manifest.drift.layer_mean) == len(probe.spec.layers)
+
+
+def test_stats_restore_the_drift_reference_of_a_default_built_without_it(
+    data_root: Path, tmp_path: Path
+) -> None:
+    extractor = tiny_extractor()
+    out, caches = tmp_path / "default", tmp_path / "caches"
+    config = FitConfig(max_epochs=1, patience=1, batch_size=16)
+    build_default(data_root, out, extractor, cache_root=caches, config=config)
+    _, built = load_checkpoint(out, extractor.fingerprint)
+    tensors = (out / "tensors.safetensors").read_bytes()
+    # As shipped before checkpoints carried drift statistics.
+    (out / "manifest.json").write_bytes(built.model_copy(update={"drift": None}).encode())
+    refreshed = refresh_drift(data_root, out, extractor, cache_root=caches)
+    _, loaded = load_checkpoint(out, extractor.fingerprint)
+    assert loaded == refreshed and loaded.drift is not None and built.drift is not None
+    assert loaded.drift.examples == built.drift.examples
+    assert loaded.drift.layer_mean == pytest.approx(built.drift.layer_mean, rel=1e-4)
+    assert loaded.drift.score_bins == pytest.approx(built.drift.score_bins, abs=1e-6)
+    assert (out / "tensors.safetensors").read_bytes() == tensors  # the weights are kept
 
 
 def test_a_capped_source_keeps_the_same_rows_every_build(data_root: Path, tmp_path: Path) -> None:

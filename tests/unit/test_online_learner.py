@@ -370,3 +370,30 @@ def test_freeze_shared_steps_the_linear_head_alone() -> None:
     assert not torch.equal(learner.probe.head.weight, head)
     assert set(learner.optimizer_state()) == {"head.weight", "head.bias"}
     assert LearningConfig.from_settings(Settings(learn_freeze_shared=True)).freeze_shared
+
+
+def test_drift_reference_weights_the_balanced_replay_back_to_the_streams_class_shares() -> None:
+    """Replay holds at most 8 examples per class: 36 of class 0 were seen, 4 of class 1, so
+    each class-0 example stands for 36 / 8 = 4.5 and each class-1 example for 1."""
+    from probes.drift import pooled_rms, reference
+    from worker.learning.replay import collate
+
+    learner = _learner(replay_size=24)  # 3 classes: 8 per class
+    hidden, mask, _ = toy_task(NUM_LAYERS, "multiclass", n=40, seed=3)
+    hidden = hidden[torch.tensor(learner.probe.layers) - 1]
+    y = torch.tensor([0] * 36 + [1] * 4)
+    for start in range(0, 40, 8):
+        part = slice(start, start + 8)
+        learner.learn(hidden[:, part], mask[part], y[part], y[part].tolist())
+    assert [len(b) for b in learner.replay.buckets] == [8, 4, 0]
+    probe = learner.publishable()
+    got = learner.drift_reference(probe)
+    rows = []
+    for bucket, weight in ((learner.replay.buckets[0], 4.5), (learner.replay.buckets[1], 1.0)):
+        h, m, _ = collate(list(bucket))
+        probs, pooled = probe.predict_proba_pooled(h, m)
+        rows.append((pooled_rms(pooled), probs, torch.full((len(bucket),), weight)))
+    assert got == reference(probe.spec, rows)
+    unweighted = reference(probe.spec, [(r, p, None) for r, p, _ in rows])
+    assert got is not None and unweighted is not None and got.examples == 12
+    assert got.layer_mean != unweighted.layer_mean

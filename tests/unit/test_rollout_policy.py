@@ -34,7 +34,8 @@ def conf(n: int, f1_like: float) -> Confusion:
 
 
 def ev(v: int, **kw: object) -> Evidence:
-    return Evidence(version=v, **kw)  # type: ignore[arg-type]
+    """Evidence of ``v``; its labels from two labelers unless ``labelers`` is given."""
+    return Evidence(version=v, **{"labelers": 2, **kw})  # type: ignore[arg-type]
 
 
 def on_trial(canary: Evidence, live: Evidence | None = None, **kw: object) -> Situation:

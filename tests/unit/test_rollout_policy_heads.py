@@ -6,6 +6,7 @@ Evidence is built from Redis hash fields, as scorers and the updater write them
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -22,7 +23,9 @@ def cells(prefix: str, c: Confusion) -> dict[str, int]:
 
 
 def hashed(version: int, fields: dict[str, int]) -> Evidence:
-    return Evidence.from_hash(version, {k: str(v) for k, v in fields.items()})
+    """Evidence from hash fields, its labels from two labelers."""
+    raw = Evidence.from_hash(version, {k: str(v) for k, v in fields.items()})
+    return dataclasses.replace(raw, labelers=2)
 
 
 def canary(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from worker.commands._common import offline_errors
 
@@ -28,54 +29,84 @@ def register(sub: argparse._SubParsersAction) -> None:
         "10%% and measures it on the other 20%%, then writes the checkpoint and its data card. "
         "The LLM comes from PROBEGUARD_MODEL.",
     )
-    build.add_argument(
-        "--data-root",
-        type=Path,
-        required=True,
-        help="folder holding <dataset>/train.jsonl for every dataset of the recipe",
-    )
-    build.add_argument(
-        "--out", type=Path, default=None, help="checkpoint folder (default: the package's own)"
-    )
-    build.add_argument(
-        "--cache-root",
-        type=Path,
-        default=Path("runs/default-cache"),
-        help="where the per-dataset caches go (default: runs/default-cache; resumed)",
-    )
-    build.add_argument(
-        "--noncommercial",
-        action="store_true",
-        help="also train on non-commercial data (ToxicChat, CC-BY-NC-4.0): the result may "
-        "only be used non-commercially",
-    )
+    _common_build_args(build)
     build.add_argument("--epochs", type=int, default=25, help="most epochs (default 25)")
     build.add_argument("--patience", type=int, default=5, help="early-stopping patience")
     build.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    build.add_argument(
-        "--pin", action="store_true", help="record the new manifest's sha256 in pins.json"
-    )
     build.set_defaults(func=_build)
+    stats = actions.add_parser(
+        "stats",
+        help="recompute a built default's drift statistics, keeping its weights",
+        description="Recomputes the training statistics drift monitoring compares live "
+        "traffic with (per-layer pooled-state RMS, score histogram) on the default's train "
+        "rows, from the same caches as build (built or resumed), and rewrites its manifest. "
+        "For a default built before checkpoints carried them; build does it itself.",
+    )
+    _common_build_args(stats)
+    stats.set_defaults(func=_stats)
     show = actions.add_parser("show", help="print the packaged defaults' data cards")
     show.add_argument("--json", action="store_true", help="print the cards as JSON")
     show.set_defaults(func=_show)
 
 
-@offline_errors
-def _build(args: argparse.Namespace) -> int:
-    import hashlib
+def _common_build_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--data-root",
+        type=Path,
+        required=True,
+        help="folder holding <dataset>/train.jsonl for every dataset of the recipe",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="checkpoint folder (default: the package's own)"
+    )
+    parser.add_argument(
+        "--cache-root",
+        type=Path,
+        default=Path("runs/default-cache"),
+        help="where the per-dataset caches go (default: runs/default-cache; resumed)",
+    )
+    parser.add_argument(
+        "--noncommercial",
+        action="store_true",
+        help="also train on non-commercial data (ToxicChat, CC-BY-NC-4.0): the result may "
+        "only be used non-commercially",
+    )
+    parser.add_argument(
+        "--pin", action="store_true", help="record the new manifest's sha256 in pins.json"
+    )
 
-    from probes.offline.fit import FitConfig
-    from worker.defaults import PINS, ROOT
+
+def _setup(args: argparse.Namespace) -> tuple[Any, Any, Path]:
+    """The settings, the extractor (the LLM from PROBEGUARD_MODEL) and the output folder."""
+    from worker.defaults import ROOT
     from worker.llm.extract import HiddenStateExtractor
-    from worker.offline.default_probe import build_default
     from worker.settings import load_settings
 
     settings = load_settings()
     extractor = HiddenStateExtractor.from_settings(settings)
     folder = extractor.fingerprint.model_id.rsplit("/", 1)[-1].split(".")[0].lower()
     suffix = "-noncommercial" if args.noncommercial else ""
-    out = args.out or ROOT / f"{folder}{suffix}"
+    return settings, extractor, args.out or ROOT / f"{folder}{suffix}"
+
+
+def _pin(out: Path) -> None:
+    """Record ``out``'s manifest sha256 in the release pins (a default is refused unless its
+    manifest is the pinned one)."""
+    import hashlib
+
+    from worker.defaults import PINS
+
+    pins = json.loads(PINS.read_text()) if PINS.is_file() else {}
+    pins[out.name] = hashlib.sha256((out / "manifest.json").read_bytes()).hexdigest()
+    PINS.write_text(json.dumps(pins, indent=1, sort_keys=True) + "\n")
+
+
+@offline_errors
+def _build(args: argparse.Namespace) -> int:
+    from probes.offline.fit import FitConfig
+    from worker.offline.default_probe import build_default
+
+    settings, extractor, out = _setup(args)
     config = FitConfig(max_epochs=args.epochs, patience=args.patience, seed=args.seed)
     result = build_default(
         args.data_root,
@@ -87,10 +118,23 @@ def _build(args: argparse.Namespace) -> int:
         key=settings.cache_key_bytes,
     )
     if args.pin:
-        pins = json.loads(PINS.read_text()) if PINS.is_file() else {}
-        pins[out.name] = hashlib.sha256((out / "manifest.json").read_bytes()).hexdigest()
-        PINS.write_text(json.dumps(pins, indent=1, sort_keys=True) + "\n")
+        _pin(out)
     print(json.dumps({"out": str(out), **result.card}, indent=1))
+    return 0
+
+
+@offline_errors
+def _stats(args: argparse.Namespace) -> int:
+    from worker.offline.default_probe import refresh_drift
+
+    settings, extractor, out = _setup(args)
+    manifest = refresh_drift(
+        args.data_root, out, extractor, cache_root=args.cache_root, key=settings.cache_key_bytes
+    )
+    if args.pin:
+        _pin(out)
+    drift = manifest.drift
+    print(json.dumps({"out": str(out), "drift": drift.model_dump() if drift else None}, indent=1))
     return 0
 
 

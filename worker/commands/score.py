@@ -39,6 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from worker.kafka.early_join import EarlyJoin
     from worker.llm.extract import HiddenStateExtractor
     from worker.scoring.scorer import Scorer
     from worker.store.redis import make_redis
@@ -51,5 +52,12 @@ def _run(args: argparse.Namespace) -> int:
         shadow=args.shadow,
     )
     client = make_redis(settings)  # a missing Redis is said before the LLM loads
-    scorer = Scorer(settings, HiddenStateExtractor.from_settings(settings), client)
+    # The consumer group forms (~3 s) while the LLM loads (~5 s), not after it.
+    early = EarlyJoin.start(settings, settings.group_scorer, settings.topic_chat)
+    try:
+        extractor = HiddenStateExtractor.from_settings(settings)
+    except BaseException:
+        early.release()
+        raise
+    scorer = Scorer(settings, extractor, client, early=early)
     return serve(scorer, "finishing the batch in hand, then leaving")

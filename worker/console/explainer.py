@@ -221,8 +221,13 @@ class Explainer:
         if hit is not None:
             return hit
         stored = CheckpointRegistry(self.client, self.keys, probe).get(version)
-        loaded, _ = probe_from_bytes(
-            stored.blob, stored.manifest_json, None, signing_key=self.settings.signing_key
+        loaded, _ = probe_from_bytes(  # for display: an unbound (older) signature will do
+            stored.blob,
+            stored.manifest_json,
+            None,
+            signing_key=self.settings.signing_key,
+            deployment=self.keys.prefix,
+            unbound_ok=True,
         )
         weights = [float(w) for w in loaded.layer_weights().tolist()]
         pairs = list(zip(loaded.layers, weights, strict=True))

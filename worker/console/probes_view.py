@@ -9,11 +9,13 @@ what the CLI shows and what the policy would do now, with the same numbers.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from worker.console.charts import BarChart, LineChart, bar_chart, line_chart
+from worker.console.drift_view import DriftView, drift_view
 from worker.console.explainer import Explainer
 from worker.errors import RegistryError
 from worker.rollout.changes import Rollout
@@ -54,6 +56,7 @@ class ProbePage:
     # Live's and the canary's evidence per head (multi-head probes): the versions, the heads
     head_versions: tuple[VersionRow, ...] = ()
     head_names: tuple[str, ...] = ()
+    drift: DriftView | None = None  # the live version's drift per layer
 
 
 def _num(x: float | None) -> float | None:
@@ -178,6 +181,18 @@ def probe_page(
             weights_error = f"v{shown}: {exc}"
     history = [e for _, e in registry.history(200) if e.kind != "published"][-30:][::-1]
     head_versions, head_names = head_columns(status)
+    live = status.stages.live
+    live_manifest = manifests.get(live) if live else None
+    if live and live_manifest is None:
+        with contextlib.suppress(RegistryError):  # the plot says "no live version"
+            live_manifest = registry.manifest(live)
+    drift = drift_view(
+        registry.client,
+        registry.keys.drift(registry.probe, live or 0),
+        live_manifest,
+        alert_shift=settings.drift_alert_shift,
+        alert_psi=settings.drift_alert_psi,
+    )
     return ProbePage(
         status=status,
         policy=policy,
@@ -193,4 +208,5 @@ def probe_page(
         weights_error=weights_error,
         head_versions=tuple(head_versions),
         head_names=tuple(head_names),
+        drift=drift,
     )

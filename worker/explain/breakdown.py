@@ -63,6 +63,7 @@ class ProbeSource:
     blob: bytes
     manifest_json: bytes
     where: str  # "checkpoint PATH" or "registry live v3"
+    deployment: str | None = None  # the registry's key prefix (its signatures are bound)
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def source_from_registry(
     else:
         where = f"registry v{version}"
     stored = registry.get(version)  # UnknownVersion / integrity errors name the version
-    return ProbeSource(stored.blob, stored.manifest_json, where)
+    return ProbeSource(stored.blob, stored.manifest_json, where, registry.keys.prefix)
 
 
 def cached_text(client: Any, keys: Keys, message_id: str) -> str:
@@ -128,9 +129,15 @@ def verify(
     source: ProbeSource, extractor: HiddenStateExtractor, signing_key: bytes | None = None
 ) -> tuple[Probe, CheckpointManifest]:
     """The probe, verified as a scorer would: hash, LLM fingerprint and, with a key, the
-    HMAC signature (raises ``probes.IncompatibleCheckpoint`` etc.)."""
+    HMAC signature (raises ``probes.IncompatibleCheckpoint`` etc.): a registry version's
+    bound to its deployment, or unbound (published before binding; shown, never served)."""
     probe, manifest = probe_from_bytes(
-        source.blob, source.manifest_json, extractor.fingerprint, signing_key=signing_key
+        source.blob,
+        source.manifest_json,
+        extractor.fingerprint,
+        signing_key=signing_key,
+        deployment=source.deployment,
+        unbound_ok=True,
     )
     return probe.float().eval(), manifest
 

@@ -139,14 +139,18 @@ class BatchLoop(Generic[T]):
         model: type[T],
         handler: Callable[[list[Item[T]]], Sequence[Outgoing | Reject]],
         worker_id: str,
+        consumer: KafkaConsumer | None = None,
         **options: Any,
     ) -> BatchLoop[T]:
         """A loop on ``topic`` in ``group_id`` with a consumer and producer from ``settings``,
-        decoding with ``settings.limits`` and dead-lettering to ``settings.topic_dead_letter``."""
+        decoding with ``settings.limits`` and dead-lettering to ``settings.topic_dead_letter``.
+        ``consumer``: one already subscribed to ``topic`` in ``group_id`` (an early join)."""
         from worker.kafka.clients import make_consumer, make_producer
 
+        if consumer is None:
+            consumer = make_consumer(settings, group_id, [topic])
         return cls(
-            consumer=make_consumer(settings, group_id, [topic]),
+            consumer=consumer,
             producer=make_producer(settings),
             model=model,
             decode=lambda raw: model.decode(raw, settings.limits),

@@ -10,7 +10,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from schemas import DeadLetterKind
 from worker.rollout.policy import Action
 
-__all__ = ["UpdaterMetrics"]
+__all__ = ["MAX_LABELER_SERIES", "UpdaterMetrics"]
+
+MAX_LABELER_SERIES = 200  # per-labeler series of labels_dropped, then "other"
 
 
 class UpdaterMetrics:
@@ -69,11 +71,29 @@ class UpdaterMetrics:
             "Published versions skipped at resume because they do not verify",
             registry=r,
         )
+        self.labels_dropped = Counter(
+            "probeguard_updater_labels_dropped",
+            "Labels not learned, per labeler: `duplicate` (that labeler labeled that message "
+            "before) or `quarantined` (past the labeler's limit; dead-lettered)",
+            ["labeler", "reason"],
+            registry=r,
+        )
+        self._labelers: set[str] = set()
         self.labels_credited = Counter(
             "probeguard_updater_labels_credited",
             "Labels credited to the version(s) that judged the message (evidence)",
             registry=r,
         )
+
+    def dropped(self, labeler: str, reason: str, amount: int = 1) -> None:
+        """Count labels of ``labeler`` not learned. Labeler ids come from the topic: past
+        :data:`MAX_LABELER_SERIES` of them, the rest share the series ``labeler="other"``."""
+        if labeler not in self._labelers:
+            if len(self._labelers) >= MAX_LABELER_SERIES:
+                labeler = "other"
+            else:
+                self._labelers.add(labeler)
+        self.labels_dropped.labels(labeler, reason).inc(amount)
 
     def published(
         self, version: int, seconds: float, metrics: Mapping[str, float], entropy_alarm: float

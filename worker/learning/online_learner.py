@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -27,13 +28,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from probes.drift import probe_reference
 from probes.errors import ProbeError
 from probes.heads import remap_label_rows
 from probes.kinds.pooling import SUMMARIES
 from probes.learner import Learner
 from probes.metrics import choose_thresholds
 from probes.probe import Probe, keep_layers, slice_layer_state
-from schemas import OperatingPoint, StateDtype, TrainingCounters
+from schemas import DriftReference, OperatingPoint, StateDtype, TrainingCounters
 from worker.learning.replay import Example, Prequential, ReplayBuffer, collate_chunks
 from worker.settings import DEFAULTS, Settings
 
@@ -144,6 +146,7 @@ class OnlineLearner:
         self.warmup: list[Example] | None = [] if fresh else None
         self.last_loss: float | None = None
         self.low_weight_runs: dict[int, int] = {}  # layer -> publishes in a row below the bar
+        self.bucket_seen: Counter[int] = Counter()  # examples learned per balance bucket
 
     def _make_lion(self, probe: Probe) -> Learner:
         c = self.config
@@ -182,6 +185,7 @@ class OnlineLearner:
                 new, self.warmup = self.warmup, None
         self._train(new)
         self._count(targets)
+        self.bucket_seen.update(buckets)
         return self.lion.steps - steps_before
 
     def learn_extraction(self, ex: Extraction, labeled: Sequence[Labeled]) -> Learned:
@@ -361,6 +365,26 @@ class OnlineLearner:
         shadow = copy.deepcopy(self.probe)
         shadow.load_state_dict(self.ema)
         return shadow
+
+    def drift_reference(self, probe: Probe) -> DriftReference | None:
+        """``probe``'s drift statistics (:mod:`probes.drift`) on the replay buffer, the
+        examples it learned from. The buffer holds every class equally; each example is
+        weighted back to its class's share of the labels this learner has seen, so a stream
+        that is 7 % toxic is not compared with a 50 % toxic reference."""
+        batches: list[tuple[Tensor, Tensor | None, Tensor | None]] = []
+        for bucket in self.replay.buckets if self.replay.per_bucket else []:
+            if not bucket:
+                continue
+            examples = list(bucket)
+            seen = self.bucket_seen.get(examples[0].bucket, 0) if self.bucket_seen else None
+            weight = 1.0 if seen is None else seen / len(examples)
+            for hidden, mask, _ in collate_chunks(examples, chunk=64):
+                batches.append((hidden, mask, torch.full((hidden.shape[1],), weight)))
+        if not batches:
+            return None
+        device = next(probe.parameters()).device
+        moved = ((h.to(device), m if m is None else m.to(device), w) for h, m, w in batches)
+        return probe_reference(probe, moved)
 
     def optimizer_state(self) -> dict[str, Tensor]:
         """Lion's momentum per parameter name (safetensors-ready, on the CPU)."""

@@ -104,16 +104,23 @@ def newest_verifiable(
     on_skipped: Callable[[], object] = lambda: None,
 ) -> tuple[int, Probe, CheckpointManifest] | None:
     """The newest published version this updater can verify and load. One that does
-    not verify (corrupt, tampered, signed with another key, another LLM) is skipped
-    with an error, rather than stopping every updater of the probe."""
+    not verify (corrupt, tampered, signed with another key or for another deployment,
+    another LLM) is skipped with an error, rather than stopping every updater of the probe.
+
+    With a key, a version's signature must be bound to this deployment; an unbound one
+    (published before binding existed) only when the verified stage pointers name it."""
+    vouched = (registry.verified_shas(registry.stages()) or {}) if signing_key else {}
     for version in reversed(registry.versions()):
         try:
             stored = registry.get(version)
+            sha = stored.manifest.tensors_sha256
             probe, manifest = probe_from_bytes(
                 stored.blob,
                 stored.manifest_json,
                 extractor.fingerprint,
                 signing_key=signing_key,
+                deployment=registry.keys.prefix,
+                unbound_ok=vouched.get(version) == sha,
             )
         except (RegistryError, CheckpointError) as exc:
             on_skipped()

@@ -5,7 +5,9 @@
                 checkpoint file, else the packaged default of the LLM (worker/defaults),
                 else a fresh probe from a spec ("from zero"): worker.learning.resume
     per batch of HumanLabels:
-        join the text (label.text, else the scorers' Redis text cache)
+        admit: each labeler's label for a message once, within the labeler's limit
+               (worker.learning.gate; the rest dropped or quarantined, counted per labeler)
+        join the text (the scorers' Redis text cache, else label.text)
         extract hidden states of the probe's layers (early exit)
         test:  score with the current probe -> windowed prequential metrics
         train: Lion steps on new examples + a class-balanced replay sample
@@ -42,6 +44,7 @@ from worker.errors import Fenced, KafkaSetupError, RegistryError
 from worker.kafka.batch_loop import BatchLoop, Between, Item, Outgoing, Reject
 from worker.kafka.clients import ensure_topics
 from worker.kafka.runtime import RoleRuntime
+from worker.learning.gate import LabelGate
 from worker.learning.labels import label_truths, skip_reason
 from worker.learning.metrics import UpdaterMetrics
 from worker.learning.online_learner import Labeled, LearningConfig, OnlineLearner
@@ -92,6 +95,7 @@ class Updater:
             redis_client, self.registry.lease_key, self.worker_id, settings.lease_ttl_ms
         )
         self.evidence = EvidenceStore.from_settings(redis_client, settings, cache=self.text_redis)
+        self.gate = LabelGate.from_settings(self.text_redis, settings, self.name)
         self.rollout = Rollout(self.registry, self.evidence, actor=self.worker_id)
         self.policy = Policy.from_settings(settings)
         self._next_rollout = 0.0
@@ -291,6 +295,7 @@ class Updater:
         spec = learner.probe.spec
         rejects: list[Reject] = []
         items = [i for i in items if self._is_ours(i.value, spec)]
+        items = self._admitted(items, rejects)
         texts = join_texts(self.text_redis, self.keys, [i.value for i in items])
         sources: list[Item[HumanLabel]] = []
         ready: list[Labeled] = []  # ready[k] is the label of sources[k]
@@ -331,6 +336,27 @@ class Updater:
             self.metrics.skipped.labels(reason).inc()
         return reason is None
 
+    def _admitted(
+        self, items: list[Item[HumanLabel]], rejects: list[Reject]
+    ) -> list[Item[HumanLabel]]:
+        """The items the gate admits; quarantined ones are added to ``rejects``, and both
+        kinds of refusal are counted per labeler (:mod:`worker.learning.gate`)."""
+        admitted = []
+        for item, verdict in zip(items, self.gate.admit(items), strict=True):
+            labeler = item.value.labeler_id
+            if verdict == "ok":
+                admitted.append(item)
+            elif verdict == "duplicate":
+                self.metrics.dropped(labeler, "duplicate")
+            else:
+                self.metrics.dropped(labeler, "quarantined")
+                why = (
+                    f"labeler {labeler[:200]!r} is past {self.settings.labeler_max_labels} "
+                    f"labels per {self.settings.labeler_window_s}s for {self.name}"
+                )
+                rejects.append(Reject(item, "quarantined", why))
+        return admitted
+
     def _learner(self) -> OnlineLearner:
         if self.learner is None or self.loop is None:
             raise RuntimeError("the updater handles labels only while it holds the lease")
@@ -345,8 +371,12 @@ class Updater:
         if not spec.flag_labels or not labels:
             return
         truths = label_truths(spec, labels)
+        # Who said it, per label that tells the evidence something (the policy promotes
+        # only on the labels of several labelers).
+        said = [(lb.message_id, lb.labeler_id) for lb in labels if label_truths(spec, [lb])]
         try:
             self.metrics.labels_credited.inc(self.evidence.record_truths(self.name, truths))
+            self.evidence.record_labelers(self.name, said)
         except (redis.RedisError, OSError) as exc:
             self.redis_state.trip(exc)
             log.warning("could not record label evidence (%s)", exc)
@@ -418,8 +448,9 @@ class Updater:
         metrics = learner.metrics()
         try:
             version = self.registry.allocate_version()
+            probe = learner.publishable()
             blob, manifest = checkpoint_to_bytes(
-                learner.publishable(),
+                probe,
                 llm=self.extractor.fingerprint,
                 version=version,
                 parent=self.parent,
@@ -427,6 +458,8 @@ class Updater:
                 metrics=metrics,
                 signing_key=self.settings.signing_key,
                 weights=self.settings.publish_weights,
+                drift=learner.drift_reference(probe),
+                deployment=self.keys.prefix,
             )
             self.registry.publish(
                 blob,

@@ -27,14 +27,14 @@ from typing import Any
 
 import torch
 
-from probes import build_probe, save_checkpoint
+from probes import build_probe, load_checkpoint, save_checkpoint
 from probes.files import atomic_write
 from probes.metrics import evaluate
 from probes.offline.cache import HiddenStateCache
 from probes.offline.dataset import ProbeDataset
-from probes.offline.fit import FitConfig, fit, predict_dataset
+from probes.offline.fit import FitConfig, drift_reference, fit, predict_dataset
 from probes.offline.multitask import SourceHeads, as_multitask, multitask_targets
-from schemas import HeadSpec, ProbeSpec, TrainingCounters
+from schemas import CheckpointManifest, HeadSpec, ProbeSpec, TrainingCounters
 from worker.errors import OfflineError
 from worker.offline.build_cache import ExtractorLike, build_cache, default_token_layers
 from worker.offline.fit_eval import load_split
@@ -315,9 +315,41 @@ def build_default(
         "built_seconds": round(time.time() - started, 1),
     }
     counters = TrainingCounters(labels_seen=len(train), steps=result.steps)
-    save_checkpoint(probe, out, llm=extractor.fingerprint, counters=counters, weights="fp32")
+    save_checkpoint(
+        probe,
+        out,
+        llm=extractor.fingerprint,
+        counters=counters,
+        weights="fp32",
+        drift=result.drift,  # what scorers compare live traffic with (drift monitoring)
+    )
     atomic_write(out / "card.json", json.dumps(card, indent=1) + "\n")
     return BuildResult(out, card)
+
+
+def refresh_drift(
+    data_root: Path,
+    directory: Path,
+    extractor: ExtractorLike,
+    *,
+    cache_root: Path,
+    key: bytes | None = None,
+) -> CheckpointManifest:
+    """Recompute a built default's drift statistics on its train rows (the caches of
+    :func:`build_default`, built or resumed), keeping its weights and data card: for a
+    default built before checkpoints carried them. Rewrites ``manifest.json``."""
+    probe, manifest = load_checkpoint(directory, extractor.fingerprint)
+    card = json.loads((directory / "card.json").read_text())
+    sources = [s for s in SOURCES if card.get("noncommercial") or not s.noncommercial]
+    spec = probe.spec
+    train = ProbeDataset.concat(
+        [_part(_load(s, spec, cache_root, data_root, extractor, key), "train") for s in sources]
+    )
+    drift = drift_reference(probe, train)
+    updated = manifest.model_copy(update={"drift": drift})
+    atomic_write(directory / "manifest.json", updated.encode())
+    log.info("default %s: drift statistics of %d train rows", directory.name, len(train))
+    return updated
 
 
 _SPLITS = ("train", "validation", "held_out")

@@ -63,6 +63,15 @@ class HeadView(Probe):
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.whole(hidden, mask)[:, self._cols]  # [B, C_head]
 
+    @torch.no_grad()
+    def predict_proba_pooled(
+        self, hidden: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The whole probe's pass (its normalization and pooling); a head's columns form
+        # whole softmax groups, so its probabilities are the whole probe's, sliced.
+        probs, pooled = self.whole.predict_proba_pooled(hidden, mask)
+        return probs[:, self._cols], pooled
+
     def layer_weights(
         self, hidden: torch.Tensor | None = None, mask: torch.Tensor | None = None
     ) -> torch.Tensor:

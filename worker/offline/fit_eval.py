@@ -274,6 +274,7 @@ def save_fit(
         metrics={k: float(v) for k, v in metrics.items() if v == v},  # drop NaN
         signing_key=signing_key,
         weights=weights,
+        drift=result.drift,
     )
 
 

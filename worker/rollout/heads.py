@@ -109,12 +109,15 @@ def add_head_version(
         )
     operator.check(live, fingerprint=fingerprint)  # exists, fits, not rolled back/refused
     stored = registry.get(live)
+    vouched = registry.verified_shas(stages) or {}
     try:
         probe, manifest = probe_from_bytes(
             stored.blob,
             stored.manifest_json,
             fingerprint or stored.manifest.llm,
             signing_key=registry.signing_key,
+            deployment=registry.keys.prefix,
+            unbound_ok=vouched.get(live) == stored.manifest.tensors_sha256,
         )
         grown = add_head(
             probe,
@@ -134,6 +137,7 @@ def add_head_version(
         counters=manifest.counters,
         signing_key=registry.signing_key,
         weights="int8" if fmt == "int8" else "fp32",
+        deployment=registry.keys.prefix,
     )
     labels = ", ".join(head.labels)
     registry.publish(

@@ -26,7 +26,9 @@ The rules, in order (all thresholds are settings, see :class:`Policy`):
    ``rollback_min_messages`` messages; rates smoothed as ``(flags+1)/(n+2)`` so zero
    rates compare sanely); when its F1 on at least ``rollback_min_labels`` labels is
    worse than live's by more than ``δ``. It is **promoted** once it has
-   ``promote_min_labels`` labels and its F1 is at least live's − ``ε``; with that many
+   ``promote_min_labels`` labels from at least ``promote_min_labelers`` distinct
+   labelers (one labeler alone, who may label the canary's messages first, cannot promote
+   it) and its F1 is at least live's − ``ε``; with that many
    labels and F1 between the two, the trial ends without a verdict (**cleared**) so
    the next candidate gets its turn. A version that was rolled back is never
    promoted automatically, even if an operator trials it again.
@@ -72,6 +74,7 @@ class Policy:
     mode: Mode = DEFAULTS.rollout_mode
     canary_share: float = DEFAULTS.canary_share
     promote_min_labels: int = DEFAULTS.promote_min_labels
+    promote_min_labelers: int = DEFAULTS.promote_min_labelers
     promote_epsilon: float = DEFAULTS.promote_epsilon  # ε: promote when canary F1 >= live F1 - ε
     rollback_delta: float = DEFAULTS.rollback_delta  # δ: roll back when canary F1 < live F1 - δ
     rollback_min_labels: int = DEFAULTS.rollback_min_labels
@@ -88,6 +91,7 @@ class Policy:
             mode=settings.rollout_mode,
             canary_share=settings.canary_share,
             promote_min_labels=settings.promote_min_labels,
+            promote_min_labelers=settings.promote_min_labelers,
             promote_epsilon=settings.promote_epsilon,
             rollback_delta=settings.rollback_delta,
             rollback_min_labels=settings.rollback_min_labels,
@@ -168,6 +172,7 @@ def _judge_canary(policy: Policy, sit: Situation, version: int) -> RolloutDecisi
         "canary_messages": c.scored,
         "canary_flag_rate": _round(c.flag_rate),
         "canary_labels": c.labels.labeled,
+        "canary_labelers": c.labelers,
         "canary_f1": _round(c.labels.f1),
     }
     return (
@@ -279,6 +284,15 @@ def _judge_labels(
             version,
             f"{on}: would be promoted, but v{version} was rolled back before; "
             "only an operator can promote it",
+            numbers,
+        )
+    if c.labelers < policy.promote_min_labelers:
+        numbers["min_labelers"] = policy.promote_min_labelers
+        return RolloutDecision(
+            "none",
+            version,
+            f"{on}: would be promoted, but its labels come from {c.labelers} labeler(s); "
+            f"{policy.promote_min_labelers} distinct needed",
             numbers,
         )
     every = f" (and each of its {len(heads)} labeled head(s))" if heads else ""

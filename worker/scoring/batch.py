@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from probes.decision import Decision, decide, flagging_heads
+from probes.drift import drift_score, pooled_rms
 from probes.probe import Probe
 from schemas import (
     DEFAULT_LIMITS,
@@ -90,6 +91,11 @@ class BatchScores:
     # (probe, version) -> the heads a multi-head version judged (those with a flag label):
     # every message it decided or shadowed counts for each of them in its per-head evidence
     heads: dict[tuple[str, int], tuple[str, ...]] = field(default_factory=dict)
+    # (probe, version) -> what drift monitoring reads of every scored row: the pooled-state
+    # RMS per layer [L, n] and the drift score [n] (see probes.drift), live and canary alike
+    drift: dict[tuple[str, int], tuple[ServedProbe, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )
 
 
 class BatchScorer:
@@ -165,8 +171,13 @@ class BatchScorer:
                 out.errors[pos] = bad[row]
             else:
                 out.results[pos] = []
+        good = [row for row in range(len(ex.index)) if row not in bad]
         for name, (live, canary) in runs.items():
             self._score_slot(slots[name], live, canary, ex, messages, out)
+            for r in (live, canary):
+                if r is not None and good:
+                    key = (name, r.served.version)
+                    out.drift[key] = (r.served, r.rms[:, good], r.drift_score[good])
         out.extract_s, out.probe_s = t1 - t0, time.perf_counter() - t1
         return out
 
@@ -241,6 +252,8 @@ class _Run:
     # deployment's flag policy), and per row those that flagged: per-head evidence.
     judged: tuple[str, ...] = ()
     head_flags: list[list[str]] | None = None
+    rms: torch.Tensor = field(default_factory=lambda: torch.empty(0, 0))  # [L, B] (drift)
+    drift_score: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [B]
 
 
 def _flagged_heads(run: _Run | None, row: int) -> list[str] | None:
@@ -261,27 +274,36 @@ def _select_layers(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return hidden.index_select(0, torch.tensor(rows, device=hidden.device))
 
 
-def _probabilities(probe: Probe, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``probe``'s probabilities ``[B, C]`` for ``hidden`` ``[L, B, T, D]``, run on
+def _probabilities(
+    probe: Probe, hidden: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``probe``'s probabilities ``[B, C]`` for ``hidden`` ``[L, B, T, D]``, and the RMS of
+    its pooled states ``[L, B]`` (for drift monitoring, from the same pass), run on
     length-sorted groups of rows trimmed to their own width: a poll's padding (its longest
     message's width, for every row) would otherwise cost the probe as much as real tokens,
     and the MHA probe's attention its square. Rows do not interact, so the result is the
     same as one call's."""
     B, T = mask.shape
     if B * T <= PROBE_BATCH_TOKENS:
-        return probe.predict_proba_many(hidden, mask)
+        probs, pooled = probe.predict_proba_pooled(hidden, mask)
+        return probs, pooled_rms(pooled)
     out: torch.Tensor | None = None
+    rms: torch.Tensor | None = None
     for rows in length_batches(mask.sum(1).tolist(), PROBE_BATCH_TOKENS):
         index = torch.tensor(rows, device=mask.device)
         part = mask.index_select(0, index)  # [b, T]
         real = part.any(0).nonzero().flatten()  # columns any of these rows uses
         lo, hi = (int(real[0]), int(real[-1]) + 1) if len(real) else (0, 1)
-        probs = probe.predict_proba_many(hidden[:, :, lo:hi].index_select(1, index), part[:, lo:hi])
-        if out is None:
+        probs, pooled = probe.predict_proba_pooled(
+            hidden[:, :, lo:hi].index_select(1, index), part[:, lo:hi]
+        )
+        if out is None or rms is None:
             out = probs.new_empty(B, probs.shape[1])
+            rms = torch.empty(pooled.shape[0], B, device=pooled.device)
         out[index] = probs
-    assert out is not None
-    return out
+        rms[:, index] = pooled_rms(pooled)
+    assert out is not None and rms is not None
+    return out, rms
 
 
 def _head_results(
@@ -320,7 +342,8 @@ def _run(
     probe = served.probe
     spec = flagging_heads(probe.spec, flag_heads)
     hidden = _select_layers(ex.hidden, [layers.index(layer) for layer in probe.layers])
-    probs = _probabilities(probe, hidden, ex.mask).float().cpu()  # [B, C]
+    probs, rms = _probabilities(probe, hidden, ex.mask)
+    probs = probs.float().cpu()  # [B, C]
     non_finite = (~torch.isfinite(probs).all(dim=1)).nonzero().flatten().tolist()
     probs = torch.nan_to_num(probs, nan=0.0, posinf=1.0, neginf=0.0)  # those rows go unused
     decision = decide(spec, probs)
@@ -337,4 +360,6 @@ def _run(
         heads=_head_results(spec, decision, limits) if spec.heads else None,
         judged=judged,
         head_flags=head_flags,
+        rms=rms.float().cpu(),
+        drift_score=drift_score(probe.spec, probs),
     )

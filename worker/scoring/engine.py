@@ -40,6 +40,7 @@ from worker.errors import ConfigError
 from worker.llm.extract import HiddenStateExtractor
 from worker.scoring import review
 from worker.scoring.batch import BatchScorer, BatchScores, ServedProbe
+from worker.scoring.drift import DriftMonitor
 from worker.scoring.metrics import ScorerMetrics
 from worker.scoring.probe_watch import ProbeWatcher
 from worker.settings import Settings
@@ -53,6 +54,8 @@ log = logging.getLogger(__name__)
 # With the watcher thread, serve the packaged default only once the registry has been read
 # (or after this long without Redis): a published live version wins from the first message.
 DEFAULT_AFTER_S = 5.0
+# A scorer's drift window in Redis outlives it by this much (the console reads recent ones).
+DRIFT_SNAPSHOT_TTL_S = 3600
 
 
 class Retain(enum.IntEnum):
@@ -128,6 +131,9 @@ class ScoringEngine:
             limits=settings.limits,
         )
         self.review_policy = review.ReviewPolicy.from_settings(settings)
+        self.drift = DriftMonitor(
+            metrics, window=settings.drift_window, min_messages=settings.drift_min_messages
+        )
         # probe -> the packaged default folder served while nothing is published (None: none
         # for this LLM), decided once at start.
         self.defaults: dict[str, str | None] = {}
@@ -172,6 +178,7 @@ class ScoringEngine:
                 if r.flagged:
                     self.metrics.flags.labels(r.probe).inc()
         candidates = self._candidates(messages, scores, keep) if review else []
+        self.drift.observe(scores.drift)
         admitted = self._record(scores, latency_ms, keep, sources, candidates)
         self.metrics.reviews_dropped.inc(len(candidates) - len(admitted))
         for _, req in admitted:
@@ -229,7 +236,8 @@ class ScoringEngine:
         sources: Sequence[tuple[str, int, int]] | None,
         candidates: list[tuple[int, ReviewRequest]],
     ) -> list[tuple[int, ReviewRequest]]:
-        """Evidence per version and the review budget, in one script (one round trip): each
+        """Evidence per version, the review budget and the drift windows due, in one script
+        (one round trip): each
         message counts, and each review request is charged, once per Kafka record however
         often it is delivered. Returns the review requests the budget admits: a fixed window
         of ``review_window_s`` seconds shared by every scorer, so a flood cannot swamp the
@@ -262,7 +270,16 @@ class ScoringEngine:
         wanted = [ReviewCandidate(index[pos], r.probe, r.message_id) for pos, r in candidates]
         try:
             ok = self.evidence.record_scored(
-                judged, latency_ms, heads=scores.heads, reviews=wanted, budget=budget
+                judged,
+                latency_ms,
+                heads=scores.heads,
+                reviews=wanted,
+                budget=budget,
+                hashes=[
+                    (self.keys.drift(probe, version), self.worker_id, snap.encode().decode(), ttl)
+                    for (probe, version), snap in self.drift.snapshots(utcnow())
+                    for ttl in (DRIFT_SNAPSHOT_TTL_S,)
+                ],
             )
         except (redis.RedisError, OSError) as exc:
             self.metrics.redis_errors.inc()
@@ -353,10 +370,16 @@ class ScoringEngine:
             if self.threaded:
                 self.watcher.stop()
 
-    def wait_for_probes(self, stop: threading.Event, beat: Callable[[], None]) -> bool:
+    def wait_for_probes(
+        self,
+        stop: threading.Event,
+        beat: Callable[[], None],
+        on_wait: Callable[[], None] | None = None,
+    ) -> bool:
         """Block until every probe has a live version (published, the bootstrap checkpoint
         or the packaged default); False if ``stop`` was set first. ``beat`` is called while
-        waiting (waiting is healthy: liveness probes must not restart us)."""
+        waiting (waiting is healthy: liveness probes must not restart us); ``on_wait`` once,
+        when it has to wait (the scorer leaves the group it joined early)."""
         bootstrap = self.settings.bootstrap_checkpoint
         # The watcher thread's first sync takes a moment: say "waiting" only after it.
         started = time.monotonic()
@@ -374,6 +397,9 @@ class ScoringEngine:
                 log.info("serving %s", self.watcher.versions())
                 return True
             if time.monotonic() - last_note > 10:
+                if on_wait is not None:
+                    on_wait()
+                    on_wait = None
                 missing = [n for n, sl in self.watcher.slots.items() if sl.live is None]
                 log.warning(
                     "no live version of %s in the registry yet; waiting (publish one with "

@@ -83,6 +83,29 @@ class ScorerMetrics:
             registry=r,
         )
 
+        # Drift (worker.scoring.drift): per served version with training statistics, once
+        # its window holds DRIFT_MIN_MESSAGES; the series go when the version stops serving.
+        self.drift_shift = Gauge(
+            "probeguard_scorer_drift_mean_shift",
+            "Standardized mean shift of the pooled hidden state's RMS, last DRIFT_WINDOW "
+            "messages against the version's training statistics",
+            ["probe", "version", "layer"],
+            registry=r,
+        )
+        self.drift_psi = Gauge(
+            "probeguard_scorer_drift_score_psi",
+            "Population stability index of the score over the last DRIFT_WINDOW messages "
+            "against the version's training scores",
+            ["probe", "version"],
+            registry=r,
+        )
+        self.drift_messages = Gauge(
+            "probeguard_scorer_drift_window_messages",
+            "Messages in the drift window",
+            ["probe", "version"],
+            registry=r,
+        )
+
     def serving(self, probes: Iterable[str]) -> None:
         """Export the per-probe counters at 0 from the start: an alert on ``increase()``
         (deploy/alerts.yml) misses a series' first increment when it has no earlier sample,

@@ -19,7 +19,11 @@ A version is served only after its sha256, optional HMAC signature and LLM finge
 verify; anything wrong is refused, counted and remembered, and the last good live probe
 stays (a refused canary is simply not served). With a signing key the stage pointers
 themselves must verify (see :mod:`worker.store.checkpoints`): pointers that do not,
-or that are older than ones already seen, change nothing.
+or that are older than ones already seen, change nothing. The checkpoint loaded must be
+the one the verified pointers bind (its tensors' sha256; loading is a second read, and a
+Redis writer could swap the checkpoint in between), and its own signature must be bound
+to this deployment (an unbound one, published before binding existed, is accepted since
+the pointers, which are bound, name its sha256).
 If Redis is unreachable the scorer keeps scoring with what it has; the watcher backs off
 (``Breaker``: 5 s, doubling up to 60 s) and reconnects by itself. Any other failure while
 following one probe (an unreadable record, out of device memory while loading) costs only
@@ -86,6 +90,8 @@ class ProbeWatcher:
         # Signed stage pointers: the newest seq seen per probe, and the last record ignored.
         self.stage_seq: dict[str, int] = {}
         self.untrusted: dict[str, Stages] = {}
+        # Per probe, the tensor sha256 the last trusted pointers bind to each version.
+        self.bound_shas: dict[str, dict[int, str]] = {}
         self.breaker = breaker or Breaker()
         # The working slots (changed only under _lock) and the snapshot served from them.
         self._work = {name: ProbeSlot(name) for name in registries}
@@ -306,7 +312,8 @@ class ProbeWatcher:
             return True
         seen = self.stage_seq.get(name, 0)
         why = None
-        if not registry.stages_verify(stages):
+        shas = registry.verified_shas(stages)
+        if shas is None:
             why = "their signature does not verify"
         elif stages.seq < seen:
             why = f"seq {stages.seq} is older than {seen} (a replayed record)"
@@ -319,15 +326,32 @@ class ProbeWatcher:
             return False
         self.untrusted.pop(name, None)
         self.stage_seq[name] = stages.seq
+        self.bound_shas[name] = shas or {}
         return True
 
     def _load(self, name: str, registry: CheckpointRegistry, version: int) -> ServedProbe | None:
         if version in self.refused[name]:
             return None
+        bound = self.bound_shas.get(name, {}).get(version)
         try:
             stored = registry.get(version)
+            if self.signing_key is not None and stored.manifest.tensors_sha256 != bound:
+                # Swapped since the pointers were verified: not this version's verdict
+                # (not remembered), the next stage check reads both again.
+                log.error(
+                    "refusing %s v%d: its tensors are not the ones the signed stage pointers "
+                    "name (swapped in Redis?); keeping the last good probe", name, version
+                )  # fmt: skip
+                if self.on_untrusted is not None:
+                    self.on_untrusted(name, f"v{version} differs from the signed pointers")
+                return None
             probe, manifest = probe_from_bytes(
-                stored.blob, stored.manifest_json, self.fingerprint, signing_key=self.signing_key
+                stored.blob,
+                stored.manifest_json,
+                self.fingerprint,
+                signing_key=self.signing_key,
+                deployment=registry.keys.prefix,
+                unbound_ok=True,  # the pointers, bound to this deployment, name its sha
             )
         except UnknownVersion as exc:
             # Gone (pruned, or not yet visible): not a verdict on the version; the next

@@ -25,6 +25,7 @@ from schemas import ChatMessage
 from worker.errors import KafkaSetupError
 from worker.kafka.batch_loop import BatchLoop, Item, Outgoing, Reject
 from worker.kafka.clients import consumer_lag, ensure_topics
+from worker.kafka.early_join import EarlyJoin
 from worker.kafka.runtime import RoleRuntime
 from worker.llm.extract import HiddenStateExtractor
 from worker.scoring.batch import BatchScorer
@@ -51,8 +52,12 @@ class Scorer:
         worker_id: str | None = None,
         metrics_port: int | None = None,
         text_redis: redis.Redis | None = None,
+        early: EarlyJoin | None = None,
     ) -> None:
+        """``early``: the consumer group joined while the LLM loaded (``probeguard score``);
+        without it the scorer joins when it starts consuming."""
         self.settings = settings
+        self.early = early
         self.worker_id = worker_id or settings.resolved_worker_id()
         self.metrics = ScorerMetrics()
         self.runtime = RoleRuntime(
@@ -95,7 +100,13 @@ class Scorer:
     def run(self) -> None:
         """Serve until :meth:`stop`: wait for a probe, then the batch loop; leave cleanly."""
         with self.runtime.serving(), self.engine.watching():
-            if not self.engine.wait_for_probes(self.runtime.stop_event, self.health.beat):
+            # Nothing to serve yet: leave the group joined early, or its partitions stall.
+            release = self.early.release if self.early is not None else None
+            if not self.engine.wait_for_probes(
+                self.runtime.stop_event, self.health.beat, on_wait=release
+            ):
+                if self.early is not None:
+                    self.early.release()
                 return
             loop = self._open_loop()
             if loop is None:
@@ -116,9 +127,12 @@ class Scorer:
         stopped first. A broker that is down at start is waited out (and said on
         ``/readyz``), like an outage later on, rather than ending the scorer."""
         stop = self.runtime.stop_event
+        early = self.early.take() if self.early is not None else None
         while not stop.is_set():
             try:
-                ensure_topics(self.settings)
+                if early is None:  # the early join made the topics
+                    ensure_topics(self.settings)
+                consumer, early = early, None
                 return self.runtime.loop_for(
                     group_id=self.settings.group_scorer,
                     topic=self.settings.topic_chat,
@@ -127,12 +141,17 @@ class Scorer:
                     dead_letters=self.metrics.dead_letters,
                     max_batch=self.settings.batch_size,
                     between_batches=self._between_batches,
+                    consumer=consumer,
                 )
             except KafkaSetupError as exc:
+                if consumer is not None:
+                    consumer.close()
                 self.setup_error = str(exc)
                 log.warning("%s; retrying in %.0f s", exc, SETUP_RETRY_S)
                 self.health.beat()
                 stop.wait(SETUP_RETRY_S)
+        if early is not None:  # stopped before it was used
+            early.close()
         return None
 
     @property

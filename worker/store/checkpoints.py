@@ -33,6 +33,8 @@ from typing import Any
 import redis
 import torch
 
+from probes.checkpoint import verify_signature
+from probes.errors import CheckpointError
 from schemas import CheckpointEvent, CheckpointManifest, EventKind, utcnow
 from worker.errors import Fenced, RegistryError, StagesChanged, UnknownVersion
 from worker.store import optimizer_state, scripts
@@ -127,6 +129,7 @@ class CheckpointRegistry(CheckpointReader):
         v = manifest.version
         seq, sig, new_seq = "", "", ""
         if set_live and self.signing_key is not None:
+            self._check_signed(manifest, blob)  # never sign a pointer to a forgery
             cur = self._verified_stages()
             nxt = Stages(
                 live=v, canary=cur.canary, canary_share=cur.canary_share, seq=self._next_seq()
@@ -353,8 +356,29 @@ class CheckpointRegistry(CheckpointReader):
         check_expected(self.probe, cur, expected)
         nxt = next_stages(cur, sets, delete, resign=resign, seq=self._next_seq())
         sets["seq"] = nxt.seq
-        sets["sig"] = self.stage_signature(nxt)
+        sets["sig"] = self.stage_signature(nxt, self._pointed_shas(cur, nxt, resign=resign))
         expected["seq"] = str(cur.seq) if cur.seq else ""  # signed writes start at 1
+
+    def _pointed_shas(self, cur: Stages, nxt: Stages, *, resign: bool) -> dict[int, str]:
+        """The sha256 of each version ``nxt`` points at, each checkpoint's own signature
+        verified first (:meth:`get_verified`): an unbound one is accepted when the current
+        signed pointers already name it, or with ``resign`` (the operator vouches for it).
+        Signing the sha verified, not one read again, leaves no window to swap it."""
+        vouched = {} if resign else (self.verified_shas(cur) or {})
+        return {
+            v: self.get_verified(v, vouched=vouched, unbound_ok=resign).manifest.tensors_sha256
+            for v in (nxt.live, nxt.canary)
+            if v is not None
+        }
+
+    def _check_signed(self, manifest: CheckpointManifest, blob: bytes) -> None:
+        """A checkpoint about to go live as it is published must be signed for this
+        deployment (:func:`probes.checkpoint.verify_signature`)."""
+        assert self.signing_key is not None
+        try:
+            verify_signature(manifest, blob, self.signing_key, self.keys.prefix)
+        except CheckpointError as exc:
+            raise RegistryError(f"not publishing it live: {exc}") from None
 
     def _next_seq(self) -> int:
         """A seq above every one issued before (from a counter, so a replayed, older stage

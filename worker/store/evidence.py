@@ -39,6 +39,9 @@ first, at most ``pairs_max``). Hash fields of ``evidence``:
                 ``bl_`` ones (a head flags when it predicts one of its flag labels)
 ==============  ==============================================================
 
+Beside the hash, ``labelers:{v}`` counts the credited labels per labeler
+(:meth:`EvidenceStore.record_labelers`); :attr:`Evidence.labelers` is how many there are.
+
 Every head of a multi-head version that has a flag label judges every message the
 version decides (or shadows), so its ``n`` is the version's; a head appears only in the
 versions that have it. A label is credited per head for the heads it annotates (see
@@ -47,6 +50,7 @@ versions that have it. A label is credited per head for the heads it annotates (
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -169,6 +173,7 @@ class Evidence(Counts):
     error_since: float | None = None
     loads: int = 0
     heads: Mapping[str, Counts] = field(default_factory=dict)
+    labelers: int = 0  # distinct labelers of the labels credited to it (``labelers:{v}``)
 
     @classmethod
     def from_hash(cls, version: int, raw: dict[bytes, bytes] | dict[str, str]) -> Evidence:
@@ -372,6 +377,7 @@ class EvidenceStore:
         heads: Mapping[tuple[str, int], Sequence[str]] | None = None,
         reviews: Sequence[ReviewCandidate] = (),
         budget: ReviewBudget | None = None,
+        hashes: Sequence[tuple[str, str, str, int]] = (),
     ) -> list[bool]:
         """Count a batch's decisions and charge its review requests: one script, one round
         trip, exactly once per Kafka record however often it is delivered.
@@ -382,8 +388,10 @@ class EvidenceStore:
         produce and commit, a rebalance mid-batch) and counts no more; nor are its review
         requests charged again: they are re-sent only if that delivery admitted them.
         Returns, per review candidate, whether it is admitted (``budget``: the window's key
-        and limit; without one nothing is admitted). Raises Redis errors (the caller's
-        breaker): then nothing was counted, and a redelivery counts it.
+        and limit; without one nothing is admitted). ``hashes``: ``(key, field, value,
+        ttl_s)`` set in the same round trip (a scorer's drift windows; idempotent). Raises
+        Redis errors (the caller's breaker): then nothing was counted, and a redelivery
+        counts it.
         """
         judged_heads = heads or {}
         parts: dict[tuple[str, int], int] = {}  # (topic, partition) -> 1-based index
@@ -409,8 +417,13 @@ class EvidenceStore:
         markers = [self.keys.review_sent(r.probe, r.message_id) for r in reviews]
         if reviews and budget is None:
             raise ValueError("review candidates need a budget")
-        if not contribs and not markers:
+        if not contribs and not markers and not hashes:
             return []
+        hash_keys: dict[str, int] = {}
+        sets = [
+            [hash_keys.setdefault(key, len(hash_keys) + 1), name, value, ttl]
+            for key, name, value, ttl in hashes
+        ]
         args = {
             "np": len(parts),
             "nm": len(markers),
@@ -422,6 +435,8 @@ class EvidenceStore:
             "recs": recs,
             "contribs": [[list(op) for op in ops] for ops in contribs] or [[]],
             "reviews": [[r.index + 1, i + 1] for i, r in enumerate(reviews)],
+            "ne": len(ev_keys),
+            "sets": sets,
         }
         reply = self._script(scripts.SCORED)(
             keys=[
@@ -430,6 +445,7 @@ class EvidenceStore:
                 *(self.keys.counted(t, p) for t, p in parts),
                 *markers,
                 *ev_keys,
+                *hash_keys,
             ],
             args=[json.dumps(args)],
         )
@@ -518,18 +534,63 @@ class EvidenceStore:
         fresh = [m for m, flag in zip(marks, _text(reply), strict=True) if flag == "1"]
         return len({k for _, k, _, _ in fresh})
 
+    # --- who labeled (kept apart from the credit above) -------------------------
+
+    def record_labelers(self, probe: str, labeled: Sequence[tuple[str, str]]) -> None:
+        """Count ``(message_id, labeler_id)`` per version whose own decision the label is
+        credited against (decided or shadowed; ``labelers:{v}``, labeler -> labels), so the
+        policy can require several distinct labelers before it promotes.
+
+        Like :meth:`record_truths` only the first label of a message counts (a marker per
+        message, set in the same script as the count): a later label of another labeler
+        was not credited, and must not count as a second opinion; a redelivered label
+        counts once, and a crash or a lost reply neither loses nor doubles it."""
+        if not labeled:
+            return
+        raw = self.cache.mget([self.keys.decided(m) for m, _ in labeled])
+        markers: list[str] = []
+        targets: dict[str, int] = {}  # labelers hash -> 1-based index
+        payload: list[list[list[list[Any]]]] = []
+        for (message_id, labeler), blob in zip(labeled, raw, strict=True):
+            d = _decision(blob, probe)
+            versions = sorted({v for v in (d.v, d.sv) if v}) if d is not None else []
+            if not versions:
+                continue
+            markers.append(self.keys.credited_by(probe, message_id))
+            ops = [
+                [targets.setdefault(self.keys.labelers(probe, v), len(targets) + 1), labeler, 1, 0]
+                for v in versions
+            ]
+            payload.append([ops, []])
+        if not markers:
+            return
+        # One CREDIT script: each marker and its counts together, as in record_truths.
+        args = {
+            "nm": len(markers),
+            "ttl": self.marker_ttl_s,
+            "once_ttl": scripts.ONCE_TTL_S,
+            "pairs_max": 0,
+            "marks": payload,
+        }
+        self._script(scripts.CREDIT)(
+            keys=[self.keys.once(uuid.uuid4().hex), *markers, *targets], args=[json.dumps(args)]
+        )
+
     # --- reading -------------------------------------------------------------
 
     def read(self, probe: str, version: int) -> Evidence:
-        return Evidence.from_hash(version, self.client.hgetall(self.keys.evidence(probe, version)))
+        return self.read_many(probe, [version])[version]
 
     def read_many(self, probe: str, versions: Iterable[int]) -> dict[int, Evidence]:
         versions = list(versions)
         pipe = self.client.pipeline(transaction=False)
         for v in versions:
             pipe.hgetall(self.keys.evidence(probe, v))
+            pipe.hlen(self.keys.labelers(probe, v))
+        got = pipe.execute()
         return {
-            v: Evidence.from_hash(v, raw) for v, raw in zip(versions, pipe.execute(), strict=True)
+            v: dataclasses.replace(Evidence.from_hash(v, got[2 * k]), labelers=int(got[2 * k + 1]))
+            for k, v in enumerate(versions)
         }
 
     def auprc(self, probe: str, version: int) -> float:

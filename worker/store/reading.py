@@ -19,6 +19,8 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
+from probes.checkpoint import verify_signature
+from probes.errors import CheckpointError
 from schemas import CheckpointEvent, CheckpointManifest, describe_error
 from worker.errors import RegistryError, UnknownVersion
 from worker.store.redis import Keys
@@ -73,17 +75,50 @@ class CheckpointReader:
     def stages_verify(self, st: Stages) -> bool:
         """Whether ``st`` carries a valid signature (always, without a key). Empty
         pointers need none: they point nowhere."""
+        return self.verified_shas(st) is not None
+
+    def verified_shas(self, st: Stages) -> dict[int, str] | None:
+        """The tensor sha256 the signature of ``st`` binds to each pointed version, when it
+        verifies; None when it does not. Without a key: ``{}`` (nothing is bound).
+
+        A reader loads a pointed version by a second read, so it must compare what it
+        loaded with these (a writer may swap the checkpoint between the two reads)."""
         if self.signing_key is None:
-            return True
+            return {}
         if st.live is None and st.canary is None and st.sig is None:
-            return True
+            return {}
         if st.sig is None:
-            return False
+            return None
         try:
-            expected = self.stage_signature(st)
+            shas = {v: self.manifest(v).tensors_sha256 for v in (st.live, st.canary) if v}
         except UnknownVersion:
-            return False
-        return hmac.compare_digest(st.sig, expected)
+            return None
+        if not hmac.compare_digest(st.sig, self.stage_signature(st, shas)):
+            return None
+        return shas
+
+    def get_verified(
+        self, version: int, *, vouched: dict[int, str] | None = None, unbound_ok: bool = False
+    ) -> StoredCheckpoint:
+        """:meth:`get`, and with a key the checkpoint's own signature, bound to this
+        deployment (:func:`probes.checkpoint.verify_signature`); an unbound one only when
+        ``vouched`` (verified stage pointers, :meth:`verified_shas`) names its sha256, or
+        ``unbound_ok`` (an operator's ``--force``). Raises :class:`RegistryError` when it
+        does not verify."""
+        stored = self.get(version)
+        if self.signing_key is not None:
+            sha = stored.manifest.tensors_sha256
+            try:
+                verify_signature(
+                    stored.manifest,
+                    stored.blob,
+                    self.signing_key,
+                    self.keys.prefix,
+                    unbound_ok=unbound_ok or (vouched or {}).get(version) == sha,
+                )
+            except CheckpointError as exc:
+                raise RegistryError(str(exc)) from None
+        return stored
 
     def versions(self) -> list[int]:
         return [int(v) for v in self.client.zrange(self.keys.versions(self.probe), 0, -1)]

@@ -6,6 +6,7 @@ so several deployments (or test runs) can share one server.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any
 
@@ -17,7 +18,7 @@ from schemas import HumanLabel
 from worker.errors import ConfigError, TransientError
 from worker.settings import Settings
 
-__all__ = ["Breaker", "Keys", "join_texts", "make_redis", "make_text_redis"]
+__all__ = ["Breaker", "Keys", "id_digest", "join_texts", "make_redis", "make_text_redis"]
 
 
 def make_redis(settings: Settings, url: str | None = None, **overrides: Any) -> redis.Redis:
@@ -88,9 +89,17 @@ class Keys:
     ``K:updater_lease:token``    string   INCR -> fencing tokens
     ``K:evidence:{v}``           hash     canary/live evidence counters (``store.evidence``)
     ``K:pairs:{v}``              list     "flag_score truth" per labeled message (evidence)
+    ``K:drift:{v}``              hash     scorer id -> JSON ``DriftSnapshot``, its drift window
+                                          for v (scorers, every few seconds; TTL)
     ``K:labeled:{message_id}``   string   label already credited to evidence (TTL; set
                                           with the counts, in one script)
     ``K:labeled_head:{h}:{m}``   string   the same, for head ``h`` of message ``m``
+    ``K:labelers:{v}``           hash     labeler -> labels credited to v's evidence (updater)
+    ``K:credited_by:{m}``        string   m's first label was counted for its labeler (TTL)
+    ``K:label_seen:{d}``         string   ``"<partition>:<offset>|<verdict>"``: a labeler's
+                                          label for a message was admitted (d: sha256 of
+                                          labeler and message; TTL; ``learning.gate``) [cache]
+    ``K:labeler_count:{w}:{d}``  string   labels of labeler d (sha256) in window w (TTL) [cache]
     ``P:text:{message_id}``      string   message text for label joins (scorers; TTL) [cache]
     ``P:decided:{message_id}``   string   which version decided a message (scorers; TTL) [cache]
     ``P:review_budget:{window}`` string   review requests sent in a time window (scorers; TTL)
@@ -176,11 +185,28 @@ class Keys:
     def pairs(self, probe: str, version: int) -> str:
         return self._join(probe, "pairs", version)
 
+    def drift(self, probe: str, version: int) -> str:
+        return self._join(probe, "drift", version)
+
     def labeled(self, probe: str, message_id: str) -> str:
         return self._join(probe, "labeled", message_id)
 
     def labeled_head(self, probe: str, head: str, message_id: str) -> str:
         return self._join(probe, "labeled_head", head, message_id)
+
+    def labelers(self, probe: str, version: int) -> str:
+        return self._join(probe, "labelers", version)
+
+    def credited_by(self, probe: str, message_id: str) -> str:
+        return self._join(probe, "credited_by", message_id)
+
+    def label_seen(self, probe: str, digest: str) -> str:
+        """``digest``: :func:`id_digest` of the labeler and the message ids."""
+        return self._join(probe, "label_seen", digest)
+
+    def labeler_count(self, probe: str, window: int, digest: str) -> str:
+        """``digest``: :func:`id_digest` of the labeler id."""
+        return self._join(probe, "labeler_count", window, digest)
 
     def per_version(self, probe: str, version: int) -> list[str]:
         """Every key that belongs to one version (what retention deletes with it)."""
@@ -190,6 +216,8 @@ class Keys:
             self.optim(probe, version),
             self.evidence(probe, version),
             self.pairs(probe, version),
+            self.drift(probe, version),
+            self.labelers(probe, version),
         ]
 
     # --- per message and deployment-wide --------------------------------------------------
@@ -223,6 +251,11 @@ class Keys:
 
     def console_sessions(self, user: str) -> str:
         return self._join("console", "sessions", user)
+
+
+def id_digest(*parts: str) -> str:
+    """Ids as a key part: hex sha256 of their UTF-8, unit-separated (ids may hold ``:``)."""
+    return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:32]
 
 
 class Breaker:
@@ -272,16 +305,15 @@ class Breaker:
 
 
 def join_texts(text_redis: Any, keys: Keys, labels: list[HumanLabel]) -> list[str | None]:
-    """Each label's text: its own, else the scorers' text cache (one MGET), else None.
-    Raises :class:`TransientError` when the cache cannot be reached (the batch is retried)."""
-    missing = [lb.message_id for lb in labels if lb.text is None]
-    cached: dict[str, str | None] = {}
-    if missing:
-        try:
-            values = text_redis.mget([keys.text(m) for m in missing])
-        except (redis.RedisError, OSError) as exc:
-            raise TransientError(f"text cache unreachable: {exc}") from exc
-        cached = {
-            m: (v.decode() if v is not None else None) for m, v in zip(missing, values, strict=True)
-        }
-    return [lb.text if lb.text is not None else cached.get(lb.message_id) for lb in labels]
+    """Each label's text: the one the scorers cached for its message (one MGET), else the
+    label's own, else None. The cached text is what the model judged; a label's own text
+    could say anything under a real message id, so it stands in only once the cache has
+    forgotten the message. Raises :class:`TransientError` when the cache cannot be reached
+    (the batch is retried)."""
+    if not labels:
+        return []
+    try:
+        values = text_redis.mget([keys.text(lb.message_id) for lb in labels])
+    except (redis.RedisError, OSError) as exc:
+        raise TransientError(f"text cache unreachable: {exc}") from exc
+    return [v.decode() if v is not None else lb.text for lb, v in zip(labels, values, strict=True)]

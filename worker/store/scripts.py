@@ -161,8 +161,9 @@ end
 
 # One scored batch's evidence and review requests, exactly once per Kafka record.
 # KEYS: once, review budget, then ``np`` high-water keys (one per topic partition in the
-# batch), ``nm`` review-marker keys, then the evidence hashes.
-# ARGV[1]: JSON {np, nm, hw_ttl, mark_ttl, once_ttl, budget, window_ttl,
+# batch), ``nm`` review-marker keys, ``ne`` evidence hashes, then other hashes (drift).
+# ARGV[1]: JSON {np, nm, ne, hw_ttl, mark_ttl, once_ttl, budget, window_ttl,
+#   sets: [[hash (1-based, after the evidence), field, value, ttl]],
 #   recs: [[partition (1-based, 0: no Kafka record), offset, contribution (0: none)]],
 #   contribs: [[[evidence key (1-based), field, amount, is_float]]],
 #   reviews: [[rec (1-based), marker (1-based)]]}
@@ -201,6 +202,11 @@ for p, off in pairs(top) do
   redis.call('SET', KEYS[2 + p], string.format('%d', math.max(off, hw[p])), 'EX', a.hw_ttl)
 end
 write(sums, 2 + np + nm)
+for _, h in ipairs(a.sets) do
+  local key = KEYS[2 + np + nm + a.ne + h[1]]
+  redis.call('HSET', key, h[2], h[3])
+  redis.call('EXPIRE', key, h[4])
+end
 local used = tonumber(redis.call('GET', KEYS[2]) or '0')
 local charged, admitted = 0, {}
 for j, rv in ipairs(a.reviews) do
