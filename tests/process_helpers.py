@@ -47,11 +47,14 @@ def settings_env(settings: Settings, model_dir: Path, **extra: object) -> dict[s
     return env
 
 
-def spawn(command: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    """``probeguard <command>`` with output appended to ``log``."""
+def spawn(
+    command: str, env: dict[str, str], log: Path, module: str = "worker.cli"
+) -> subprocess.Popen[bytes]:
+    """``probeguard <command>`` with output appended to ``log`` (``module``: a wrapper of
+    the CLI, e.g. ``tests.faults.die_at_commit``)."""
     with log.open("ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "worker.cli", command],
+            [sys.executable, "-m", module, command],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -138,6 +138,116 @@ def test_sigkill_a_scorer_mid_batch_twice_during_a_2000_message_stream(
                 p.kill()
 
 
+def _evidence(s: Settings, fields: tuple[str, ...]) -> dict[int, int]:
+    """Per version, the sum of ``fields`` of its evidence hash."""
+    client, keys = make_redis(s), Keys(s.redis_prefix)
+    pattern = keys.evidence("toxicity", 0)[:-1] + "*"
+    out = {}
+    for key in client.scan_iter(match=pattern):
+        raw = client.hgetall(key)
+        out[int(key.decode().rsplit(":", 1)[1])] = sum(int(raw.get(f.encode(), 0)) for f in fields)
+    return out
+
+
+def _label(i: int) -> bytes:
+    """A label of ``l-{i}`` in the published probe's own labels (``ok``, ``toxic``)."""
+    return json.dumps(
+        {
+            "message_id": f"l-{i}",
+            "label": "toxic" if i % 3 == 0 else "ok",
+            "labeler_id": "alice",
+            "created_at": "2026-11-30T12:00:00Z",
+        }
+    ).encode()
+
+
+def test_sigkill_between_produce_and_commit_counts_evidence_and_label_credit_exactly(
+    stack: Stack, model_dir: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """Issue 27: a scorer killed after its batch's verdicts were acknowledged and before
+    its offsets were committed; then an updater killed the same way after crediting labels
+    and publishing. Their records come again to the next owner, and every count is exact."""
+    s = stack.settings
+    path, llm = model_dir
+    v1 = publish_probe(registry(s), llm.fingerprint)
+    n, n_labels = 400, 120
+    records = chats("l", 0, n)  # the labels below (ids l-0 ...) join these messages
+    keys = {k.decode() for k, _ in records}
+    produce_raw(s, s.topic_chat, records)
+    env = settings_env(s, path, batch_size=16, default_probe="false")
+    log = tmp_path / "scorer.log"
+    victim = spawn("score", {**env, "FAULT_DIE_AT_COMMIT": "3"}, log, "tests.faults.die_at_commit")
+    scorer: subprocess.Popen[bytes] | None = None
+    try:
+        with Tally(s) as tally:
+            assert victim.wait(240) == -signal.SIGKILL, log.read_text()[-2000:]
+            scorer = spawn("score", env, log)
+            out = tally.settle(keys, timeout_s=240)
+        missing = out.missing(keys)
+        assert not missing and not out.dead, log.read_text()[-2000:]
+        redelivered = sum(out.verdicts.values()) - len(out.verdicts)
+        assert redelivered > 0  # the killed batch's verdicts went out twice
+        assert set().union(*out.verdict_versions.values()) == {v1}
+        counted = _evidence(s, ("n",))
+        assert sum(counted.values()) == len(out.verdicts) == n, counted
+    finally:
+        for role in (victim, scorer):
+            if role is not None and role.poll() is None:
+                role.send_signal(signal.SIGTERM)
+                role.wait(60)
+    record(
+        Row(
+            "SIGKILL a scorer between produce and commit",
+            n,
+            len(out.verdicts),
+            len(out.dead),
+            len(missing),
+            f"{redelivered} verdicts redelivered; evidence n over versions = "
+            f"{sum(counted.values())} = distinct messages, exactly",
+        )
+    )
+
+    # The labels: an updater killed at its first commit, after crediting and publishing.
+    produce_raw(s, s.topic_labels, [(None, _label(i)) for i in range(n_labels)])
+    env = settings_env(
+        s, path, publish_every_labels=32, publish_every_s=1.0, lease_ttl_ms=2000, stats_warmup=16
+    )
+    log = tmp_path / "updater.log"
+    victim = spawn("train", {**env, "FAULT_DIE_AT_COMMIT": "1"}, log, "tests.faults.die_at_commit")
+    updater: subprocess.Popen[bytes] | None = None
+    try:
+        assert victim.wait(240) == -signal.SIGKILL, log.read_text()[-2000:]
+        credited_before = sum(_evidence(s, ("tp", "fp", "fn", "tn")).values())
+        updater = spawn("train", env, log)
+        # Each partition's labels come in offset order, the redelivered ones first: once
+        # the last label is credited, every redelivered one has been handled too.
+        wait_until(
+            lambda: sum(_evidence(s, ("tp", "fp", "fn", "tn")).values()) >= n_labels,
+            "the next updater to credit every label",
+            240,
+        )
+        time.sleep(5)  # anything counted twice would show by now
+        credited = _evidence(s, ("tp", "fp", "fn", "tn"))
+        assert credited == {**{v: 0 for v in credited}, v1: n_labels}, credited
+        assert credited_before > 0  # the redelivery must not credit these again
+    finally:
+        for proc in (victim, updater):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(60)
+    record(
+        Row(
+            "SIGKILL the updater between crediting labels and commit",
+            n_labels,
+            0,
+            0,
+            0,
+            f"{credited_before} credited before the kill, all {n_labels} redelivered; "
+            f"label credit over versions = {sum(credited.values())} = labels, exactly",
+        )
+    )
+
+
 # --- outages --------------------------------------------------------------------------
 
 

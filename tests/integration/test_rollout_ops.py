@@ -25,7 +25,7 @@ from worker.errors import RegistryError, StagesChanged
 from worker.rollout.changes import Rollout
 from worker.rollout.policy import Policy, next_action
 from worker.store.checkpoints import CheckpointRegistry
-from worker.store.evidence import Confusion, EvidenceStore, Truth
+from worker.store.evidence import Confusion, EvidenceStore, Judgement, Truth
 from worker.store.lease import Lease
 
 pytestmark = pytest.mark.integration
@@ -147,8 +147,8 @@ def test_evidence_counts_scored_and_labeled_once(
         ProbeDecision(v=live, f=False, s=0.2, c=canary, sv=canary, sf=True, ss=0.8),  # shadow
         ProbeDecision(v=canary, f=True, s=0.7),  # the canary decided
     ]
+    evidence.record_scored([Judgement(None, {"tox": d}) for d in decisions], 10.0)
     pipe = redis_ns.client.pipeline()
-    evidence.add_scored(pipe, "tox", [(d, 10.0) for d in decisions])
     for i, d in enumerate(decisions):
         pipe.set(evidence.keys.decided(f"m{i}"), DecidedRecord(p={"tox": d}).encode())
     pipe.execute()
@@ -342,31 +342,29 @@ def test_labels_whose_counts_failed_are_credited_on_redelivery(
 ) -> None:
     # Review C7: the "credited" markers and the counts were two round trips; when the
     # second failed, redelivery saw the markers and never credited those labels.
-    pipe = redis_ns.client.pipeline()
-    evidence.add_scored(pipe, "tox", [(ProbeDecision(v=3, f=True, s=0.9), 5.0)])
-    pipe.set(
+    evidence.record_scored([Judgement(None, {"tox": ProbeDecision(v=3, f=True, s=0.9)})], 5.0)
+    redis_ns.client.set(
         evidence.keys.decided("m0"), DecidedRecord(p={"tox": ProbeDecision(v=3, f=True)}).encode()
     )
-    pipe.execute()
 
-    class CountsFailOnce:
-        """The registry's Redis, whose next pipeline fails (e.g. a timeout)."""
+    class CreditFailsOnce:
+        """The registry's Redis, whose first credit script fails (e.g. a timeout)."""
 
         def __init__(self, client: Any) -> None:
             self.client, self.failed = client, False
 
-        def pipeline(self, **kw: Any) -> Any:
-            pipe = self.client.pipeline(**kw)
-            if not self.failed:
-                self.failed = True
+        def register_script(self, text: str) -> Any:
+            script = self.client.register_script(text)
 
-                def fail() -> None:
+            def call(**kw: Any) -> Any:
+                if not self.failed:
+                    self.failed = True
                     raise redis.ConnectionError("lost the connection")
+                return script(**kw)
 
-                pipe.execute = fail
-            return pipe
+            return call
 
-    flaky = EvidenceStore(CountsFailOnce(redis_ns.client), evidence.keys, cache=redis_ns.client)
+    flaky = EvidenceStore(CreditFailsOnce(redis_ns.client), evidence.keys, cache=redis_ns.client)
     with pytest.raises(redis.ConnectionError):
         flaky.record_labels("tox", [("m0", True)])
     assert flaky.record_labels("tox", [("m0", True)]) == 1  # redelivered: credited now
@@ -384,8 +382,12 @@ def test_evidence_per_head_counts_scored_and_labeled_once_per_head(
         ProbeDecision(v=live, f=False, sv=canary, sf=True, h=[], sh=["sexual"]),  # shadow
         ProbeDecision(v=live, f=False),  # recorded before heads existed: whole counts only
     ]
+    evidence.record_scored(
+        [Judgement(None, {"tox": d}) for d in decisions],
+        1.0,
+        heads={("tox", v): hs for v, hs in judged.items()},
+    )
     pipe = redis_ns.client.pipeline()
-    evidence.add_scored(pipe, "tox", [(d, 1.0) for d in decisions], heads=judged)
     for i, d in enumerate(decisions):
         pipe.set(evidence.keys.decided(f"m{i}"), DecidedRecord(p={"tox": d}).encode())
     pipe.execute()

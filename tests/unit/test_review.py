@@ -7,7 +7,7 @@ import doctest
 import pytest
 
 from worker.scoring import review
-from worker.scoring.review import ReviewPolicy, admitted, route
+from worker.scoring.review import ReviewPolicy, route
 from worker.settings import Settings
 
 IDS = [f"m-{i}" for i in range(4000)]
@@ -55,16 +55,6 @@ def test_uncertain_wins_over_audit_and_no_share_audits_nothing() -> None:
     assert {route(ReviewPolicy(audit_share=1.0), m, 0.5) for m in IDS[:50]} == {"uncertain"}
     assert {route(ReviewPolicy(audit_share=1.0), m, 0.9) for m in IDS[:50]} == {"audit"}
     assert {route(ReviewPolicy(audit_share=0.0), m, 0.9) for m in IDS} == {None}
-
-
-@pytest.mark.parametrize(
-    ("wanted", "used", "limit", "expected"),
-    [(4, 4, 10, 4), (4, 10, 10, 4), (4, 12, 10, 2), (4, 20, 10, 0), (3, 3, 0, 0), (0, 5, 10, 0)],
-)
-def test_the_shared_window_admits_only_what_is_left(
-    wanted: int, used: int, limit: int, expected: int
-) -> None:
-    assert admitted(ReviewPolicy(max_per_window=limit), wanted, used) == expected
 
 
 def test_windows_are_fixed_spans_of_window_s() -> None:

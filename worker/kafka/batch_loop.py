@@ -16,8 +16,8 @@ Failures cost only what failed:
 - Producing: records the broker did not acknowledge are sent again, in place (the
   handler does not run again, so nothing it produced or counted is repeated), after a
   backoff, until they are acknowledged or the loop is stopped (then nothing is
-  committed and the batch is left to the next owner). A broker outage delays work but
-  loses none.
+  committed and the batch is left to the next owner). A record still in flight is waited
+  on, not sent twice. A broker outage delays work but loses none.
 - A record the broker *refuses* (too large, invalid: :data:`REFUSED`) is never retried:
   the input it answered is dead-lettered as ``refused`` instead (and a dead letter that
   is refused is replaced by one without its payload prefix), so no input can make the
@@ -332,26 +332,32 @@ class BatchLoop(Generic[T]):
     def _deliver(self, out: list[Outgoing]) -> bool:
         """Produce ``out`` and wait for every acknowledgement.
 
-        Unacknowledged records are sent again (only they) after a backoff; refused ones
-        are replaced (:meth:`_replacement`). False only when the loop was stopped before
-        everything was acknowledged.
+        Records the broker did not acknowledge are sent again (only they) after a backoff;
+        refused ones are replaced (:meth:`_replacement`). A record still in flight after
+        ``produce_timeout_s`` (the producer may yet deliver it: its own delivery timeout
+        is longer) is waited on again, never sent a second time (review L9: a copy that
+        was merely slow landed beside its re-send). False only when the loop was stopped
+        before everything was acknowledged.
         """
-        pending = out
+        pending: list[tuple[Outgoing, Any]] = [(o, None) for o in out]
         while pending:
-            again: list[Outgoing] = []
+            again: list[tuple[Outgoing, Any]] = []
             failures: list[str] = []
-            for o, exc in self._send(pending):
-                if isinstance(exc, REFUSED):
+            for o, exc, future in self._send(pending):
+                if future is not None:  # in flight: wait on the same send
+                    again.append((o, future))
+                    failures.append(f"still in flight after {self.produce_timeout_s:.0f} s")
+                elif isinstance(exc, REFUSED):
                     replacement = self._replacement(o, exc)
                     if replacement is not None:
-                        again.append(replacement)
+                        again.append((replacement, None))
                 else:
-                    again.append(o)
+                    again.append((o, None))
                     failures.append(f"{type(exc).__name__}: {exc}")
             if failures:
                 self._failed("retry_produce", failures[0])
                 log.error(
-                    "%d of %d records not acknowledged (%s); sending them again",
+                    "%d of %d records not acknowledged (%s); waiting or sending them again",
                     len(failures),
                     len(pending),
                     failures[0],
@@ -361,22 +367,32 @@ class BatchLoop(Generic[T]):
             pending = again
         return True
 
-    def _send(self, out: list[Outgoing]) -> list[tuple[Outgoing, KafkaError]]:
-        """Send ``out``; the records that failed, with why."""
-        failed: list[tuple[Outgoing, KafkaError]] = []
+    def _send(
+        self, pending: list[tuple[Outgoing, Any]]
+    ) -> list[tuple[Outgoing, KafkaError | None, Any]]:
+        """Send the records of ``pending`` that have no send in flight yet, then wait for
+        every one: those that failed, with why, and those still in flight, with their
+        future (``(o, None, future)``)."""
+        failed: list[tuple[Outgoing, KafkaError | None, Any]] = []
         sent = []
-        for o in out:
+        for o, future in pending:
+            if future is not None:
+                sent.append((o, future))
+                continue
             try:
                 sent.append((o, self.producer.send(o.topic, key=o.key, value=o.value)))
             except KafkaError as exc:  # e.g. larger than max_request_size (3.x raises here)
-                failed.append((o, exc))
+                failed.append((o, exc, None))
         with contextlib.suppress(KafkaError):  # each future below says what became of its record
             self.producer.flush(self.produce_timeout_s)
         for o, future in sent:
             try:
                 future.get(timeout=self.produce_timeout_s)
             except KafkaError as exc:
-                failed.append((o, exc))
+                if not getattr(future, "is_done", True):
+                    failed.append((o, None, future))  # not failed: not acknowledged yet
+                else:
+                    failed.append((o, exc, None))
         return failed
 
     def _replacement(self, o: Outgoing, exc: KafkaError) -> Outgoing | None:

@@ -45,7 +45,7 @@ from worker.scoring.metrics import ScorerMetrics
 from worker.scoring.probe_watch import ProbeWatcher
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
-from worker.store.evidence import EvidenceStore
+from worker.store.evidence import EvidenceStore, Judgement, ReviewBudget, ReviewCandidate
 from worker.store.redis import Breaker, Keys, make_text_redis
 
 __all__ = ["Judged", "Retain", "ScoringEngine"]
@@ -146,11 +146,14 @@ class ScoringEngine:
         *,
         retain: Sequence[Retain] | None = None,
         review: bool = True,
+        sources: Sequence[tuple[str, int, int]] | None = None,
     ) -> Judged:
         """Score ``messages``; verdicts, review requests within budget (``review``: none
         are asked for, and the shared budget is left alone, when nobody will send them),
         texts and decisions written for label joins and evidence, as each message's
-        ``retain`` allows (``Retain.ALL`` for every message by default)."""
+        ``retain`` allows (``Retain.ALL`` for every message by default). ``sources``: each
+        message's Kafka record (topic, partition, offset), so a redelivered one is counted
+        and charged once (:meth:`EvidenceStore.record_scored`)."""
         start = time.perf_counter()
         scores = self.batch_scorer.score(messages)
         elapsed = time.perf_counter() - start
@@ -174,15 +177,20 @@ class ScoringEngine:
             for r in results:
                 if r.flagged:
                     self.metrics.flags.labels(r.probe).inc()
+        candidates = self._candidates(messages, scores, keep) if review else []
+        self.drift.observe(scores.drift)
+        admitted = self._record(scores, latency_ms, keep, sources, candidates)
+        self.metrics.reviews_dropped.inc(len(candidates) - len(admitted))
+        for _, req in admitted:
+            self.metrics.reviews.labels(req.reason).inc()
         judged = Judged(
             verdicts=verdicts,
             errors=dict(scores.errors),
-            reviews=self._reviews(messages, scores, keep) if review else [],
+            reviews=admitted,
             scores=scores,
             elapsed_s=elapsed,
         )
-        self.drift.observe(scores.drift)
-        self._remember(messages, scores, latency_ms, keep)
+        self._remember(messages, scores, keep)
         n = len(scores.results)
         self.metrics.messages.inc(n)
         self.metrics.batch_size.observe(len(messages))
@@ -192,9 +200,10 @@ class ScoringEngine:
             self.metrics.message_seconds.observe(elapsed / n)
         return judged
 
-    def _reviews(
+    def _candidates(
         self, messages: Sequence[ChatMessage], scores: BatchScores, keep: list[Retain]
     ) -> list[tuple[int, ReviewRequest]]:
+        """The review requests the batch asks for, before the budget."""
         candidates: list[tuple[int, ReviewRequest]] = []
         for pos, results in scores.results.items():
             msg = messages[pos]
@@ -217,78 +226,80 @@ class ScoringEngine:
                     created_at=utcnow(),
                 )
                 candidates.append((pos, request))
-        admitted = candidates[: self._review_budget(len(candidates))]
-        self.metrics.reviews_dropped.inc(len(candidates) - len(admitted))
-        for _, req in admitted:
-            self.metrics.reviews.labels(req.reason).inc()
-        return admitted
+        return candidates
 
-    def _review_budget(self, wanted: int) -> int:
-        """How many review requests the budget shared by all scorers still admits.
-
-        A fixed window of ``review_window_s`` seconds, counted in Redis, so a flood
-        cannot swamp the reviewers however many scorers run.
-        """
-        if wanted == 0:
-            return 0
-        if not self.redis_breaker.ready():
-            return 0  # Redis is failing: without the shared budget, hold reviews back
-        policy = self.review_policy
-        window = policy.window_s
-        key = self.keys.review_budget(policy.window(time.time()))
-        try:
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.incrby(key, wanted)
-            pipe.expire(key, 2 * window)
-            used = int(pipe.execute()[0])
-        except (redis.RedisError, OSError) as exc:
-            self.metrics.redis_errors.inc()
-            self.redis_breaker.trip(exc)
-            log.warning("review budget unavailable (%s); holding reviews back", exc)
-            return 0  # without the shared budget, err on the side of not flooding reviewers
-        return review.admitted(policy, wanted, used)
-
-    def _remember(
+    def _record(
         self,
-        messages: Sequence[ChatMessage],
         scores: BatchScores,
         latency_ms: float,
         keep: list[Retain],
-    ) -> None:
-        """Text and decisions per message (for label joins), evidence per version.
+        sources: Sequence[tuple[str, int, int]] | None,
+        candidates: list[tuple[int, ReviewRequest]],
+    ) -> list[tuple[int, ReviewRequest]]:
+        """Evidence per version, the review budget and the drift windows due, in one script
+        (one round trip): each
+        message counts, and each review request is charged, once per Kafka record however
+        often it is delivered. Returns the review requests the budget admits: a fixed window
+        of ``review_window_s`` seconds shared by every scorer, so a flood cannot swamp the
+        reviewers however many scorers run.
 
-        Best-effort, one round trip each to the text cache and to the registry's Redis,
-        each behind its own breaker: a failure (a full cache, say) costs label joins or
-        evidence, never the batch, and never the other.
+        Best-effort behind the breaker: while Redis fails, evidence is lost and reviews are
+        held back (without the shared budget, err on the side of not flooding reviewers).
         """
-        by_pos: dict[int, dict[str, ProbeDecision]] = defaultdict(dict)
-        by_probe: dict[str, list[tuple[ProbeDecision, float]]] = defaultdict(list)
+        decisions: dict[int, dict[str, ProbeDecision]] = defaultdict(dict)
         for (pos, probe), d in scores.decisions.items():
-            if keep[pos] >= Retain.ALL:
-                by_pos[pos][probe] = d
             if keep[pos] >= Retain.COUNT:
-                by_probe[probe].append((d, latency_ms))
-        if any(keep[pos] >= Retain.ALL for pos in scores.results):
-            self._cache_texts(messages, scores, by_pos, keep)
-        if not by_probe:
-            return
+                decisions[pos][probe] = d
+        if not decisions and not candidates:
+            return []
         if not self.redis_breaker.ready():
             self.metrics.redis_skipped.inc()
-            return
+            return []
+        positions = sorted(decisions.keys() | {pos for pos, _ in candidates})
+        index = {pos: i for i, pos in enumerate(positions)}
+        judged = [
+            Judgement(sources[pos] if sources is not None else None, decisions.get(pos, {}))
+            for pos in index
+        ]
+        policy = self.review_policy
+        budget = ReviewBudget(
+            self.keys.review_budget(policy.window(time.time())),
+            policy.max_per_window,
+            2 * policy.window_s,
+        )
+        wanted = [ReviewCandidate(index[pos], r.probe, r.message_id) for pos, r in candidates]
         try:
-            pipe = self.redis.pipeline(transaction=False)
-            for probe, decisions in by_probe.items():
-                heads = {v: hs for (name, v), hs in scores.heads.items() if name == probe}
-                self.evidence.add_scored(pipe, probe, decisions, heads=heads)
-            for (probe, version), snapshot in self.drift.snapshots(utcnow()):
-                key = self.keys.drift(probe, version)
-                pipe.hset(key, self.worker_id, snapshot.encode())
-                pipe.expire(key, DRIFT_SNAPSHOT_TTL_S)
-            pipe.execute()
+            ok = self.evidence.record_scored(
+                judged,
+                latency_ms,
+                heads=scores.heads,
+                reviews=wanted,
+                budget=budget,
+                hashes=[
+                    (self.keys.drift(probe, version), self.worker_id, snap.encode().decode(), ttl)
+                    for (probe, version), snap in self.drift.snapshots(utcnow())
+                    for ttl in (DRIFT_SNAPSHOT_TTL_S,)
+                ],
+            )
         except (redis.RedisError, OSError) as exc:
             self.metrics.redis_errors.inc()
             self.redis_breaker.trip(exc)
-            log.warning("evidence write failed (%s)", exc)
+            log.warning("evidence and review budget unavailable (%s); reviews held back", exc)
+            return []
+        return [c for c, admit in zip(candidates, ok, strict=True) if admit]
+
+    def _remember(
+        self, messages: Sequence[ChatMessage], scores: BatchScores, keep: list[Retain]
+    ) -> None:
+        """Text and decisions per message, for label joins: best-effort, one round trip to
+        the text cache behind its own breaker (a full cache costs label joins, never the
+        batch, nor the evidence)."""
+        by_pos: dict[int, dict[str, ProbeDecision]] = defaultdict(dict)
+        for (pos, probe), d in scores.decisions.items():
+            if keep[pos] >= Retain.ALL:
+                by_pos[pos][probe] = d
+        if any(keep[pos] >= Retain.ALL for pos in scores.results):
+            self._cache_texts(messages, scores, by_pos, keep)
 
     def _cache_texts(
         self,
@@ -315,8 +326,11 @@ class ScoringEngine:
                 if len(text) <= cap:
                     pipe.set(self.keys.text(msg.message_id), text, ex=ttl)
                 if by_pos.get(pos):
+                    # The first judgement stays (NX): a redelivery scored after a hot swap
+                    # must not move a label's credit to a version whose evidence never
+                    # counted the message (the first delivery's script counted it).
                     record = DecidedRecord(p=by_pos[pos]).encode()
-                    pipe.set(self.keys.decided(msg.message_id), record, ex=ttl)
+                    pipe.set(self.keys.decided(msg.message_id), record, ex=ttl, nx=True)
             pipe.execute()
             self.text_breaker.reset()
         except (redis.RedisError, OSError) as exc:

@@ -7,7 +7,8 @@
 A message is sampled for audit or not whatever probe or version scored it (the fraction
 hashes only the message id), so a reviewer sees whole messages, not a probe's share.
 Requests then pass a budget shared by all scorers: at most ``max_per_window`` per
-``window_s`` seconds (:func:`admitted`; the scorer counts the window in Redis).
+``window_s`` seconds, each charged once however often its message is redelivered (the
+scorer counts the window in Redis: :meth:`worker.store.evidence.EvidenceStore.record_scored`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from worker.scoring.batch import sticky_fraction
 if TYPE_CHECKING:
     from worker.settings import Settings
 
-__all__ = ["ReviewPolicy", "ReviewReason", "admitted", "route"]
+__all__ = ["ReviewPolicy", "ReviewReason", "route"]
 
 ReviewReason = Literal["uncertain", "audit"]  # ReviewRequest.reason
 
@@ -65,13 +66,3 @@ def route(policy: ReviewPolicy, message_id: str, flag_score: float | None) -> Re
     if sticky_fraction(message_id, "audit") < policy.audit_share:
         return "audit"
     return None
-
-
-def admitted(policy: ReviewPolicy, wanted: int, used: int) -> int:
-    """How many of ``wanted`` requests the window admits, ``used`` being the window's
-    count *including* these ``wanted`` (the scorer adds them first, atomically).
-
-    >>> admitted(ReviewPolicy(max_per_window=10), wanted=4, used=12)
-    2
-    """
-    return max(0, min(wanted, policy.max_per_window - (used - wanted)))

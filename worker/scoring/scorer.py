@@ -161,7 +161,9 @@ class Scorer:
     # --- the batch -----------------------------------------------------------
 
     def handle(self, items: list[Item[ChatMessage]]) -> Sequence[Outgoing | Reject]:
-        judged = self.engine.judge([i.value for i in items])
+        judged = self.engine.judge(
+            [i.value for i in items], sources=[(i.topic, i.partition, i.offset) for i in items]
+        )
         s = self.settings
         out: list[Outgoing | Reject] = [
             Reject(items[pos], "unscorable", reason) for pos, reason in judged.errors.items()

@@ -10,7 +10,10 @@ derived from the event stream (:func:`live_lineage`).
 
 Publishing is one Lua script: blob, manifest, the version marker and the
 event are written together or not at all, and only by the current lease
-holder when a fencing token is given. Readers see a version only once both
+holder when a fencing token is given. Publishing and stage changes each carry a
+request id, so redis-py re-sending one whose reply was lost (a socket timeout after
+the script ran) gets the first run's answer rather than "already published" or
+"stages changed" (see :mod:`worker.store.scripts`). Readers see a version only once both
 blob and manifest exist. Integrity (sha256 of the blob against the
 manifest) is checked on every read.
 
@@ -23,6 +26,7 @@ signed by one scheme, :meth:`CheckpointRegistry.mac`. The scripts are in
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -142,6 +146,7 @@ class CheckpointRegistry(CheckpointReader):
                     self.keys.stages(self.probe),
                     self.lease_key,
                     self.keys.live_history(self.probe),
+                    self.keys.once(uuid.uuid4().hex),
                 ],
                 args=[
                     v,
@@ -156,6 +161,7 @@ class CheckpointRegistry(CheckpointReader):
                     seq,
                     sig,
                     new_seq,
+                    scripts.ONCE_TTL_S,
                 ],
             )
         except redis.ResponseError as exc:
@@ -212,6 +218,7 @@ class CheckpointRegistry(CheckpointReader):
                     self.keys.rolled_back(self.probe),
                     self.keys.tried(self.probe),
                     self.keys.live_history(self.probe),
+                    self.keys.once(uuid.uuid4().hex),
                     *reset,
                 ],
                 args=[
@@ -224,6 +231,7 @@ class CheckpointRegistry(CheckpointReader):
                     json.dumps({str(v): why for v, why in (mark_rolled_back or {}).items()}),
                     json.dumps([int(v) for v in mark_tried]),
                     LIVE_HISTORY_MAX,
+                    scripts.ONCE_TTL_S,
                 ],
             )
         except redis.ResponseError as exc:

@@ -6,8 +6,17 @@ The rollout policy (:mod:`worker.rollout.policy`) decides on these numbers, and
 ``probeguard probe status`` shows them. Writing is best-effort: callers catch
 Redis errors, so a Redis hiccup costs evidence, never a batch.
 
-Keys: ``evidence``, ``pairs``, ``labeled`` and ``decided`` in
-:class:`worker.store.redis.Keys`. ``pairs`` is a list of "flag_score truth" (newest
+Counts are exact under redelivery: each write is one Lua script (see
+:mod:`worker.store.scripts`) that counts only what no earlier delivery counted. A
+scored message counts once per Kafka record (a high-water offset per topic partition:
+a batch redelivered after a crash between produce and commit, or handled by two members
+around a rebalance, counts once, for whichever delivery ran its script first), a label
+once per message and head (a marker, set in the same script as its counts), a review
+request is charged to the budget once. A script re-run by redis-py after a lost reply
+returns its first answer and writes nothing.
+
+Keys: ``evidence``, ``pairs``, ``labeled``, ``counted``, ``review_sent`` and ``decided``
+in :class:`worker.store.redis.Keys`. ``pairs`` is a list of "flag_score truth" (newest
 first, at most ``pairs_max``). Hash fields of ``evidence``:
 
 ==============  ==============================================================
@@ -41,10 +50,11 @@ versions that have it. A label is credited per head for the heads it annotates (
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import json
 import math
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -55,9 +65,19 @@ from pydantic import ValidationError
 from probes.metrics import precision_recall_f1
 from schemas import DecidedRecord, ProbeDecision
 from worker.settings import DEFAULTS, Settings
+from worker.store import scripts
 from worker.store.redis import Keys
 
-__all__ = ["Confusion", "Counts", "Evidence", "EvidenceStore", "Truth"]
+__all__ = [
+    "Confusion",
+    "Counts",
+    "Evidence",
+    "EvidenceStore",
+    "Judgement",
+    "ReviewBudget",
+    "ReviewCandidate",
+    "Truth",
+]
 
 
 @dataclass(frozen=True)
@@ -193,6 +213,34 @@ class Truth:
     heads: Mapping[str, bool] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Judgement:
+    """One judged message for the evidence counters: its Kafka record (topic, partition,
+    offset; None for an HTTP request, which is never redelivered) and how each probe
+    decided it."""
+
+    source: tuple[str, int, int] | None
+    decisions: Mapping[str, ProbeDecision]
+
+
+@dataclass(frozen=True)
+class ReviewCandidate:
+    """A review request a scored message asks for: ``index`` into the batch's judgements."""
+
+    index: int
+    probe: str
+    message_id: str
+
+
+@dataclass(frozen=True)
+class ReviewBudget:
+    """The review budget's current window: its counter, how many it admits, its TTL."""
+
+    key: str
+    limit: int
+    ttl_s: int
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -210,6 +258,34 @@ def _count_heads(
     for head in judged:
         into[f"h.{head}.{kind}n"] += 1
         into[f"h.{head}.{kind}flags"] += head in flagged
+
+
+def _scored_fields(
+    probe: str,
+    d: ProbeDecision,
+    latency_ms: float,
+    heads: Mapping[tuple[str, int], Sequence[str]],
+) -> dict[int, dict[str, float]]:
+    """What one decision adds to the counters, per version (see the module docstring)."""
+    out: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    if d.v > 0:  # version 0 is a bootstrap file, not a registry version
+        own = out[d.v]
+        own["n"] += 1
+        own["flags"] += d.f
+        own["lat_ms"] += latency_ms
+        _count_heads(own, heads.get((probe, d.v), ()), d.h, "")
+    if d.c is not None:
+        base = out[d.c]
+        base["bl_n"] += 1
+        base["bl_flags"] += d.f
+        _count_heads(base, heads.get((probe, d.v), ()), d.h, "bl_")
+    if d.sv is not None and d.sf is not None:
+        shadow = out[d.sv]
+        shadow["sh_n"] += 1
+        shadow["sh_flags"] += d.sf
+        shadow["sh_agree"] += d.sf == d.f
+        _count_heads(shadow, heads.get((probe, d.sv), ()), d.sh, "sh_")
+    return out
 
 
 def _decision(blob: bytes | None, probe: str) -> ProbeDecision | None:
@@ -265,16 +341,18 @@ class EvidenceStore:
         cache: Any = None,
     ) -> None:
         self.client: Any = client
-        # ``decided`` and ``labeled`` (per message, TTL) live in the text cache's Redis.
+        # ``decided`` (per message, TTL) lives in the text cache's Redis; the markers that
+        # make counts exact live with the counts, so that one script sets both.
         self.cache: Any = cache if cache is not None else client
         self.keys = keys
         self.pairs_max = pairs_max
         self.marker_ttl_s = marker_ttl_s
+        self._scripts: dict[str, Any] = {}
 
     @classmethod
     def from_settings(cls, client: Any, settings: Settings, *, cache: Any = None) -> EvidenceStore:
-        """Under ``settings.redis_prefix``; label markers live as long as cached texts (and
-        with them in ``cache``, the text cache's client, when given)."""
+        """Under ``settings.redis_prefix``; markers live as long as cached texts; decided
+        records are read from ``cache``, the text cache's client, when given."""
         return cls(
             client,
             Keys(settings.redis_prefix),
@@ -283,48 +361,96 @@ class EvidenceStore:
             cache=cache,
         )
 
+    def _script(self, text: str) -> Any:
+        """The registered script (registered on first use: EVALSHA, loaded on NOSCRIPT)."""
+        if text not in self._scripts:
+            self._scripts[text] = self.client.register_script(text)
+        return self._scripts[text]
+
     # --- scorers -------------------------------------------------------------
 
-    def add_scored(
+    def record_scored(
         self,
-        pipe: Any,
-        probe: str,
-        decisions: Iterable[tuple[ProbeDecision, float]],
+        judged: Sequence[Judgement],
+        latency_ms: float,
         *,
-        heads: Mapping[int, Sequence[str]] | None = None,
-    ) -> None:
-        """Queue on ``pipe`` the counters for a batch of ``(decision, latency_ms)``;
-        ``heads``: version -> the heads a multi-head version judged (its per-head counters).
+        heads: Mapping[tuple[str, int], Sequence[str]] | None = None,
+        reviews: Sequence[ReviewCandidate] = (),
+        budget: ReviewBudget | None = None,
+        hashes: Sequence[tuple[str, str, str, int]] = (),
+    ) -> list[bool]:
+        """Count a batch's decisions and charge its review requests: one script, one round
+        trip, exactly once per Kafka record however often it is delivered.
 
-        Aggregated per version first: a batch costs a few HINCRBYs, not one per message.
+        ``heads``: (probe, version) -> the heads a multi-head version judged (its per-head
+        counters). A message whose record (``Judgement.source``) is at or below its
+        partition's high-water mark was counted by an earlier delivery (a crash between
+        produce and commit, a rebalance mid-batch) and counts no more; nor are its review
+        requests charged again: they are re-sent only if that delivery admitted them.
+        Returns, per review candidate, whether it is admitted (``budget``: the window's key
+        and limit; without one nothing is admitted). ``hashes``: ``(key, field, value,
+        ttl_s)`` set in the same round trip (a scorer's drift windows; idempotent). Raises
+        Redis errors (the caller's breaker): then nothing was counted, and a redelivery
+        counts it.
         """
-        judged = heads or {}
-        sums: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-        for d, latency_ms in decisions:
-            if d.v > 0:  # version 0 is a bootstrap file, not a registry version
-                own = sums[d.v]
-                own["n"] += 1
-                own["flags"] += d.f
-                own["lat_ms"] += latency_ms
-                _count_heads(own, judged.get(d.v, ()), d.h, "")
-            if d.c is not None:
-                base = sums[d.c]
-                base["bl_n"] += 1
-                base["bl_flags"] += d.f
-                _count_heads(base, judged.get(d.v, ()), d.h, "bl_")
-            if d.sv is not None and d.sf is not None:
-                shadow = sums[d.sv]
-                shadow["sh_n"] += 1
-                shadow["sh_flags"] += d.sf
-                shadow["sh_agree"] += d.sf == d.f
-                _count_heads(shadow, judged.get(d.sv, ()), d.sh, "sh_")
-        for version, fields in sums.items():
-            key = self.keys.evidence(probe, version)
-            for name, amount in fields.items():
-                if name == "lat_ms":
-                    pipe.hincrbyfloat(key, name, round(amount, 3))
-                elif amount:
-                    pipe.hincrby(key, name, int(amount))
+        judged_heads = heads or {}
+        parts: dict[tuple[str, int], int] = {}  # (topic, partition) -> 1-based index
+        ev_keys: dict[str, int] = {}  # evidence key -> 1-based index
+        contribs: dict[tuple[tuple[int, str, float, int], ...], int] = {}
+        recs: list[list[int]] = []
+        for j in judged:
+            ops: list[tuple[int, str, float, int]] = []
+            for probe, d in sorted(j.decisions.items()):
+                for version, fields in _scored_fields(probe, d, latency_ms, judged_heads).items():
+                    k = ev_keys.setdefault(self.keys.evidence(probe, version), len(ev_keys) + 1)
+                    ops += [
+                        (k, name, round(amount, 3), int(name == "lat_ms"))
+                        for name, amount in sorted(fields.items())
+                        if amount
+                    ]
+            c = contribs.setdefault(tuple(ops), len(contribs) + 1) if ops else 0
+            if j.source is None:
+                recs.append([0, 0, c])
+            else:
+                topic, partition, offset = j.source
+                recs.append([parts.setdefault((topic, partition), len(parts) + 1), offset, c])
+        markers = [self.keys.review_sent(r.probe, r.message_id) for r in reviews]
+        if reviews and budget is None:
+            raise ValueError("review candidates need a budget")
+        if not contribs and not markers and not hashes:
+            return []
+        hash_keys: dict[str, int] = {}
+        sets = [
+            [hash_keys.setdefault(key, len(hash_keys) + 1), name, value, ttl]
+            for key, name, value, ttl in hashes
+        ]
+        args = {
+            "np": len(parts),
+            "nm": len(markers),
+            "hw_ttl": self.marker_ttl_s,
+            "mark_ttl": self.marker_ttl_s,
+            "once_ttl": scripts.ONCE_TTL_S,
+            "budget": budget.limit if budget is not None else 0,
+            "window_ttl": budget.ttl_s if budget is not None else 1,
+            "recs": recs,
+            "contribs": [[list(op) for op in ops] for ops in contribs] or [[]],
+            "reviews": [[r.index + 1, i + 1] for i, r in enumerate(reviews)],
+            "ne": len(ev_keys),
+            "sets": sets,
+        }
+        reply = self._script(scripts.SCORED)(
+            keys=[
+                self.keys.once(uuid.uuid4().hex),
+                budget.key if budget is not None else self.keys.once("no-budget"),
+                *(self.keys.counted(t, p) for t, p in parts),
+                *markers,
+                *ev_keys,
+                *hash_keys,
+            ],
+            args=[json.dumps(args)],
+        )
+        flags = _text(reply).split("|", 1)[1]
+        return [f == "1" for f in flags]
 
     def record_refusal(self, probe: str, version: int, reason: str) -> None:
         key = self.keys.evidence(probe, version)
@@ -350,9 +476,10 @@ class EvidenceStore:
         """Credit what each label says to the version(s) that judged its message: the
         flag decision, and each head it annotates (multi-head decisions only).
 
-        Each counts once, however often a label is redelivered (a marker per message, and
-        per message and head); messages no scorer recorded a decision for are skipped.
-        Returns how many labels were credited.
+        Each counts exactly once, however often a label is redelivered and wherever the
+        updater dies: a marker per message (and per message and head) is set in the same
+        script as the counts it guards. Messages no scorer recorded a decision for are
+        skipped. Returns how many labels were credited.
         """
         if not truths:
             return 0
@@ -372,40 +499,40 @@ class EvidenceStore:
                 ]
         if not marks:
             return 0
-        pipe = self.cache.pipeline(transaction=False)
-        for key, _, _, _ in marks:
-            pipe.set(key, 1, nx=True, ex=self.marker_ttl_s)
-        fresh = [m for m, new in zip(marks, pipe.execute(), strict=True) if new]
-        counts: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-        pairs: dict[int, list[str]] = defaultdict(list)
-        for _, k, d, head in fresh:
+        targets: dict[str, int] = {}  # evidence hash or pairs list -> 1-based index
+        payload: list[list[list[list[Any]]]] = []
+        for _, k, d, head in marks:
+            counts: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+            pairs: dict[int, list[str]] = defaultdict(list)
             t = truths[k]
             if head is None:
                 _credit_flag(counts, pairs, d, bool(t.flag))
             else:
                 _credit_head(counts, d, head, t.heads[head])
-        try:
-            self._write_credits(probe, counts, pairs)
-        except Exception:
-            # The markers say "credited" but the counts did not land: take them back, so a
-            # redelivery credits these labels instead of skipping them for good.
-            with contextlib.suppress(Exception):
-                self.cache.delete(*(key for key, _, _, _ in fresh))
-            raise
+            ops = [
+                [targets.setdefault(self.keys.evidence(probe, v), len(targets) + 1), f, n, 0]
+                for v, fields in counts.items()
+                for f, n in fields.items()
+            ]
+            pushes = [
+                [targets.setdefault(self.keys.pairs(probe, v), len(targets) + 1), item]
+                for v, items in pairs.items()
+                for item in items
+            ]
+            payload.append([ops, pushes])
+        args = {
+            "nm": len(marks),
+            "ttl": self.marker_ttl_s,
+            "once_ttl": scripts.ONCE_TTL_S,
+            "pairs_max": self.pairs_max,
+            "marks": payload,
+        }
+        reply = self._script(scripts.CREDIT)(
+            keys=[self.keys.once(uuid.uuid4().hex), *(m[0] for m in marks), *targets],
+            args=[json.dumps(args)],
+        )
+        fresh = [m for m, flag in zip(marks, _text(reply), strict=True) if flag == "1"]
         return len({k for _, k, _, _ in fresh})
-
-    def _write_credits(
-        self, probe: str, counts: dict[int, dict[str, int]], pairs: dict[int, list[str]]
-    ) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        for version, fields in counts.items():
-            for name, amount in fields.items():
-                pipe.hincrby(self.keys.evidence(probe, version), name, amount)
-        if self.pairs_max:
-            for version, items in pairs.items():
-                pipe.lpush(self.keys.pairs(probe, version), *items)
-                pipe.ltrim(self.keys.pairs(probe, version), 0, self.pairs_max - 1)
-        pipe.execute()
 
     # --- who labeled (kept apart from the credit above) -------------------------
 
@@ -415,27 +542,39 @@ class EvidenceStore:
         policy can require several distinct labelers before it promotes.
 
         Like :meth:`record_truths` only the first label of a message counts (a marker per
-        message holding its labeler): a later label of another labeler was not credited,
-        and must not count as a second opinion; a redelivered label counts once."""
+        message, set in the same script as the count): a later label of another labeler
+        was not credited, and must not count as a second opinion; a redelivered label
+        counts once, and a crash or a lost reply neither loses nor doubles it."""
         if not labeled:
             return
         raw = self.cache.mget([self.keys.decided(m) for m, _ in labeled])
-        judged: list[tuple[str, set[int]]] = []
-        pipe = self.cache.pipeline(transaction=False)
+        markers: list[str] = []
+        targets: dict[str, int] = {}  # labelers hash -> 1-based index
+        payload: list[list[list[list[Any]]]] = []
         for (message_id, labeler), blob in zip(labeled, raw, strict=True):
             d = _decision(blob, probe)
-            versions = {v for v in (d.v, d.sv) if v} if d is not None else set()
-            if versions:
-                judged.append((labeler, versions))
-                key = self.keys.credited_by(probe, message_id)
-                pipe.set(key, labeler, nx=True, ex=self.marker_ttl_s)
-        if not judged:
+            versions = sorted({v for v in (d.v, d.sv) if v}) if d is not None else []
+            if not versions:
+                continue
+            markers.append(self.keys.credited_by(probe, message_id))
+            ops = [
+                [targets.setdefault(self.keys.labelers(probe, v), len(targets) + 1), labeler, 1, 0]
+                for v in versions
+            ]
+            payload.append([ops, []])
+        if not markers:
             return
-        pipe_w = self.client.pipeline(transaction=False)
-        for (labeler, versions), fresh in zip(judged, pipe.execute(), strict=True):
-            for v in versions if fresh else ():
-                pipe_w.hincrby(self.keys.labelers(probe, v), labeler, 1)
-        pipe_w.execute()
+        # One CREDIT script: each marker and its counts together, as in record_truths.
+        args = {
+            "nm": len(markers),
+            "ttl": self.marker_ttl_s,
+            "once_ttl": scripts.ONCE_TTL_S,
+            "pairs_max": 0,
+            "marks": payload,
+        }
+        self._script(scripts.CREDIT)(
+            keys=[self.keys.once(uuid.uuid4().hex), *markers, *targets], args=[json.dumps(args)]
+        )
 
     # --- reading -------------------------------------------------------------
 

@@ -91,10 +91,11 @@ class Keys:
     ``K:pairs:{v}``              list     "flag_score truth" per labeled message (evidence)
     ``K:drift:{v}``              hash     scorer id -> JSON ``DriftSnapshot``, its drift window
                                           for v (scorers, every few seconds; TTL)
-    ``K:labeled:{message_id}``   string   label already credited to evidence (TTL) [cache]
-    ``K:labeled_head:{h}:{m}``   string   the same, for head ``h`` of message ``m`` [cache]
+    ``K:labeled:{message_id}``   string   label already credited to evidence (TTL; set
+                                          with the counts, in one script)
+    ``K:labeled_head:{h}:{m}``   string   the same, for head ``h`` of message ``m``
     ``K:labelers:{v}``           hash     labeler -> labels credited to v's evidence (updater)
-    ``K:credited_by:{m}``        string   the labeler whose label was credited for m [cache]
+    ``K:credited_by:{m}``        string   m's first label was counted for its labeler (TTL)
     ``K:label_seen:{d}``         string   ``"<partition>:<offset>|<verdict>"``: a labeler's
                                           label for a message was admitted (d: sha256 of
                                           labeler and message; TTL; ``learning.gate``) [cache]
@@ -102,6 +103,13 @@ class Keys:
     ``P:text:{message_id}``      string   message text for label joins (scorers; TTL) [cache]
     ``P:decided:{message_id}``   string   which version decided a message (scorers; TTL) [cache]
     ``P:review_budget:{window}`` string   review requests sent in a time window (scorers; TTL)
+    ``P:review:sent:{p}:{m}``    string   message ``m``'s request for probe ``p`` was admitted
+                                          (charged to the budget once; TTL) (scorers)
+    ``P:counted:{t}:{part}``     string   highest offset of topic ``t``'s partition whose
+                                          evidence is counted (scorers; TTL): redelivered
+                                          records at or below it count no more
+    ``P:once:{request_id}``      string   a script's reply, for a re-run after a lost reply
+                                          (``store.scripts``; TTL 10 min)
     ``P:review:claim:{item}``    string   a console reviewer's claim on a review item
                                           (``probe:message_id``), with a TTL; ``done|<who>``
                                           once its label was acknowledged (console)
@@ -222,6 +230,15 @@ class Keys:
 
     def review_budget(self, window: int) -> str:
         return self._join("review_budget", window)
+
+    def review_sent(self, probe: str, message_id: str) -> str:
+        return self._join("review", "sent", probe, message_id)
+
+    def counted(self, topic: str, partition: int) -> str:
+        return self._join("counted", topic, partition)
+
+    def once(self, request_id: str) -> str:
+        return self._join("once", request_id)
 
     def review_claim(self, item: str) -> str:
         return self._join("review", "claim", item)
