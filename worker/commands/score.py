@@ -40,8 +40,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from worker.kafka.early_join import EarlyJoin
-    from worker.llm.extract import HiddenStateExtractor
-    from worker.scoring.scorer import Scorer
     from worker.store.redis import make_redis
 
     settings = settings_with(
@@ -52,9 +50,13 @@ def _run(args: argparse.Namespace) -> int:
         shadow=args.shadow,
     )
     client = make_redis(settings)  # a missing Redis is said before the LLM loads
-    # The consumer group forms (~3 s) while the LLM loads (~5 s), not after it.
+    # The consumer group forms (~3 s) while torch imports and the LLM loads (~5 s), not
+    # after them: started before anything imports torch.
     early = EarlyJoin.start(settings, settings.group_scorer, settings.topic_chat)
     try:
+        from worker.llm.extract import HiddenStateExtractor
+        from worker.scoring.scorer import Scorer
+
         extractor = HiddenStateExtractor.from_settings(settings)
     except BaseException:
         early.release()
