@@ -46,3 +46,27 @@ def test_review_page_shows_the_explanation_of_the_item(
     assert why.locator("table.lens").count() == 0 and why.locator("table.ranks").count() == 0
     message = page.locator("blockquote.message")
     assert TEXT in message.inner_text() and message.locator("b").count() == 0
+
+
+def test_the_explanation_sits_beside_the_item_at_1280_px_and_below_it_at_390(
+    stack: Stack, new_page: Callable[[], Any]
+) -> None:
+    stack.review(1, texts=lambda _: TEXT)
+    page = new_page()
+    page.set_viewport_size({"width": 1280, "height": 800})
+    sign_in(page, stack.url, "rita")
+    page.wait_for_selector("#item")
+    message = page.locator("blockquote.message").bounding_box()
+    heading = page.locator("#why h2").bounding_box()
+    layers = page.locator("#why table.layers").bounding_box()
+    assert message and heading and layers
+    # In view without scrolling, to the right of the message a reviewer is reading.
+    assert heading["y"] + heading["height"] <= 800 and layers["y"] < 800
+    assert heading["x"] >= message["x"] + message["width"]
+    page.set_viewport_size({"width": 390, "height": 800})
+    message = page.locator("blockquote.message").bounding_box()
+    heading = page.locator("#why h2").bounding_box()
+    answer = page.locator("#answer").bounding_box()
+    assert message and heading and answer
+    # One column on a phone: the item and its answers first, the explanation after them.
+    assert heading["y"] > answer["y"] + answer["height"] and heading["x"] < message["x"] + 40
