@@ -18,6 +18,12 @@ from schemas import DEFAULT_LIMITS, Limits, OperatingPoint, StateDtype
 from schemas.limits import HARD_MAX_LABELS, HARD_MAX_TEXT_CHARS
 from schemas.messages import PROBE_NAME
 
+# The first segments of the deployment-wide Redis keys (``P:text:{message_id}``, ...,
+# worker/store/redis.py): per-probe keys are ``P:{probe}:...``, so a probe with one of
+# these names would share keys with message ids (a message with id ``stages`` would
+# overwrite probe ``text``'s stage record).
+RESERVED_PROBE_NAMES: Final = frozenset({"text", "decided", "review_budget", "review", "console"})
+
 __all__ = ["DEFAULTS", "Settings", "load_settings"]
 
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -302,7 +308,8 @@ class Settings(BaseSettings):
     probes: str = Field(
         "toxicity",
         description="Comma-separated probe names every scorer serves (lowercase letters, "
-        "digits, `_` and `-`, as on the wire).",
+        "digits, `_` and `-`, as on the wire; not `text`, `decided`, `review`, "
+        "`review_budget` or `console`, which deployment-wide Redis keys use).",
     )
     flag_heads: str | None = Field(
         None,
@@ -694,6 +701,11 @@ class Settings(BaseSettings):
                 raise ValueError(
                     f"probe name {name[:64]!r} must match {PROBE_NAME.pattern} (lowercase "
                     "letters, digits, '_' and '-'; what every message on the wire allows)"
+                )
+            if name in RESERVED_PROBE_NAMES:
+                raise ValueError(
+                    f"probe name {name!r} is reserved (deployment-wide Redis keys use it: "
+                    f"{', '.join(sorted(RESERVED_PROBE_NAMES))}); choose another name"
                 )
         if self.promote_epsilon > self.rollback_delta:
             raise ValueError(
