@@ -712,15 +712,8 @@ class Settings(BaseSettings):
                 "promote_epsilon must not exceed rollback_delta (a canary that may be promoted "
                 "must not at the same time be bad enough to roll back)"
             )
-        key = self.checkpoint_hmac_key
-        if key is not None and len(key.get_secret_value().encode()) < 16:
-            raise ValueError("checkpoint_hmac_key must be at least 16 bytes")
-        secret = self.console_secret_key
-        if secret is not None and len(secret.get_secret_value().encode()) < 16:
-            raise ValueError("console_secret_key must be at least 16 bytes")
-        cache_key = self.cache_key
-        if cache_key is not None and len(cache_key.get_secret_value().encode()) < 16:
-            raise ValueError("cache_key must be at least 16 bytes")
+        for name in ("checkpoint_hmac_key", "console_secret_key", "cache_key"):
+            _check_key(name, getattr(self, name))
         try:
             OperatingPoint.parse(self.operating_point)
         except ValueError as exc:
@@ -815,3 +808,18 @@ DEFAULTS: Final[Settings] = Settings.model_construct()
 def load_settings(**overrides: object) -> Settings:
     """Settings from the environment, with explicit overrides winning."""
     return Settings(**overrides)  # type: ignore[arg-type]
+
+
+def _check_key(name: str, key: SecretStr | None) -> None:
+    """A signing key is long enough and not a placeholder: deploy/k8s/secret.yaml ships
+    ``change-me-…`` values, and applied as shipped they would sign with a public key."""
+    if key is None:
+        return
+    value = key.get_secret_value()
+    if len(value.encode()) < 16:
+        raise ValueError(f"{name} must be at least 16 bytes")
+    if "changeme" in "".join(c for c in value.lower() if c.isalnum()):
+        raise ValueError(
+            f"{name} is a placeholder (it contains 'change-me'): set a random key, "
+            "e.g. `openssl rand -hex 32`"
+        )
