@@ -339,6 +339,13 @@ class Settings(BaseSettings):
     review_window_s: Annotated[int, Field(ge=1, le=86_400)] = Field(
         60, description="Length of that review budget window, seconds."
     )
+    # While the shared counter is unreachable (the registry's Redis breaker is open), each
+    # scorer admits this many on its own, so an outage does not silently drop every review.
+    review_local_max_per_window: Annotated[int, Field(ge=0)] = Field(
+        12,
+        description="Review requests one scorer admits per window on its own while the shared "
+        "budget in Redis is unreachable (0: none until Redis answers).",
+    )
     text_cache_ttl_s: PositiveInt = Field(
         7 * 24 * 3600,
         description="How long scorers keep message texts (and decisions) in Redis for label "
