@@ -473,6 +473,14 @@ class Settings(BaseSettings):
         description="Offline-trained checkpoint directory (e.g. from `probeguard fit`) an "
         "updater starts from when nothing is published.",
     )
+    # After a key rotation every retained version fails verification; starting over would
+    # silently throw away what was learned (and auto_live would serve the fresh probe).
+    start_over_unverified: bool = Field(
+        False,
+        description="Let an updater start over (the seed checkpoint, the packaged default or "
+        "from zero) when versions are published but none verifies with this key and LLM (e.g. "
+        "after rotating `CHECKPOINT_HMAC_KEY`). Off: it refuses to start and says why.",
+    )
     seed_spec: Path | None = Field(
         None,
         description="`ProbeSpec` JSON for a start from zero (unset: binary toxicity, "
