@@ -61,6 +61,7 @@ class CheckpointRegistry(CheckpointReader):
         self._publish = client.register_script(scripts.PUBLISH)
         self._set_stages = client.register_script(scripts.SET_STAGES)
         self._prune = client.register_script(scripts.PRUNE)
+        self._next_seq_script = client.register_script(scripts.NEXT_SEQ)
 
     @property
     def lease_key(self) -> str:
@@ -382,8 +383,10 @@ class CheckpointRegistry(CheckpointReader):
 
     def _next_seq(self) -> int:
         """A seq above every one issued before (from a counter, so a replayed, older stage
-        record does not set it back)."""
-        return int(self.client.incr(self.keys.stage_seq(self.probe)))
+        record does not set it back), and at least Redis's clock in milliseconds, so a
+        counter set back by a failover or a restore still issues seqs above those scorers
+        have seen (see ``scripts.NEXT_SEQ``)."""
+        return int(self._next_seq_script(keys=[self.keys.stage_seq(self.probe)]))
 
     def _event(self, kind: EventKind, version: int | None, **fields: Any) -> str:
         return (

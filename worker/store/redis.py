@@ -83,7 +83,7 @@ class Keys:
     ``K:rolled_back``            hash     version -> reason; never auto-promoted again
     ``K:tried``                  set      versions that have been canaries
     ``K:live_history``           list     live versions, newest first, rolled-back ones removed
-    ``K:stage_seq``              string   INCR -> seq of signed stage records (with a key)
+    ``K:stage_seq``              string   max(INCR, TIME ms) -> seq of signed stage records
     ``K:policy``                 hash     who last changed stages by hand, the rollout mode
     ``K:updater_lease``          string   ``"<token>|<holder>"`` with a TTL (``store.lease``)
     ``K:updater_lease:token``    string   INCR -> fencing tokens

@@ -15,7 +15,7 @@ takes a *once* key (``Keys.once``, a fresh request id per call, TTL
 writes nothing. PRUNE needs none (a re-run finds nothing more to delete).
 """
 
-__all__ = ["CREDIT", "ONCE_TTL_S", "PRUNE", "PUBLISH", "SCORED", "SET_STAGES"]
+__all__ = ["CREDIT", "NEXT_SEQ", "ONCE_TTL_S", "PRUNE", "PUBLISH", "SCORED", "SET_STAGES"]
 
 # How long a script's reply is kept for a re-run: far beyond redis-py's retries (at most
 # 10, each waiting at most the socket timeout), and short enough that one key per call
@@ -269,3 +269,21 @@ redis.call('SET', KEYS[1], out, 'EX', a.once_ttl)
 return out
 """
 )
+
+# KEYS: stage_seq.  Returns the next seq of a signed stage record: above the counter, and
+# at least the server's clock in milliseconds. Scorers refuse a record older than the
+# newest they have seen (a replay); a counter set back by a failover that lost the last
+# writes, or by a snapshot restore, would otherwise issue seqs they refuse until restarted,
+# while the clock has moved past every seq issued before. (TIME in a script needs effect
+# replication, the default since Redis 7, and was allowed from 5 on.) A re-run after a
+# lost reply issues a higher seq: harmless, seqs need only grow.
+NEXT_SEQ = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local n = redis.call('INCR', KEYS[1])
+if n < now then
+  redis.call('SET', KEYS[1], string.format('%d', now))
+  n = now
+end
+return n
+"""
