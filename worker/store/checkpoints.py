@@ -280,7 +280,8 @@ class CheckpointRegistry(CheckpointReader):
         targets, from ``live_history``), however many events have passed since. One
         Lua script, so a concurrent stage change (e.g. an operator promoting an old
         version) is either seen by it or refused as ``UnknownVersion`` afterwards.
-        Evidence and optimizer state of deleted versions go with them.
+        Evidence and optimizer state of deleted versions go with them, and the
+        rolled-back and tried marks of every version no longer retained.
         """
         versions = self.versions()
         old = versions[:-keep] if keep > 0 else []
@@ -293,6 +294,8 @@ class CheckpointRegistry(CheckpointReader):
                 self.keys.versions(self.probe),
                 self.keys.stages(self.probe),
                 self.keys.live_history(self.probe),
+                self.keys.rolled_back(self.probe),
+                self.keys.tried(self.probe),
                 *keys,
             ],
             args=[PROTECTED_LIVES, per, json.dumps(old)],

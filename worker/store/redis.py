@@ -81,7 +81,8 @@ class Keys:
     ``K:stages``                 hash     live, canary, canary_share, pinned; seq, sig (signed)
     ``K:events``                 stream   ``CheckpointEvent`` JSON, field "event" (stage changes)
     ``K:rolled_back``            hash     version -> reason; never auto-promoted again
-    ``K:tried``                  set      versions that have been canaries
+    ``K:tried``                  set      versions that have been canaries (both pruned with
+                                          their versions)
     ``K:live_history``           list     live versions, newest first, rolled-back ones removed
     ``K:stage_seq``              string   max(INCR, TIME ms) -> seq of signed stage records
     ``K:policy``                 hash     who last changed stages by hand, the rollout mode

@@ -108,10 +108,13 @@ redis.call('SET', KEYS[7], id, 'EX', ARGV[10])
 return id
 """
 
-# KEYS: versions, stages, live_history, then `per` keys of each candidate version
+# KEYS: versions, stages, live_history, rolled_back, tried, then `per` keys of each
+#       candidate version
 # ARGV: lives protected (the newest n of live_history), per, candidate versions JSON
 # Deletes the candidates that are not live, canary or a recent live, atomically with any
-# stage change (scripts run one at a time). Returns the versions deleted.
+# stage change (scripts run one at a time), and the rolled_back/tried marks of every
+# version no longer retained (else both grow forever, and the rollout check reads them
+# whole every few seconds). Returns the versions deleted.
 PRUNE = """
 local protected = {}
 for _, k in ipairs({'live', 'canary'}) do
@@ -127,9 +130,15 @@ for i, v in ipairs(cjson.decode(ARGV[3])) do
   local vs = tostring(v)
   if not protected[vs] and redis.call('ZSCORE', KEYS[1], vs) then
     redis.call('ZREM', KEYS[1], vs)
-    for j = 1, per do redis.call('DEL', KEYS[3 + (i - 1) * per + j]) end
+    for j = 1, per do redis.call('DEL', KEYS[5 + (i - 1) * per + j]) end
     table.insert(doomed, v)
   end
+end
+for _, v in ipairs(redis.call('HKEYS', KEYS[4])) do
+  if not redis.call('ZSCORE', KEYS[1], v) then redis.call('HDEL', KEYS[4], v) end
+end
+for _, v in ipairs(redis.call('SMEMBERS', KEYS[5])) do
+  if not redis.call('ZSCORE', KEYS[1], v) then redis.call('SREM', KEYS[5], v) end
 end
 return doomed
 """
