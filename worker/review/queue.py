@@ -377,6 +377,8 @@ class ReviewQueue(ReviewDesk):
             for key, item in list(self.items.items()):
                 if key not in held and any(tp in tps for tp, _ in item.offsets):
                     del self.items[key]
+                    for skipped in self.skipped.values():  # else kept until sign-out
+                        skipped.discard(key)
             for reviewer, key in list(self.current.items()):
                 if key not in self.items:
                     self._unhold(reviewer)
