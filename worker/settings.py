@@ -8,6 +8,8 @@ Redis URL also honours the conventional ``REDIS_URL``. Secrets are
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from pathlib import Path
 from typing import Annotated, Final, Literal
 
@@ -787,6 +789,16 @@ class Settings(BaseSettings):
         """The checkpoint HMAC key as bytes (None: checkpoints are not signed or checked)."""
         key = self.checkpoint_hmac_key
         return None if key is None else key.get_secret_value().encode()
+
+    @property
+    def routing_salt(self) -> str:
+        """A secret salt for the sticky audit sample and canary split, derived from the
+        checkpoint key ('' without one): unsalted, a chat client that picks its own ids
+        could pick ids that are never audited, or never meet a canary."""
+        key = self.signing_key
+        if key is None:
+            return ""
+        return hmac.new(key, b"probeguard routing salt v1", hashlib.sha256).hexdigest()
 
     @property
     def cache_key_bytes(self) -> bytes | None:

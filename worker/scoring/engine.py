@@ -129,6 +129,7 @@ class ScoringEngine:
             shadow=settings.shadow,
             flag_heads=settings.flag_head_names,
             limits=settings.limits,
+            route_salt=settings.routing_salt,
         )
         self.review_policy = review.ReviewPolicy.from_settings(settings)
         self.local_review_budget = review.LocalBudget(self.review_policy)

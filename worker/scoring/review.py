@@ -36,6 +36,7 @@ class ReviewPolicy:
     max_per_window: int = 120  # review requests admitted per window, all scorers together
     window_s: int = 60
     local_max_per_window: int = 12  # one scorer on its own, while the shared count is away
+    salt: str = ""  # secret, so the sample cannot be steered by choosing ids (see Settings)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ReviewPolicy:
@@ -46,6 +47,7 @@ class ReviewPolicy:
             max_per_window=settings.review_max_per_window,
             window_s=settings.review_window_s,
             local_max_per_window=settings.review_local_max_per_window,
+            salt=settings.routing_salt,
         )
 
     def window(self, now_s: float) -> int:
@@ -67,7 +69,7 @@ def route(policy: ReviewPolicy, message_id: str, flag_score: float | None) -> Re
     """
     if flag_score is not None and policy.low <= flag_score <= policy.high:
         return "uncertain"
-    if sticky_fraction(message_id, "audit") < policy.audit_share:
+    if sticky_fraction(message_id, "audit" + policy.salt) < policy.audit_share:
         return "audit"
     return None
 
