@@ -487,7 +487,7 @@ class _Saved:
             warmup=None if learner.warmup is None else list(learner.warmup),
             last_loss=learner.last_loss,
             counters=learner.counters,
-            bucket_seen=Counter(learner.bucket_seen),
+            bucket_seen=learner.bucket_seen.copy(),
         )
 
     def restore(self, learner: OnlineLearner) -> None:
