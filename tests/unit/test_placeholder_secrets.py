@@ -4,10 +4,11 @@ they would sign checkpoints (or session cookies) with a key anyone can read on G
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
 from worker.settings import Settings
 
@@ -29,7 +30,8 @@ def test_the_shipped_placeholder_hmac_key_is_refused() -> None:
 @pytest.mark.parametrize("value", ["change-me-to-openssl-rand-hex-32", "CHANGEME-0123456789abcdef"])
 def test_placeholder_keys_are_refused(field: str, value: str) -> None:
     with pytest.raises(ValidationError, match=f"{field}.*placeholder"):
-        Settings(**{field: value})
+        kw: dict[str, Any] = {field: SecretStr(value)}
+        Settings(**kw)
 
 
 def test_a_random_key_is_accepted() -> None:
