@@ -24,7 +24,9 @@ from schemas.messages import PROBE_NAME
 # worker/store/redis.py): per-probe keys are ``P:{probe}:...``, so a probe with one of
 # these names would share keys with message ids (a message with id ``stages`` would
 # overwrite probe ``text``'s stage record).
-RESERVED_PROBE_NAMES: Final = frozenset({"text", "decided", "review_budget", "review", "console"})
+RESERVED_PROBE_NAMES: Final = frozenset(
+    {"text", "decided", "review_budget", "review", "counted", "once", "console"}
+)
 
 __all__ = ["DEFAULTS", "Settings", "load_settings"]
 
@@ -311,7 +313,8 @@ class Settings(BaseSettings):
         "toxicity",
         description="Comma-separated probe names every scorer serves (lowercase letters, "
         "digits, `_` and `-`, as on the wire; not `text`, `decided`, `review`, "
-        "`review_budget` or `console`, which deployment-wide Redis keys use).",
+        "`review_budget`, `counted`, `once` or `console`, which deployment-wide Redis keys "
+        "use).",
     )
     flag_heads: str | None = Field(
         None,
