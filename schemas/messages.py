@@ -29,7 +29,7 @@ from pydantic import (
 )
 
 from schemas.base import WireModel
-from schemas.limits import Id, LabelName, Metadata, Text, check_label_count
+from schemas.limits import HARD_MAX_ID_CHARS, Id, LabelName, Metadata, Text, check_label_count
 
 __all__ = [
     "DEAD_LETTER_KEY_BYTES",
@@ -182,6 +182,12 @@ class ProbeResult(WireModel):
         return _omit_none(self, handler, ("heads",))
 
 
+# ``message_id|probe@version,...`` for the most results a verdict holds (32), the longest
+# probe names (64) and versions up to 20 digits: 512 was passed by six long probe names,
+# and every message was then dead-lettered.
+MAX_VERDICT_ID_CHARS = HARD_MAX_ID_CHARS + 1 + 32 * (64 + 1 + 20 + 1)
+
+
 class Verdict(WireModel):
     """The moderation outcome for one message, from every configured probe.
 
@@ -192,7 +198,7 @@ class Verdict(WireModel):
     """
 
     schema_version: Literal[1] = 1
-    verdict_id: Annotated[str, Field(min_length=1, max_length=512)]
+    verdict_id: Annotated[str, Field(min_length=1, max_length=MAX_VERDICT_ID_CHARS)]
     message_id: Id
     conversation_id: Id | None = None
     decision: Literal["allow", "flag"]

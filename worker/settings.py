@@ -8,6 +8,8 @@ Redis URL also honours the conventional ``REDIS_URL``. Secrets are
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from pathlib import Path
 from typing import Annotated, Final, Literal
 
@@ -17,6 +19,14 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from schemas import DEFAULT_LIMITS, Limits, OperatingPoint, StateDtype
 from schemas.limits import HARD_MAX_LABELS, HARD_MAX_TEXT_CHARS
 from schemas.messages import PROBE_NAME
+
+# The first segments of the deployment-wide Redis keys (``P:text:{message_id}``, ...,
+# worker/store/redis.py): per-probe keys are ``P:{probe}:...``, so a probe with one of
+# these names would share keys with message ids (a message with id ``stages`` would
+# overwrite probe ``text``'s stage record).
+RESERVED_PROBE_NAMES: Final = frozenset(
+    {"text", "decided", "review_budget", "review", "counted", "once", "console"}
+)
 
 __all__ = ["DEFAULTS", "Settings", "load_settings"]
 
@@ -302,7 +312,9 @@ class Settings(BaseSettings):
     probes: str = Field(
         "toxicity",
         description="Comma-separated probe names every scorer serves (lowercase letters, "
-        "digits, `_` and `-`, as on the wire).",
+        "digits, `_` and `-`, as on the wire; not `text`, `decided`, `review`, "
+        "`review_budget`, `counted`, `once` or `console`, which deployment-wide Redis keys "
+        "use).",
     )
     flag_heads: str | None = Field(
         None,
@@ -331,6 +343,13 @@ class Settings(BaseSettings):
     )
     review_window_s: Annotated[int, Field(ge=1, le=86_400)] = Field(
         60, description="Length of that review budget window, seconds."
+    )
+    # While the shared counter is unreachable (the registry's Redis breaker is open), each
+    # scorer admits this many on its own, so an outage does not silently drop every review.
+    review_local_max_per_window: Annotated[int, Field(ge=0)] = Field(
+        12,
+        description="Review requests one scorer admits per window on its own while the shared "
+        "budget in Redis is unreachable (0: none until Redis answers).",
     )
     text_cache_ttl_s: PositiveInt = Field(
         7 * 24 * 3600,
@@ -458,6 +477,14 @@ class Settings(BaseSettings):
         None,
         description="Offline-trained checkpoint directory (e.g. from `probeguard fit`) an "
         "updater starts from when nothing is published.",
+    )
+    # After a key rotation every retained version fails verification; starting over would
+    # silently throw away what was learned (and auto_live would serve the fresh probe).
+    start_over_unverified: bool = Field(
+        False,
+        description="Let an updater start over (the seed checkpoint, the packaged default or "
+        "from zero) when versions are published but none verifies with this key and LLM (e.g. "
+        "after rotating `CHECKPOINT_HMAC_KEY`). Off: it refuses to start and says why.",
     )
     seed_spec: Path | None = Field(
         None,
@@ -695,20 +722,18 @@ class Settings(BaseSettings):
                     f"probe name {name[:64]!r} must match {PROBE_NAME.pattern} (lowercase "
                     "letters, digits, '_' and '-'; what every message on the wire allows)"
                 )
+            if name in RESERVED_PROBE_NAMES:
+                raise ValueError(
+                    f"probe name {name!r} is reserved (deployment-wide Redis keys use it: "
+                    f"{', '.join(sorted(RESERVED_PROBE_NAMES))}); choose another name"
+                )
         if self.promote_epsilon > self.rollback_delta:
             raise ValueError(
                 "promote_epsilon must not exceed rollback_delta (a canary that may be promoted "
                 "must not at the same time be bad enough to roll back)"
             )
-        key = self.checkpoint_hmac_key
-        if key is not None and len(key.get_secret_value().encode()) < 16:
-            raise ValueError("checkpoint_hmac_key must be at least 16 bytes")
-        secret = self.console_secret_key
-        if secret is not None and len(secret.get_secret_value().encode()) < 16:
-            raise ValueError("console_secret_key must be at least 16 bytes")
-        cache_key = self.cache_key
-        if cache_key is not None and len(cache_key.get_secret_value().encode()) < 16:
-            raise ValueError("cache_key must be at least 16 bytes")
+        for name in ("checkpoint_hmac_key", "console_secret_key", "cache_key"):
+            _check_key(name, getattr(self, name))
         try:
             OperatingPoint.parse(self.operating_point)
         except ValueError as exc:
@@ -769,6 +794,16 @@ class Settings(BaseSettings):
         return None if key is None else key.get_secret_value().encode()
 
     @property
+    def routing_salt(self) -> str:
+        """A secret salt for the sticky audit sample and canary split, derived from the
+        checkpoint key ('' without one): unsalted, a chat client that picks its own ids
+        could pick ids that are never audited, or never meet a canary."""
+        key = self.signing_key
+        if key is None:
+            return ""
+        return hmac.new(key, b"probeguard routing salt v1", hashlib.sha256).hexdigest()
+
+    @property
     def cache_key_bytes(self) -> bytes | None:
         """The cache encryption secret as bytes (None: caches are not encrypted)."""
         key = self.cache_key
@@ -803,3 +838,18 @@ DEFAULTS: Final[Settings] = Settings.model_construct()
 def load_settings(**overrides: object) -> Settings:
     """Settings from the environment, with explicit overrides winning."""
     return Settings(**overrides)  # type: ignore[arg-type]
+
+
+def _check_key(name: str, key: SecretStr | None) -> None:
+    """A signing key is long enough and not a placeholder: deploy/k8s/secret.yaml ships
+    ``change-me-…`` values, and applied as shipped they would sign with a public key."""
+    if key is None:
+        return
+    value = key.get_secret_value()
+    if len(value.encode()) < 16:
+        raise ValueError(f"{name} must be at least 16 bytes")
+    if "changeme" in "".join(c for c in value.lower() if c.isalnum()):
+        raise ValueError(
+            f"{name} is a placeholder (it contains 'change-me'): set a random key, "
+            "e.g. `openssl rand -hex 32`"
+        )

@@ -455,3 +455,45 @@ def test_a_malformed_post_without_a_session_is_a_plain_401(console: ConsoleServe
     assert web.sign_in("otto").status == 303
     r = web.post("/probes/change", {**form, "csrf": web.csrf("/probes")})
     assert r.status == 422 and "action" in r.text and "<script>" not in r.text
+
+
+# --- L14: hostile form values on the Probes page --------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["version", "seen_live", "seen_canary"])
+@pytest.mark.parametrize("value", ["²", "٣", "1" * 5000, "-1", " 7 "])
+def test_odd_version_numbers_in_a_stage_change_are_a_message_not_a_500(
+    console: ConsoleServer, redis_ns: RedisNamespace, field: str, value: str
+) -> None:
+    """``"²".isdigit()`` is True and ``int("²")`` raises: the form answered HTTP 500."""
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "tox")
+    v1 = publish(registry, live=True)
+    v2 = publish(registry, live=False)
+    web = Web(console.url)
+    assert web.sign_in("otto").status == 303
+    page = web.get("/probes?probe=tox")
+    form = {**form_with(page.text, f"promote-{v2}"), field: value}
+    reply = web.post("/probes/change", form)
+    assert reply.status in (200, 303), reply.status
+    assert registry.stages().live == v1  # nothing changed without a confirmation
+
+
+def test_the_probes_page_names_no_redis_address_when_the_weights_cannot_be_read(
+    console: ConsoleServer, redis_ns: RedisNamespace
+) -> None:
+    """The layer-weights panel showed the raw exception, which for a connection error
+    names the Redis host and port, to any signed-in user."""
+    import redis as redis_py
+
+    from worker.embedded import free_port
+
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "tox")
+    publish(registry, live=True)
+    port = free_port()  # nothing listens there: connection refused, with the address
+    console.console.explainer.client = redis_py.Redis(port=port, socket_connect_timeout=1)
+    web = Web(console.url)
+    assert web.sign_in("rita").status == 303
+    page = web.get("/probes?probe=tox")
+    assert page.status == 200
+    assert "layer weights unavailable" in page.text
+    assert str(port) not in page.text and "127.0.0.1" not in page.text, page.text

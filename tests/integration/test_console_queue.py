@@ -429,3 +429,46 @@ def test_the_queue_outlives_a_redis_outage_and_says_so(qsettings: Settings) -> N
     finally:
         q.stop()
         client.close()
+
+
+def test_a_redis_failure_in_the_rebalance_callback_still_forgets_the_revoked_partitions(
+    qsettings: Settings,
+    redis_ns: RedisNamespace,
+    queues: list[ReviewQueue],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """L15: ``revoked`` released the claims (Redis) before forgetting the partitions; a
+    Redis error there left the offset tracker holding partitions another console now
+    owns, and a later commit could commit positions for them. (Found while testing it: a
+    rebalance run inside a position lookup left them in ``_read_to`` too.)"""
+    put(qsettings, 8)
+    q = start(qsettings, redis_ns, queues)
+    wait_until(lambda: q.stats().waiting == 8, "the items to arrive")
+    taken = [q.next_item(f"r{i}") for i in range(8)]  # every item on someone's screen
+    spread = {tp for item in taken if item is not None for tp, _ in item.offsets}
+    assert len(spread) >= 2, "the items landed on one partition"
+    assigned = len(q.consumer.assignment())
+    for i, item in enumerate(taken[:4]):  # L11: skipped keys of items that move away
+        assert item is not None
+        q.skip(f"r{i}", item.key)
+
+    def unreachable(item: str, reviewer: str) -> None:
+        raise redis.ConnectionError("Redis went away mid-rebalance")
+
+    q.claims.release = unreachable  # type: ignore[method-assign]
+    start(qsettings, redis_ns, queues)  # a second console: one partition moves to it
+    wait_until(lambda: 0 < len(q.consumer.assignment()) < assigned, "the rebalance")
+    kept = set(q.consumer.assignment())
+
+    def tracked() -> set[Any]:
+        with q.lock:
+            return set(q.tracker.next) | set(q.tracker.open)
+
+    # After the loop's next commit at the latest, only partitions it owns are tracked.
+    wait_until(lambda: tracked() <= kept, "revoked partitions forgotten", timeout_s=10)
+    with q.lock:
+        assert all(tp in kept for item in q.items.values() for tp, _ in item.offsets)
+        # Nothing is remembered of items that went to the other console.
+        assert all(keys <= q.items.keys() for keys in q.skipped.values()), q.skipped
+    # The callback itself no longer fails (kafka-python re-raised its error into poll).
+    assert not [r for r in caplog.records if "failed on_partitions_revoked" in r.getMessage()]

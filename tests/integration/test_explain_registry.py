@@ -70,3 +70,21 @@ def test_registry_errors_are_clear(capsys, published: Path, argv: list[str], mes
     assert main(["explain", *argv]) == 1
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
+
+
+def test_the_console_explains_a_cached_probe_without_downloading_it_again(
+    published: Path, redis_ns: RedisNamespace
+) -> None:
+    """L14: each explanation fetched the checkpoint blob from Redis again, even when the
+    verified probe was cached (megabytes per click). Versions are immutable: the cache
+    is looked up by version before anything is downloaded."""
+    from worker.console.explainer import Explainer
+    from worker.settings import Settings
+
+    live = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity").stages().live
+    assert live is not None
+    explainer = Explainer(Settings(), redis_ns.client)
+    first = explainer.explain("toxicity", TEXT, lens=False)
+    redis_ns.client.delete(redis_ns.keys.ckpt("toxicity", live))  # only the cache has it now
+    second = explainer.explain("toxicity", "a different text", lens=False)
+    assert second != first and f"v{live}" in str(second.get("where", second))

@@ -173,3 +173,27 @@ def test_out_of_device_memory_loading_one_probe_does_not_block_the_others(
     oom = False
     watcher.refresh(force=True)
     assert watcher.versions()["a"]["live"] == a2 and not watcher.failing
+
+
+def test_stage_changes_after_the_seq_counter_went_back_are_applied(
+    redis_ns: RedisNamespace,
+) -> None:
+    """L3: a Redis failover that lost the last writes, or a snapshot restore, sets the
+    stage seq counter back below the seq running scorers have seen. The next signed stage
+    change (an operator's rollback) then carried a lower seq, and every running scorer
+    ignored it as a replay until restarted."""
+    watcher, regs = two_probes(redis_ns)
+    assert watcher.stage_seq["b"] >= 2
+    stages_key = redis_ns.keys.stages("b")
+    before: dict[Any, Any] = redis_ns.client.hgetall(stages_key)
+    redis_ns.client.set(redis_ns.keys.stage_seq("b"), 0)  # the counter restored from before
+    rollback_b(redis_ns, regs)
+    watcher.refresh(force=True)
+    assert lives(watcher) == {"a": 1, "b": 1}
+    assert "b" not in watcher.untrusted
+    # A replay of the record from before the rollback is still refused.
+    redis_ns.client.delete(stages_key)
+    redis_ns.client.hset(stages_key, mapping=before)
+    watcher.refresh(force=True)
+    assert lives(watcher) == {"a": 1, "b": 1}
+    assert "b" in watcher.untrusted

@@ -255,3 +255,29 @@ def test_stage_signatures_are_unchanged_by_the_shared_mac(redis_ns: RedisNamespa
     message = json.dumps([*record, 0.25, 7], separators=(",", ":")).encode()
     before = hmac.new(b"k" * 32, message, hashlib.sha256).hexdigest()
     assert reg.stage_signature(st, shas) == before
+
+
+def test_prune_forgets_the_marks_of_versions_it_deletes(
+    registry: CheckpointRegistry, redis_ns: RedisNamespace
+) -> None:
+    """L11: ``tried`` and ``rolled_back`` gained a member per canary or rollback forever,
+    and the rollout check reads both whole every 2 s. Marks of deleted versions go with
+    them (a deleted version can be neither served nor promoted); so do marks left behind
+    by versions pruned before this fix."""
+    vs = []
+    for _ in range(6):
+        v = registry.allocate_version()
+        registry.publish(*checkpoint(v))
+        vs.append(v)
+        registry.set_stages("canary", set_fields={"canary": v}, version=v, mark_tried=[v])
+        registry.set_stages(
+            "rolled_back", delete=["canary"], version=v, mark_rolled_back={v: "bad"}
+        )
+    registry.promote(vs[0])
+    client, keys, probe = redis_ns.client, registry.keys, registry.probe
+    client.sadd(keys.tried(probe), 999_000)  # left behind by an earlier prune
+    client.hset(keys.rolled_back(probe), "999000", "old")
+    assert registry.tried() == {*vs, 999_000}
+    assert registry.prune(keep=2) == vs[1:4]
+    assert registry.tried() == {vs[0], vs[4], vs[5]}
+    assert set(registry.rolled_back()) == {vs[0], vs[4], vs[5]}

@@ -464,3 +464,39 @@ def test_raised_limits_apply_to_the_verdicts_and_review_requests_sent(
     # What was sent decodes on the other side with the same limits.
     assert ReviewRequest.decode(request.encode(), settings.limits) == request
     assert Verdict.decode(judged.verdicts[0].encode(), settings.limits) == judged.verdicts[0]
+
+
+def _samples(engine: ScoringEngine) -> float:
+    return sum(
+        s.value
+        for metric in engine.metrics.reviews_dropped.collect()
+        for s in metric.samples
+        if s.name.endswith("_total")
+    )
+
+
+def test_while_redis_is_away_reviews_pass_a_local_quota_not_dropped(
+    settings: Settings, redis_ns: RedisNamespace
+) -> None:
+    """L1: with the shared breaker open (one slow XREAD in the watcher, one failed evidence
+    write), every review candidate used to be dropped for 5-60 s. Each scorer now admits
+    up to ``REVIEW_LOCAL_MAX_PER_WINDOW`` per window on its own until Redis answers."""
+    settings = settings.model_copy(
+        update={
+            "review_low": 0.0,  # every message is uncertain: all go to review
+            "review_high": 1.0,
+            "review_window_s": 3600,
+            "review_local_max_per_window": 12,
+        }
+    )
+    engine = _engine(settings, redis_ns, ["ok", "toxic"])
+    msgs = [ChatMessage.decode(chat(i), settings.limits) for i in range(10)]
+    engine.redis_breaker.trip(TimeoutError("a slow read"))
+    judged = engine.judge(msgs)
+    assert sorted(pos for pos, _ in judged.reviews) == list(range(10))
+    assert _samples(engine) == 0
+    # The local quota bounds a flood as the shared budget would: 2 more, then none.
+    judged = engine.judge(msgs)
+    assert len(judged.reviews) == 2 and _samples(engine) == 8
+    # Nothing was counted in Redis while it was away.
+    assert not redis_ns.client.keys(f"{redis_ns.keys.prefix}:review_budget:*")

@@ -261,3 +261,33 @@ def test_optimizer_state_is_signed_and_forged_momentum_is_refused(
     assert momentum_restored() == 0
     redis_ns.client.set(optim_key, genuine[:-1] + bytes([genuine[-1] ^ 1]))  # tampered
     assert momentum_restored() == 0
+
+
+def test_an_updater_refuses_to_start_over_when_no_published_version_verifies(
+    signed: Settings, redis_ns: RedisNamespace
+) -> None:
+    """L7: after a key rotation (every retained version signed with the old key), the
+    updater used to skip them all and learn "from zero", a probe that auto_live then put
+    live after its warm-up. It refuses, naming what to do; an explicit setting lets it."""
+    from tests.integration.test_updater import extractor as updater_extractor
+    from tests.integration.test_updater import fast
+    from worker.errors import ConfigError
+    from worker.learning.updater import Updater
+
+    settings = fast(signed)
+    old_key = b"the-old-key-before-rotation-0123"
+    fp = updater_extractor().fingerprint
+    registry = keyed(redis_ns, old_key)
+    published = [publish_probe(registry, fp, seed=s, signing_key=old_key) for s in (1, 2, 3)]
+    updater = Updater(settings, updater_extractor(), redis_ns.client, worker_id="u-rotated")
+    with pytest.raises(ConfigError, match="START_OVER_UNVERIFIED") as info:
+        updater._resume()
+    assert f"v{published[0]}..v{published[-1]}" in str(info.value)
+    assert KEY not in str(info.value) and old_key.decode() not in str(info.value)
+    assert updater.metrics.resume_skipped._value.get() == 3
+    assert updater.learner is None and registry.versions() == published  # nothing learned
+
+    allowed = settings.model_copy(update={"start_over_unverified": True})
+    over = Updater(allowed, updater_extractor(), redis_ns.client, worker_id="u-rotated-2")
+    over._resume()
+    assert over.parent is None and over.learner is not None and over.labels_seen == 0

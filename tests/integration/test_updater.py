@@ -495,3 +495,27 @@ def test_layers_whose_weight_stays_negligible_are_dropped_and_scorers_serve_it(
     wait_until(lambda: (registry.stages().live or 0) > first, "a later version")
     later = registry.manifest(registry.stages().live or 0)
     assert later.spec.layers == seed_layers[:1] and later.parent is not None
+
+
+def test_the_updater_remembers_only_the_versions_the_registry_keeps(
+    settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded]
+) -> None:
+    """L11: ``Updater.published`` gained one version per publish for the process's life
+    (a long-running updater publishing every minute: half a million a year); it keeps
+    those still retained, all that the superseded-by-add-head check can meet."""
+    settings = fast(settings, keep_versions=2)
+    ensure_topics(settings)
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
+    updater = Updater(settings, extractor(), redis_ns.client, worker_id="updater-keep")
+    threads.append(Threaded(updater.run, updater.stop))
+    produce_raw(settings, settings.topic_labels, [(None, label(i)) for i in range(192)])
+    wait_until(
+        lambda: updater.labels_seen >= 192 and updater.unpublished == 0,
+        "all labels learned and published",
+    )
+    latest = registry.latest()
+    assert latest is not None and latest >= 4  # several publishes, some pruned
+    retained = set(registry.versions())
+    assert len(retained) < latest
+    assert updater.published and set(updater.published) <= retained
+    assert updater.published[-1] == latest

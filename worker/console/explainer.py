@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING, Any
 from probes.errors import ProbeError
 from schemas import ProbeSpec
 from worker.errors import ExplainError, ProbeguardError, RegistryError
-from worker.explain.breakdown import ExplainOptions, explain, source_from_registry, verify
+from worker.explain.breakdown import (
+    ExplainOptions,
+    explain,
+    resolve_version,
+    source_from_registry,
+    verify,
+)
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.redis import Keys
@@ -183,15 +189,18 @@ class Explainer:
         extractor = self._ensure()
         registry = CheckpointRegistry(self.client, self.keys, probe)
         try:
-            source = source_from_registry(registry, stage, version)
-            key = (probe, source.where.split()[-1])
+            # Versions are immutable: a verified probe cached for this one needs no download.
+            number, where = resolve_version(registry, stage, version)
+            key = (probe, f"v{number}")
             with self._lock:
                 loaded = self._probes.get(key)
                 if loaded is None:
+                    source = source_from_registry(registry, stage, number)
+                    source = replace(source, where=where)
                     loaded = verify(source, extractor, self.settings.signing_key)
                     self._probes.put(key, loaded)
                 probe_obj, manifest = loaded
-                report = self._explain(probe_obj, manifest, extractor, text, source.where, opts)
+                report = self._explain(probe_obj, manifest, extractor, text, where, opts)
         except (ProbeError, RegistryError) as exc:
             raise ExplainError(str(exc)) from exc
         if cache_key is not None:

@@ -52,7 +52,10 @@ def _probe(request: Request, name: str | None) -> str:
 
 
 def _version(v: str) -> int | None:
-    return int(v) if v.strip().isdigit() else None
+    """A posted version number, or None: ASCII digits only (``"²".isdigit()`` is True
+    and ``int("²")`` raises) and at most 18 of them (``int`` refuses over 4,300)."""
+    v = v.strip()
+    return int(v) if v.isascii() and v.isdigit() and len(v) <= 18 else None
 
 
 @router.get("/probes")

@@ -14,10 +14,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from probes.errors import ProbeError
 from worker.console.charts import BarChart, LineChart, bar_chart, line_chart
 from worker.console.drift_view import DriftView, drift_view
 from worker.console.explainer import Explainer
-from worker.errors import RegistryError
+from worker.errors import ProbeguardError, RegistryError
 from worker.rollout.changes import Rollout
 from worker.rollout.policy import Policy, RolloutDecision, next_action
 from worker.rollout.status import StatusReport, VersionRow, gather, head_columns
@@ -177,8 +178,10 @@ def probe_page(
         try:
             pairs = explainer.layer_weights(registry.probe, shown)
             weights_chart = bar_chart([(str(layer), w) for layer, w in pairs])
-        except Exception as exc:  # a broken blob must not take the page down; say why
+        except (ProbeguardError, ProbeError) as exc:  # a broken blob: say why (our words)
             weights_error = f"v{shown}: {exc}"
+        except Exception as exc:  # e.g. Redis: its text may name the server's address
+            weights_error = f"v{shown}: could not be read ({type(exc).__name__})"
     history = [e for _, e in registry.history(200) if e.kind != "published"][-30:][::-1]
     head_versions, head_names = head_columns(status)
     live = status.stages.live

@@ -49,6 +49,7 @@ __all__ = [
     "cached_text",
     "explain",
     "lens_layers",
+    "resolve_version",
     "source_from_checkpoint",
     "source_from_registry",
     "token_id",
@@ -97,6 +98,16 @@ def source_from_registry(
     registry: CheckpointRegistry, stage: str, version: int | None
 ) -> ProbeSource:
     """``version``, else the version at ``stage`` (``live`` or ``canary``)."""
+    version, where = resolve_version(registry, stage, version)
+    stored = registry.get(version)  # UnknownVersion / integrity errors name the version
+    return ProbeSource(stored.blob, stored.manifest_json, where, registry.keys.prefix)
+
+
+def resolve_version(
+    registry: CheckpointRegistry, stage: str, version: int | None
+) -> tuple[int, str]:
+    """``version``, else the version at ``stage``, and how to name it (``registry live v3``);
+    nothing downloaded (a caller with the verified probe cached needs no blob)."""
     if version is None:
         stages = registry.stages()
         version = stages.live if stage == "live" else stages.canary
@@ -110,8 +121,7 @@ def source_from_registry(
         where = f"registry {stage} v{version}"
     else:
         where = f"registry v{version}"
-    stored = registry.get(version)  # UnknownVersion / integrity errors name the version
-    return ProbeSource(stored.blob, stored.manifest_json, where, registry.keys.prefix)
+    return version, where
 
 
 def cached_text(client: Any, keys: Keys, message_id: str) -> str:

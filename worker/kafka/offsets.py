@@ -53,6 +53,11 @@ class OffsetTracker:
         for tp, position in offsets.items():
             self.committed[tp] = max(self.committed.get(tp, -1), position)
 
+    def keep_only(self, assigned: set[TopicPartition]) -> None:
+        """Forget every partition not in ``assigned`` (moved away in a rebalance that ran
+        inside some consumer call, between two looks at the assignment)."""
+        self.forget((set(self.open) | set(self.next) | set(self.committed)) - assigned)
+
     def forget(self, tps: set[TopicPartition]) -> None:
         """The partitions went to another consumer: it reads them again from the commit."""
         for tp in tps:

@@ -171,7 +171,21 @@ class OnlineLearner:
     def learn(self, hidden: Tensor, mask: Tensor, targets: Tensor, buckets: list[int]) -> int:
         """Test, then train on one batch: ``hidden [L, B, T, D]``, ``mask [B, T]``,
         ``targets [B]`` or ``[B, C]``, one balance bucket per row. Returns the Lion steps
-        taken (0 while warming up)."""
+        taken (0 while warming up).
+
+        All or nothing: a failure part-way (out of device memory, a non-finite loss on a
+        later mini-batch) restores the learner as it was before the batch, since the batch
+        loop then retries and bisects it: each pass would otherwise test and train on the
+        same labels again (the prequential window counting them twice, the first
+        mini-batches' steps and replay additions kept)."""
+        saved = _Saved.of(self)
+        try:
+            return self._learn(hidden, mask, targets, buckets)
+        except BaseException:
+            saved.restore(self)
+            raise
+
+    def _learn(self, hidden: Tensor, mask: Tensor, targets: Tensor, buckets: list[int]) -> int:
         # Test, then train: the prequential score comes from the probe before this step.
         self.prequential.add(self.lion.predict_proba_many(hidden, mask), targets)
         new = self._examples(hidden, mask, targets, buckets)
@@ -436,3 +450,65 @@ class OnlineLearner:
             "layer_weights": [float(w) for w in self.probe.layer_weights().tolist()],
             "layer_entropy": self.probe.layer_entropy(),
         }
+
+
+@dataclass
+class _Saved:
+    """What one batch of :meth:`OnlineLearner.learn` may change, copied before it: the
+    weights and normalization, the Lion momentum and counts, the EMA, replay (and its
+    sampling state), the prequential window, the warm-up and the counters."""
+
+    weights: dict[str, Tensor]
+    optimizer: dict[str, Any]
+    steps: tuple[int, int]
+    ema: dict[str, Tensor] | None
+    replay: list[list[Example]]
+    rng: object
+    prequential: tuple[list[Tensor], list[Tensor], int]
+    warmup: list[Example] | None
+    last_loss: float | None
+    counters: TrainingCounters
+    bucket_seen: Counter[int]
+
+    @classmethod
+    def of(cls, learner: OnlineLearner) -> _Saved:
+        with torch.no_grad():
+            weights = {k: v.detach().clone() for k, v in learner.probe.state_dict().items()}
+            ema = {k: v.clone() for k, v in learner.ema.items()} if learner.ema else None
+        pre = learner.prequential
+        return cls(
+            weights=weights,
+            optimizer=copy.deepcopy(learner.lion.optimizer.state_dict()),
+            steps=(learner.lion.steps, learner.lion.examples),
+            ema=ema,
+            replay=[list(bucket) for bucket in learner.replay.buckets],
+            rng=learner.replay.rng.getstate(),
+            prequential=(list(pre.probs), list(pre.targets), pre.seen),
+            warmup=None if learner.warmup is None else list(learner.warmup),
+            last_loss=learner.last_loss,
+            counters=learner.counters,
+            bucket_seen=learner.bucket_seen.copy(),
+        )
+
+    def restore(self, learner: OnlineLearner) -> None:
+        learner.probe.load_state_dict(self.weights)  # in place: the optimizer's parameters
+        learner.lion.optimizer.load_state_dict(self.optimizer)
+        learner.lion.steps, learner.lion.examples = self.steps
+        if learner.ema is not None and self.ema is not None:
+            with torch.no_grad():
+                for k, v in self.ema.items():
+                    learner.ema[k].copy_(v)
+        for bucket, kept in zip(learner.replay.buckets, self.replay, strict=True):
+            bucket.clear()
+            bucket.extend(kept)
+        learner.replay.rng.setstate(self.rng)  # type: ignore[arg-type]
+        pre = learner.prequential
+        probs, targets, pre.seen = self.prequential
+        pre.probs.clear()
+        pre.probs.extend(probs)
+        pre.targets.clear()
+        pre.targets.extend(targets)
+        learner.warmup = self.warmup
+        learner.last_loss = self.last_loss
+        learner.counters = self.counters
+        learner.bucket_seen = self.bucket_seen

@@ -1,6 +1,8 @@
 """Where an updater's tenure starts: the newest published version it can verify, else
 the seed checkpoint file, else the packaged default of the LLM (``worker/defaults``), else
-a fresh probe from a spec ("from zero": the seed spec, or :func:`default_spec`)."""
+a fresh probe from a spec ("from zero": the seed spec, or :func:`default_spec`). When
+versions are published but none verifies (a key rotation), it refuses rather than start
+over, unless ``PROBEGUARD_START_OVER_UNVERIFIED`` says to."""
 
 from __future__ import annotations
 
@@ -75,12 +77,26 @@ def starting_point(
 ) -> Start:
     """The first of: the newest verifiable version, the seed checkpoint, the packaged
     default, a fresh probe (see the module docstring). ``on_skipped`` is called for each
-    published version that does not verify."""
+    published version that does not verify; when versions exist and none verifies, it
+    refuses (:class:`ConfigError`) unless ``start_over_unverified`` is set."""
     name, fp = registry.probe, extractor.fingerprint
-    found = newest_verifiable(registry, extractor, settings.signing_key, on_skipped)
+    skipped: list[int] = []
+
+    def skip(version: int) -> None:
+        skipped.append(version)
+        on_skipped()
+
+    found = newest_verifiable(registry, extractor, settings.signing_key, skip)
     if found is not None:
         latest, probe, manifest = found
         return Start(probe, manifest.counters, latest, f"v{latest}")
+    if skipped and not settings.start_over_unverified:
+        raise ConfigError(
+            f"no published version of {name} verifies (v{min(skipped)}..v{max(skipped)}: "
+            "signed with another CHECKPOINT_HMAC_KEY, for another LLM, or corrupt; see the "
+            "errors above): refusing to start over and throw away what they learned. Set the "
+            "key they were signed with, or PROBEGUARD_START_OVER_UNVERIFIED=true to start over"
+        )
     if settings.seed_checkpoint is not None:
         probe, manifest = load_checkpoint(
             settings.seed_checkpoint, fp, signing_key=settings.signing_key
@@ -101,7 +117,7 @@ def newest_verifiable(
     registry: CheckpointRegistry,
     extractor: HiddenStateExtractor,
     signing_key: bytes | None,
-    on_skipped: Callable[[], object] = lambda: None,
+    on_skipped: Callable[[int], object] = lambda version: None,
 ) -> tuple[int, Probe, CheckpointManifest] | None:
     """The newest published version this updater can verify and load. One that does
     not verify (corrupt, tampered, signed with another key or for another deployment,
@@ -123,7 +139,7 @@ def newest_verifiable(
                 unbound_ok=vouched.get(version) == sha,
             )
         except (RegistryError, CheckpointError) as exc:
-            on_skipped()
+            on_skipped(version)
             log.error("cannot resume %s from v%d (%s); trying older", registry.probe, version, exc)
             continue
         return version, probe, manifest

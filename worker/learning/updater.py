@@ -470,7 +470,7 @@ class Updater:
                 reason=reason,
             )
             self.registry.save_optimizer_state(version, learner.optimizer_state())
-            self.registry.prune(self.settings.keep_versions)
+            pruned = set(self.registry.prune(self.settings.keep_versions))
         except Fenced as exc:
             self.keeper.mark_lost(f"{exc}; another updater holds it")  # stops the loop
             return None
@@ -484,7 +484,8 @@ class Updater:
         self.parent = version
         self.unpublished = 0
         self.last_publish = time.monotonic()
-        self.published.append(version)
+        # Only versions still retained: a pruned one can be no add-head's base (bounded).
+        self.published = [v for v in self.published if v not in pruned] + [version]
         self._next_rollout = 0.0  # let the policy see the new candidate at once
         seconds = time.perf_counter() - start
         self.metrics.published(version, seconds, metrics, self.settings.entropy_alarm)

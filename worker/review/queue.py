@@ -330,9 +330,15 @@ class ReviewQueue(ReviewDesk):
             log.info("review item %s put back at the end of %s", item.key, s.topic_review)
 
     def _commit(self) -> None:
+        # Only partitions this console owns now: a rebalance can run inside any consumer
+        # call (a position lookup, a commit), after ``_read_to`` was taken, and committing
+        # positions of a partition another console owns would move its offsets.
+        assigned = set(self.consumer.assignment())
         with self.lock:
+            self.tracker.keep_only(assigned)
             for tp, position in self._read_to.items():
-                self.tracker.reached(tp, position)  # dead letters and done items included
+                if tp in assigned:
+                    self.tracker.reached(tp, position)  # dead letters and done items included
             offsets = self.tracker.committable()
         if not offsets:
             return
@@ -365,18 +371,29 @@ class ReviewQueue(ReviewDesk):
         Answers already given are still sent (the other console may ask again: a label
         can then arrive twice, never not at all)."""
         self._commit()
+        released: list[tuple[str, str]] = []
         with self.lock:
             held = {h.item.key for stack in self.held.values() for h in stack} | self.sending
             for key, item in list(self.items.items()):
                 if key not in held and any(tp in tps for tp, _ in item.offsets):
                     del self.items[key]
+                    for skipped in self.skipped.values():  # else kept until sign-out
+                        skipped.discard(key)
             for reviewer, key in list(self.current.items()):
                 if key not in self.items:
                     self._unhold(reviewer)
-                    self.claims.release(key, reviewer)
+                    released.append((key, reviewer))
             self.tracker.forget(tps)
             for tp in tps:
                 self._read_to.pop(tp, None)
+        # Redis last, and best-effort: a failure here used to leave the tracker holding
+        # partitions another console owns (a later commit could move their offsets).
+        # A claim not released expires with its TTL.
+        for key, reviewer in released:
+            try:
+                self.claims.release(key, reviewer)
+            except (redis.RedisError, OSError) as exc:
+                log.warning("claim on a moved item not released (%s); it expires", exc)
 
     # --- the flusher thread ----------------------------------------------------
 

@@ -6,8 +6,10 @@
 Which version decides a message is sticky: a hash of the conversation id (else
 the message id) below the canary share sends it to the canary, so a conversation
 sees one version throughout and the canary gets about ``canary_share`` of the
-conversations. The hash is salted with the probe name only (not the version), so
-successive canaries see the same conversations. In shadow mode the live version
+conversations. The hash is salted with the probe name (not the version), so successive
+canaries see the same conversations, and with a secret derived from the checkpoint key
+when there is one, so a client that picks its own ids cannot pick which version judges
+it. In shadow mode the live version
 always decides and the canary's scores ride along in ``ProbeResult.shadow``.
 
 Each result also yields a :class:`~schemas.ProbeDecision` (which version decided,
@@ -109,14 +111,17 @@ class BatchScorer:
         shadow: bool = False,
         flag_heads: frozenset[str] | None = None,
         limits: Limits = DEFAULT_LIMITS,
+        route_salt: str = "",
     ) -> None:
         """``slots``: the slots, or a function returning what is served now (a watcher's
         snapshot, see :mod:`worker.scoring.probe_watch`), read once per batch.
         ``flag_heads``: the heads of multi-head probes that may flag (``None``: every head
         with a flag label; see :func:`probes.decision.flagging_heads`). ``limits``: the
         deployment's wire limits, which the results are built against (a probe with more
-        labels than the default allows must still produce results)."""
+        labels than the default allows must still produce results). ``route_salt``: the
+        deployment's secret salt of the canary split (``Settings.routing_salt``)."""
         self.extractor = extractor
+        self.route_salt = route_salt
         self._slots = slots
         self.shadow = shadow
         self.flag_heads = flag_heads
@@ -134,11 +139,10 @@ class BatchScorer:
         slots = self.slots if slots is None else slots
         return tuple(sorted(set().union(*(s.layers() for s in slots.values()))))
 
-    @staticmethod
-    def sends_to_canary(msg: ChatMessage, slot: ProbeSlot) -> bool:
+    def sends_to_canary(self, msg: ChatMessage, slot: ProbeSlot) -> bool:
         """Whether ``msg``'s conversation falls in the canary's share (sticky)."""
         key = msg.conversation_id or msg.message_id
-        return sticky_fraction(key, slot.name) < slot.canary_share
+        return sticky_fraction(key, slot.name + self.route_salt) < slot.canary_share
 
     def score(self, messages: Sequence[ChatMessage]) -> BatchScores:
         """Every probe's result per message; a message some probe cannot score (its

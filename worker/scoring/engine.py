@@ -129,8 +129,10 @@ class ScoringEngine:
             shadow=settings.shadow,
             flag_heads=settings.flag_head_names,
             limits=settings.limits,
+            route_salt=settings.routing_salt,
         )
         self.review_policy = review.ReviewPolicy.from_settings(settings)
+        self.local_review_budget = review.LocalBudget(self.review_policy)
         self.drift = DriftMonitor(
             metrics, window=settings.drift_window, min_messages=settings.drift_min_messages
         )
@@ -243,8 +245,10 @@ class ScoringEngine:
         of ``review_window_s`` seconds shared by every scorer, so a flood cannot swamp the
         reviewers however many scorers run.
 
-        Best-effort behind the breaker: while Redis fails, evidence is lost and reviews are
-        held back (without the shared budget, err on the side of not flooding reviewers).
+        Best-effort behind the breaker: while Redis fails, evidence is lost and reviews pass
+        this scorer's own window of ``review_local_max_per_window`` instead (held back, they
+        would never reach a human: the batch's offsets are committed; all admitted, they
+        could flood the reviewers).
         """
         decisions: dict[int, dict[str, ProbeDecision]] = defaultdict(dict)
         for (pos, probe), d in scores.decisions.items():
@@ -254,7 +258,7 @@ class ScoringEngine:
             return []
         if not self.redis_breaker.ready():
             self.metrics.redis_skipped.inc()
-            return []
+            return self._admit_locally(candidates)
         positions = sorted(decisions.keys() | {pos for pos, _ in candidates})
         index = {pos: i for i, pos in enumerate(positions)}
         judged = [
@@ -284,9 +288,20 @@ class ScoringEngine:
         except (redis.RedisError, OSError) as exc:
             self.metrics.redis_errors.inc()
             self.redis_breaker.trip(exc)
-            log.warning("evidence and review budget unavailable (%s); reviews held back", exc)
-            return []
+            log.warning(
+                "evidence and review budget unavailable (%s); admitting up to %d reviews per "
+                "window locally",
+                exc,
+                policy.local_max_per_window,
+            )
+            return self._admit_locally(candidates)
         return [c for c, admit in zip(candidates, ok, strict=True) if admit]
+
+    def _admit_locally(
+        self, candidates: list[tuple[int, ReviewRequest]]
+    ) -> list[tuple[int, ReviewRequest]]:
+        """The candidates this scorer's own budget admits while the shared one is away."""
+        return candidates[: self.local_review_budget.admit(len(candidates), time.time())]
 
     def _remember(
         self, messages: Sequence[ChatMessage], scores: BatchScores, keep: list[Retain]
@@ -462,8 +477,8 @@ class ScoringEngine:
         registry = self.redis_breaker.outage()
         if registry is not None:
             notes.append(
-                f"Redis {registry}: serving the last good probes; no evidence or review "
-                "requests until it answers"
+                f"Redis {registry}: serving the last good probes; no evidence, and review "
+                "requests within this scorer's local quota, until it answers"
             )
         cache = self.text_breaker.outage()
         if cache is not None:

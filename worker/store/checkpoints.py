@@ -61,6 +61,7 @@ class CheckpointRegistry(CheckpointReader):
         self._publish = client.register_script(scripts.PUBLISH)
         self._set_stages = client.register_script(scripts.SET_STAGES)
         self._prune = client.register_script(scripts.PRUNE)
+        self._next_seq_script = client.register_script(scripts.NEXT_SEQ)
 
     @property
     def lease_key(self) -> str:
@@ -279,7 +280,8 @@ class CheckpointRegistry(CheckpointReader):
         targets, from ``live_history``), however many events have passed since. One
         Lua script, so a concurrent stage change (e.g. an operator promoting an old
         version) is either seen by it or refused as ``UnknownVersion`` afterwards.
-        Evidence and optimizer state of deleted versions go with them.
+        Evidence and optimizer state of deleted versions go with them, and the
+        rolled-back and tried marks of every version no longer retained.
         """
         versions = self.versions()
         old = versions[:-keep] if keep > 0 else []
@@ -292,6 +294,8 @@ class CheckpointRegistry(CheckpointReader):
                 self.keys.versions(self.probe),
                 self.keys.stages(self.probe),
                 self.keys.live_history(self.probe),
+                self.keys.rolled_back(self.probe),
+                self.keys.tried(self.probe),
                 *keys,
             ],
             args=[PROTECTED_LIVES, per, json.dumps(old)],
@@ -382,8 +386,10 @@ class CheckpointRegistry(CheckpointReader):
 
     def _next_seq(self) -> int:
         """A seq above every one issued before (from a counter, so a replayed, older stage
-        record does not set it back)."""
-        return int(self.client.incr(self.keys.stage_seq(self.probe)))
+        record does not set it back), and at least Redis's clock in milliseconds, so a
+        counter set back by a failover or a restore still issues seqs above those scorers
+        have seen (see ``scripts.NEXT_SEQ``)."""
+        return int(self._next_seq_script(keys=[self.keys.stage_seq(self.probe)]))
 
     def _event(self, kind: EventKind, version: int | None, **fields: Any) -> str:
         return (

@@ -16,7 +16,7 @@ from redis.retry import Retry
 
 from schemas import HumanLabel
 from worker.errors import ConfigError, TransientError
-from worker.settings import Settings
+from worker.settings import RESERVED_PROBE_NAMES, Settings
 
 __all__ = ["Breaker", "Keys", "id_digest", "join_texts", "make_redis", "make_text_redis"]
 
@@ -81,9 +81,10 @@ class Keys:
     ``K:stages``                 hash     live, canary, canary_share, pinned; seq, sig (signed)
     ``K:events``                 stream   ``CheckpointEvent`` JSON, field "event" (stage changes)
     ``K:rolled_back``            hash     version -> reason; never auto-promoted again
-    ``K:tried``                  set      versions that have been canaries
+    ``K:tried``                  set      versions that have been canaries (both pruned with
+                                          their versions)
     ``K:live_history``           list     live versions, newest first, rolled-back ones removed
-    ``K:stage_seq``              string   INCR -> seq of signed stage records (with a key)
+    ``K:stage_seq``              string   max(INCR, TIME ms) -> seq of signed stage records
     ``K:policy``                 hash     who last changed stages by hand, the rollout mode
     ``K:updater_lease``          string   ``"<token>|<holder>"`` with a TTL (``store.lease``)
     ``K:updater_lease:token``    string   INCR -> fencing tokens
@@ -134,6 +135,13 @@ class Keys:
     def _join(self, *parts: str | int) -> str:
         return ":".join([self.prefix, *(str(p) for p in parts)])
 
+    def _probe(self, probe: str, *parts: str | int) -> str:
+        """A per-probe key; a reserved name would share keys with messages (settings refuse
+        it too: this catches names that come from elsewhere, e.g. a CLI flag)."""
+        if probe in RESERVED_PROBE_NAMES:
+            raise ConfigError(f"probe name {probe!r} is reserved (deployment-wide Redis keys)")
+        return self._join(probe, *parts)
+
     def pattern(self) -> str:
         """A SCAN pattern matching every key under this prefix."""
         return f"{self.prefix}:*"
@@ -141,58 +149,58 @@ class Keys:
     # --- per probe -----------------------------------------------------------------------
 
     def next_version(self, probe: str) -> str:
-        return self._join(probe, "next_version")
+        return self._probe(probe, "next_version")
 
     def versions(self, probe: str) -> str:
-        return self._join(probe, "versions")
+        return self._probe(probe, "versions")
 
     def ckpt(self, probe: str, version: int) -> str:
-        return self._join(probe, "ckpt", version)
+        return self._probe(probe, "ckpt", version)
 
     def manifest(self, probe: str, version: int) -> str:
-        return self._join(probe, "manifest", version)
+        return self._probe(probe, "manifest", version)
 
     def optim(self, probe: str, version: int) -> str:
-        return self._join(probe, "optim", version)
+        return self._probe(probe, "optim", version)
 
     def stages(self, probe: str) -> str:
-        return self._join(probe, "stages")
+        return self._probe(probe, "stages")
 
     def events(self, probe: str) -> str:
-        return self._join(probe, "events")
+        return self._probe(probe, "events")
 
     def rolled_back(self, probe: str) -> str:
-        return self._join(probe, "rolled_back")
+        return self._probe(probe, "rolled_back")
 
     def tried(self, probe: str) -> str:
-        return self._join(probe, "tried")
+        return self._probe(probe, "tried")
 
     def live_history(self, probe: str) -> str:
-        return self._join(probe, "live_history")
+        return self._probe(probe, "live_history")
 
     def stage_seq(self, probe: str) -> str:
-        return self._join(probe, "stage_seq")
+        return self._probe(probe, "stage_seq")
 
     def policy(self, probe: str) -> str:
-        return self._join(probe, "policy")
+        return self._probe(probe, "policy")
 
     def updater_lease(self, probe: str) -> str:
-        return self._join(probe, "updater_lease")
+        return self._probe(probe, "updater_lease")
 
     def evidence(self, probe: str, version: int) -> str:
-        return self._join(probe, "evidence", version)
+        return self._probe(probe, "evidence", version)
 
     def pairs(self, probe: str, version: int) -> str:
-        return self._join(probe, "pairs", version)
+        return self._probe(probe, "pairs", version)
 
     def drift(self, probe: str, version: int) -> str:
-        return self._join(probe, "drift", version)
+        return self._probe(probe, "drift", version)
 
     def labeled(self, probe: str, message_id: str) -> str:
-        return self._join(probe, "labeled", message_id)
+        return self._probe(probe, "labeled", message_id)
 
     def labeled_head(self, probe: str, head: str, message_id: str) -> str:
-        return self._join(probe, "labeled_head", head, message_id)
+        return self._probe(probe, "labeled_head", head, message_id)
 
     def labelers(self, probe: str, version: int) -> str:
         return self._join(probe, "labelers", version)

@@ -15,7 +15,7 @@ takes a *once* key (``Keys.once``, a fresh request id per call, TTL
 writes nothing. PRUNE needs none (a re-run finds nothing more to delete).
 """
 
-__all__ = ["CREDIT", "ONCE_TTL_S", "PRUNE", "PUBLISH", "SCORED", "SET_STAGES"]
+__all__ = ["CREDIT", "NEXT_SEQ", "ONCE_TTL_S", "PRUNE", "PUBLISH", "SCORED", "SET_STAGES"]
 
 # How long a script's reply is kept for a re-run: far beyond redis-py's retries (at most
 # 10, each waiting at most the socket timeout), and short enough that one key per call
@@ -108,10 +108,13 @@ redis.call('SET', KEYS[7], id, 'EX', ARGV[10])
 return id
 """
 
-# KEYS: versions, stages, live_history, then `per` keys of each candidate version
+# KEYS: versions, stages, live_history, rolled_back, tried, then `per` keys of each
+#       candidate version
 # ARGV: lives protected (the newest n of live_history), per, candidate versions JSON
 # Deletes the candidates that are not live, canary or a recent live, atomically with any
-# stage change (scripts run one at a time). Returns the versions deleted.
+# stage change (scripts run one at a time), and the rolled_back/tried marks of every
+# version no longer retained (else both grow forever, and the rollout check reads them
+# whole every few seconds). Returns the versions deleted.
 PRUNE = """
 local protected = {}
 for _, k in ipairs({'live', 'canary'}) do
@@ -127,9 +130,15 @@ for i, v in ipairs(cjson.decode(ARGV[3])) do
   local vs = tostring(v)
   if not protected[vs] and redis.call('ZSCORE', KEYS[1], vs) then
     redis.call('ZREM', KEYS[1], vs)
-    for j = 1, per do redis.call('DEL', KEYS[3 + (i - 1) * per + j]) end
+    for j = 1, per do redis.call('DEL', KEYS[5 + (i - 1) * per + j]) end
     table.insert(doomed, v)
   end
+end
+for _, v in ipairs(redis.call('HKEYS', KEYS[4])) do
+  if not redis.call('ZSCORE', KEYS[1], v) then redis.call('HDEL', KEYS[4], v) end
+end
+for _, v in ipairs(redis.call('SMEMBERS', KEYS[5])) do
+  if not redis.call('ZSCORE', KEYS[1], v) then redis.call('SREM', KEYS[5], v) end
 end
 return doomed
 """
@@ -269,3 +278,21 @@ redis.call('SET', KEYS[1], out, 'EX', a.once_ttl)
 return out
 """
 )
+
+# KEYS: stage_seq.  Returns the next seq of a signed stage record: above the counter, and
+# at least the server's clock in milliseconds. Scorers refuse a record older than the
+# newest they have seen (a replay); a counter set back by a failover that lost the last
+# writes, or by a snapshot restore, would otherwise issue seqs they refuse until restarted,
+# while the clock has moved past every seq issued before. (TIME in a script needs effect
+# replication, the default since Redis 7, and was allowed from 5 on.) A re-run after a
+# lost reply issues a higher seq: harmless, seqs need only grow.
+NEXT_SEQ = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local n = redis.call('INCR', KEYS[1])
+if n < now then
+  redis.call('SET', KEYS[1], string.format('%d', now))
+  n = now
+end
+return n
+"""

@@ -32,7 +32,7 @@ class Stages:
     canary: int | None = None
     canary_share: float = 0.0
     pinned: bool = False
-    seq: int = 0  # signed stage records: how many signed changes so far
+    seq: int = 0  # signed stage records: only grows (a counter, at least Redis ms time)
     sig: str | None = None
 
     def expected(self) -> dict[str, int | str | None]:
