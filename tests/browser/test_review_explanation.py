@@ -63,6 +63,9 @@ def test_the_explanation_sits_beside_the_item_at_1280_px_and_below_it_at_390(
     # In view without scrolling, to the right of the message a reviewer is reading.
     assert heading["y"] + heading["height"] <= 800 and layers["y"] < 800
     assert heading["x"] >= message["x"] + message["width"]
+    # Each queue counter says what it counts (hover).
+    for counter in ("depth", "waiting", "claimed", "held", "lag"):
+        assert page.locator(f"[title]:has(#{counter})").first.get_attribute("title")
     page.set_viewport_size({"width": 390, "height": 800})
     message = page.locator("blockquote.message").bounding_box()
     heading = page.locator("#why h2").bounding_box()
