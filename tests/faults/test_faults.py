@@ -248,6 +248,70 @@ def test_sigkill_between_produce_and_commit_counts_evidence_and_label_credit_exa
     )
 
 
+def _health(port: int, path: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except OSError:
+        return 0  # not listening (yet, or any more)
+
+
+def test_a_sticky_device_fault_fails_liveness_and_the_restarted_pod_scores_everything(
+    stack: Stack, model_dir: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """Issue 27 (review M4): a scorer whose device failed for good (every forward pass an
+    illegal memory access) dead-letters nothing and fails /healthz after
+    ``device_faults_to_restart`` attempts; the orchestrator's restart (here: SIGKILL and a
+    new process, as a failed liveness probe does) scores every message exactly once."""
+    s = stack.settings
+    path, llm = model_dir
+    publish_probe(registry(s), llm.fingerprint)
+    n = 200
+    records = chats("d", 0, n)
+    keys = {k.decode() for k, _ in records}
+    produce_raw(s, s.topic_chat, records)
+    port = free_port()
+    env = settings_env(s, path, batch_size=16, default_probe="false", device_faults_to_restart=3)
+    log = tmp_path / "scorer.log"
+    broken = spawn(
+        "score", {**env, "PROBEGUARD_METRICS_PORT": str(port)}, log, "tests.faults.device_fault"
+    )
+    scorer: subprocess.Popen[bytes] | None = None
+    try:
+        with Tally(s) as tally:
+            wait_until(lambda: _health(port, "/healthz") == 503, "/healthz to fail", 180)
+            assert _health(port, "/readyz") == 503
+            assert broken.poll() is None  # alive, but asking to be restarted
+            tally.poll()
+            assert not tally.outcome.verdicts and not tally.outcome.dead  # nothing lost
+            broken.kill()
+            broken.wait(30)
+            scorer = spawn("score", env, log)
+            out = tally.settle(keys, timeout_s=240)
+        missing = out.missing(keys)
+        assert not missing and not out.dead, log.read_text()[-2000:]
+        assert sum(out.verdicts.values()) == len(out.verdicts) == n  # each exactly once
+        assert sum(_evidence(s, ("n",)).values()) == n
+    finally:
+        for role in (broken, scorer):
+            if role is not None and role.poll() is None:
+                role.send_signal(signal.SIGTERM)
+                role.wait(60)
+    record(
+        Row(
+            "sticky device fault: /healthz fails, the pod restarts",
+            n,
+            len(out.verdicts),
+            len(out.dead),
+            len(missing),
+            "0 verdicts and 0 dead letters while the device failed; after the restart "
+            f"each message scored once, evidence n = {n}",
+        )
+    )
+
+
 # --- outages --------------------------------------------------------------------------
 
 
