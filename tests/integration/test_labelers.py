@@ -19,6 +19,7 @@ from worker.kafka.clients import ensure_topics
 from worker.learning.updater import Updater
 from worker.rollout.changes import Rollout
 from worker.rollout.policy import Policy
+from worker.rollout.status import gather, gather_version, render_version
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.redis import join_texts
@@ -121,6 +122,12 @@ def test_one_labelers_labels_alone_do_not_promote_a_canary(redis_ns: RedisNamesp
     decision = rollout.evaluate(policy)
     assert decision.action != "promote", decision.reason
     assert registry.stages().canary == canary
+    # `probe status` (and the console's Probes page) shows who the labels come from.
+    rows = {r["version"]: r for r in gather(registry, updater.evidence).as_dict()["versions"]}
+    assert rows[canary]["labels"] == 20 and rows[canary]["labelers"] == 1
+    assert "20 labels from 1 labeler(s)" in render_version(
+        gather_version(registry, updater.evidence, canary)
+    )
     # A second labeler's own labels on the canary's messages: now it is promoted.
     more = [f"canary-b-{i}" for i in range(4)]
     for i, m in enumerate(more):

@@ -62,6 +62,7 @@ class VersionRow:
             "flag_rate": _num(e.flag_rate),
             "latency_ms": _num(e.latency_ms),
             "labels": e.labels.labeled,
+            "labelers": e.labelers,
             "f1": _num(e.labels.f1),
             "auprc": _num(self.auprc),
             "agreement": _num(e.agreement),
@@ -254,7 +255,8 @@ def render_version(detail: VersionDetail) -> str:
     fields.append(
         (
             "evidence",
-            f"{ev.scored} msgs, flag rate {_fmt(ev.flag_rate)}, {ev.labels.labeled} labels, "
+            f"{ev.scored} msgs, flag rate {_fmt(ev.flag_rate)}, {ev.labels.labeled} labels "
+            f"from {ev.labelers} labeler(s), "
             f"F1 {_fmt(ev.labels.f1)}, AUPRC {_fmt(detail.row.auprc)}, {ev.errors} refusal(s)",
         )
     )
