@@ -668,11 +668,24 @@ def test_fuzzed_payloads_on_every_input_topic_are_dead_lettered_never_a_crash(
     sentinel = chats("after", 0, 10)
     produce_raw(s, s.topic_chat, sentinel)
 
+    def duplicates() -> int:
+        """Labels dropped as a labeler's second label of a message (counted, not learned:
+        near-misses of one valid label often keep its message and labeler)."""
+        return int(
+            sum(
+                sample.value
+                for metric in updater.metrics.collector.collect()
+                for sample in metric.samples
+                if sample.name == "probeguard_updater_labels_dropped_total"
+                and sample.labels.get("reason") == "duplicate"
+            )
+        )
+
     def accounted(o: Any) -> bool:
         chat_out = sum(c for k, c in o.verdicts.items() if not k.startswith("after-"))
         chat_out += o.dead_by_topic[s.topic_chat]
         label_out = o.dead_by_topic[s.topic_labels] + updater.labels_seen - seen_before
-        return chat_out >= len(chat_in) and label_out >= len(label_in)
+        return chat_out >= len(chat_in) and label_out + duplicates() >= len(label_in)
 
     with Tally(s) as tally:
         out = tally.wait(accounted, 300, "an outcome for every fuzzed payload")
@@ -680,7 +693,7 @@ def test_fuzzed_payloads_on_every_input_topic_are_dead_lettered_never_a_crash(
     alive(threads)
     assert {f"after-{i}" for i in range(10)} <= set(out.verdicts)  # still scoring after
     chat_verdicts = sum(c for k, c in out.verdicts.items() if not k.startswith("after-"))
-    learned = updater.labels_seen - seen_before
+    learned = updater.labels_seen - seen_before + duplicates()
     for topic, n_in, accepted in (
         (s.topic_chat, len(chat_in), chat_verdicts),
         (s.topic_labels, len(label_in), learned),
@@ -694,7 +707,8 @@ def test_fuzzed_payloads_on_every_input_topic_are_dead_lettered_never_a_crash(
                 accepted,
                 dead,
                 n_in - dead - accepted,
-                "accepted = valid by chance (verdicts / labels learned); no crash",
+                "accepted = valid by chance (verdicts; labels learned, or dropped as a "
+                "labeler's repeat of a message); no crash",
             )
         )
 
