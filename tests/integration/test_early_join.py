@@ -79,3 +79,31 @@ def test_a_scorer_with_nothing_to_serve_leaves_the_group_it_joined_early(
     finally:
         other.close()
         running.stop()
+
+
+def test_a_member_left_without_partitions_stops_joining_at_once(settings: Settings) -> None:
+    """More scorers than partitions: a member in the group with nothing assigned ends its
+    early join there instead of polling until its timeout (which would hold up the
+    scorer's start), and a member still loading keeps answering the group's rebalances
+    (else the newcomer's join would wait for it)."""
+    topic = f"{settings.topic_chat}-one"
+    one = settings.model_copy(update={"topic_partitions": 1, "topic_chat": topic})
+    group = f"{settings.group_scorer}-one"
+    first = EarlyJoin.start(one, group, topic)
+    assert first.joined.wait(60)
+    extra = EarlyJoin(one, group, topic, timeout_s=120)
+    started = time.monotonic()
+    extra._thread.start()
+    mine = extra.take()  # waits for its join; `first` is still "loading" (not taken)
+    elapsed = time.monotonic() - started
+    theirs = None
+    try:
+        assert mine is not None
+        assert elapsed < 60, f"it polled on until its timeout ({elapsed:.0f} s)"
+
+        theirs = first.take()
+    finally:
+        for consumer in (mine, theirs):
+            if consumer is not None:
+                consumer.close()
+        first.release()

@@ -10,7 +10,9 @@ Joining does not fetch: kafka-python's group coordinator is polled on its own
 (``consumer._coordinator.poll``, the step ``KafkaConsumer.poll`` runs before fetching), so
 no record is read before the role can handle it, and nothing is committed. The heartbeat
 runs on kafka-python's IO thread, so the membership holds while the load goes on (up to
-``max_poll_interval_ms``; a longer load rejoins at the first poll, as without this).
+``max_poll_interval_ms``). Until the role takes the consumer, the thread keeps polling the
+coordinator (never fetching): a member that stops polling would hold up every rebalance of
+the group (another scorer starting or leaving) until it polls again.
 
 A role that cannot start work at once (a scorer with no probe to serve yet) must
 :meth:`release` the consumer: a member that holds partitions without polling stalls them.
@@ -31,6 +33,7 @@ from worker.kafka.clients import ensure_topics, make_consumer
 __all__ = ["EarlyJoin", "join_group"]
 
 log = logging.getLogger(__name__)
+KEEP_UP_S = 0.2  # how often a joined, waiting member answers the group coordinator
 
 
 def join_group(consumer: KafkaConsumer, timeout_s: float) -> bool:
@@ -44,9 +47,10 @@ def join_group(consumer: KafkaConsumer, timeout_s: float) -> bool:
     try:
         while time.monotonic() < deadline:
             remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
-            coordinator.poll(timeout_ms=min(remaining_ms, 1000))
-            if consumer.assignment():
-                return True
+            joined = coordinator.poll(timeout_ms=min(remaining_ms, 1000))
+            # In the group (True only once a join completed), with or without partitions.
+            if consumer.assignment() or (joined and not coordinator.need_rejoin()):
+                return bool(consumer.assignment())
     except Exception as exc:  # the broker, the coordinator: the first poll retries
         log.info("joining the group early failed (%s); the first poll joins", exc)
     return False
@@ -64,6 +68,7 @@ class EarlyJoin:
         self.timeout_s = timeout_s
         self.joined = threading.Event()  # set once partitions are assigned
         self._consumer: KafkaConsumer | None = None
+        self._taken = threading.Event()  # the role takes (or releases) the consumer
         self._thread = threading.Thread(target=self._run, name="early-join", daemon=True)
 
     @classmethod
@@ -89,6 +94,10 @@ class EarlyJoin:
                 self.topic,
             )
             self.joined.set()
+        # Take part in the group's rebalances while the role loads (see the module docstring).
+        while not self._taken.wait(KEEP_UP_S):
+            if join_group(self._consumer, KEEP_UP_S):
+                self.joined.set()
 
     @property
     def holding(self) -> bool:
@@ -98,6 +107,7 @@ class EarlyJoin:
     def take(self) -> KafkaConsumer | None:
         """The consumer, subscribed and (normally) in the group; None when the early join
         failed or the consumer was taken or released before (the role makes its own)."""
+        self._taken.set()
         self._thread.join()
         consumer, self._consumer = self._consumer, None
         return consumer
