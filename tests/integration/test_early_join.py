@@ -100,7 +100,6 @@ def test_a_member_left_without_partitions_stops_joining_at_once(settings: Settin
     try:
         assert mine is not None
         assert elapsed < 60, f"it polled on until its timeout ({elapsed:.0f} s)"
-
         theirs = first.take()
     finally:
         for consumer in (mine, theirs):
