@@ -168,6 +168,20 @@ local function write(sums, base)
 end
 """
 
+# The head and tail of the scripts that run once per request id (KEYS[1]): a re-run (redis-py
+# retrying after a lost reply) returns the first run's answer, kept for ``a.once_ttl``.
+_ONCE = (
+    """
+local done = redis.call('GET', KEYS[1])
+if done then return done end
+local a = cjson.decode(ARGV[1])
+"""
+    + _SUMS
+)
+_REMEMBER = """redis.call('SET', KEYS[1], out, 'EX', a.once_ttl)
+return out
+"""
+
 # One scored batch's evidence and review requests, exactly once per Kafka record.
 # KEYS: once, review budget, then ``np`` high-water keys (one per topic partition in the
 # batch), ``nm`` review-marker keys, ``ne`` evidence hashes, then other hashes (drift).
@@ -183,12 +197,7 @@ end
 # admitted. The reply (counted messages, then '0'/'1' per review: admitted) is kept under
 # the once key, so redis-py re-running the script after a lost reply gets the same answer.
 SCORED = (
-    """
-local done = redis.call('GET', KEYS[1])
-if done then return done end
-local a = cjson.decode(ARGV[1])
-"""
-    + _SUMS
+    _ONCE
     + """
 local np, nm = a.np, a.nm
 local hw, top, fresh, sums = {}, {}, {}, {}
@@ -236,9 +245,8 @@ if charged > 0 then
   redis.call('EXPIRE', KEYS[2], a.window_ttl)
 end
 local out = counted .. '|' .. table.concat(admitted)
-redis.call('SET', KEYS[1], out, 'EX', a.once_ttl)
-return out
 """
+    + _REMEMBER
 )
 
 # Label credit, exactly once per (probe, message) and (probe, head, message): the marker
@@ -248,12 +256,7 @@ return out
 #   marks: [[[[key (1-based, after the markers), field, amount, 0]], [[key, value]]]]}
 # Returns '0'/'1' per marker: credited now (kept under the once key, as SCORED).
 CREDIT = (
-    """
-local done = redis.call('GET', KEYS[1])
-if done then return done end
-local a = cjson.decode(ARGV[1])
-"""
-    + _SUMS
+    _ONCE
     + """
 local base = 1 + a.nm
 local sums, pushed, flags = {}, {}, {}
@@ -274,9 +277,8 @@ end
 write(sums, base)
 for k, _ in pairs(pushed) do redis.call('LTRIM', KEYS[base + k], 0, a.pairs_max - 1) end
 local out = table.concat(flags)
-redis.call('SET', KEYS[1], out, 'EX', a.once_ttl)
-return out
 """
+    + _REMEMBER
 )
 
 # KEYS: stage_seq.  Returns the next seq of a signed stage record: above the counter, and
