@@ -138,6 +138,14 @@ def test_sigkill_a_scorer_mid_batch_twice_during_a_2000_message_stream(
                 p.kill()
 
 
+def _terminate(*procs: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM the roles still running (None: never started) and wait for each."""
+    for proc in procs:
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+
+
 def _evidence(s: Settings, fields: tuple[str, ...]) -> dict[int, int]:
     """Per version, the sum of ``fields`` of its evidence hash."""
     client, keys = make_redis(s), Keys(s.redis_prefix)
@@ -191,10 +199,7 @@ def test_sigkill_between_produce_and_commit_counts_evidence_and_label_credit_exa
         counted = _evidence(s, ("n",))
         assert sum(counted.values()) == len(out.verdicts) == n, counted
     finally:
-        for role in (victim, scorer):
-            if role is not None and role.poll() is None:
-                role.send_signal(signal.SIGTERM)
-                role.wait(60)
+        _terminate(victim, scorer)
     record(
         Row(
             "SIGKILL a scorer between produce and commit",
@@ -231,10 +236,7 @@ def test_sigkill_between_produce_and_commit_counts_evidence_and_label_credit_exa
         assert credited == {**{v: 0 for v in credited}, v1: n_labels}, credited
         assert credited_before > 0  # the redelivery must not credit these again
     finally:
-        for proc in (victim, updater):
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(60)
+        _terminate(victim, updater)
     record(
         Row(
             "SIGKILL the updater between crediting labels and commit",
@@ -295,10 +297,7 @@ def test_a_sticky_device_fault_fails_liveness_and_the_restarted_pod_scores_every
         assert sum(out.verdicts.values()) == len(out.verdicts) == n  # each exactly once
         assert sum(_evidence(s, ("n",)).values()) == n
     finally:
-        for role in (broken, scorer):
-            if role is not None and role.poll() is None:
-                role.send_signal(signal.SIGTERM)
-                role.wait(60)
+        _terminate(broken, scorer)
     record(
         Row(
             "sticky device fault: /healthz fails, the pod restarts",
