@@ -246,6 +246,14 @@ class Settings(BaseSettings):
         description="Padded tokens per forward pass (texts x longest text): a poll's texts are "
         "sorted by length and cut into micro-batches there. `0`: `BATCH_SIZE` texts per pass.",
     )
+    latency_target_ms: Annotated[int, Field(ge=0, le=600_000)] = Field(
+        250,
+        description="Verdicts leave per micro-batch, not per poll. While the queue is short "
+        "(a poll that did not fill), a poll is cut in arrival order into micro-batches "
+        "expected to take at most this long each (from the seconds per token measured on "
+        "recent batches); a full poll (a backlog) is cut by `BATCH_TOKENS` for throughput. "
+        "`0`: a poll is scored as one unit (its verdicts leave together).",
+    )
     batch_min_fill: Annotated[float, Field(ge=0.0, le=1.0)] = Field(
         0.5,
         description="A text shorter than this share of its micro-batch's longest starts a "

@@ -383,3 +383,70 @@ def test_out_of_device_memory_never_fails_liveness() -> None:
     for _ in range(5):
         f.loop.run_once()
     assert f.runtime.health.alive()[0] and f.loop.stalled_s() > 0
+
+
+def pairs(items: list[Item[ChatMessage]], full: bool) -> list[list[Item[ChatMessage]]]:
+    return [items[k : k + 2] for k in range(0, len(items), 2)]
+
+
+def test_each_micro_batch_is_sent_before_the_next_is_handled_and_the_poll_commits_once() -> None:
+    consumer = Consumer([chat(i) for i in range(5)])
+    producer = Producer()
+    sent_before: list[int] = []
+
+    def handler(items: list[Item[ChatMessage]]) -> Sequence[Outgoing]:
+        sent_before.append(len(producer.topic("verdicts")))
+        return verdicts(items)
+
+    loop, _ = make_loop(consumer, producer, handler, split=pairs)
+    assert loop.run_once() == 5
+    assert sent_before == [0, 2, 4]  # micro-batches of 2, 2, 1: each out before the next
+    assert consumer.commits == [5] and loop.stats.produced == 5
+
+
+def test_a_transient_failure_in_a_later_micro_batch_rewinds_the_whole_poll() -> None:
+    consumer = Consumer([chat(i) for i in range(4)])
+    producer = Producer()
+    failures = [TransientError("redis is down")]  # once, on the second micro-batch
+
+    def handler(items: list[Item[ChatMessage]]) -> Sequence[Outgoing]:
+        if items[0].offset == 2 and failures:
+            raise failures.pop()
+        return verdicts(items)
+
+    loop, _ = make_loop(consumer, producer, handler, split=pairs)
+    assert loop.run_once() == 0
+    assert consumer.commits == [] and consumer.position == 0  # nothing committed, rewound
+    assert loop.run_once() == 4 and consumer.commits == [4]
+    # At least once: the first micro-batch's verdicts went out twice, none was lost.
+    assert sorted(producer.topic("verdicts")) == [b"m-0", b"m-0", b"m-1", b"m-1", b"m-2", b"m-3"]
+
+
+def test_a_poison_record_in_a_micro_batch_costs_only_itself() -> None:
+    consumer = Consumer([chat(i) for i in range(6)])
+    producer = Producer()
+
+    def handler(items: list[Item[ChatMessage]]) -> Sequence[Outgoing]:
+        if any(i.offset == 3 for i in items):
+            raise ValueError("non-finite loss")
+        return verdicts(items)
+
+    loop, _ = make_loop(consumer, producer, handler, split=pairs)
+    loop.run_once()
+    assert sorted(producer.topic("verdicts")) == [b"m-0", b"m-1", b"m-2", b"m-4", b"m-5"]
+    assert [letter.source_offset for letter in letters(producer)] == [3]
+    assert consumer.commits == [6]
+
+
+def test_split_is_told_whether_the_poll_came_back_full() -> None:
+    consumer = Consumer([chat(i) for i in range(5)])
+    seen: list[bool] = []
+
+    def split(items: list[Item[ChatMessage]], full: bool) -> list[list[Item[ChatMessage]]]:
+        seen.append(full)
+        return [items]
+
+    loop, _ = make_loop(consumer, Producer(), verdicts, split=split, max_batch=3)
+    loop.run_once()
+    loop.run_once()
+    assert seen == [True, False]  # 3 of 3, then the 2 left

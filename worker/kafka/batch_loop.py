@@ -2,9 +2,12 @@
 
     poll (bounded by count and wait) -> decode each record with its schema
       -> invalid ones become DeadLetters (with the reason and a bounded payload prefix)
-      -> the valid ones go to the handler, which returns records to produce
-         (:class:`Outgoing`) and the inputs it rejects (:class:`Reject`: dead letters)
-      -> produce everything, wait for the broker's acknowledgements
+      -> the valid ones go to the handler, one micro-batch at a time (``split``; default:
+         the whole poll), which returns records to produce (:class:`Outgoing`) and the
+         inputs it rejects (:class:`Reject`: dead letters)
+      -> each micro-batch's records are sent as soon as it is handled (a verdict leaves
+         before the rest of the poll is scored)
+      -> wait for the broker's acknowledgements of everything the poll produced
       -> only then commit the polled offsets
 
 The loop calls its role, never the other way round: a handler returns values, and
@@ -98,7 +101,10 @@ class BatchLoop(Generic[T]):
         on_dead_letter: Callable[[str], None] | None = None,
         on_event: Callable[[str], None] | None = None,
         defer_commits: bool = False,
+        split: Callable[[list[Item[T]], bool], list[list[Item[T]]]] | None = None,
     ) -> None:
+        """``split``: cuts a poll's valid items into micro-batches (given whether the poll
+        came back full), handled and sent one after the other; None: the poll is one."""
         self.consumer = consumer
         self.producer = producer
         self.model = model
@@ -119,6 +125,7 @@ class BatchLoop(Generic[T]):
         # Deferred: offsets accumulate until between_batches answers Between.COMMIT (the
         # updater commits only once a published checkpoint reflects the labels).
         self.defer_commits = defer_commits
+        self.split = split
         self.pending: dict[TopicPartition, OffsetAndMetadata] = {}
         self.stats = LoopStats()
         self.stop_event = threading.Event()
@@ -216,8 +223,13 @@ class BatchLoop(Generic[T]):
         start = time.perf_counter()
         items, dead = self._decode(records)
         try:
-            out = self._handle(items, self.max_attempts)
-            if not self._deliver([*out, *dead]):
+            inflight = self._launch(dead)
+            produced = 0
+            for chunk in self._micro_batches(items, len(records) >= self.max_batch):
+                out = self._handle(chunk, self.max_attempts)
+                produced += len(out)
+                inflight += self._launch(out)  # sent now; acknowledged before the commit
+            if not self._deliver(inflight):
                 raise _Rewind
         except _Rewind:
             self._rewind(records)
@@ -230,11 +242,16 @@ class BatchLoop(Generic[T]):
         self.stats.batches += 1
         self.stats.records += len(records)
         self.stats.handled += len(items)
-        self.stats.produced += len(out)
+        self.stats.produced += produced
         self.stats.last_batch_s = time.perf_counter() - start
         return len(records)
 
     # --- steps ---------------------------------------------------------------
+
+    def _micro_batches(self, items: list[Item[T]], full: bool) -> list[list[Item[T]]]:
+        if self.split is None or len(items) <= 1:
+            return [items]
+        return [chunk for chunk in self.split(items, full) if chunk]
 
     def _decode(self, records: list[Any]) -> tuple[list[Item[T]], list[Outgoing]]:
         items: list[Item[T]] = []
@@ -329,8 +346,21 @@ class BatchLoop(Generic[T]):
             self.dead_letter_topic, source, key, payload, kind, message, self.worker_id
         )
 
-    def _deliver(self, out: list[Outgoing]) -> bool:
-        """Produce ``out`` and wait for every acknowledgement.
+    def _launch(self, out: list[Outgoing]) -> list[tuple[Outgoing, Any]]:
+        """Send ``out`` without waiting (the producer's sender thread delivers it within
+        its linger); each record with its future, or None where the send itself failed
+        (:meth:`_deliver` sends it again and says why)."""
+        launched: list[tuple[Outgoing, Any]] = []
+        for o in out:
+            try:
+                launched.append((o, self.producer.send(o.topic, key=o.key, value=o.value)))
+            except KafkaError:
+                launched.append((o, None))
+        return launched
+
+    def _deliver(self, pending: list[tuple[Outgoing, Any]]) -> bool:
+        """Wait for the acknowledgement of every record of ``pending`` (each with the future
+        of its send, or None: not sent yet).
 
         Records the broker did not acknowledge are sent again (only they) after a backoff;
         refused ones are replaced (:meth:`_replacement`). A record still in flight after
@@ -339,7 +369,6 @@ class BatchLoop(Generic[T]):
         was merely slow landed beside its re-send). False only when the loop was stopped
         before everything was acknowledged.
         """
-        pending: list[tuple[Outgoing, Any]] = [(o, None) for o in out]
         while pending:
             again: list[tuple[Outgoing, Any]] = []
             failures: list[str] = []

@@ -252,6 +252,17 @@ class HiddenStateExtractor:
         pieces, _ = self._plan([tokenized[0][1]])
         return [i for piece in sorted(pieces, key=lambda p: p.offset) for i in piece.ids]
 
+    def token_counts(self, texts: Sequence[str | bytes]) -> list[int]:
+        """Real tokens :meth:`extract` would run for each text (special tokens, truncation
+        and chunks included; 0 for a text it cannot extract): what a batch costs."""
+        errors: dict[int, str] = {}
+        tokenized = self._tokenize(texts, errors)
+        counts = [0] * len(texts)
+        _, lengths = self._plan([ids for _, ids in tokenized])
+        for (pos, _), n in zip(tokenized, lengths, strict=True):
+            counts[pos] = n
+        return counts
+
     # --- texts to pieces ------------------------------------------------------------------
 
     def _check_layers(self, layers: Sequence[int]) -> tuple[int, ...]:

@@ -26,8 +26,24 @@ class ScorerMetrics:
             self.dead_letters.labels(kind)
         self.batch_size = Histogram(
             "probeguard_scorer_batch_size",
-            "Messages per batch",
+            "Messages per micro-batch (one LLM pass group; verdicts leave per micro-batch)",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=r,
+        )
+        # Produce-to-verdict time, from each record's Kafka timestamp (the producer's clock):
+        # how long it queued before its micro-batch was scored, and until its verdict was
+        # handed to the producer (issue 26: verdicts leave per micro-batch).
+        latency_buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+        self.queue_seconds = Histogram(
+            "probeguard_scorer_queue_seconds",
+            "From a message's Kafka timestamp to the start of its micro-batch",
+            buckets=latency_buckets,
+            registry=r,
+        )
+        self.verdict_seconds = Histogram(
+            "probeguard_scorer_verdict_seconds",
+            "From a message's Kafka timestamp to its verdict being sent",
+            buckets=latency_buckets,
             registry=r,
         )
         self.batch_seconds = Histogram(

@@ -17,6 +17,7 @@ engine.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import redis
@@ -31,6 +32,7 @@ from worker.llm.extract import HiddenStateExtractor
 from worker.scoring.batch import BatchScorer
 from worker.scoring.engine import ScoringEngine
 from worker.scoring.metrics import ScorerMetrics
+from worker.scoring.pacing import MicroBatchPlanner
 from worker.scoring.probe_watch import ProbeWatcher
 from worker.settings import Settings
 
@@ -78,6 +80,14 @@ class Scorer:
             text_redis=text_redis,
         )
         self.setup_error = ""  # why the batch loop could not be set up yet (the broker)
+        self.planner = MicroBatchPlanner(
+            latency_target_s=settings.latency_target_ms / 1000,
+            batch_tokens=settings.batch_tokens or None,
+            batch_size=settings.batch_size,
+            min_fill=settings.batch_min_fill,
+        )
+        # Real tokens per polled record, counted when its poll was cut (see _split).
+        self._tokens: dict[tuple[str, int, int], int] = {}
 
     @property
     def extractor(self) -> HiddenStateExtractor:
@@ -142,6 +152,7 @@ class Scorer:
                     max_batch=self.settings.batch_size,
                     between_batches=self._between_batches,
                     consumer=consumer,
+                    split=self._split,
                 )
             except KafkaSetupError as exc:
                 if consumer is not None:
@@ -160,10 +171,29 @@ class Scorer:
 
     # --- the batch -----------------------------------------------------------
 
+    def _split(self, items: list[Item[ChatMessage]], full: bool) -> list[list[Item[ChatMessage]]]:
+        """A poll cut into micro-batches (:class:`MicroBatchPlanner`): by the latency
+        target while the queue is short, by the token budget on a backlog."""
+        counts = self.extractor.token_counts([i.value.text for i in items])
+        self._tokens = {_where(i): n for i, n in zip(items, counts, strict=True)}
+        return [[items[k] for k in group] for group in self.planner.plan(counts, full=full)]
+
     def handle(self, items: list[Item[ChatMessage]]) -> Sequence[Outgoing | Reject]:
+        started = time.time()
+        for i in items:
+            if i.timestamp_ms > 0:
+                self.metrics.queue_seconds.observe(max(0.0, started - i.timestamp_ms / 1000))
         judged = self.engine.judge(
             [i.value for i in items], sources=[(i.topic, i.partition, i.offset) for i in items]
         )
+        done = time.time()
+        missing = [i for i in items if _where(i) not in self._tokens]
+        counts = self.extractor.token_counts([i.value.text for i in missing]) if missing else []
+        tokens = sum(counts) + sum(self._tokens.pop(_where(i), 0) for i in items)
+        self.planner.observe(tokens, done - started)
+        for i in items:
+            if i.timestamp_ms > 0:
+                self.metrics.verdict_seconds.observe(max(0.0, done - i.timestamp_ms / 1000))
         s = self.settings
         out: list[Outgoing | Reject] = [
             Reject(items[pos], "unscorable", reason) for pos, reason in judged.errors.items()
@@ -199,3 +229,7 @@ class Scorer:
         if stall is not None:
             return False, stall
         return True, note
+
+
+def _where(item: Item[ChatMessage]) -> tuple[str, int, int]:
+    return item.topic, item.partition, item.offset
