@@ -107,8 +107,8 @@ def resolve_autocast(setting: str, llm: LoadedLLM) -> torch.dtype | None:
     """The dtype extraction autocasts ``llm``'s forward pass to, or None (``Settings.autocast``).
 
     ``auto`` picks bfloat16 only where it is both native and a gain: float32 weights, not
-    quantized, on CUDA with bf16 support or on a CPU with AMX or AVX512-BF16 instructions
-    (elsewhere oneDNN emulates bf16, which can be slower than float32).
+    quantized, on CUDA with bf16 support or on a CPU with AMX (elsewhere, AVX512-BF16
+    included, CPU bf16 measured slower than float32: :func:`cpu_has_native_bf16`).
     """
     if setting == "off":
         return None
@@ -134,8 +134,14 @@ def resolve_autocast(setting: str, llm: LoadedLLM) -> torch.dtype | None:
 
 
 def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware (x86 ``amx_bf16`` or ``avx512_bf16``
-    flags; False where ``/proc/cpuinfo`` is missing, e.g. macOS)."""
+    """Whether this CPU multiplies bfloat16 fast enough to gain over float32: x86 AMX
+    (``amx_bf16``). False where ``/proc/cpuinfo`` is missing (e.g. macOS).
+
+    AVX512-BF16 alone does not count: measured with ``bench/forward_options.py`` on 2 cores
+    of such a CPU, bf16 autocast ran the default LLM at 0.69x the texts/s of float32
+    (oneDNN's bf16 path there costs more than it saves), while on an AMX CPU it ran 2.9x
+    (``bench/quantized_llm.py --variant bf16``).
+    """
     try:
         text = cpuinfo.read_text(errors="replace")
     except OSError:
@@ -144,4 +150,4 @@ def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     for line in text.splitlines():
         if line.startswith("flags"):
             flags.update(line.partition(":")[2].split())
-    return bool(flags & {"amx_bf16", "avx512_bf16"})
+    return "amx_bf16" in flags
