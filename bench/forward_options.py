@@ -64,7 +64,7 @@ def extractor_for(option: str, model: str) -> tuple[Any, Callable[[], None]]:
     )
     model_ = ex.llm.model
     if option == "bf16-weights":
-        model_.to(torch.bfloat16)
+        model_.to(torch.bfloat16)  # type: ignore[arg-type]
         ex.dtype = torch.float32  # states handed out as float32, like the others
     if option == "eager":
         model_.config._attn_implementation = "eager"
