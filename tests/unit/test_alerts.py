@@ -111,7 +111,7 @@ def test_the_issue_asks_for_these_alerts() -> None:
         "ProbeguardReviewBacklog": "probeguard_console_review_depth",
         "ProbeguardScorerDeadLetterRate": "probeguard_scorer_dead_letters_total",
         "ProbeguardUpdaterDeadLetterRate": "probeguard_updater_dead_letters_total",
-        "ProbeguardScorerLatencyHigh": "probeguard_scorer_batch_seconds_bucket",
+        "ProbeguardScorerLatencyHigh": "probeguard_scorer_verdict_seconds_bucket",
         "ProbeguardServeLatencyHigh": "probeguard_serve_request_seconds_bucket",
         "ProbeguardInputDrift": "probeguard_scorer_drift_mean_shift",
     }
