@@ -298,7 +298,7 @@ def keep_layers(probe: Probe, layers: list[int]) -> Probe:
         raise ProbeError(f"layers {layers} are not a sorted, non-empty subset of {old}")
     data = {**probe.spec.model_dump(), "layers": layers}
     gone = probe.spec.exit is not None and not probe.spec.exit.layer < layers[-1]
-    if gone or probe.spec.exit is not None and probe.spec.exit.layer not in layers:
+    if gone or (probe.spec.exit is not None and probe.spec.exit.layer not in layers):
         data["exit"] = None  # the exit head's layer is no longer read below the deepest
     spec = ProbeSpec.model_validate(data)
     smaller = Probe(spec)

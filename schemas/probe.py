@@ -20,9 +20,9 @@ from schemas.messages import ProbeName
 
 __all__ = [
     "CheckpointEvent",
-    "ExitSpec",
     "CheckpointManifest",
     "EventKind",
+    "ExitSpec",
     "HeadSpec",
     "LLMFingerprint",
     "LayerMix",
