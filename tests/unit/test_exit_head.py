@@ -24,8 +24,8 @@ from schemas import ExitSpec, HeadSpec, ProbeResult, ProbeSpec
 from tests.unit.synthetic import FINGERPRINT, make_spec, toy_task
 
 
-def exit_spec(pool: str = "mha", **extra: object) -> ProbeSpec:
-    return make_spec(pool, "scalar_mix", exit=ExitSpec(layer=2, allow_below=0.2), **extra)
+def exit_spec(pool: str = "mha") -> ProbeSpec:
+    return make_spec(pool, "scalar_mix", exit=ExitSpec(layer=2, allow_below=0.2))
 
 
 def test_specs_without_an_exit_serialize_as_before_and_bad_exits_are_refused() -> None:

@@ -17,10 +17,14 @@ from worker.llm.load import LoadedLLM
 
 TEXTS = ["hello", "a much longer text, with punctuation!", "mid size", "x", "another one here"]
 ALL = list(range(NUM_LAYERS + 1))
+SEEN: list[tuple[int, int]] = []  # (input position, tokens) of the rows the stage saw
 
 
-def short_rows_exit(states: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def short_rows_exit(
+    states: torch.Tensor, mask: torch.Tensor, positions: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Exit the rows of fewer than 9 tokens; the payload sums their first 3 dims."""
+    SEEN.extend(zip(positions, mask.sum(-1).tolist(), strict=True))
     return mask.sum(-1) < 9, (states[:, :, :3] * mask[..., None]).sum(1)
 
 
@@ -85,7 +89,11 @@ def test_continuing_rows_get_the_full_pass_states_and_exited_rows_their_payload(
     llm.tokenizer.padding_side = side
     ex = HiddenStateExtractor(llm, max_tokens=64, batch_size=3)
     full = ex.extract(TEXTS, layers=ALL)
-    out = ex.extract(TEXTS, layers=[1, 2, 4], exit_stage=ExitStage(2, short_rows_exit))
+    SEEN.clear()
+    out = ex.extract_staged(TEXTS, [1, 2, 4], ExitStage(2, short_rows_exit))
+    assert sorted(pos for pos, _ in SEEN) == list(range(len(TEXTS)))
+    assert len({n - len(TEXTS[pos]) for pos, n in SEEN}) == 1  # the positions are the rows'
+
     assert out.exit_layer == 2
     assert out.index == [1, 2, 4] and sorted(out.exited) == [0, 3]
     assert out.hidden.shape[:2] == (3, 3)
@@ -99,7 +107,7 @@ def test_exited_rows_skip_the_blocks_above_the_exit_layer() -> None:
     llm = make_tiny_llm()
     ex = HiddenStateExtractor(llm, max_tokens=64, batch_size=8)
     with real_block_calls(llm) as rows:
-        ex.extract(TEXTS, layers=[4], exit_stage=ExitStage(1, short_rows_exit))
+        ex.extract_staged(TEXTS, [4], ExitStage(1, short_rows_exit))
     # All 5 rows run block 1; the 3 that continue run blocks 2..4 (once: no block repeats).
     assert rows == [5, 3, 3, 3]
 
@@ -109,16 +117,20 @@ def test_nobody_exits_equals_plain_extraction_and_everybody_exits_leaves_no_rows
     ex = HiddenStateExtractor(llm, max_tokens=64, batch_size=2)
     plain = ex.extract(TEXTS, layers=[1, 3])
 
-    def nobody(states: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def nobody(
+        states: torch.Tensor, mask: torch.Tensor, _: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.zeros(len(states), dtype=torch.bool), torch.zeros(len(states))
 
-    def everybody(states: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def everybody(
+        states: torch.Tensor, mask: torch.Tensor, _: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.ones(len(states), dtype=torch.bool), torch.arange(len(states))
 
-    same = ex.extract(TEXTS, layers=[1, 3], exit_stage=ExitStage(2, nobody))
+    same = ex.extract_staged(TEXTS, [1, 3], ExitStage(2, nobody))
     assert same.index == plain.index and not same.exited
     torch.testing.assert_close(same.hidden, plain.hidden, rtol=0, atol=1e-6)
-    gone = ex.extract(TEXTS, layers=[1, 3], exit_stage=ExitStage(2, everybody))
+    gone = ex.extract_staged(TEXTS, [1, 3], ExitStage(2, everybody))
     assert gone.index == [] and sorted(gone.exited) == list(range(len(TEXTS)))
     assert gone.hidden.shape[1] == 0
 
@@ -127,10 +139,12 @@ def test_a_failing_exit_head_runs_everything_to_full_depth() -> None:
     llm = make_tiny_llm()
     ex = HiddenStateExtractor(llm, max_tokens=64)
 
-    def broken(states: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def broken(
+        states: torch.Tensor, mask: torch.Tensor, _: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         raise RuntimeError("bad exit head")
 
-    out = ex.extract(TEXTS, layers=[3], exit_stage=ExitStage(1, broken))
+    out = ex.extract_staged(TEXTS, [3], ExitStage(1, broken))
     assert out.index == list(range(len(TEXTS))) and not out.exited and not out.errors
 
 
@@ -146,7 +160,7 @@ def test_chunked_texts_never_exit_and_failures_are_not_exits() -> None:
     texts = ["hi", "a long text cut in chunks", "bad #"]
     handle = llm.model.register_forward_pre_hook(explode_on_poison, with_kwargs=True)
     try:
-        out = ex.extract(texts, layers=[3], exit_stage=ExitStage(1, short_rows_exit))
+        out = ex.extract_staged(texts, [3], ExitStage(1, short_rows_exit))
     finally:
         handle.remove()
     assert sorted(out.exited) == [0]  # every piece is short, but the chunked text continues
@@ -156,8 +170,8 @@ def test_chunked_texts_never_exit_and_failures_are_not_exits() -> None:
 def test_exit_stage_at_or_above_the_deepest_layer_is_ignored_and_bad_layers_raise() -> None:
     llm = make_tiny_llm()
     ex = HiddenStateExtractor(llm, max_tokens=64)
-    out = ex.extract(TEXTS, layers=[1, 2], exit_stage=ExitStage(2, short_rows_exit))
+    out = ex.extract_staged(TEXTS, [1, 2], ExitStage(2, short_rows_exit))
     assert out.exit_layer is None and not out.exited and len(out.index) == len(TEXTS)
     for bad in (0, NUM_LAYERS):
         with pytest.raises(ExtractionError, match="exit layer"):
-            ex.extract(TEXTS, layers=[NUM_LAYERS], exit_stage=ExitStage(bad, short_rows_exit))
+            ex.extract_staged(TEXTS, [NUM_LAYERS], ExitStage(bad, short_rows_exit))

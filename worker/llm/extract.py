@@ -86,15 +86,15 @@ class ExitStage:
     """Decide some rows at a shallow layer; only the others continue the forward pass.
 
     After hidden-state index ``layer`` (``1 <= layer < num_layers``) is computed for a
-    micro-batch, ``decide(states [b, t, D], mask [b, t] bool)`` returns ``(exit [b] bool,
-    payload [b, ...])``: rows with ``exit`` set are decided there (their payload row is
+    micro-batch, ``decide(states [b, t, D], mask [b, t] bool, positions)`` (``positions``:
+    the rows' input positions) returns ``(exit [b] bool, payload [b, ...])``: rows with ``exit`` set are decided there (their payload row is
     kept in :attr:`Extraction.exited`), the others run on from block ``layer + 1`` in a
     smaller batch. A text cut into several chunks always continues (its row spans several
     model inputs). If ``decide`` raises, every row continues (full depth is never wrong).
     """
 
     layer: int
-    decide: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    decide: Callable[[torch.Tensor, torch.Tensor, list[int]], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -136,6 +136,7 @@ class _Staged:
     """One :meth:`HiddenStateExtractor.extract` call's exit stage and what it decided."""
 
     stage: ExitStage
+    positions: list[int]  # output row -> input position
     chunked: frozenset[int]  # output rows made of several pieces: they never exit
     exited: dict[int, torch.Tensor] = field(default_factory=dict)  # output row -> payload
 
@@ -243,21 +244,24 @@ class HiddenStateExtractor:
 
     # --- the public call ------------------------------------------------------------------
 
-    def extract(
-        self,
-        texts: Sequence[str | bytes],
-        layers: Sequence[int],
-        *,
-        exit_stage: ExitStage | None = None,
-    ) -> Extraction:
+    def extract(self, texts: Sequence[str | bytes], layers: Sequence[int]) -> Extraction:
         """Hidden states of ``layers`` for every text that can be extracted.
 
         A text that cannot (see :func:`clean_text`, or a forward pass that fails for it
         alone) is left out of ``hidden`` and named in ``errors``; it never fails the rest.
-        With ``exit_stage`` (ignored unless some wanted layer is deeper than its layer),
-        texts it decides are left out of ``hidden`` too and named in ``exited``.
-        Raises :class:`ExtractionError` only for an invalid ``layers`` or exit layer.
+        Raises :class:`ExtractionError` only for an invalid ``layers``.
         """
+        return self.extract_staged(texts, layers, None)
+
+    def extract_staged(
+        self,
+        texts: Sequence[str | bytes],
+        layers: Sequence[int],
+        exit_stage: ExitStage | None,
+    ) -> Extraction:
+        """:meth:`extract` with an exit stage (ignored unless some wanted layer is deeper
+        than its layer): the texts it decides are left out of ``hidden`` too and named in
+        ``exited``. Raises :class:`ExtractionError` also for an invalid exit layer."""
         wanted = self._check_layers(layers)
         if exit_stage is not None and not 1 <= exit_stage.layer < self.num_layers:
             raise ExtractionError(
@@ -286,7 +290,7 @@ class HiddenStateExtractor:
             staged = None
             if exit_stage is not None:
                 chunked = {p.row for p in pieces if p.offset > 0}
-                staged = _Staged(exit_stage, frozenset(chunked))
+                staged = _Staged(exit_stage, index, frozenset(chunked))
             for batch in self._micro_batches(pieces):
                 failed.update(self._run_isolating(batch, wanted, hidden, starts, staged))
         exited = {} if staged is None else staged.exited
@@ -513,7 +517,8 @@ class HiddenStateExtractor:
     ) -> list[int]:
         """Micro-batch rows that run on past the exit layer; records the rows that exit."""
         try:
-            exits, payload = staged.stage.decide(states, mask)  # [b] bool, [b, ...]
+            positions = [staged.positions[p.row] for p in batch]
+            exits, payload = staged.stage.decide(states, mask, positions)  # [b] bool, [b, ...]
             leave = exits.tolist()
         except Exception:
             log.warning("exit stage failed; every row runs to full depth", exc_info=True)
