@@ -87,9 +87,10 @@ class ExitStage:
 
     After hidden-state index ``layer`` (``1 <= layer < num_layers``) is computed for a
     micro-batch, ``decide(states [b, t, D], mask [b, t] bool, positions)`` (``positions``:
-    the rows' input positions) returns ``(exit [b] bool, payload [b, ...])``: rows with ``exit`` set are decided there (their payload row is
-    kept in :attr:`Extraction.exited`), the others run on from block ``layer + 1`` in a
-    smaller batch. A text cut into several chunks always continues (its row spans several
+    the rows' input positions) returns ``(exit [b] bool, payload [b, ...])``: rows with
+    ``exit`` set are decided there (their payload row is kept in
+    :attr:`Extraction.exited`), the others run on from block ``layer + 1`` in a smaller
+    batch. A text cut into several chunks always continues (its row spans several
     model inputs). If ``decide`` raises, every row continues (full depth is never wrong).
     """
 
