@@ -105,7 +105,7 @@ def search_exit(
     deepest = spec.deepest_layer
     candidates = [k for k in (layers or spec.layers) if k in spec.layers and 1 <= k < deepest]
     truth = _truth(spec, data.targets)[:, [spec.labels.index(x) for x in spec.flag_labels]]
-    y = truth.any(axis=1)
+    y = np.asarray(truth.any(axis=1))
     full = _flag_score(spec, oof_probs.double().numpy())
     full_auprc = average_precision(y, full)
     # Fixed epochs (no early stopping on the held-out fold: its scores stay honest).

@@ -49,6 +49,7 @@ def test_search_picks_a_shallow_exit_within_epsilon_and_attaches_it() -> None:
     assert search.chosen.auprc >= 1.0 - 0.005 and search.chosen.share > 0.3
     assert search.probe is not None and search.probe.spec.exit is not None
     assert search.probe.spec.exit.allow_below == search.chosen.allow_below
+    assert data.summaries is not None
     probs = exit_probabilities(search.probe, data.summaries[0].float())
     assert probs.shape == (len(data), 2)
     assert {"exit_layer", "exit_cv_share"} <= set(search.metrics())
