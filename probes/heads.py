@@ -37,7 +37,7 @@ from schemas import HeadSpec, ProbeSpec, describe_error
 __all__ = ["HEAD_ROWS", "add_head", "remap_label_rows", "remove_head"]
 
 # The tensors with one row per output column (label): the linear head's.
-HEAD_ROWS = ("head.weight", "head.bias")
+HEAD_ROWS = ("head.weight", "head.bias", "exit_head.head.weight", "exit_head.head.bias")
 
 
 def _spec(data: dict[str, object], what: str) -> ProbeSpec:

@@ -148,13 +148,20 @@ class Learner:
             raise ProbeError("a step needs at least one example")
         self.probe.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums, norms, mix = [], [], []
+        sums, norms, mix, exit_sums, exit_norms = [], [], [], [], []
+        exit_head = None if self.freeze_shared else self.probe.exit_head
         for hidden, mask, targets in chunks:
             logits, weights = self.probe.forward_with_layer_weights(hidden, mask)  # [B, C], [L, B]
             total, norm = self._loss_parts(logits, targets)
             sums.append(total)
             norms.append(norm)
             mix.append(weights)
+            if exit_head is not None:  # the cascade's exit head learns the same labels
+                total, norm = self._loss_parts(
+                    exit_head(self.probe.exit_input(hidden), mask), targets
+                )
+                exit_sums.append(total)
+                exit_norms.append(norm)
         loss = torch.stack(sums).sum() / torch.stack(norms).sum()
         if not torch.isfinite(loss):
             raise ProbeError(f"loss is {float(loss)}; refusing to step (check the inputs)")
@@ -162,6 +169,10 @@ class Learner:
         objective = loss
         if self.mix_entropy > 0 and weights.shape[0] > 1:
             objective = loss + self.mix_entropy * self.entropy_gap(weights)
+        if exit_sums:  # its own parameters: the sum trains both without coupling them
+            exit_loss = torch.stack(exit_sums).sum() / torch.stack(exit_norms).sum()
+            if torch.isfinite(exit_loss):
+                objective = objective + exit_loss
         objective.backward()
         self.optimizer.step()
         self.steps += 1

@@ -64,6 +64,7 @@ class Probe(nn.Module):
     scale: Tensor  # [L, D] buffer
     pool: TokenPoolModule
     mix: LayerMixModule
+    exit_head: Probe | None  # the cascade's exit head (spec.exit), a probe over one layer
 
     def __init__(self, spec: ProbeSpec) -> None:
         super().__init__()
@@ -81,6 +82,9 @@ class Probe(nn.Module):
         self.mix = LAYER_MIXES[spec.layer_mix](spec)
         self.drop = nn.Dropout(spec.dropout)
         self.head = nn.Linear(D, C)
+        # Its tensors live in this probe's state dict ("exit_head.*"), so checkpoints,
+        # signatures, hot swaps and the updater's optimizer carry it unchanged.
+        self.exit_head = Probe(spec.exit_view()) if spec.exit is not None else None
 
     # --- description -----------------------------------------------------
     @property
@@ -129,6 +133,16 @@ class Probe(nn.Module):
             raise ProbeError(f"scale must be positive; smallest is {float(scale.min()):.3g}")
         self.shift.copy_(shift)
         self.scale.copy_(scale)
+        if self.exit_head is not None and self._spec.exit is not None:
+            at = self._spec.layers.index(self._spec.exit.layer)
+            self.exit_head.set_input_stats(shift[at : at + 1], scale[at : at + 1])
+
+    def exit_input(self, hidden: Tensor) -> Tensor:
+        """The exit layer's slice ``[1, B, ...]`` of this probe's input ``[L, B, ...]``."""
+        if self._spec.exit is None:
+            raise ProbeError(f"probe {self._spec.name!r} has no exit head")
+        at = self._spec.layers.index(self._spec.exit.layer)
+        return hidden[at : at + 1]
 
     # --- scoring ---------------------------------------------------------
     def _check(self, hidden: Tensor, mask: Tensor | None) -> None:
@@ -282,10 +296,15 @@ def keep_layers(probe: Probe, layers: list[int]) -> Probe:
     old = list(probe.layers)
     if not layers or sorted(set(layers)) != layers or not set(layers) <= set(old):
         raise ProbeError(f"layers {layers} are not a sorted, non-empty subset of {old}")
-    spec = ProbeSpec.model_validate({**probe.spec.model_dump(), "layers": layers})
+    data = {**probe.spec.model_dump(), "layers": layers}
+    gone = probe.spec.exit is not None and not probe.spec.exit.layer < layers[-1]
+    if gone or (probe.spec.exit is not None and probe.spec.exit.layer not in layers):
+        data["exit"] = None  # the exit head's layer is no longer read below the deepest
+    spec = ProbeSpec.model_validate(data)
     smaller = Probe(spec)
     pick = torch.tensor([old.index(i) for i in layers])
     want = {k: v.shape for k, v in smaller.state_dict().items()}
-    smaller.load_state_dict(slice_layer_state(probe.state_dict(), want, pick))
+    state = {k: v for k, v in probe.state_dict().items() if k in want}
+    smaller.load_state_dict(slice_layer_state(state, want, pick))
     smaller.train(probe.training)
     return smaller

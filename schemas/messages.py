@@ -174,12 +174,15 @@ class ProbeResult(WireModel):
     canary: bool = False  # True when the canary version decided this message
     shadow: ShadowResult | None = None
     heads: Annotated[dict[ProbeName, HeadResult], Field(max_length=64)] | None = None
+    # The hidden-state index whose exit head decided this message (the cascade: an easy
+    # message leaves the forward pass there); None: the full probe decided.
+    depth: Annotated[int, Field(ge=0, le=1024)] | None = None
 
     _scores = field_validator("scores")(_check_scores)
 
     @model_serializer(mode="wrap")
     def _compact(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
-        return _omit_none(self, handler, ("heads",))
+        return _omit_none(self, handler, ("heads", "depth"))
 
 
 # ``message_id|probe@version,...`` for the most results a verdict holds (32), the longest

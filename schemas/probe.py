@@ -22,6 +22,7 @@ __all__ = [
     "CheckpointEvent",
     "CheckpointManifest",
     "EventKind",
+    "ExitSpec",
     "HeadSpec",
     "LLMFingerprint",
     "LayerMix",
@@ -58,6 +59,24 @@ class HeadSpec(WireModel):
         if self.task == "multiclass" and len(self.labels) < 2:
             raise ValueError(f"multiclass head {self.name!r} needs at least two labels")
         return self
+
+
+class ExitSpec(WireModel):
+    """An exit head: a small probe over one shallow layer that decides easy messages there
+    (the cascade), so the forward pass above that layer runs only for the others.
+
+    It reads hidden-state index ``layer`` (one of the probe's layers, below its deepest)
+    through ``token_pool``, has the probe's heads and labels, and its probabilities are
+    those of ``logits / temperature`` (calibrated on out-of-fold scores). A message exits
+    as *allowed* when every flag label's calibrated probability is below ``allow_below``
+    (0: never), as *flagged* when one reaches ``flag_above`` (None: never).
+    """
+
+    layer: Annotated[int, Field(ge=1, le=1024)]
+    token_pool: TokenPool = "mean"
+    temperature: Annotated[float, Field(gt=0.0, le=1000.0)] = 1.0
+    allow_below: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    flag_above: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
 
 
 class ProbeSpec(WireModel):
@@ -100,6 +119,8 @@ class ProbeSpec(WireModel):
     dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
     # Named heads over the shared pooling and mix (empty: one head, ``task`` over ``labels``).
     heads: Annotated[list[HeadSpec], Field(max_length=64)] = Field(default_factory=list)
+    # An exit head at a shallow layer that decides easy messages early (None: no cascade).
+    exit: ExitSpec | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -123,6 +144,8 @@ class ProbeSpec(WireModel):
         data: dict[str, object] = handler(self)
         if not data.get("heads"):
             data.pop("heads", None)
+        if data.get("exit") is None:
+            data.pop("exit", None)  # likewise for specs without an exit head
         return data
 
     @model_validator(mode="after")
@@ -153,6 +176,14 @@ class ProbeSpec(WireModel):
             raise ValueError(f"flag_labels/thresholds name unknown labels: {sorted(unknown)}")
         if self.token_pool == "mha" and self.d_inner % self.num_heads:
             raise ValueError("d_inner must be divisible by num_heads")
+        if self.exit is not None:
+            if self.exit.layer not in self.layers or self.exit.layer >= self.deepest_layer:
+                raise ValueError(
+                    f"exit layer {self.exit.layer} must be one of the layers {self.layers} "
+                    "below the deepest"
+                )
+            if not self.flag_labels:
+                raise ValueError("an exit head decides on the flag labels: set flag_labels")
         return self
 
     @property
@@ -205,6 +236,21 @@ class ProbeSpec(WireModel):
                 "flag_labels": [x for x in self.flag_labels if x in h.labels],
                 "thresholds": {k: v for k, v in self.thresholds.items() if k in h.labels},
                 "heads": [],
+                "exit": None,
+            }
+        )
+
+    def exit_view(self) -> ProbeSpec:
+        """The exit head's own spec: this probe's heads and labels over its exit layer
+        alone (``layer_mix="single"``); raises when there is no exit head."""
+        if self.exit is None:
+            raise ValueError(f"probe {self.name!r} has no exit head")
+        return self.model_copy(
+            update={
+                "layers": [self.exit.layer],
+                "layer_mix": "single",
+                "token_pool": self.exit.token_pool,
+                "exit": None,
             }
         )
 

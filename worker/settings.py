@@ -275,6 +275,24 @@ class Settings(BaseSettings):
         "token states are concatenated for the probe's pooling; beyond them `TRUNCATION` "
         "applies. `1`: truncate.",
     )
+    exit: Literal["on", "off"] = Field(
+        "on",
+        description="The cascade: a served probe with an exit head (trained by `fit --exit`) "
+        "decides confident messages at its shallow layer, and only the others run the rest "
+        "of the forward pass. `off`: every message runs to the probe's deepest layer.",
+    )
+    exit_allow_below: Annotated[float, Field(ge=0.0, le=0.5)] | None = Field(
+        None,
+        description="A message exits as allowed when the exit head's calibrated score of every "
+        "flag label is below this. Unset: the checkpoint's own (chosen by cross-validation "
+        "in `fit`); `0`: no allow exits.",
+    )
+    exit_flag_above: Annotated[float, Field(gt=0.5, le=1.0)] | None = Field(
+        None,
+        description="A message exits as flagged when the exit head's calibrated score of a "
+        "flag label reaches this. Unset: the checkpoint's own (`fit` sets none: flags are "
+        "rare and costly to get wrong, so by default only the full probe flags).",
+    )
 
     # --- Wire limits (every role that decodes a topic) ---------------------------
     max_text_chars: Annotated[int, Field(ge=1, le=HARD_MAX_TEXT_CHARS)] = Field(

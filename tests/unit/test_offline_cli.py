@@ -405,3 +405,21 @@ def test_eval_checkpoint_default_is_the_packaged_default(
     monkeypatch.setattr(worker.defaults, "PINNED", {})
     assert main(argv) != 0
     assert "not the one this release pins" in capsys.readouterr().err
+
+
+def test_fit_exit_prints_its_table_and_a_large_epsilon_attaches_an_exit_head(
+    capsys, caches, workspace
+) -> None:
+    argv = ["fit", "--cache", str(caches[0]), "--pool", "mean", "--folds", "2", "--epochs", "2"]
+    fast = ["--epochs", "8", "--lr", "0.05", "--exit", "2", "--exit-epsilon", "1"]
+    assert main([*argv, *fast, "--out", str(workspace / "ex")]) == 0
+    out = capsys.readouterr().out
+    assert "exit search: full-depth out-of-fold AUPRC" in out and "<- chosen" in out
+    probe, manifest = load_checkpoint(workspace / "ex", None)
+    assert probe.spec.exit is not None and probe.spec.exit.layer == 2
+    assert probe.exit_head is not None
+    assert manifest.metrics["exit_layer"] == 2 and "exit_cv_share" in manifest.metrics
+    assert main([*argv, "--exit", "off", "--out", str(workspace / "no")]) == 0
+    assert load_checkpoint(workspace / "no", None)[0].spec.exit is None
+    with pytest.raises(SystemExit, match="--exit"):
+        main([*argv, "--exit", "deep", "--out", str(workspace / "x")])

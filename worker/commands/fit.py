@@ -11,6 +11,7 @@ from worker.commands._common import layer_list, offline_errors, print_json
 
 if TYPE_CHECKING:
     from probes.offline.cache import HiddenStateCache
+    from probes.offline.exit import ExitSearch
     from probes.offline.fit import FitConfig, FitResult
     from probes.offline.select import CVResult, DepthSearch
     from schemas import OperatingPoint
@@ -51,6 +52,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="fp32",
         help="how the checkpoint stores the probe weights: int8 with per-row scales is about a "
         "quarter of the bytes and is dequantized to fp32 on load (default: fp32)",
+    )
+    p.add_argument(
+        "--exit",
+        default="auto",
+        help="the cascade's exit head: 'auto' (with cross-validation: search the probe's "
+        "layers below its deepest for an exit head and threshold whose cascade keeps the "
+        "out-of-fold AUPRC within --exit-epsilon, attach the cheapest that saves >= 15%% of "
+        "the forward pass), a layer number (search that layer only), or 'off'",
+    )
+    p.add_argument(
+        "--exit-epsilon",
+        type=float,
+        default=0.005,
+        help="with --exit: AUPRC the cascade may give up (%(default)s = 0.5 point)",
     )
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
     p.set_defaults(func=_run)
@@ -199,6 +214,7 @@ def _run(args: argparse.Namespace) -> int:
     val_cache = HiddenStateCache(args.val_cache, key=key) if args.val_cache else None
     opts, config = _options(args, point)
     result, cv, depth = _fit(args, cache, val_cache, opts, config, folds)
+    search = _exit(args, cache, opts, config, result, cv, folds)
     save_fit(
         result,
         args.out,
@@ -207,12 +223,17 @@ def _run(args: argparse.Namespace) -> int:
         cv=cv,
         weights=args.weights,
         depth=depth,
+        extra_metrics=search.metrics() if search is not None else None,
     )
     selection = "validation cache" if val_cache else f"{folds}-fold CV" if cv else "split"
     summary = fit_summary(
         result, args.out, opts, selection=selection, point=point, cv=cv, depth=depth
     )
     write_fit_report(args.out, summary, result, cv=cv, depth=depth)
+    if search is not None:
+        summary["exit"] = search.metrics()
+        if not args.json:
+            _print_exit_table(search)
     if args.json:
         print_json({**summary, "depth_table": depth.table()} if depth else summary)
     else:
@@ -291,6 +312,60 @@ def _fit(
         cache, opts, config, val_cache=val_cache, val_fraction=args.val_fraction, folds=folds
     )
     return result, cv, None
+
+
+def _exit(
+    args: argparse.Namespace,
+    cache: HiddenStateCache,
+    opts: ProbeOptions,
+    config: FitConfig,
+    result: FitResult,
+    cv: CVResult | None,
+    folds: int,
+) -> ExitSearch | None:
+    """Search and attach the exit head (``--exit``); None when off or without CV."""
+    from probes.offline.exit import search_exit
+    from worker.offline.fit_eval import prepare
+
+    if args.exit == "off":
+        return None
+    if cv is None or folds < 2:
+        if args.exit != "auto":
+            raise SystemExit("probeguard fit: --exit LAYER cross-validates; it needs --folds >= 2")
+        return None
+    try:
+        layers = None if args.exit == "auto" else [int(args.exit)]
+    except ValueError as exc:
+        raise SystemExit(f"probeguard fit: --exit must be auto, off or a layer: {exc}") from exc
+    _, data = prepare(cache, opts)
+    spec = result.probe.spec
+    data = data.select_layers(list(spec.layers))
+    search = search_exit(
+        spec,
+        result.probe,
+        data,
+        cv.oof_probs,
+        config,
+        folds=folds,
+        epsilon=args.exit_epsilon,
+        layers=layers,
+    )
+    if search.probe is not None:
+        result.probe = search.probe
+    return search
+
+
+def _print_exit_table(search: ExitSearch) -> None:
+    print(f"exit search: full-depth out-of-fold AUPRC {search.full_auprc:.4f}")
+    print("layer  allow_below  share  cascade_auprc  cost")
+    for r in search.rows:
+        mark = " <- chosen" if r == search.chosen else ""
+        print(
+            f"{r.layer:>5}  {r.allow_below:>11.3f}  {r.share:>5.2f}  {r.auprc:>13.4f}  "
+            f"{r.cost:>4.2f}{mark}"
+        )
+    for note in search.notes:
+        print(f"exit search: {note}")
 
 
 def _print_result(

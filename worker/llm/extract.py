@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     from schemas import LLMFingerprint
     from worker.settings import Settings
 
-__all__ = ["Extraction", "HiddenStateExtractor", "Truncation", "clean_text"]
+__all__ = ["ExitStage", "Extraction", "HiddenStateExtractor", "Truncation", "clean_text"]
 
 log = logging.getLogger(__name__)
 
@@ -81,15 +81,38 @@ _CHARS_PER_TOKEN = 32
 _CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 
+@dataclass(frozen=True)
+class ExitStage:
+    """Decide some rows at a shallow layer; only the others continue the forward pass.
+
+    After hidden-state index ``layer`` (``1 <= layer < num_layers``) is computed for a
+    micro-batch, ``decide(states [b, t, D], mask [b, t] bool, positions)`` (``positions``:
+    the rows' input positions) returns ``(exit [b] bool, payload [b, ...])``: rows with
+    ``exit`` set are decided there (their payload row is kept in
+    :attr:`Extraction.exited`), the others run on from block ``layer + 1`` in a smaller
+    batch. A text cut into several chunks always continues (its row spans several
+    model inputs). If ``decide`` raises, every row continues (full depth is never wrong).
+    """
+
+    layer: int
+    decide: Callable[[torch.Tensor, torch.Tensor, list[int]], tuple[torch.Tensor, torch.Tensor]]
+
+
 @dataclass
 class Extraction:
-    """Hidden states of the extracted texts; ``index[b]`` is row ``b``'s input position."""
+    """Hidden states of the extracted texts; ``index[b]`` is row ``b``'s input position.
+
+    With an :class:`ExitStage`, the texts decided at its layer are not among the rows: they
+    are in ``exited`` (input position -> the stage's payload row), with ``exit_layer``.
+    """
 
     hidden: torch.Tensor  # [L_sel, B_ok, T, D], in `layers` order, zero at padding
     mask: torch.Tensor  # [B_ok, T] bool, True = real token
     layers: tuple[int, ...]
     index: list[int]
     errors: dict[int, str] = field(default_factory=dict)  # input position -> "kind: reason"
+    exited: dict[int, torch.Tensor] = field(default_factory=dict)  # input position -> payload
+    exit_layer: int | None = None
 
     def layer(self, index: int) -> torch.Tensor:
         """``[B_ok, T, D]`` states of hidden-state index ``index`` (one of ``layers``)."""
@@ -107,6 +130,29 @@ class _Piece:
 
 class _EarlyExit(Exception):
     """Raised by the hook on the deepest requested layer, so no layer above it runs."""
+
+
+@dataclass
+class _Staged:
+    """One :meth:`HiddenStateExtractor.extract` call's exit stage and what it decided."""
+
+    stage: ExitStage
+    positions: list[int]  # output row -> input position
+    chunked: frozenset[int]  # output rows made of several pieces: they never exit
+    exited: dict[int, torch.Tensor] = field(default_factory=dict)  # output row -> payload
+
+
+@dataclass(frozen=True, slots=True)
+class _Resume:
+    """Run a forward pass from hidden-state index ``layer`` on: blocks ``1..layer`` pass
+    their input through and the last of them returns ``states`` (``[b, t, D]``, the rows'
+    states at ``layer`` from an earlier pass), so every block above runs with the masks
+    and position embeddings the model itself builds for this batch (per layer type, e.g.
+    Gemma's sliding and global layers)."""
+
+    layer: int
+    states: torch.Tensor  # [b, t, D]
+    as_tuple: bool  # the blocks return (states, ...) rather than a tensor
 
 
 class HiddenStateExtractor:
@@ -206,7 +252,24 @@ class HiddenStateExtractor:
         alone) is left out of ``hidden`` and named in ``errors``; it never fails the rest.
         Raises :class:`ExtractionError` only for an invalid ``layers``.
         """
+        return self.extract_staged(texts, layers, None)
+
+    def extract_staged(
+        self,
+        texts: Sequence[str | bytes],
+        layers: Sequence[int],
+        exit_stage: ExitStage | None,
+    ) -> Extraction:
+        """:meth:`extract` with an exit stage (ignored unless some wanted layer is deeper
+        than its layer): the texts it decides are left out of ``hidden`` too and named in
+        ``exited``. Raises :class:`ExtractionError` also for an invalid exit layer."""
         wanted = self._check_layers(layers)
+        if exit_stage is not None and not 1 <= exit_stage.layer < self.num_layers:
+            raise ExtractionError(
+                f"exit layer must be in [1, {self.num_layers - 1}], got {exit_stage.layer}"
+            )
+        if exit_stage is not None and max(wanted) <= exit_stage.layer:
+            exit_stage = None
         errors: dict[int, str] = {}
         tokenized = self._tokenize(texts, errors)
         index = [pos for pos, _ in tokenized]
@@ -225,18 +288,33 @@ class HiddenStateExtractor:
             hidden[:, row, start + n :] = 0
         failed: dict[int, str] = {}
         with self._lock, torch.inference_mode():
+            staged = None
+            if exit_stage is not None:
+                chunked = {p.row for p in pieces if p.offset > 0}
+                staged = _Staged(exit_stage, index, frozenset(chunked))
             for batch in self._micro_batches(pieces):
-                failed.update(self._run_isolating(batch, wanted, hidden, starts))
-        if failed:
+                failed.update(self._run_isolating(batch, wanted, hidden, starts, staged))
+        exited = {} if staged is None else staged.exited
+        exited = {row: v for row, v in exited.items() if row not in failed}
+        if failed or exited:
             for row, reason in failed.items():
                 errors[index[row]] = reason
-            keep = [row for row in range(len(index)) if row not in failed]
+            keep = [row for row in range(len(index)) if row not in failed and row not in exited]
             # Drop the failed rows, and the padding only they needed.
             width = max((lengths[row] for row in keep), default=0)
             cols = slice(T - width, T) if self._left_pad else slice(0, width)
             hidden, mask = hidden[:, keep, cols], mask[keep, cols]
+            exited = {index[row]: v for row, v in sorted(exited.items())}
             index = [index[row] for row in keep]
-        return Extraction(hidden=hidden, mask=mask, layers=wanted, index=index, errors=errors)
+        return Extraction(
+            hidden=hidden,
+            mask=mask,
+            layers=wanted,
+            index=index,
+            errors=errors,
+            exited=exited,
+            exit_layer=exit_stage.layer if exit_stage is not None else None,
+        )
 
     def token_ids(self, text: str | bytes) -> list[int]:
         """Token ids of ``text`` as :meth:`extract` runs them: its row's real positions, in
@@ -348,6 +426,7 @@ class HiddenStateExtractor:
         wanted: tuple[int, ...],
         hidden: torch.Tensor,
         starts: list[int],
+        staged: _Staged | None = None,
     ) -> dict[int, str]:
         """Run a micro-batch; if it fails, run its pieces alone. Returns failed rows.
 
@@ -355,7 +434,7 @@ class HiddenStateExtractor:
         micro-batches, then (like any other device error) raises :class:`DeviceError`.
         """
         try:
-            self._run(batch, wanted, hidden, starts)
+            self._run(batch, wanted, hidden, starts, staged)
             return {}
         except Exception as exc:
             fault = device_fault(exc)
@@ -364,8 +443,8 @@ class HiddenStateExtractor:
                 _free_device_memory()
                 half = len(batch) // 2
                 return {
-                    **self._run_isolating(batch[:half], wanted, hidden, starts),
-                    **self._run_isolating(batch[half:], wanted, hidden, starts),
+                    **self._run_isolating(batch[:half], wanted, hidden, starts, staged),
+                    **self._run_isolating(batch[half:], wanted, hidden, starts, staged),
                 }
             if fault is not None:
                 raise DeviceError(
@@ -377,7 +456,7 @@ class HiddenStateExtractor:
             log.warning("micro-batch of %d failed (%r); retrying one by one", len(batch), exc)
         failed: dict[int, str] = {}
         for piece in batch:
-            failed.update(self._run_isolating([piece], wanted, hidden, starts))
+            failed.update(self._run_isolating([piece], wanted, hidden, starts, staged))
         return failed
 
     def _run(
@@ -386,8 +465,8 @@ class HiddenStateExtractor:
         wanted: tuple[int, ...],
         hidden: torch.Tensor,
         starts: list[int],
+        staged: _Staged | None = None,
     ) -> None:
-        model_device = self.llm.device
         b, t = len(batch), max(len(p.ids) for p in batch)
         input_ids = torch.full((b, t), self._pad_id, dtype=torch.long)  # [b, t]
         attention = torch.zeros(b, t, dtype=torch.long)  # [b, t]
@@ -401,35 +480,98 @@ class HiddenStateExtractor:
             spans.append((r, lo, piece.row, starts[piece.row] + piece.offset, n))
         slot = {layer: i for i, layer in enumerate(wanted)}
 
-        def sink(layer: int, states: torch.Tensor) -> None:  # states: [b, t, D]
-            out = hidden[slot[layer]]  # [B_ok, T, D]
-            # Slice copies beat a gather + scatter by ~2x and convert device/dtype on the way.
-            for r, lo, row, first, n in spans:
-                out[row, first : first + n].copy_(states[r, lo : lo + n])
+        def sink_to(spans: list[tuple[int, int, int, int, int]]) -> _Sink:
+            def sink(layer: int, states: torch.Tensor) -> None:  # states: [b, t, D]
+                out = hidden[slot[layer]]  # [B_ok, T, D]
+                # Slice copies beat a gather + scatter by ~2x and convert device/dtype too.
+                for r, lo, row, first, n in spans:
+                    out[row, first : first + n].copy_(states[r, lo : lo + n])
 
+            return sink
+
+        if staged is None:
+            self._forward(self._model_inputs(input_ids, attention), wanted, sink_to(spans))
+            return
+        k = staged.stage.layer
+        low = tuple(i for i in wanted if i <= k)
+        captured: list[torch.Tensor] = []
+        low_sink = sink_to(spans)
+
+        def capture(layer: int, states: torch.Tensor) -> None:
+            if layer == k:
+                captured.append(states)
+            if layer in slot:
+                low_sink(layer, states)
+
+        as_tuple = self._forward(
+            self._model_inputs(input_ids, attention), (*low, k) if k not in low else low, capture
+        )
+        states = captured[0]  # [b, t, D]: hidden-state index k of every row
+        go = self._continuing(staged, batch, states, attention.to(states.device).bool())
+        if not go:
+            return
+        # The continuing rows, without the padding only the exited rows needed.
+        width = int(attention[go].sum(-1).max())
+        cols = slice(t - width, t) if self._left_pad else slice(0, width)
+        rows = torch.tensor(go)
+        shift = t - width if self._left_pad else 0
+        kept = [
+            (i, lo - shift, row, first, n)
+            for i, (_, lo, row, first, n) in enumerate(spans[r] for r in go)
+        ]
+        resume = _Resume(k, states[rows.to(states.device)][:, cols], as_tuple)
+        high = tuple(i for i in wanted if i > k)
+        inputs = self._model_inputs(input_ids[rows][:, cols], attention[rows][:, cols])
+        self._forward(inputs, high, sink_to(kept), resume)
+
+    def _continuing(
+        self, staged: _Staged, batch: list[_Piece], states: torch.Tensor, mask: torch.Tensor
+    ) -> list[int]:
+        """Micro-batch rows that run on past the exit layer; records the rows that exit."""
+        try:
+            positions = [staged.positions[p.row] for p in batch]
+            exits, payload = staged.stage.decide(states, mask, positions)  # [b] bool, [b, ...]
+            leave = exits.tolist()
+        except Exception:
+            log.warning("exit stage failed; every row runs to full depth", exc_info=True)
+            return list(range(len(batch)))
+        go = []
+        for r, piece in enumerate(batch):
+            if leave[r] and piece.row not in staged.chunked:
+                staged.exited[piece.row] = payload[r].detach().clone()
+            else:
+                go.append(r)
+        return go
+
+    def _model_inputs(self, input_ids: torch.Tensor, attention: torch.Tensor) -> dict[str, Any]:
+        model_device = self.llm.device
         kwargs: dict[str, Any] = {"input_ids": input_ids.to(model_device)}
         kwargs["attention_mask"] = attention.to(model_device)
         if self._pass_positions:  # positions count real tokens only: left padding is harmless
             kwargs["position_ids"] = (kwargs["attention_mask"].cumsum(-1) - 1).clamp_(min=0)
         if self._pass_no_cache:
             kwargs["use_cache"] = False
-        self._forward(kwargs, wanted, sink)
+        return kwargs
 
     def _forward(
         self,
         kwargs: dict[str, Any],
         wanted: tuple[int, ...],
-        sink: Callable[[int, torch.Tensor], None],
-    ) -> None:
+        sink: _Sink,
+        resume: _Resume | None = None,
+    ) -> bool:
         """One forward pass that hands each wanted layer to ``sink`` and stops at the deepest.
 
         Hooks on the blocks capture the states (no ``output_hidden_states``, which would
         keep every layer alive); the hook on the deepest wanted block raises
         :class:`_EarlyExit`. The top index is the model's own ``last_hidden_state``.
+        With ``resume``, the blocks up to its layer are skipped (see :class:`_Resume`).
+        Returns whether the blocks return tuples (what a later resume must mimic).
         """
         stack, top = self.llm.layer_stack, self.num_layers
         deepest = max(wanted)
         handles = []
+        as_tuple = [False]
 
         def before_first(_module: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
             sink(0, args[0] if args else kw["hidden_states"])
@@ -438,13 +580,19 @@ class HiddenStateExtractor:
 
         def after(layer: int) -> Callable[..., None]:
             def hook(_module: Any, _args: Any, output: Any) -> None:
+                as_tuple[0] = isinstance(output, tuple)
                 sink(layer, output[0] if isinstance(output, tuple) else output)
                 if layer == deepest:
                     raise _EarlyExit
 
             return hook
 
+        skipped = list(stack)[: resume.layer] if resume is not None else []
+        # A block may carry a forward of its own already (e.g. accelerate's device hooks).
+        own = [block.__dict__.get("forward") for block in skipped]
         try:
+            for i, block in enumerate(skipped):
+                block.forward = _pass_through(resume, last=i == len(skipped) - 1)
             if 0 in wanted:
                 handles.append(stack[0].register_forward_pre_hook(before_first, with_kwargs=True))
             handles += [stack[i - 1].register_forward_hook(after(i)) for i in wanted if 0 < i < top]
@@ -455,12 +603,34 @@ class HiddenStateExtractor:
                 ):
                     output = self.llm.model(**kwargs)
             except _EarlyExit:
-                return
+                return as_tuple[0]
             if top in wanted:
                 sink(top, output.last_hidden_state)
+            return as_tuple[0]
         finally:
             for handle in handles:
                 handle.remove()
+            for block, forward in zip(skipped, own, strict=True):
+                if forward is None:
+                    del block.forward  # the class's forward again
+                else:
+                    block.forward = forward
+
+
+_Sink = Callable[[int, torch.Tensor], None]
+
+
+def _pass_through(resume: _Resume | None, *, last: bool) -> Callable[..., Any]:
+    """A block's forward that computes nothing: its input, or (the last skipped block) the
+    resumed states, in the form the blocks return."""
+    if resume is None:
+        raise AssertionError("only a resumed forward skips blocks")
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        states = resume.states if last else (args[0] if args else kwargs["hidden_states"])
+        return (states,) if resume.as_tuple else states
+
+    return forward
 
 
 def length_batches(

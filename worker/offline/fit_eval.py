@@ -239,6 +239,7 @@ def save_fit(
     cv: CVResult | None = None,
     weights: WeightFormat = "fp32",
     depth: DepthSearch | None = None,
+    extra_metrics: dict[str, float] | None = None,
 ) -> None:
     """Write the trained probe as a checkpoint the worker can load (the cache's LLM
     fingerprint), HMAC-signed when ``signing_key`` is given, with ``weights`` stored as
@@ -264,6 +265,7 @@ def save_fit(
             mean, std = row.auprc
             metrics.update({f"depth_{row.depth}_cv_auprc_mean": mean})
             metrics.update({f"depth_{row.depth}_cv_auprc_std": std})
+    metrics.update(extra_metrics or {})
     save_checkpoint(
         result.probe,
         out,

@@ -3,6 +3,17 @@
     texts -> extractor (union of the layers every served probe reads, early exit)
           -> per probe: live (and canary) probabilities -> decide() -> ProbeResult
 
+The cascade: when one probe is served and its versions carry exit heads at one layer (see
+:mod:`probes.exit`), the extractor asks that exit head about every message once that
+layer is computed; a message whose calibrated score is confidently outside the review
+band (:class:`ExitPolicy`) takes the exit head's probabilities as its result
+(``ProbeResult.depth`` names the layer) and leaves the forward pass; only the others run
+on to the full probe. A canary judges the messages routed to it with its own exit head;
+in shadow mode, or with several probes, every message runs to full depth. Messages
+decided early count as evidence for their version like any other; drift monitoring reads
+only the messages that reached the full probe (the pooled states it compares are the
+full probe's).
+
 Which version decides a message is sticky: a hash of the conversation id (else
 the message id) below the canary share sends it to the canary, so a conversation
 sees one version throughout and the canary gets about ``canary_share`` of the
@@ -30,6 +41,7 @@ import torch
 
 from probes.decision import Decision, decide, flagging_heads
 from probes.drift import drift_score, pooled_rms
+from probes.exit import exit_probabilities, exits
 from probes.probe import Probe
 from schemas import (
     DEFAULT_LIMITS,
@@ -42,12 +54,20 @@ from schemas import (
     ProbeSpec,
     ShadowResult,
 )
-from worker.llm.extract import length_batches
+from worker.llm.extract import ExitStage, length_batches
 
 if TYPE_CHECKING:
     from worker.llm.extract import Extraction, HiddenStateExtractor
+    from worker.settings import Settings
 
-__all__ = ["BatchScorer", "BatchScores", "ProbeSlot", "ServedProbe", "sticky_fraction"]
+__all__ = [
+    "BatchScorer",
+    "BatchScores",
+    "ExitPolicy",
+    "ProbeSlot",
+    "ServedProbe",
+    "sticky_fraction",
+]
 
 
 def sticky_fraction(key: str, salt: str = "") -> float:
@@ -81,6 +101,35 @@ class ProbeSlot:
         return {layer for p in (self.live, self.canary) if p for layer in p.probe.layers}
 
 
+@dataclass(frozen=True)
+class ExitPolicy:
+    """When the cascade's exit heads may decide (``PROBEGUARD_EXIT*``): ``allow_below`` and
+    ``flag_above`` override a checkpoint's own thresholds (None: keep them)."""
+
+    enabled: bool = True
+    allow_below: float | None = None
+    flag_above: float | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ExitPolicy:
+        return cls(
+            enabled=settings.exit == "on",
+            allow_below=settings.exit_allow_below,
+            flag_above=settings.exit_flag_above,
+        )
+
+    def thresholds(self, spec: ProbeSpec) -> tuple[float, float | None]:
+        """``(allow_below, flag_above)`` for a probe with an exit head."""
+        if spec.exit is None:
+            return 0.0, None
+        low = spec.exit.allow_below if self.allow_below is None else self.allow_below
+        high = spec.exit.flag_above if self.flag_above is None else self.flag_above
+        return low, high
+
+
+NO_EXITS = ExitPolicy(enabled=False)
+
+
 @dataclass
 class BatchScores:
     results: dict[int, list[ProbeResult]]  # input position -> one result per probe
@@ -112,6 +161,7 @@ class BatchScorer:
         flag_heads: frozenset[str] | None = None,
         limits: Limits = DEFAULT_LIMITS,
         route_salt: str = "",
+        exit_policy: ExitPolicy = NO_EXITS,
     ) -> None:
         """``slots``: the slots, or a function returning what is served now (a watcher's
         snapshot, see :mod:`worker.scoring.probe_watch`), read once per batch.
@@ -119,8 +169,10 @@ class BatchScorer:
         with a flag label; see :func:`probes.decision.flagging_heads`). ``limits``: the
         deployment's wire limits, which the results are built against (a probe with more
         labels than the default allows must still produce results). ``route_salt``: the
-        deployment's secret salt of the canary split (``Settings.routing_salt``)."""
+        deployment's secret salt of the canary split (``Settings.routing_salt``).
+        ``exit_policy``: whether and where exit heads decide (default: never)."""
         self.extractor = extractor
+        self.exit_policy = exit_policy
         self.route_salt = route_salt
         self._slots = slots
         self.shadow = shadow
@@ -151,7 +203,12 @@ class BatchScorer:
         slots = self.slots  # one snapshot for the whole batch: no batch mixes versions
         layers = self.layers(slots)
         t0 = time.perf_counter()
-        ex = self.extractor.extract([m.text for m in messages], layers)
+        texts = [m.text for m in messages]
+        stage = self._exit_stage(slots, layers, messages)
+        if stage is None:
+            ex = self.extractor.extract(texts, layers)
+        else:
+            ex = self.extractor.extract_staged(texts, layers, stage)
         t1 = time.perf_counter()
         out = BatchScores(results={}, errors=dict(ex.errors))
         runs: dict[str, tuple[_Run, _Run | None]] = {}
@@ -177,28 +234,101 @@ class BatchScorer:
                 out.results[pos] = []
         good = [row for row in range(len(ex.index)) if row not in bad]
         for name, (live, canary) in runs.items():
-            self._score_slot(slots[name], live, canary, ex, messages, out)
+            self._score_slot(slots[name], live, canary, ex.index, messages, out)
             for r in (live, canary):
                 if r is not None and good:
                     key = (name, r.served.version)
                     out.drift[key] = (r.served, r.rms[:, good], r.drift_score[good])
+        if ex.exited and ex.exit_layer is not None:
+            self._score_exited(slots, ex.exited, ex.exit_layer, messages, out)
         out.extract_s, out.probe_s = t1 - t0, time.perf_counter() - t1
         return out
+
+    def _exit_stage(
+        self,
+        slots: Mapping[str, ProbeSlot],
+        layers: tuple[int, ...],
+        messages: Sequence[ChatMessage],
+    ) -> ExitStage | None:
+        """The exit stage for this batch, or None when the cascade cannot run (see the
+        module docstring)."""
+        served = [s for s in slots.values() if s.live is not None]
+        if not self.exit_policy.enabled or len(served) != 1 or not layers:
+            return None
+        slot = served[0]
+        live = slot.live
+        assert live is not None
+        canary = slot.canary if slot.canary and slot.canary.version != live.version else None
+        exit_spec = live.probe.spec.exit
+        if exit_spec is None or exit_spec.layer >= max(layers):
+            return None
+        if canary is not None and (
+            self.shadow
+            or canary.probe.spec.exit is None
+            or canary.probe.spec.exit.layer != exit_spec.layer
+        ):
+            return None
+        policy = self.exit_policy
+
+        def leaves(served: ServedProbe, probs: torch.Tensor) -> torch.Tensor:
+            low, high = policy.thresholds(served.probe.spec)
+            return exits(served.probe.spec, probs, low, high, use_flag_above=True)
+
+        def decide(
+            states: torch.Tensor, mask: torch.Tensor, positions: list[int]
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            probs = exit_probabilities(live.probe, states, mask).float().cpu()  # [b, C]
+            leave = leaves(live, probs)
+            if canary is None:
+                return leave, probs
+            canary_probs = exit_probabilities(canary.probe, states, mask).float().cpu()
+            routed = torch.tensor([self.sends_to_canary(messages[p], slot) for p in positions])
+            leave = torch.where(routed, leaves(canary, canary_probs), leave)
+            return leave, torch.cat([probs, canary_probs], dim=1)  # [b, 2C]
+
+        return ExitStage(exit_spec.layer, decide)
+
+    def _score_exited(
+        self,
+        slots: Mapping[str, ProbeSlot],
+        exited: dict[int, torch.Tensor],
+        depth: int,
+        messages: Sequence[ChatMessage],
+        out: BatchScores,
+    ) -> None:
+        """Results of the messages the exit heads decided (their payload: the live exit
+        head's probabilities, then the canary's when there is one)."""
+        slot = next(s for s in slots.values() if s.live is not None)
+        assert slot.live is not None
+        positions = sorted(exited)
+        payload = torch.stack([exited[p] for p in positions])  # [n, C] or [n, 2C]
+        C = len(slot.live.probe.spec.labels)
+        live = _run_probs(slot.live, payload[:, :C], self.flag_heads, self.limits)
+        canary = None
+        if payload.shape[1] > C and slot.canary is not None:
+            canary = _run_probs(slot.canary, payload[:, C:], self.flag_heads, self.limits)
+        for pos in positions:
+            out.results[pos] = []
+        self._score_slot(slot, live, canary, positions, messages, out, depth=depth)
 
     def _score_slot(
         self,
         slot: ProbeSlot,
         live: _Run,
         canary: _Run | None,
-        ex: Extraction,
+        positions: list[int],
         messages: Sequence[ChatMessage],
         out: BatchScores,
+        *,
+        depth: int | None = None,
     ) -> None:
+        """Results of the messages at ``positions`` (row ``i`` of the runs is
+        ``positions[i]``); ``depth``: the exit layer that decided them, None: full depth."""
         shadowed = canary if self.shadow else None  # scored for comparison, never acting
         for r in (live, canary):
             if r is not None and r.judged:
                 out.heads[(slot.name, r.served.version)] = r.judged
-        for row, pos in enumerate(ex.index):
+        for row, pos in enumerate(positions):
             if pos not in out.results:
                 continue  # some probe could not score it
             msg = messages[pos]
@@ -233,6 +363,7 @@ class BatchScorer:
                 canary=use_canary,
                 shadow=shadow,
                 heads=decided.heads[row] if decided.heads is not None else None,
+                depth=depth,
             )
             out.results[pos].append(result)
             if decided.flag_score is not None:
@@ -344,9 +475,22 @@ def _run(
     limits: Limits = DEFAULT_LIMITS,
 ) -> _Run:
     probe = served.probe
-    spec = flagging_heads(probe.spec, flag_heads)
     hidden = _select_layers(ex.hidden, [layers.index(layer) for layer in probe.layers])
     probs, rms = _probabilities(probe, hidden, ex.mask)
+    return _run_probs(served, probs, flag_heads, limits, rms)
+
+
+def _run_probs(
+    served: ServedProbe,
+    probs: torch.Tensor,
+    flag_heads: frozenset[str] | None = None,
+    limits: Limits = DEFAULT_LIMITS,
+    rms: torch.Tensor | None = None,
+) -> _Run:
+    """The results of probabilities ``[B, C]`` by ``served``'s spec; ``rms``: the pooled
+    states' RMS ``[L, B]`` for drift monitoring (None: rows decided by an exit head)."""
+    probe = served.probe
+    spec = flagging_heads(probe.spec, flag_heads)
     probs = probs.float().cpu()  # [B, C]
     non_finite = (~torch.isfinite(probs).all(dim=1)).nonzero().flatten().tolist()
     probs = torch.nan_to_num(probs, nan=0.0, posinf=1.0, neginf=0.0)  # those rows go unused
@@ -364,6 +508,6 @@ def _run(
         heads=_head_results(spec, decision, limits) if spec.heads else None,
         judged=judged,
         head_flags=head_flags,
-        rms=rms.float().cpu(),
+        rms=rms.float().cpu() if rms is not None else torch.empty(0, 0),
         drift_score=drift_score(probe.spec, probs),
     )

@@ -39,7 +39,7 @@ from worker.defaults import serving_default
 from worker.errors import ConfigError
 from worker.llm.extract import HiddenStateExtractor
 from worker.scoring import review
-from worker.scoring.batch import BatchScorer, BatchScores, ServedProbe
+from worker.scoring.batch import BatchScorer, BatchScores, ExitPolicy, ServedProbe
 from worker.scoring.drift import DriftMonitor
 from worker.scoring.metrics import ScorerMetrics
 from worker.scoring.probe_watch import ProbeWatcher
@@ -130,6 +130,7 @@ class ScoringEngine:
             flag_heads=settings.flag_head_names,
             limits=settings.limits,
             route_salt=settings.routing_salt,
+            exit_policy=ExitPolicy.from_settings(settings),
         )
         self.review_policy = review.ReviewPolicy.from_settings(settings)
         self.local_review_budget = review.LocalBudget(self.review_policy)

@@ -1,0 +1,162 @@
+"""Choosing the cascade's exit head by cross-validation: which layer, which threshold.
+
+For each candidate layer ``k`` (a layer the probe reads, below its deepest): a masked-mean
+linear probe over layer ``k`` alone is trained on ``k - 1`` folds and scores the held-out
+fold (out-of-fold logits for every row), its temperature is fitted on those logits, and for
+each ``allow_below`` threshold the rows whose calibrated flag risk is below it take the exit
+score while the others keep the full probe's out-of-fold score. A threshold is acceptable
+when that cascade's AUPRC is within ``epsilon`` of the full probe's; the layer and threshold
+chosen minimize the forward pass's expected cost ``k / deepest + (1 - share) · (deepest -
+k) / deepest`` (blocks run per message). Nothing is chosen when no layer saves at least
+``min_saving`` of the forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from probes.exit import attach_exit, calibrated, fit_temperature, flag_risk
+from probes.metrics import _flag_score, _truth, average_precision
+from probes.offline.dataset import ProbeDataset
+from probes.offline.fit import FitConfig, fit
+from probes.offline.select import stratified_folds
+from probes.probe import Probe, build_probe
+from schemas import ExitSpec, ProbeSpec
+
+__all__ = ["THRESHOLDS", "ExitRow", "ExitSearch", "mean_summaries", "search_exit"]
+
+THRESHOLDS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2)
+
+
+@dataclass(frozen=True)
+class ExitRow:
+    layer: int
+    allow_below: float
+    temperature: float
+    share: float  # rows decided at the exit
+    auprc: float  # of the cascade (out of fold)
+    cost: float  # expected share of the forward pass's blocks run per message
+
+
+@dataclass
+class ExitSearch:
+    full_auprc: float
+    rows: list[ExitRow]
+    chosen: ExitRow | None
+    probe: Probe | None = None  # the probe with its exit head attached (when chosen)
+    epsilon: float = 0.005
+    notes: list[str] = field(default_factory=list)
+
+    def table(self) -> list[dict[str, float]]:
+        return [row.__dict__ for row in self.rows]
+
+    def metrics(self) -> dict[str, float]:
+        """For the checkpoint manifest."""
+        out = {"exit_full_cv_auprc": self.full_auprc}
+        if self.chosen is not None:
+            c = self.chosen
+            out |= {
+                "exit_layer": float(c.layer),
+                "exit_allow_below": c.allow_below,
+                "exit_cv_share": c.share,
+                "exit_cv_auprc": c.auprc,
+                "exit_cv_cost": c.cost,
+            }
+        return out
+
+
+def mean_summaries(data: ProbeDataset, layer: int) -> ProbeDataset:
+    """``data``'s masked-mean summaries ``[1, N, D]`` of ``layer`` (token-level or not)."""
+    one = data.select_layers([layer])
+    if one.summaries is not None:
+        return one
+    assert one.tokens is not None and one.offsets is not None
+    lengths = one.offsets.diff()  # [N]
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)  # [N_tok]
+    sums = torch.zeros(len(lengths), one.tokens.shape[-1]).index_add_(
+        0, rows, one.tokens[:, 0].float()
+    )
+    means = sums / lengths.clamp_min(1)[:, None].float()  # [N, D]
+    return ProbeDataset([layer], one.labels, one.task, one.targets, one.ids, summaries=means[None])
+
+
+def search_exit(
+    spec: ProbeSpec,
+    probe: Probe,
+    data: ProbeDataset,
+    oof_probs: Tensor,
+    config: FitConfig,
+    *,
+    folds: int = 5,
+    epsilon: float = 0.005,
+    layers: list[int] | None = None,
+    epochs: int | None = None,
+    min_saving: float = 0.15,
+) -> ExitSearch:
+    """Search the exit layers of ``spec`` (or ``layers``) on ``data`` (the probe's training
+    rows; ``oof_probs`` ``[N, C]``: the full probe's out-of-fold probabilities) and attach
+    the chosen exit head, trained on every row, to ``probe``."""
+    if not spec.flag_labels:
+        return ExitSearch(float("nan"), [], None, notes=["no flag labels: nothing to exit on"])
+    deepest = spec.deepest_layer
+    candidates = [k for k in (layers or spec.layers) if k in spec.layers and 1 <= k < deepest]
+    truth = _truth(spec, data.targets)[:, [spec.labels.index(x) for x in spec.flag_labels]]
+    y = np.asarray(truth.any(axis=1))
+    full = _flag_score(spec, oof_probs.double().numpy())
+    full_auprc = average_precision(y, full)
+    # Fixed epochs (no early stopping on the held-out fold: its scores stay honest).
+    exit_config = FitConfig(**{**config.__dict__, "max_epochs": epochs or config.max_epochs})
+    fold = stratified_folds(data, folds, seed=config.seed)
+    # Token-level rows are mean-pooled here; cached summaries are already pooled by the
+    # probe's own (separable) pool, which the exit head then uses too.
+    pool = "mean" if data.tokens is not None else spec.token_pool
+    rows: list[ExitRow] = []
+    for k in candidates:
+        view = _exit_view(spec, ExitSpec(layer=k, token_pool=pool))
+        one = mean_summaries(data, k)
+        logits = torch.empty(len(data), len(spec.labels))
+        for f in range(folds):
+            held = (fold == f).nonzero().flatten()
+            train = (fold != f).nonzero().flatten()
+            trained = fit(
+                build_probe(view, seed=config.seed), one.subset(train), None, exit_config
+            ).probe.eval()
+            hidden, _, _ = one.batch(held)
+            with torch.no_grad():
+                logits[held] = trained(hidden.float()).float()
+        temperature = fit_temperature(spec, logits, data.targets)
+        probs = calibrated(spec, logits, temperature)
+        risk = flag_risk(spec, probs).double().numpy()
+        early = _flag_score(spec, probs.double().numpy())
+        for t in THRESHOLDS:
+            exited = risk < t
+            share = float(exited.mean())
+            auprc = average_precision(y, np.where(exited, early, full))
+            cost = k / deepest + (1 - share) * (deepest - k) / deepest
+            rows.append(ExitRow(k, t, temperature, share, auprc, cost))
+    ok = [r for r in rows if r.auprc >= full_auprc - epsilon and r.cost <= 1 - min_saving]
+    chosen = min(ok, key=lambda r: (r.cost, -r.auprc)) if ok else None
+    search = ExitSearch(full_auprc, rows, chosen, epsilon=epsilon)
+    if chosen is None:
+        search.notes.append("no exit layer saves enough within epsilon: no exit head")
+        return search
+    exit_spec = ExitSpec(
+        layer=chosen.layer,
+        token_pool=pool,
+        temperature=chosen.temperature,
+        allow_below=chosen.allow_below,
+    )
+    one = mean_summaries(data, chosen.layer)
+    view = _exit_view(spec, exit_spec)
+    head = fit(build_probe(view, seed=config.seed), one, None, exit_config).probe.eval()
+    search.probe = attach_exit(probe, head, exit_spec)
+    return search
+
+
+def _exit_view(spec: ProbeSpec, exit_spec: ExitSpec) -> ProbeSpec:
+    data = {**spec.model_dump(), "exit": exit_spec.model_dump()}
+    return ProbeSpec.model_validate(data).exit_view()

@@ -1,0 +1,83 @@
+"""fit's exit search: out-of-fold exit heads per layer, a threshold within epsilon of the
+full probe's AUPRC, and the chosen head attached to the probe."""
+
+from __future__ import annotations
+
+import torch
+
+from probes.exit import exit_probabilities
+from probes.offline.dataset import ProbeDataset
+from probes.offline.exit import search_exit
+from probes.offline.fit import FitConfig
+from probes.probe import build_probe
+from schemas import ProbeSpec
+
+
+def toxic_rows(n: int = 300, seed: int = 0) -> ProbeDataset:
+    """Layer 1 separates most rows (the easy ones); layer 3 separates every row."""
+    g = torch.Generator().manual_seed(seed)
+    y = (torch.rand(n, generator=g) < 0.2).long()
+    easy = torch.rand(n, generator=g) < 0.7
+    d = 8
+    x = torch.randn(3, n, d, generator=g) * 0.5
+    x[0, :, 0] += torch.where(easy, 8.0 * y - 4.0, torch.zeros(n))  # layer 1
+    x[2, :, 0] += 3.0 * y - 1.5  # layer 3
+    return ProbeDataset(
+        [1, 2, 3], ["ok", "toxic"], "multiclass", y, [str(i) for i in range(n)], summaries=x
+    )
+
+
+def test_search_picks_a_shallow_exit_within_epsilon_and_attaches_it() -> None:
+    data = toxic_rows()
+    spec = ProbeSpec(
+        name="t",
+        token_pool="mean",
+        layer_mix="scalar_mix",
+        layers=[1, 2, 3],
+        hidden_size=8,
+        task="multiclass",
+        labels=["ok", "toxic"],
+        flag_labels=["toxic"],
+    )
+    oof = torch.nn.functional.one_hot(data.targets, 2).float() * 0.9 + 0.05  # a perfect probe
+    probe = build_probe(spec, seed=0)
+    search = search_exit(
+        spec, probe, data, oof, FitConfig(lr=0.03), folds=3, epsilon=0.005, epochs=20
+    )
+    assert search.full_auprc == 1.0
+    assert search.chosen is not None and search.chosen.layer == 1
+    assert search.chosen.auprc >= 1.0 - 0.005 and search.chosen.share > 0.3
+    assert search.probe is not None and search.probe.spec.exit is not None
+    assert search.probe.spec.exit.allow_below == search.chosen.allow_below
+    assert data.summaries is not None
+    probs = exit_probabilities(search.probe, data.summaries[0].float())
+    assert probs.shape == (len(data), 2)
+    assert {"exit_layer", "exit_cv_share"} <= set(search.metrics())
+
+
+def test_no_exit_when_no_layer_is_good_enough() -> None:
+    data = toxic_rows()
+    data.summaries[0] = torch.randn_like(data.summaries[0])  # type: ignore[index]
+    data.summaries[1] = torch.randn_like(data.summaries[1])  # type: ignore[index]
+    spec = ProbeSpec(
+        name="t",
+        token_pool="mean",
+        layer_mix="scalar_mix",
+        layers=[1, 2, 3],
+        hidden_size=8,
+        task="multiclass",
+        labels=["ok", "toxic"],
+        flag_labels=["toxic"],
+    )
+    oof = torch.nn.functional.one_hot(data.targets, 2).float()
+    search = search_exit(
+        spec,
+        build_probe(spec, seed=0),
+        data,
+        oof,
+        FitConfig(lr=0.03),
+        folds=3,
+        epochs=5,
+        epsilon=0.0,
+    )
+    assert search.chosen is None and search.probe is None and search.rows
