@@ -188,7 +188,7 @@ def untrained_probes(args: argparse.Namespace, llm: Any) -> dict[str, Path]:
 
 def fit_probes(args: argparse.Namespace) -> dict[str, Path]:
     """``{"full": checkpoint, "depth": checkpoint}``, fitted once into ``--fit-dir``."""
-    out = {"full": args.fit_dir / "full", "depth": args.fit_dir / "depth"}
+    out = {k: args.fit_dir / k for k in ("full", "depth", "cascade")}
     if all((p / "manifest.json").exists() for p in out.values()):
         log(f"reusing the probes in {args.fit_dir}")
         return out
@@ -225,6 +225,24 @@ def fit_probes(args: argparse.Namespace) -> dict[str, Path]:
         full = refit(spec.model_copy(update={"layers": full_row.layers}), data, config, full_row.cv)
     save_fit(chosen, out["depth"], cache, cv=cv, depth=search)
     save_fit(full, out["full"], cache, cv=full_row.cv, depth=search)
+    # The cascade: the full-depth probe with the exit head `fit --exit auto` would attach
+    # (chosen on the same folds' out-of-fold scores).
+    from probes.offline.exit import search_exit
+
+    exits = search_exit(
+        full.probe.spec,
+        full.probe,
+        data.select_layers(list(full.probe.spec.layers)),
+        full_row.cv.oof_probs,
+        config,
+        folds=args.folds,
+    )
+    for r in exits.rows:
+        log(f"  exit {r.layer} < {r.allow_below}: share {r.share:.2f}, AUPRC {r.auprc:.4f}")
+    if exits.probe is None:
+        raise SystemExit(f"no exit head pays on this data: {exits.notes}")
+    full.probe = exits.probe
+    save_fit(full, out["cascade"], cache, cv=full_row.cv, extra_metrics=exits.metrics())
     return out
 
 

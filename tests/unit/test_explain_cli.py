@@ -313,3 +313,44 @@ def test_rank_and_rank_next_exclude_each_other(capsys, workspace: Path) -> None:
     with pytest.raises(SystemExit):
         main(["explain", *args(workspace), "--rank", "a", "--rank-next", TEXT])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_explain_says_which_depth_decides_in_a_cascade(capsys, workspace: Path) -> None:
+    """A probe with an exit head: explain reports the exit head's flag risk and whether a
+    scorer decides the message at its layer, as the scorer's cascade would (BatchScorer)."""
+    from datetime import UTC, datetime
+
+    from probes import load_checkpoint
+    from schemas import ChatMessage, ExitSpec
+    from worker.scoring.batch import BatchScorer, ExitPolicy, ProbeSlot, ServedProbe
+
+    llm = load_llm(Settings(model=str(workspace / "tiny-llama-0-own"), cache_dir=workspace / "c"))
+    for allow_below, decided in ((1.0, "allow"), (0.0, None)):  # always / never exits
+        exit_spec = ExitSpec(layer=2, temperature=0.7, allow_below=allow_below)
+        probe = build_probe(spec("mean").model_copy(update={"exit": exit_spec}), seed=0)
+        ckpt = workspace / f"ckpt-exit-{allow_below}"
+        save_checkpoint(probe, ckpt, llm=llm.fingerprint, version=3)
+        where = ["--checkpoint", str(ckpt), "--model", str(workspace / "tiny-llama-0-own")]
+        r = explain_json(capsys, *where, TEXT)
+        e = r["exit"]
+        assert e["layer"] == 2 and e["deepest"] == 4 and e["decided"] == decided
+        assert 0 <= e["flag_risk"] <= 1 and e["flag_risk"] == pytest.approx(e["probs"]["toxic"])
+        # The scorer's cascade on the same text decides at the same depth.
+        loaded, manifest = load_checkpoint(ckpt, llm.fingerprint)
+        slot = ProbeSlot("toxicity", live=ServedProbe(loaded, manifest))
+        scorer = BatchScorer(
+            HiddenStateExtractor(llm, max_tokens=64), {"toxicity": slot}, exit_policy=ExitPolicy()
+        )
+        now = datetime(2026, 12, 2, tzinfo=UTC)
+        msg = ChatMessage(message_id="m", conversation_id="c", text=TEXT, created_at=now)
+        (result,) = scorer.score([msg]).results[0]
+        assert result.depth == (2 if decided else None)
+        if decided:
+            assert result.scores["toxic"] == pytest.approx(e["probs"]["toxic"], abs=1e-5)
+        capsys.readouterr()
+        assert main(["explain", *where, TEXT]) == 0
+        shown = capsys.readouterr().out
+        line = next(x for x in shown.splitlines() if x.startswith("depth"))
+        assert ("decided at layer 2" in line) == bool(decided), line
+    # Without an exit head there is nothing to say.
+    assert explain_json(capsys, *args(workspace, "mean"), TEXT)["exit"] is None

@@ -3,6 +3,7 @@
     text -> extractor (the probe's layers + the lens layers, one pass)
          -> score by layer   (probes.explain.layer_breakdown: head on each layer alone, mix weight)
          -> top tokens       (probes.explain.token_weights, on the most heavily mixed layers)
+         -> the exit head    (a cascade's: would a scorer decide it at the shallow layer?)
          -> logit lens       (worker.llm.lens: final norm + LM head at one real token, the
                               last unless ``position`` names another)
          -> Ecco views       (optional, on the lens layers: the rank of one token, or of each
@@ -218,6 +219,7 @@ def explain(
         "lens": {"available": lens is not None, "reason": lens_note, "top_k": opts.top_k},
         "rank": None,  # the Ecco views, when asked for (opts.rank / rank_next / compare)
         "compare": None,
+        "exit": _exit(probe, hidden, mask),
     }
     index = _position(opts.position, len(positions))
     if lens is not None:
@@ -345,6 +347,35 @@ def _lens(extractor: HiddenStateExtractor, opts: ExplainOptions) -> tuple[LogitL
         return LogitLens(extractor.llm), None
     except LensUnavailable as exc:
         return None, str(exc)
+
+
+def _exit(probe: Probe, hidden: torch.Tensor, mask: torch.Tensor) -> dict[str, Any] | None:
+    """What the cascade's exit head says (None without one): its calibrated probabilities
+    at its layer, the flag risk, the checkpoint's thresholds and whether a scorer would
+    decide the message there (``decided``: "allow", "flag" or None: full depth). A
+    deployment's ``PROBEGUARD_EXIT_*`` settings may move the thresholds."""
+    from probes.exit import exit_probabilities, flag_risk
+
+    spec, exit_spec = probe.spec, probe.spec.exit
+    if exit_spec is None or probe.exit_head is None:
+        return None
+    states = hidden[probe.layers.index(exit_spec.layer)]  # [1, T, D]
+    probs = exit_probabilities(probe, states, mask)  # [1, C], calibrated
+    risk = float(flag_risk(spec, probs)[0])
+    decided = None
+    if risk < exit_spec.allow_below:
+        decided = "allow"
+    elif exit_spec.flag_above is not None and risk >= exit_spec.flag_above:
+        decided = "flag"
+    return {
+        "layer": exit_spec.layer,
+        "deepest": max(probe.layers),
+        "flag_risk": risk,
+        "allow_below": exit_spec.allow_below,
+        "flag_above": exit_spec.flag_above,
+        "decided": decided,
+        "probs": _named(spec, probs[0]),
+    }
 
 
 def _named(spec: ProbeSpec, row: torch.Tensor) -> dict[str, float]:

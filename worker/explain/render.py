@@ -68,6 +68,23 @@ def decision_text(e: dict[str, Any]) -> str:
     return f"FLAG {names}" if e["flagged"] else names
 
 
+def depth_text(r: dict[str, Any]) -> str | None:
+    """Which depth decides the message in a cascade (None: the probe has no exit head)."""
+    e = r.get("exit")
+    if not e:
+        return None
+    risk = f"flag risk {e['flag_risk']:.3f}"
+    at = f"decided at layer {e['layer']} by the exit head"
+    if e["decided"] == "allow":
+        return f"{at}: allow ({risk} < {e['allow_below']:g})"
+    if e["decided"] == "flag":
+        return f"{at}: FLAG ({risk} >= {e['flag_above']:g})"
+    return (
+        f"full depth (layer {e['deepest']}): the exit head at layer {e['layer']} is not "
+        f"confident ({risk}; it decides below {e['allow_below']:g})"
+    )
+
+
 def header_lines(r: dict[str, Any]) -> list[str]:
     v = r["verdict"]
     n = len(r["layers"])
@@ -75,6 +92,7 @@ def header_lines(r: dict[str, Any]) -> list[str]:
     text = r["text"].replace("\n", " ")
     score = "" if v["flag_score"] is None else f"  flag score {v['flag_score']:.3f}"
     thresholds = ", ".join(f"{k} {t:.2f}" for k, t in r["thresholds"].items())
+    depth = depth_text(r)
     return [
         clip(f"probe   {r['probe']}{ver} from {r['source']}"),
         clip(f"        {r['token_pool']} tokens, {r['layer_mix']} over {n} layer(s), {r['task']}"),
@@ -85,6 +103,7 @@ def header_lines(r: dict[str, Any]) -> list[str]:
             f"{', '.join(v['predicted']) or '-'}{score}"
             + (f" (thresholds {thresholds})" if thresholds else "")
         ),
+        *([clip(f"depth   {depth}")] if depth else []),
     ]
 
 
