@@ -4,14 +4,14 @@
 
     states [B, T, D] at spec.exit.layer + mask [B, T]
         -> exit head (a probe over that one layer)   [B, C] logits
-        -> softmax / sigmoid(logits / temperature)    [B, C] calibrated probabilities
+        -> softmax / sigmoid(logits / T + bias)       [B, C] calibrated probabilities
         -> exits:  max flag-label probability < allow_below   (decided: allowed)
                    max flag-label probability >= flag_above   (decided: flagged)
 
 The exit head lives inside the probe (``Probe.exit_head``; its tensors are ``exit_head.*``
 of the probe's state dict), so a checkpoint carries it and the updater's Lion steps keep
 it current on the same labels (see :class:`probes.learner.Learner`). ``fit`` chooses its
-layer, temperature and thresholds by cross-validation (:mod:`probes.offline.exit`).
+layer, calibration and thresholds by cross-validation (:mod:`probes.offline.exit`).
 
 >>> spec = ProbeSpec(name="tox", token_pool="mean", layer_mix="scalar_mix", layers=[1, 2],
 ...     hidden_size=8, task="multiclass", labels=["ok", "toxic"], flag_labels=["toxic"],
@@ -23,8 +23,6 @@ layer, temperature and thresholds by cross-validation (:mod:`probes.offline.exit
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -39,16 +37,21 @@ __all__ = [
     "calibrated",
     "exit_probabilities",
     "exits",
-    "fit_temperature",
+    "fit_calibration",
     "flag_risk",
     "without_exit",
 ]
 
 
-def calibrated(spec: ProbeSpec, logits: Tensor, temperature: float) -> Tensor:
-    """Probabilities ``[B, C]`` of the exit head's logits ``[B, C]`` at ``temperature``
-    (by the probe's task: one softmax, sigmoids, softmax per multiclass head)."""
+def calibrated(
+    spec: ProbeSpec, logits: Tensor, temperature: float, bias: list[float] | Tensor | None = None
+) -> Tensor:
+    """Probabilities ``[B, C]`` of the exit head's logits ``[B, C]`` as ``logits /
+    temperature + bias`` (by the probe's task: one softmax, sigmoids, softmax per
+    multiclass head)."""
     scaled = logits.float() / temperature
+    if bias is not None:
+        scaled = scaled + torch.as_tensor(bias, dtype=scaled.dtype, device=scaled.device)
     if spec.task == "multiclass":
         return torch.softmax(scaled, dim=-1)
     probs = torch.sigmoid(scaled)
@@ -67,7 +70,7 @@ def exit_probabilities(probe: Probe, states: Tensor, mask: Tensor | None = None)
     was_training = head.training
     head.eval()
     try:
-        return calibrated(probe.spec, head(states[None], mask), spec.temperature)
+        return calibrated(probe.spec, head(states[None], mask), spec.temperature, spec.bias)
     finally:
         head.train(was_training)
 
@@ -101,22 +104,36 @@ def exits(
     return out
 
 
-def fit_temperature(spec: ProbeSpec, logits: Tensor, targets: Tensor) -> float:
-    """The temperature that minimizes the negative log-likelihood of out-of-fold
-    ``logits [N, C]`` (a 1-D search over log T in [-3, 3]; NaN targets are unknown)."""
-    logits = logits.float()
-
-    def nll(t: float) -> float:
-        if spec.task == "multiclass":
-            return float(F.cross_entropy(logits / t, targets))
-        known = ~targets.isnan()
-        cells = F.binary_cross_entropy_with_logits(
-            logits / t, targets.nan_to_num(0.0), reduction="none"
-        )
-        return float((cells * known).sum() / known.sum().clamp_min(1))
-
-    grid = [math.exp(x / 20) for x in range(-60, 61)]
-    return min(grid, key=nll)
+def fit_calibration(
+    spec: ProbeSpec, logits: Tensor, targets: Tensor, steps: int = 300
+) -> tuple[float, list[float]]:
+    """The temperature and per-label bias that minimize the negative log-likelihood of
+    out-of-fold ``logits [N, C]`` as ``logits / T + bias`` (NaN multilabel targets are
+    unknown). The bias moves probabilities to the data's base rate, which a head trained
+    with balanced classes lacks; the temperature alone would only squash them toward 0.5."""
+    logits = logits.float().detach()
+    log_t = torch.zeros((), requires_grad=True)
+    bias = torch.zeros(logits.shape[1], requires_grad=True)
+    optimizer = torch.optim.Adam([log_t, bias], lr=0.05)
+    known = None if spec.task == "multiclass" else ~targets.isnan()
+    for _ in range(steps):
+        optimizer.zero_grad()
+        scaled = logits / log_t.exp() + bias
+        if known is None:
+            loss = F.cross_entropy(scaled, targets)
+        else:
+            cells = F.binary_cross_entropy_with_logits(
+                scaled, targets.nan_to_num(0.0), reduction="none"
+            )
+            loss = (cells * known).sum() / known.sum().clamp_min(1)
+        loss.backward()
+        optimizer.step()
+        with torch.no_grad():
+            log_t.clamp_(-6.9, 6.9)  # T in [0.001, 1000] (ExitSpec's range)
+            bias.clamp_(-100.0, 100.0)
+    if spec.task == "multiclass":
+        bias = bias - bias.mean()  # softmax: only differences matter
+    return float(log_t.exp()), [round(float(b), 6) for b in bias]
 
 
 def attach_exit(probe: Probe, exit_probe: Probe, exit_spec: ExitSpec) -> Probe:

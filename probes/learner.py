@@ -112,18 +112,23 @@ class Learner:
         total, weight = self._loss_parts(logits, targets)
         return total / weight
 
-    def _loss_parts(self, logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    def _loss_parts(
+        self, logits: Tensor, targets: Tensor, *, weighted: bool = True
+    ) -> tuple[Tensor, Tensor]:
         """``(summed loss, its normalizer)``: the mean loss is their ratio, and a batch cut
-        into chunks has the mean ``Σ sums / Σ normalizers`` of the whole batch."""
+        into chunks has the mean ``Σ sums / Σ normalizers`` of the whole batch.
+        ``weighted``: with the class weights (if any); the exit head learns without them,
+        so its probabilities keep the data's base rate (it decides by their value)."""
         targets = self._check_targets(targets, logits.shape[0])
+        class_weights = self.class_weights if weighted else None
         if self.probe.spec.task == "multiclass":
-            rows = F.cross_entropy(logits, targets, weight=self.class_weights, reduction="none")
-            if self.class_weights is None:
+            rows = F.cross_entropy(logits, targets, weight=class_weights, reduction="none")
+            if class_weights is None:
                 return rows.sum(), logits.new_tensor(float(len(rows)))
-            return rows.sum(), self.class_weights[targets].sum()
+            return rows.sum(), class_weights[targets].sum()
         known = ~targets.isnan()  # [B, C]
         cells = F.binary_cross_entropy_with_logits(
-            logits, targets.nan_to_num(0.0), pos_weight=self.class_weights, reduction="none"
+            logits, targets.nan_to_num(0.0), pos_weight=class_weights, reduction="none"
         )
         for cols in multiclass_columns(self.probe.spec):  # softmax heads: cross-entropy
             known[:, cols] = False
@@ -158,7 +163,7 @@ class Learner:
             mix.append(weights)
             if exit_head is not None:  # the cascade's exit head learns the same labels
                 total, norm = self._loss_parts(
-                    exit_head(self.probe.exit_input(hidden), mask), targets
+                    exit_head(self.probe.exit_input(hidden), mask), targets, weighted=False
                 )
                 exit_sums.append(total)
                 exit_norms.append(norm)

@@ -67,7 +67,9 @@ class ExitSpec(WireModel):
 
     It reads hidden-state index ``layer`` (one of the probe's layers, below its deepest)
     through ``token_pool``, has the probe's heads and labels, and its probabilities are
-    those of ``logits / temperature`` (calibrated on out-of-fold scores). A message exits
+    those of ``logits / temperature + bias`` (one bias per label; both calibrated on
+    out-of-fold scores: a temperature alone cannot move probabilities to the data's base
+    rate, which a class-balanced head lacks). A message exits
     as *allowed* when every flag label's calibrated probability is below ``allow_below``
     (0: never), as *flagged* when one reaches ``flag_above`` (None: never).
     """
@@ -75,6 +77,9 @@ class ExitSpec(WireModel):
     layer: Annotated[int, Field(ge=1, le=1024)]
     token_pool: TokenPool = "mean"
     temperature: Annotated[float, Field(gt=0.0, le=1000.0)] = 1.0
+    bias: (
+        Annotated[list[Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=1024)] | None
+    ) = None
     allow_below: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     flag_above: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
 
@@ -184,6 +189,11 @@ class ProbeSpec(WireModel):
                 )
             if not self.flag_labels:
                 raise ValueError("an exit head decides on the flag labels: set flag_labels")
+            if self.exit.bias is not None and len(self.exit.bias) != len(self.labels):
+                raise ValueError(
+                    f"the exit head's bias has {len(self.exit.bias)} values for "
+                    f"{len(self.labels)} labels"
+                )
         return self
 
     @property

@@ -2,7 +2,8 @@
 
 For each candidate layer ``k`` (a layer the probe reads, below its deepest): a masked-mean
 linear probe over layer ``k`` alone is trained on ``k - 1`` folds and scores the held-out
-fold (out-of-fold logits for every row), its temperature is fitted on those logits, and for
+fold (out-of-fold logits for every row), its calibration (temperature and per-label bias)
+is fitted on those logits, and for
 each ``allow_below`` threshold the rows whose calibrated flag risk is below it take the exit
 score while the others keep the full probe's out-of-fold score. A threshold is acceptable
 when that cascade's AUPRC is within ``epsilon`` of the full probe's; the layer and threshold
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from probes.exit import attach_exit, calibrated, fit_temperature, flag_risk
+from probes.exit import attach_exit, calibrated, fit_calibration, flag_risk
 from probes.metrics import _flag_score, _truth, average_precision
 from probes.offline.dataset import ProbeDataset
 from probes.offline.fit import FitConfig, fit
@@ -40,6 +41,7 @@ class ExitRow:
     share: float  # rows decided at the exit
     auprc: float  # of the cascade (out of fold)
     cost: float  # expected share of the forward pass's blocks run per message
+    bias: list[float] | None = None  # the calibration's per-label bias
 
 
 @dataclass
@@ -108,8 +110,13 @@ def search_exit(
     y = np.asarray(truth.any(axis=1))
     full = _flag_score(spec, oof_probs.double().numpy())
     full_auprc = average_precision(y, full)
-    # Fixed epochs (no early stopping on the held-out fold: its scores stay honest).
-    exit_config = FitConfig(**{**config.__dict__, "max_epochs": epochs or config.max_epochs})
+    # Fixed epochs (no early stopping on the held-out fold: its scores stay honest), and no
+    # class balancing: the exit decides by the value of its probabilities, which must keep
+    # the data's base rate (a balanced loss reads as if half the messages were flagged,
+    # and a temperature cannot move that back).
+    exit_config = FitConfig(
+        **{**config.__dict__, "max_epochs": epochs or config.max_epochs, "balance": "none"}
+    )
     fold = stratified_folds(data, folds, seed=config.seed)
     # Token-level rows are mean-pooled here; cached summaries are already pooled by the
     # probe's own (separable) pool, which the exit head then uses too.
@@ -128,8 +135,8 @@ def search_exit(
             hidden, _, _ = one.batch(held)
             with torch.no_grad():
                 logits[held] = trained(hidden.float()).float()
-        temperature = fit_temperature(spec, logits, data.targets)
-        probs = calibrated(spec, logits, temperature)
+        temperature, bias = fit_calibration(spec, logits, data.targets)
+        probs = calibrated(spec, logits, temperature, bias)
         risk = flag_risk(spec, probs).double().numpy()
         early = _flag_score(spec, probs.double().numpy())
         for t in THRESHOLDS:
@@ -137,7 +144,7 @@ def search_exit(
             share = float(exited.mean())
             auprc = average_precision(y, np.where(exited, early, full))
             cost = k / deepest + (1 - share) * (deepest - k) / deepest
-            rows.append(ExitRow(k, t, temperature, share, auprc, cost))
+            rows.append(ExitRow(k, t, temperature, share, auprc, cost, bias))
     ok = [r for r in rows if r.auprc >= full_auprc - epsilon and r.cost <= 1 - min_saving]
     chosen = min(ok, key=lambda r: (r.cost, -r.auprc)) if ok else None
     search = ExitSearch(full_auprc, rows, chosen, epsilon=epsilon)
@@ -148,6 +155,7 @@ def search_exit(
         layer=chosen.layer,
         token_pool=pool,
         temperature=chosen.temperature,
+        bias=chosen.bias,
         allow_below=chosen.allow_below,
     )
     one = mean_summaries(data, chosen.layer)

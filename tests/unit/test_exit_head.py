@@ -14,7 +14,7 @@ from probes.exit import (
     calibrated,
     exit_probabilities,
     exits,
-    fit_temperature,
+    fit_calibration,
     without_exit,
 )
 from probes.heads import add_head
@@ -95,7 +95,16 @@ def test_calibration_thresholds_and_exits() -> None:
     noisy = torch.nn.functional.one_hot(y, 3).float() * 10
     flip = torch.rand(400, generator=g) < 0.3
     noisy[flip] = noisy[flip].roll(1, dims=1)
-    assert fit_temperature(spec, noisy, y) > 2.0
+    temperature, bias = fit_calibration(spec, noisy, y)
+    assert temperature > 2.0 and len(bias) == 3
+    # Logits that read as balanced on rows 10 % of one class: the bias moves the mean
+    # probability to the base rate, which a temperature alone cannot.
+    y = (torch.rand(1000, generator=g) < 0.1).long() * 2  # class 2 ("toxic") in 10 %
+    balanced = torch.randn(1000, 3, generator=g) * 0.1
+    temperature, bias = fit_calibration(spec, balanced, y)
+    probs = calibrated(spec, balanced, temperature, bias)
+    assert abs(float(probs[:, 2].mean()) - 0.1) < 0.02
+    assert abs(float(calibrated(spec, balanced, temperature)[:, 2].mean()) - 0.1) > 0.15
 
 
 def test_attach_keep_layers_add_head_and_without_exit() -> None:

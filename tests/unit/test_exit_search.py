@@ -81,3 +81,35 @@ def test_no_exit_when_no_layer_is_good_enough() -> None:
         epsilon=0.0,
     )
     assert search.chosen is None and search.probe is None and search.rows
+
+
+def test_the_exit_head_keeps_the_base_rate_under_a_class_balanced_fit() -> None:
+    """fit balances classes by default; the exit head must not (its probabilities are read
+    as probabilities): on rows 10 % toxic whose exit layer carries little signal, its mean
+    calibrated flag risk stays near 0.1, not near 0.5."""
+    g = torch.Generator().manual_seed(3)
+    n = 400
+    y = (torch.rand(n, generator=g) < 0.1).long()
+    x = torch.randn(3, n, 8, generator=g)
+    x[2, :, 0] += 4.0 * y - 2.0  # only the deepest layer tells
+    data = ProbeDataset(
+        [1, 2, 3], ["ok", "toxic"], "multiclass", y, [str(i) for i in range(n)], summaries=x
+    )
+    spec = ProbeSpec(
+        name="t",
+        token_pool="mean",
+        layer_mix="scalar_mix",
+        layers=[1, 2, 3],
+        hidden_size=8,
+        task="multiclass",
+        labels=["ok", "toxic"],
+        flag_labels=["toxic"],
+    )
+    oof = torch.nn.functional.one_hot(data.targets, 2).float() * 0.9 + 0.05
+    config = FitConfig(lr=0.03, balance="weights")
+    search = search_exit(
+        spec, build_probe(spec, seed=0), data, oof, config, folds=3, epsilon=1.0, epochs=20
+    )
+    assert search.probe is not None and data.summaries is not None
+    risk = exit_probabilities(search.probe, data.summaries[0].float())[:, 1]
+    assert abs(float(risk.mean()) - float(y.float().mean())) < 0.05, float(risk.mean())
