@@ -64,6 +64,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from probes.metrics import percentile
 
 # Issue 26's targets: p99 produce-to-verdict at 50 % and 70 % of capacity; backlog msg/s
@@ -119,6 +121,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--depth-candidates", default=None, help="deepest layers to try (default: all cached)"
     )
     p.add_argument("--depth-epsilon", type=float, default=0.01, help="default: %(default)s")
+    p.add_argument(
+        "--exit-epsilon",
+        type=float,
+        default=0.005,
+        help="the cascade's exit search: CV AUPRC it may give up (fit's default: %(default)s)",
+    )
     p.add_argument("--epochs", type=int, default=40, help="max epochs per fit (%(default)s)")
     p.add_argument("--patience", type=int, default=6, help="early stopping (%(default)s)")
     p.add_argument(
@@ -188,9 +196,27 @@ def untrained_probes(args: argparse.Namespace, llm: Any) -> dict[str, Path]:
 
 def fit_probes(args: argparse.Namespace) -> dict[str, Path]:
     """``{"full": checkpoint, "depth": checkpoint}``, fitted once into ``--fit-dir``."""
-    out = {k: args.fit_dir / k for k in ("full", "depth", "cascade")}
+    cascade = any(configs()[n].probe == "cascade" for n in args.configs.split(",") if n)
+    kinds = ("full", "depth", "cascade") if cascade else ("full", "depth")
+    out = {k: args.fit_dir / k for k in kinds}
     if all((p / "manifest.json").exists() for p in out.values()):
         log(f"reusing the probes in {args.fit_dir}")
+        return out
+    oof_file = args.fit_dir / "full-oof-probs.pt"  # another exit search without the CV
+    if (out["full"] / "manifest.json").exists() and oof_file.exists():
+        from quality import cache_for  # bench/quality.py, beside this script
+
+        from probes import load_checkpoint, save_checkpoint
+        from probes.offline.fit import FitConfig
+        from worker.offline.fit_eval import ProbeOptions, prepare
+
+        _, data = prepare(cache_for(args.train_data, args.cache_root), ProbeOptions())
+        probe, manifest = load_checkpoint(out["full"], None)
+        config = FitConfig(max_epochs=args.epochs, patience=args.patience)
+        oof = torch.load(oof_file, weights_only=True)
+        cascade, metrics = exit_search(args, probe, data, oof, config)
+        metrics = {**manifest.metrics, **metrics}
+        save_checkpoint(cascade, out["cascade"], llm=manifest.llm, metrics=metrics)
         return out
     if args.train_data is None or args.cache_root is None:
         raise SystemExit("no probes in --fit-dir: give --train-data and --cache-root to fit them")
@@ -227,23 +253,41 @@ def fit_probes(args: argparse.Namespace) -> dict[str, Path]:
     save_fit(full, out["full"], cache, cv=full_row.cv, depth=search)
     # The cascade: the full-depth probe with the exit head `fit --exit auto` would attach
     # (chosen on the same folds' out-of-fold scores).
+    torch.save(full_row.cv.oof_probs, oof_file)
+    if not cascade:
+        return out
+    full.probe, metrics = exit_search(args, full.probe, data, full_row.cv.oof_probs, config)
+    save_fit(full, out["cascade"], cache, cv=full_row.cv, extra_metrics=metrics)
+    return out
+
+
+def exit_search(
+    args: argparse.Namespace, probe: Any, data: Any, oof: Any, config: Any
+) -> tuple[Any, dict[str, float]]:
+    """``fit --exit auto``'s search at ``--exit-epsilon``, its table printed: the probe with
+    the chosen exit head attached, and the search's manifest metrics (exits if none
+    pays)."""
     from probes.offline.exit import search_exit
 
     exits = search_exit(
-        full.probe.spec,
-        full.probe,
-        data.select_layers(list(full.probe.spec.layers)),
-        full_row.cv.oof_probs,
+        probe.spec,
+        probe,
+        data.select_layers(list(probe.spec.layers)),
+        oof,
         config,
         folds=args.folds,
+        epsilon=args.exit_epsilon,
     )
+    log(f"exit search (epsilon {args.exit_epsilon}): full-depth CV AUPRC {exits.full_auprc:.4f}")
     for r in exits.rows:
-        log(f"  exit {r.layer} < {r.allow_below}: share {r.share:.2f}, AUPRC {r.auprc:.4f}")
+        mark = "  <- chosen" if r == exits.chosen else ""
+        log(
+            f"  layer {r.layer:>2} < {r.allow_below:<5}: share {r.share:.2f}, AUPRC {r.auprc:.4f}"
+            f", cost {r.cost:.2f}{mark}"
+        )
     if exits.probe is None:
-        raise SystemExit(f"no exit head pays on this data: {exits.notes}")
-    full.probe = exits.probe
-    save_fit(full, out["cascade"], cache, cv=full_row.cv, extra_metrics=exits.metrics())
-    return out
+        raise SystemExit(f"no exit head pays within --exit-epsilon: {exits.notes}")
+    return exits.probe, exits.metrics()
 
 
 # --- one configuration through Kafka ---------------------------------------------------
@@ -324,7 +368,7 @@ def verdict_quality(
     """F1 (the probe's own decision) and AUPRC of the verdicts on ``rows``."""
     import numpy as np
 
-    from probes.metrics import average_precision, precision_recall_f1
+    from probes.metrics import average_precision, precision_recall_f1, recall_at_fpr
     from schemas import Verdict
 
     y, score, flagged = [], [], []
@@ -342,7 +386,16 @@ def verdict_quality(
         "precision": round(precision, 4),
         "recall": round(recall, 4),
         "auprc": round(average_precision(truth.astype(float), np.array(score)), 4),
+        "recall_at_1pct_fpr": round(recall_at_fpr(truth.astype(float), np.array(score)), 4),
     }
+
+
+def decided_early(keys: list[bytes], clock: VerdictClock) -> float:
+    """The share of these verdicts an exit head decided (``ProbeResult.depth`` set)."""
+    from schemas import Verdict
+
+    depths = [Verdict.decode(clock.payload[k]).results[0].depth for k in keys]
+    return round(sum(d is not None for d in depths) / max(1, len(depths)), 4)
 
 
 def count_sum(histogram: Any) -> tuple[float, float]:
@@ -458,6 +511,7 @@ def run_config(
         "autocast": extractor.autocast,
         "layers": list(probe.layers),
         "backlog_msg_s": round(backlog_rate, 3),
+        "decided_early": decided_early([k for k, _ in records], clock),
         "paced": paced,
         "quality": verdict_quality(rows, first, clock, flag) if args.untrained is None else None,
         "probe_ms_per_message": round(1000 * m.probe_seconds._sum.get() / max(1.0, scored), 3),
@@ -588,12 +642,17 @@ def main(argv: list[str] | None = None) -> int:
     }
     loads = [p["load"] for p in results[0]["paced"]]
     head = f"{'config':9}{'msg/s':>8}{'x':>7}" + "".join(f"{f'{x:.0%} p50/p99':>17}" for x in loads)
-    print(head + f"{'F1':>7}{'AUPRC':>7}")
+    print(head + f"{'early':>7}{'F1':>7}{'AUPRC':>7}{'R@1%':>7}")
     for r in results:
         cells = "".join(f"{p['p50_ms']:>9.0f} /{p['p99_ms']:>6.0f}" for p in r["paced"])
         print(
             f"{r['config']:9}{r['backlog_msg_s']:>8.2f}{r['backlog_vs_first']:>7.2f}{cells}"
-            + (f"{r['quality']['f1']:>7.3f}{r['quality']['auprc']:>7.3f}" if r["quality"] else "")
+            + f"{r['decided_early']:>7.2f}"
+            + (
+                f"{q['f1']:>7.3f}{q['auprc']:>7.3f}{q['recall_at_1pct_fpr']:>7.3f}"
+                if (q := r["quality"])
+                else ""
+            )
         )
     print(json.dumps(result))
     return 0
