@@ -97,10 +97,12 @@ def before_autocast() -> str:
     return "bfloat16" if flags & {"amx_bf16", "avx512_bf16"} else "off"
 
 
-def configs() -> dict[str, Config]:
+def configs(target_ms: int | None = None) -> dict[str, Config]:
+    """The configurations; ``target_ms``: the latency target of those with micro-batches
+    (default: ``LATENCY_TARGET_MS``'s)."""
     from worker.settings import Settings
 
-    target = Settings.model_fields["latency_target_ms"].default
+    target = target_ms or Settings.model_fields["latency_target_ms"].default
     old = before_autocast()
     return {
         "poll": Config("poll", 0, old, "full", f"a poll is one unit, autocast {old}"),
@@ -137,6 +139,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "DEPTH) instead of fitting; F1/AUPRC are then meaningless and left out",
     )
     p.add_argument("--configs", default="poll,micro,default,cascade", help="default: %(default)s")
+    p.add_argument(
+        "--latency-target-ms",
+        type=int,
+        default=None,
+        help="LATENCY_TARGET_MS of the micro-batch configurations (default: the setting's)",
+    )
     p.add_argument(
         "--loads",
         default="0.3,0.5,0.7,0.9",
@@ -196,7 +204,8 @@ def untrained_probes(args: argparse.Namespace, llm: Any) -> dict[str, Path]:
 
 def fit_probes(args: argparse.Namespace) -> dict[str, Path]:
     """``{"full": checkpoint, "depth": checkpoint}``, fitted once into ``--fit-dir``."""
-    cascade = any(configs()[n].probe == "cascade" for n in args.configs.split(",") if n)
+    known = configs(args.latency_target_ms)
+    cascade = any(known[n].probe == "cascade" for n in args.configs.split(",") if n)
     kinds = ("full", "depth", "cascade") if cascade else ("full", "depth")
     out = {k: args.fit_dir / k for k in kinds}
     if all((p / "manifest.json").exists() for p in out.values()):
@@ -348,6 +357,10 @@ def produce(
     from worker.kafka.clients import make_producer
 
     producer = make_producer(settings)
+    # Connected and with the topic's metadata before the clock starts: a cold producer
+    # holds its first records for a second or more, then sends them as one burst, which
+    # would be measured as the scorer's latency (and queue everything behind it).
+    producer.partitions_for(settings.topic_chat)
     sent: dict[bytes, float] = {}
     start = time.time()
     for i, (key, value) in enumerate(records):
@@ -582,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker.llm.load import load_llm
     from worker.settings import Settings
 
-    known = configs()
+    known = configs(args.latency_target_ms)
     names = [c for c in args.configs.split(",") if c]
     unknown = sorted(set(names) - set(known))
     if unknown:

@@ -233,7 +233,7 @@ class Settings(BaseSettings):
         "multiplications in this dtype, embeddings, norms and the residual stream in `DTYPE`; "
         "explicit values need `DTYPE=float32` and no `LLM_QUANTIZE`. `auto`: `bfloat16` where "
         "the hardware multiplies it fast (CUDA with bf16; CPUs with AMX: AVX512-BF16 alone "
-        "measured 0.69x float32) "
+        "measured 0.65x float32) "
         "and the weights are float32 and not quantized, `off` elsewhere. Not part of the LLM "
         "fingerprint (states stay within bf16 rounding); `off` for bit-for-bit float32.",
     )
@@ -247,8 +247,11 @@ class Settings(BaseSettings):
         description="Padded tokens per forward pass (texts x longest text): a poll's texts are "
         "sorted by length and cut into micro-batches there. `0`: `BATCH_SIZE` texts per pass.",
     )
+    # bench/score_e2e.md: on 2 CPU cores a message alone costs ~130 ms and batching saves
+    # ~30 % per message, so 250 ms cut queued polls into ones and twos and saturated at
+    # half the backlog rate (p99 7.1 s at 50 %); 1000 ms keeps micro-batches efficient.
     latency_target_ms: Annotated[int, Field(ge=0, le=600_000)] = Field(
-        250,
+        1000,
         description="Verdicts leave per micro-batch, not per poll. While the queue is short "
         "(a poll that did not fill), a poll is cut in arrival order into micro-batches "
         "expected to take at most this long each (from the seconds per token measured on "

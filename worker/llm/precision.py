@@ -138,7 +138,7 @@ def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     (``amx_bf16``). False where ``/proc/cpuinfo`` is missing (e.g. macOS).
 
     AVX512-BF16 alone does not count: measured with ``bench/forward_options.py`` on 2 cores
-    of such a CPU, bf16 autocast ran the default LLM at 0.69x the texts/s of float32
+    of such a CPU, bf16 autocast ran the default LLM at 0.65x the texts/s of float32
     (oneDNN's bf16 path there costs more than it saves), while on an AMX CPU it ran 2.9x
     (``bench/quantized_llm.py --variant bf16``).
     """

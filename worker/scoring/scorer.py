@@ -176,6 +176,10 @@ class Scorer:
         target while the queue is short, by the token budget on a backlog."""
         counts = self.extractor.token_counts([i.value.text for i in items])
         self._tokens = {_where(i): n for i, n in zip(items, counts, strict=True)}
+        if not full and self.loop is not None:
+            # A poll may hold one partition's records while others wait: what the fetches
+            # say is left behind this poll counts toward a long queue too.
+            full = sum(consumer_lag(self.loop.consumer).values()) >= self.settings.batch_size
         return [[items[k] for k in group] for group in self.planner.plan(counts, full=full)]
 
     def handle(self, items: list[Item[ChatMessage]]) -> Sequence[Outgoing | Reject]:
