@@ -10,10 +10,10 @@ import torch
 
 from probes.checkpoint import probe_from_bytes
 from probes.probe import build_probe
-from schemas import ExitSpec, Verdict
+from schemas import ExitSpec
 from tests.conftest import RedisNamespace
-from tests.integration.test_updater import chat, extractor, fast, label, toy
-from tests.kafka_helpers import drain, produce_raw
+from tests.integration.test_updater import extractor, fast, label, toy_verdicts
+from tests.kafka_helpers import produce_raw
 from tests.process_helpers import Threaded, wait_until
 from tests.registry_helpers import publish_probe, toxicity_spec
 from worker.kafka.clients import ensure_topics
@@ -27,17 +27,7 @@ pytestmark = pytest.mark.integration
 
 def depths(settings: Settings, tag: str, n: int) -> dict[int, int | None]:
     """Score the toy texts 0..n-1 as chat messages: the depth that decided each."""
-    produce_raw(
-        settings, settings.topic_chat, [(None, chat(f"{tag}-{i}", toy(i)[0])) for i in range(n)]
-    )
-    records = drain(
-        settings,
-        settings.topic_verdicts,
-        lambda rs: sum(r.key.decode().startswith(tag) for r in rs) >= n,
-        60,
-    )
-    got = [Verdict.decode(r.value) for r in records if r.key.decode().startswith(tag)]
-    return {int(v.message_id.split("-")[1]): v.results[0].depth for v in got}
+    return {i: v.results[0].depth for i, v in toy_verdicts(settings, tag, n).items()}
 
 
 def test_a_cascade_decides_early_and_the_updater_keeps_its_exit_head_current(

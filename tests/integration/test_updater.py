@@ -84,8 +84,8 @@ def extractor() -> HiddenStateExtractor:
     return HiddenStateExtractor(make_tiny_llm(), max_tokens=64, batch_size=16)
 
 
-def p_correct(settings: Settings, tag: str, n: int) -> float:
-    """Send the toy texts as chat messages; mean probability the scorer gives the true label."""
+def toy_verdicts(settings: Settings, tag: str, n: int) -> dict[int, Verdict]:
+    """Send the toy texts 0..n-1 as chat messages ``{tag}-{i}``; their verdicts by i."""
     produce_raw(
         settings, settings.topic_chat, [(None, chat(f"{tag}-{i}", toy(i)[0])) for i in range(n)]
     )
@@ -96,7 +96,13 @@ def p_correct(settings: Settings, tag: str, n: int) -> float:
         60,
     )
     got = [Verdict.decode(r.value) for r in records if r.key.decode().startswith(tag)]
-    probs = [v.results[0].scores[toy(int(v.message_id.split("-")[1]))[1]] for v in got]
+    return {int(v.message_id.split("-")[1]): v for v in got}
+
+
+def p_correct(settings: Settings, tag: str, n: int) -> float:
+    """Send the toy texts as chat messages; mean probability the scorer gives the true label."""
+    got = toy_verdicts(settings, tag, n)
+    probs = [v.results[0].scores[toy(i)[1]] for i, v in got.items()]
     return sum(probs) / len(probs)
 
 

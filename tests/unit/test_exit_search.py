@@ -27,18 +27,21 @@ def toxic_rows(n: int = 300, seed: int = 0) -> ProbeDataset:
     )
 
 
+SPEC = ProbeSpec(
+    name="t",
+    token_pool="mean",
+    layer_mix="scalar_mix",
+    layers=[1, 2, 3],
+    hidden_size=8,
+    task="multiclass",
+    labels=["ok", "toxic"],
+    flag_labels=["toxic"],
+)
+
+
 def test_search_picks_a_shallow_exit_within_epsilon_and_attaches_it() -> None:
     data = toxic_rows()
-    spec = ProbeSpec(
-        name="t",
-        token_pool="mean",
-        layer_mix="scalar_mix",
-        layers=[1, 2, 3],
-        hidden_size=8,
-        task="multiclass",
-        labels=["ok", "toxic"],
-        flag_labels=["toxic"],
-    )
+    spec = SPEC
     oof = torch.nn.functional.one_hot(data.targets, 2).float() * 0.9 + 0.05  # a perfect probe
     probe = build_probe(spec, seed=0)
     search = search_exit(
@@ -59,16 +62,7 @@ def test_no_exit_when_no_layer_is_good_enough() -> None:
     data = toxic_rows()
     data.summaries[0] = torch.randn_like(data.summaries[0])  # type: ignore[index]
     data.summaries[1] = torch.randn_like(data.summaries[1])  # type: ignore[index]
-    spec = ProbeSpec(
-        name="t",
-        token_pool="mean",
-        layer_mix="scalar_mix",
-        layers=[1, 2, 3],
-        hidden_size=8,
-        task="multiclass",
-        labels=["ok", "toxic"],
-        flag_labels=["toxic"],
-    )
+    spec = SPEC
     oof = torch.nn.functional.one_hot(data.targets, 2).float()
     search = search_exit(
         spec,
@@ -95,16 +89,7 @@ def test_the_exit_head_keeps_the_base_rate_under_a_class_balanced_fit() -> None:
     data = ProbeDataset(
         [1, 2, 3], ["ok", "toxic"], "multiclass", y, [str(i) for i in range(n)], summaries=x
     )
-    spec = ProbeSpec(
-        name="t",
-        token_pool="mean",
-        layer_mix="scalar_mix",
-        layers=[1, 2, 3],
-        hidden_size=8,
-        task="multiclass",
-        labels=["ok", "toxic"],
-        flag_labels=["toxic"],
-    )
+    spec = SPEC
     oof = torch.nn.functional.one_hot(data.targets, 2).float() * 0.9 + 0.05
     config = FitConfig(lr=0.03, balance="weights")
     search = search_exit(
