@@ -31,9 +31,9 @@ Per configuration, its own topics and scorer:
    labels, at the probe's own threshold.
 2. ``paced``: one stream per ``--loads`` fraction (default 30, 50, 70 and 90 %) of that
    configuration's backlog rate, ``--paced-seconds`` long (or ``--paced`` messages, if
-   more): p50/p99 latency from produce to the verdict's arrival, the rate achieved, the
-   median latency of each half of the stream (growing: it fell behind) and the mean
-   micro-batch.
+   more), the texts in a fixed shuffle per load (the same for every configuration):
+   p50/p99 latency from produce to the verdict's arrival, the rate achieved, the median
+   latency of each half of the stream (growing: it fell behind) and the mean micro-batch.
 
 ``--rounds 2`` runs the configurations again in reverse order (load from other processes
 then hits all alike); rates and latencies are averaged over rounds. The last line printed
@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import threading
@@ -482,7 +483,11 @@ def run_config(
     def stream(load: float, tag_: str) -> dict[str, float]:
         rate = load * backlog_rate
         count = max(args.paced, round(rate * args.paced_seconds))
-        texts = [rows[(n + i) % len(rows)]["text"] for i in range(count)]
+        # Each stream in its own fixed shuffle of the texts (the same for every
+        # configuration): in file order every stream began with the same run of long
+        # texts, and its first seconds carried their queue.
+        order = random.Random(f"stream-{load}").sample(range(len(rows)), len(rows))
+        texts = [rows[order[i % len(rows)]]["text"] for i in range(count)]
         log(f"[{cfg.name}] paced at {load:.0%}: {count} messages at {rate:.2f} msg/s …")
         batches, batched = count_sum(scorer.metrics.batch_size)
         t1 = time.time()
