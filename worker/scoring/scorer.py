@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 
 import redis
+from prometheus_client import Histogram
 
 from schemas import ChatMessage
 from worker.errors import KafkaSetupError
@@ -184,9 +185,7 @@ class Scorer:
 
     def handle(self, items: list[Item[ChatMessage]]) -> Sequence[Outgoing | Reject]:
         started = time.time()
-        for i in items:
-            if i.timestamp_ms > 0:
-                self.metrics.queue_seconds.observe(max(0.0, started - i.timestamp_ms / 1000))
+        _observe_since(self.metrics.queue_seconds, items, started)
         judged = self.engine.judge(
             [i.value for i in items], sources=[(i.topic, i.partition, i.offset) for i in items]
         )
@@ -195,9 +194,7 @@ class Scorer:
         counts = self.extractor.token_counts([i.value.text for i in missing]) if missing else []
         tokens = sum(counts) + sum(self._tokens.pop(_where(i), 0) for i in items)
         self.planner.observe(tokens, done - started)
-        for i in items:
-            if i.timestamp_ms > 0:
-                self.metrics.verdict_seconds.observe(max(0.0, done - i.timestamp_ms / 1000))
+        _observe_since(self.metrics.verdict_seconds, items, done)
         s = self.settings
         out: list[Outgoing | Reject] = [
             Reject(items[pos], "unscorable", reason) for pos, reason in judged.errors.items()
@@ -237,3 +234,10 @@ class Scorer:
 
 def _where(item: Item[ChatMessage]) -> tuple[str, int, int]:
     return item.topic, item.partition, item.offset
+
+
+def _observe_since(histogram: Histogram, items: list[Item[ChatMessage]], now: float) -> None:
+    """Each record's time from its Kafka timestamp to ``now`` (records without one skipped)."""
+    for i in items:
+        if i.timestamp_ms > 0:
+            histogram.observe(max(0.0, now - i.timestamp_ms / 1000))
