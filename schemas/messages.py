@@ -86,6 +86,13 @@ class ChatMessage(WireModel):
     text: Text
     created_at: AwareDatetime
     metadata: Metadata = Field(default_factory=dict)
+    # A model's reply: the id of the message it answers (the inline guard moderates replies
+    # as they are generated, see worker.guard). None: a message someone sent.
+    reply_to: Id | None = None
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        return _omit_none(self, handler, ("reply_to",))
 
 
 class HumanLabel(WireModel):
@@ -209,6 +216,11 @@ class Verdict(WireModel):
     latency_ms: Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
     worker_id: Id
     scored_at: AwareDatetime
+    reply_to: Id | None = None  # the judged message is a model's reply to this message
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        return _omit_none(self, handler, ("reply_to",))
 
     @staticmethod
     def make_id(message_id: str, results: list[ProbeResult]) -> str:

@@ -734,6 +734,37 @@ class Settings(BaseSettings):
         False, description="Also produce each verdict to the verdicts topic (needs the broker)."
     )
 
+    # --- the inline guard (worker.guard: a chat app's own model, its own hidden states) ---
+    guard_on_flag: Literal["refuse", "annotate", "continue"] = Field(
+        "refuse",
+        description="What the inline guard does when a verdict flags: `refuse` (a flagged "
+        "prompt gets `guard_refusal` instead of an answer; a flagged reply stops generating "
+        "and is withheld), `annotate` (generate, and mark the reply flagged for the app to "
+        "show) or `continue` (generate; the verdict is only recorded).",
+    )
+    guard_refusal: str = Field(
+        "Sorry, I can't help with that.",
+        min_length=1,
+        max_length=2000,
+        description="The reply the inline guard gives instead of a refused one.",
+    )
+    guard_stream_every: Annotated[int, Field(ge=0, le=4096)] = Field(
+        16,
+        description="The inline guard scores the reply every this many generated tokens, "
+        "from the states decoding already computed (0: the prompt only, and the whole "
+        "reply once at the end).",
+    )
+    guard_verdicts: bool = Field(
+        True,
+        description="The inline guard produces each verdict (prompt and reply) to the "
+        "verdicts topic (needs the broker).",
+    )
+    guard_review: bool = Field(
+        True,
+        description="The inline guard sends uncertain and audit-sampled prompts and replies "
+        "to the review topic (needs the broker).",
+    )
+
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
         sasl = self.kafka_security_protocol.startswith("SASL")

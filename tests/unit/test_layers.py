@@ -6,8 +6,8 @@
               defaults (the packaged default probes)
     adapters  llm (transformers), kafka, store (Redis)            root only
     domain    scoring, learning, rollout, review                  + adapters
-    apps      offline, explain, demo, console, serve  + domain (and each other,
-                                                                   demo over the rest)
+    apps      offline, explain, demo, console, serve, + domain (and each other,
+              guard (the inline guard)                             demo over the rest)
     entry     commands, cli                                        anything
 
 ``schemas`` and ``probes`` import no Kafka, Redis or transformers, and nothing of worker;
@@ -42,6 +42,7 @@ RANK = {
     "explain": 3,
     "console": 3,
     "serve": 3,
+    "guard": 3,
     "demo": 4,
     "commands": 5,
     "cli": 5,

@@ -40,6 +40,9 @@ class LoadedLLM:
     layer_stack: nn.ModuleList
     lm_head: nn.Module | None = None
     lm_head_missing: str | None = None  # set whenever lm_head is None
+    # The whole causal LM (base model + head) that generates text, kept with the head: the
+    # inline guard (worker.guard) generates with it. None whenever lm_head is None.
+    causal: PreTrainedModel | None = None
     # Extraction runs the model under torch.autocast in this dtype (None: as loaded). Not
     # part of the fingerprint: the states stay within bf16 rounding of the plain ones.
     autocast: torch.dtype | None = None
@@ -83,8 +86,9 @@ class LoadedLLM:
         model.requires_grad_(False)
         _ensure_pad_token(tokenizer)
         head = model.get_output_embeddings()
+        causal = None
         if head is not None and model.base_model is not model:
-            model = model.base_model  # type: ignore[assignment]
+            causal, model = model, model.base_model  # type: ignore[assignment]
         else:
             head = None
         stack = find_layer_stack(model)
@@ -105,6 +109,7 @@ class LoadedLLM:
             layer_stack=stack,
             lm_head=lm_head,
             lm_head_missing=None if lm_head is not None else lm_head_missing,
+            causal=causal if lm_head is not None else None,
         )
 
 

@@ -176,6 +176,7 @@ class ScoringEngine:
                 latency_ms=latency_ms,
                 worker_id=self.worker_id,
                 scored_at=now,
+                reply_to=msg.reply_to,
             )
             for r in results:
                 if r.flagged:

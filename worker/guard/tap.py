@@ -1,0 +1,91 @@
+"""Hidden states taken from a model's own forward passes while it generates.
+
+:class:`StateTap` hooks the blocks whose outputs the probes read (the same hidden-state
+indices as :mod:`worker.llm.extract`: ``0`` the embedding output, ``i`` block ``i``'s
+output, ``num_layers`` the base model's ``last_hidden_state``) and keeps:
+
+- from the prefill, the prompt's states over one span of positions (the text the probe
+  judges, see :mod:`worker.guard.guard`), for those layers only;
+- from each decoding step, the states of the one token it fed in (the previous reply
+  token), so the reply so far can be scored without running anything again.
+
+Nothing else is kept: no other layer, no position outside the span. One generation at a
+time (batch 1): the hooks are on modules that every caller of the model shares.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from worker.llm.model import LoadedLLM
+
+__all__ = ["StateTap"]
+
+
+class StateTap:
+    """The states of ``layers`` for the prompt span ``[start, end)`` and each decoded token."""
+
+    def __init__(
+        self, llm: LoadedLLM, layers: Sequence[int], span: tuple[int, int], dtype: torch.dtype
+    ) -> None:
+        self.llm = llm
+        self.layers = tuple(layers)
+        self.span = span
+        self.dtype = dtype
+        self.prompt: dict[int, torch.Tensor] = {}  # layer -> [n, D]
+        self.steps: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.layers}
+
+    @property
+    def decoded(self) -> int:
+        """Reply tokens whose states are kept (each decoding step feeds one in)."""
+        return min((len(s) for s in self.steps.values()), default=0)
+
+    def prompt_states(self) -> torch.Tensor:
+        """``[L, 1, n, D]``: the prompt span's states, in ``layers`` order."""
+        return torch.stack([self.prompt[layer] for layer in self.layers]).unsqueeze(1)
+
+    def reply_states(self) -> torch.Tensor:
+        """``[L, 1, m, D]``: the states of the ``m`` reply tokens decoded so far."""
+        m = self.decoded
+        return torch.stack([torch.cat(self.steps[layer][:m]) for layer in self.layers]).unsqueeze(1)
+
+    def _sink(self, layer: int, states: torch.Tensor) -> None:  # states: [1, t, D]
+        if layer not in self.prompt:
+            start, end = self.span
+            self.prompt[layer] = states[0, start:end].detach().to(self.dtype, copy=True)
+        else:
+            self.steps[layer].append(states[0, -1:].detach().to(self.dtype, copy=True))
+
+    @contextlib.contextmanager
+    def attached(self) -> Iterator[StateTap]:
+        """The hooks, for the duration of the block (removed however it ends)."""
+        stack, top = self.llm.layer_stack, self.llm.num_layers
+        handles = []
+
+        def before_first(_module: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
+            self._sink(0, args[0] if args else kw["hidden_states"])
+
+        def after(layer: int) -> Callable[..., None]:
+            def hook(_module: Any, _args: Any, output: Any) -> None:
+                if hasattr(output, "last_hidden_state"):  # the base model's output (top)
+                    output = output.last_hidden_state
+                self._sink(layer, output[0] if isinstance(output, tuple) else output)
+
+            return hook
+
+        try:
+            if 0 in self.layers:
+                handles.append(stack[0].register_forward_pre_hook(before_first, with_kwargs=True))
+            for i in self.layers:
+                if 0 < i < top:
+                    handles.append(stack[i - 1].register_forward_hook(after(i)))
+                elif i == top:
+                    handles.append(self.llm.model.register_forward_hook(after(i)))
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
