@@ -1,0 +1,169 @@
+"""The inline guard on the tiny LLM and the real Redis (no broker: verdicts are not sent)."""
+
+from __future__ import annotations
+
+import contextlib
+import string
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from probes.probe import build_probe
+from tests.conftest import RedisNamespace
+from tests.registry_helpers import publish_probe, toxicity_spec
+from tests.tiny_llm import make_tiny_llm
+from worker.errors import ConfigError
+from worker.guard import Guard, GuardedReply
+from worker.llm.model import LoadedLLM
+from worker.settings import Settings
+from worker.store.checkpoints import CheckpointRegistry
+
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def chat_llm() -> LoadedLLM:
+    llm = make_tiny_llm(lm_head="tied")
+    llm.tokenizer.chat_template = llm.tokenizer.chat_template or TEMPLATE
+    return llm
+
+
+class Recorder:
+    """A ``generate`` streamer that keeps what it is shown."""
+
+    def __init__(self) -> None:
+        self.puts: list[list[int]] = []
+        self.ended = False
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts.append(value.reshape(-1).tolist())
+
+    def end(self) -> None:
+        self.ended = True
+
+
+@pytest.fixture
+def llm() -> LoadedLLM:
+    return chat_llm()
+
+
+def no_blanks(llm: LoadedLLM) -> list[int]:
+    """Token ids of whitespace: suppressed so the random model's reply has readable text."""
+    vocab = llm.tokenizer.get_vocab()
+    return [vocab[c] for c in string.whitespace if c in vocab]
+
+
+@contextlib.contextmanager
+def run(
+    llm: LoadedLLM,
+    redis_ns: RedisNamespace,
+    flag: str,
+    threshold: float,
+    text: str = "hello there",
+    **kw: Any,
+) -> Iterator[tuple[Guard, GuardedReply]]:
+    """Serve a random probe flagging ``flag`` at ``threshold``; one guarded turn."""
+    spec = toxicity_spec(llm.hidden_size, layers=[1, 4]).model_copy(
+        update={"flag_labels": [flag], "thresholds": {flag: threshold}}
+    )
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
+    publish_probe(registry, llm.fingerprint, probe=build_probe(spec, seed=1))
+    options = {"max_new_tokens": kw.pop("max_new_tokens", 8), "do_sample": False}
+    options["suppress_tokens"] = no_blanks(llm)
+    options.update(kw.pop("generate", {}))
+    settings = Settings(
+        redis_url=redis_ns.url,
+        redis_prefix=redis_ns.prefix,
+        default_probe=False,
+        guard_verdicts=False,
+        guard_review=False,
+        **kw,
+    )
+    with Guard(llm, settings, redis_ns.client) as guard:
+        assert guard.wait_ready(30)
+        yield guard, guard.chat([{"role": "user", "content": text}], **options)
+
+
+def one(llm: LoadedLLM, redis_ns: RedisNamespace, *args: Any, **kw: Any) -> GuardedReply:
+    with run(llm, redis_ns, *args, **kw) as (_, reply):
+        return reply
+
+
+def test_a_flagged_prompt_is_refused_before_the_reply_and_nothing_is_shown(
+    llm: LoadedLLM, redis_ns: RedisNamespace
+) -> None:
+    shown = Recorder()
+    reply = one(llm, redis_ns, "toxic", 0.0, generate={"streamer": shown})
+    assert reply.prompt is not None and reply.prompt.decision == "flag"
+    assert reply.refused == "prompt" and reply.text == Settings().guard_refusal
+    assert reply.tokens == 0 and reply.generated == "" and reply.reply is None
+    assert len(shown.puts) == 1 and shown.ended  # the prompt, never a reply token
+
+
+def test_continue_generates_and_the_reply_gets_its_own_verdict_naming_the_prompt(
+    llm: LoadedLLM, redis_ns: RedisNamespace
+) -> None:
+    shown = Recorder()
+    reply = one(llm, redis_ns, "toxic", 0.0, guard_on_flag="continue", generate={"streamer": shown})
+    assert reply.refused is None and reply.tokens == 8 and reply.text == reply.generated
+    assert reply.flagged and reply.prompt is not None and reply.reply is not None
+    assert reply.reply.message_id == reply.reply_id != reply.prompt_id
+    assert reply.reply.reply_to == reply.prompt_id and reply.prompt.reply_to is None
+    assert reply.reply.conversation_id == reply.prompt.conversation_id
+    assert sum(len(p) for p in shown.puts[1:]) == 8  # every reply token, after the verdicts
+
+
+def test_the_text_cache_holds_prompt_and_reply_for_label_joins(
+    llm: LoadedLLM, redis_ns: RedisNamespace
+) -> None:
+    reply = one(llm, redis_ns, "toxic", 1.0, text="what a day")
+    assert reply.prompt is not None and reply.prompt.decision == "allow"
+    cached = redis_ns.client.get(redis_ns.keys.text(reply.prompt_id))
+    assert cached == b"what a day"
+    assert redis_ns.client.get(redis_ns.keys.text(reply.reply_id)) == reply.generated.encode()
+
+
+def test_a_streaming_check_stops_a_flagged_reply_and_withholds_it(
+    llm: LoadedLLM, redis_ns: RedisNamespace
+) -> None:
+    # Find scores by which this prompt is allowed and its first reply tokens are flagged:
+    # the same random probe reads both, so flag whichever label the reply scores higher.
+    probe = one(llm, redis_ns, "toxic", 1.0, guard_on_flag="continue", max_new_tokens=4)
+    assert probe.prompt is not None and probe.reply is not None
+    p = probe.prompt.results[0].scores["toxic"]
+    r = probe.reply.results[0].scores["toxic"]
+    assert abs(p - r) > 1e-4, (p, r)
+    flag, p, r = ("toxic", p, r) if r > p else ("ok", 1 - p, 1 - r)
+    shown = Recorder()
+    reply = one(
+        llm,
+        redis_ns,
+        flag,
+        (p + r) / 2,
+        guard_stream_every=4,
+        max_new_tokens=12,
+        generate={"streamer": shown},
+    )
+    assert reply.prompt is not None and reply.prompt.decision == "allow"
+    assert reply.refused == "reply" and reply.checks == 1 and reply.tokens == 4
+    assert reply.text == Settings().guard_refusal and reply.generated
+    assert shown.puts[1:] == [] and shown.ended  # nothing of the reply was shown
+
+
+def test_a_model_without_its_lm_head_cannot_be_guarded(redis_ns: RedisNamespace) -> None:
+    with pytest.raises(ConfigError, match="LM head"):
+        Guard(make_tiny_llm(), Settings(redis_url=redis_ns.url), redis_ns.client)
+
+
+def test_the_conversation_must_end_with_the_users_turn(
+    llm: LoadedLLM, redis_ns: RedisNamespace
+) -> None:
+    with run(llm, redis_ns, "toxic", 1.0) as (guard, _):
+        with pytest.raises(ValueError, match="user's turn"):
+            guard.chat([{"role": "assistant", "content": "hi"}])
+        with pytest.raises(ValueError, match="cannot be read"):
+            guard.chat([{"role": "user", "content": " \x00 "}])
