@@ -388,7 +388,7 @@ class Guard:
         autocast = self.llm.autocast
         with (
             tap.attached(),
-            torch.inference_mode(),
+            torch.no_grad(),  # generate's own mode: inference tensors would poison the engine
             torch.autocast(device.type, dtype=autocast, enabled=autocast is not None),
         ):
             out = self.model.generate(
