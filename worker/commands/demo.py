@@ -81,10 +81,34 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=1800,
         help="stop and report after this long (default: %(default)s)",
     )
+    chat = p.add_argument_group(
+        "chat (--chat)",
+        "Chat with the default LLM (SmolLM2-Instruct) moderated inline by the guard: the "
+        "probe reads the model's own hidden states as it answers (no second forward pass); "
+        "verdicts go to the broker, /label trains a new version the guard swaps to.",
+    )
+    chat.add_argument("--chat", action="store_true", help="chat instead of the replay")
+    chat.add_argument(
+        "--prompt",
+        action="append",
+        metavar="TEXT",
+        help="a line to send instead of reading the terminal (repeat it for several; "
+        "'/label toxic' lines label the last message)",
+    )
+    chat.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=64,
+        help="longest reply, tokens (default: %(default)s)",
+    )
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.chat:
+        return _chat(args)
+    if args.prompt:
+        raise SystemExit("demo: --prompt needs --chat")
     from worker.demo.run import DemoOptions, run_demo
     from worker.llm.extract import HiddenStateExtractor
     from worker.settings import load_settings
@@ -120,3 +144,40 @@ def _run(args: argparse.Namespace) -> int:
     if args.console and figures.get("replay_complete"):
         return 0  # with the console, Ctrl-C after the replay is the normal end
     return 130 if interrupted.is_set() else 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    import sys
+    from collections.abc import Iterator
+
+    from worker.demo.chat import ChatOptions, run_chat
+    from worker.llm.load import load_llm
+    from worker.settings import load_settings
+
+    settings = load_settings()
+    log.info("loading the LLM (%s) with its LM head …", settings.model)
+    llm = load_llm(settings, lm_head=True)
+
+    def typed() -> Iterator[str]:
+        while True:
+            try:
+                yield input("you> ")
+            except EOFError:
+                return
+
+    lines = args.prompt if args.prompt else typed()
+    opts = ChatOptions(max_new_tokens=args.max_new_tokens, keep=args.keep, echo=bool(args.prompt))
+    interrupted = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: interrupted.set())
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    try:
+        session = run_chat(settings, llm, lines, opts, write=write, stop=interrupted)
+    except KeyboardInterrupt:
+        return 130
+    flagged = sum(t.flagged for t in session.turns)
+    print(f"turns {len(session.turns)}  flagged {flagged}  labels {session.labels}")
+    return 0

@@ -41,7 +41,7 @@ from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.redis import Keys, make_redis
 
-__all__ = ["DemoOptions", "DemoRun", "default_data", "run_demo"]
+__all__ = ["DemoOptions", "DemoRun", "default_data", "embedded_stack", "run_demo"]
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,32 @@ def demo_spec(
     )
 
 
+@contextlib.contextmanager
+def embedded_stack(base: Settings, *, keep: bool = False) -> Iterator[Settings]:
+    """``base`` pointed at a broker and a Redis: the configured ones
+    (``PROBEGUARD_KAFKA_BOOTSTRAP``, ``PROBEGUARD_REDIS_URL``), else embedded ones started
+    here and stopped at the end (``keep``: left running)."""
+    broker = redis_server = None
+    updates: dict[str, Any] = {}
+    try:
+        if "kafka_bootstrap" not in base.model_fields_set:
+            broker = EmbeddedBroker().start()
+            updates["kafka_bootstrap"] = broker.bootstrap
+        if base.redis_url is None:
+            redis_server = EmbeddedRedis().start()
+            updates["redis_url"] = SecretStr(redis_server.url)  # model_copy won't convert
+        yield base.model_copy(update=updates)
+    finally:
+        if keep:
+            for name, svc in (("broker", broker), ("redis", redis_server)):
+                if svc is not None:
+                    log.info("--keep: %s left running (pid %s)", name, svc.pid)
+        else:
+            for svc in (broker, redis_server):
+                if svc is not None:
+                    svc.stop()
+
+
 class DemoRun:
     """One demo run; :meth:`run` returns the figures the report shows."""
 
@@ -132,28 +158,9 @@ class DemoRun:
 
     # --- orchestration -------------------------------------------------------
 
-    @contextlib.contextmanager
-    def stack(self) -> Iterator[Settings]:
+    def stack(self) -> contextlib.AbstractContextManager[Settings]:
         """The broker and Redis to use: the configured ones, else embedded ones."""
-        broker = redis_server = None
-        updates: dict[str, Any] = {}
-        try:
-            if "kafka_bootstrap" not in self.base.model_fields_set:
-                broker = EmbeddedBroker().start()
-                updates["kafka_bootstrap"] = broker.bootstrap
-            if self.base.redis_url is None:
-                redis_server = EmbeddedRedis().start()
-                updates["redis_url"] = SecretStr(redis_server.url)  # model_copy won't convert
-            yield self.base.model_copy(update=updates)
-        finally:
-            if self.opts.keep:
-                for name, svc in (("broker", broker), ("redis", redis_server)):
-                    if svc is not None:
-                        log.info("--keep: %s left running (pid %s)", name, svc.pid)
-            else:
-                for svc in (broker, redis_server):
-                    if svc is not None:
-                        svc.stop()
+        return embedded_stack(self.base, keep=self.opts.keep)
 
     def configure(self, stack: Settings) -> Settings:
         """Per-run topics, group ids and key prefix; demo-sized learning settings."""

@@ -230,15 +230,7 @@ class Guard:
         self.llm = llm
         self.model: Any = llm.causal
         self.tokenizer: Any = llm.tokenizer
-        self.extractor = _Captured(
-            llm,
-            max_tokens=settings.max_tokens,
-            truncation=settings.truncation,
-            batch_size=settings.batch_size,
-            max_chunks=settings.max_chunks,
-            # MERGE text_form=settings.text_form,
-            # MERGE chat_system_prompt=settings.chat_system_prompt,
-        )
+        self.extractor = _Captured.for_llm(llm, settings)
         self.metrics = ScorerMetrics()
         self.engine = ScoringEngine(
             settings,

@@ -57,7 +57,7 @@ import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar, cast
 
 import torch
 
@@ -210,8 +210,13 @@ class HiddenStateExtractor:
     @classmethod
     def from_settings(cls, settings: Settings) -> HiddenStateExtractor:
         """Load ``settings.model`` and wrap it with the settings' batching and truncation."""
+        return cls.for_llm(load_llm(settings), settings)
+
+    @classmethod
+    def for_llm(cls, llm: LoadedLLM, settings: Settings) -> Self:
+        """Wrap a loaded ``llm`` with the settings' batching and truncation."""
         return cls(
-            load_llm(settings),
+            llm,
             max_tokens=settings.max_tokens,
             truncation=settings.truncation,
             batch_size=settings.batch_size,
