@@ -6,6 +6,7 @@ new version from them, and the guard serves that version."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -60,7 +61,8 @@ def test_guarded_turns_reach_the_topic_their_labels_train_a_version_the_guard_se
         update={"labels": ["non-toxic", "toxic"]}
     )
     first = publish_probe(registry, llm.fingerprint, probe=build_probe(spec, seed=3))
-    options = {"max_new_tokens": 6, "do_sample": False, "suppress_tokens": no_blanks(llm)}
+    options: dict[str, Any] = {"max_new_tokens": 6, "do_sample": False}
+    options["suppress_tokens"] = no_blanks(llm)
     with Guard(llm, settings, redis_ns.client, worker_id="guard-1") as guard:
         assert guard.wait_ready(30)
         turn = guard.chat(
