@@ -167,3 +167,42 @@ def test_the_conversation_must_end_with_the_users_turn(
             guard.chat([{"role": "assistant", "content": "hi"}])
         with pytest.raises(ValueError, match="cannot be read"):
             guard.chat([{"role": "user", "content": " \x00 "}])
+
+
+def test_the_tap_keeps_only_the_probes_layers_over_the_texts_span(llm: LoadedLLM) -> None:
+    from worker.guard.tap import StateTap
+
+    def hooks() -> int:
+        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in llm.model.modules())
+
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    before = hooks()
+    tap = StateTap(llm, (0, 2, 4), (2, 5), torch.float32)
+    with tap.attached(), torch.no_grad():
+        causal: Any = llm.causal
+        out = causal.generate(ids, max_new_tokens=3, do_sample=False)
+    assert hooks() == before  # removed
+    assert set(tap.prompt) == {0, 2, 4} and tap.prompt_states().shape == (3, 1, 3, 32)
+    assert tap.decoded == 2 and tap.reply_states().shape == (3, 1, 2, 32)
+    # The states are the model's own: a plain forward over prompt + first reply tokens.
+    with torch.no_grad():
+        full = llm.model(out[:, :8], output_hidden_states=True).hidden_states
+    assert torch.allclose(tap.prompt[2], full[2][0, 2:5], atol=1e-5)
+    assert torch.allclose(tap.prompt[4], full[4][0, 2:5], atol=1e-5)  # top: after the norm
+    assert torch.allclose(tap.reply_states()[1, 0], full[2][0, 6:8], atol=1e-5)
+
+
+def test_states_the_turn_did_not_keep_are_extracted_by_a_forward_of_its_own(
+    llm: LoadedLLM,
+) -> None:
+    from worker.guard.guard import _Captured
+    from worker.llm.extract import Extraction, HiddenStateExtractor
+
+    captured = _Captured.for_llm(llm, Settings())
+    plain = HiddenStateExtractor.for_llm(llm, Settings())
+    want = plain.extract(["hello"], [1, 3])
+    hidden = want.hidden[:1] + 1.0  # layer 1 only, and marked
+    captured.captured = Extraction(hidden=hidden, mask=want.mask, layers=(1,), index=[0])
+    assert torch.equal(captured.extract(["hello"], [1]).hidden, hidden)  # handed over
+    got = captured.extract(["hello"], [1, 3])  # a probe swapped in that reads layer 3 too
+    assert torch.allclose(got.hidden, want.hidden)
