@@ -281,14 +281,19 @@ class LLMFingerprint(WireModel):
     # layers quantized to int8, activations quantized per batch); None: as loaded. Hidden
     # states differ, so a probe trained on one is refused on the other.
     quantization: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")] | None = None
+    # The text the model reads around a message, e.g. "chat-3f2a..." (the chat template's
+    # ids around it, :mod:`worker.llm.chat_form`); None: the bare text. States differ, so a
+    # probe trained on one form is refused on the other.
+    text_form: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")] | None = None
 
     @model_serializer(mode="wrap")
-    def _omit_unset_quantization(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
-        # Unquantized fingerprints serialize exactly as before the field existed, so their
-        # digests, signed manifests and caches stay valid, and older readers accept them.
+    def _omit_unset_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        # Fingerprints without them serialize exactly as before these fields existed, so
+        # their digests, signed manifests and caches stay valid, and older readers accept them.
         data: dict[str, object] = handler(self)
-        if data.get("quantization") is None:
-            data.pop("quantization", None)
+        for name in ("quantization", "text_form"):
+            if data.get(name) is None:
+                data.pop(name, None)
         return data
 
     @property

@@ -5,8 +5,10 @@ anything else), so a text's token count is easy to predict: ``len(text)`` conten
 plus the special tokens of the architecture:
 
 - ``arch="llama"``: a Llama decoder; ``<s>`` before the text; the tokenizer has **no**
-  pad token of its own (loading gives it one, as for real decoder LLMs);
-- ``arch="bert"``: a BERT encoder; ``[CLS]`` before and ``[SEP]`` after the text.
+  pad token of its own (loading gives it one, as for real decoder LLMs), and a chat
+  template (:data:`CHAT_TEMPLATE`: ``"system: be nice\nuser: hi\nassistant: "``);
+- ``arch="bert"``: a BERT encoder; ``[CLS]`` before and ``[SEP]`` after the text; no
+  chat template.
 
 Example::
 
@@ -37,13 +39,20 @@ from transformers import (
 from worker.llm.load import LoadedLLM, load_llm
 from worker.settings import Settings
 
-__all__ = ["HIDDEN_SIZE", "NUM_LAYERS", "make_tiny_llm", "tiny_tokenizer"]
+__all__ = ["CHAT_TEMPLATE", "HIDDEN_SIZE", "NUM_LAYERS", "make_tiny_llm", "tiny_tokenizer"]
 
 Arch = Literal["llama", "bert"]
 # None: a base model; "own": an untied LM head of its own; "tied": the input embeddings.
 Head = Literal["own", "tied"] | None
 HIDDEN_SIZE = 32
 NUM_LAYERS = 4
+# The Llama tokenizer's: a default system line unless the first turn is one, then
+# "<role>: <content>\n" per turn, and "assistant: " as the generation prompt.
+CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}system: be nice\n{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 _SPECIALS: dict[Arch, list[str]] = {
     "llama": ["<unk>", "<s>", "</s>"],
     "bert": ["[PAD]", "[UNK]", "[CLS]", "[SEP]"],
@@ -62,7 +71,11 @@ def tiny_tokenizer(arch: Arch = "llama", *, extra_chars: str = "") -> PreTrained
             single="<s> $A", special_tokens=[("<s>", vocab["<s>"])]
         )
         return PreTrainedTokenizerFast(
-            tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+            tokenizer_object=backend,
+            bos_token="<s>",
+            eos_token="</s>",
+            unk_token="<unk>",
+            chat_template=CHAT_TEMPLATE,
         )
     backend.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",

@@ -278,6 +278,25 @@ class Settings(BaseSettings):
         "token states are concatenated for the probe's pooling; beyond them `TRUNCATION` "
         "applies. `1`: truncate.",
     )
+    # The LLM fingerprint records the chat form (its template's ids): probes must be trained
+    # on states of the same form.
+    text_form: Literal["raw", "chat"] = Field(
+        "raw",
+        description="The text the LLM reads for a message. `raw`: the bare text (with the "
+        "tokenizer's own special tokens). `chat`: the text as a user turn of the tokenizer's "
+        "chat template (system prompt, user header, text, end of turn, assistant header), as "
+        "a chat model serving it reads it; the probe pools the text and the ids after it, "
+        "not the system prompt and header before it (they still condition every state; "
+        "`MAX_TOKENS` counts them). Use `chat` to train probes for a guard that reads the "
+        "serving model's own states. The LLM fingerprint records the form, so probes and "
+        "caches of one form are refused in the other: switching means retraining.",
+    )
+    chat_system_prompt: str | None = Field(
+        None,
+        description="With `TEXT_FORM=chat`: the system prompt put before the user turn. "
+        "Unset: the template's own default (if it has one). Part of the form: changing it "
+        "changes the fingerprint.",
+    )
     exit: Literal["on", "off"] = Field(
         "on",
         description="The cascade: a served probe with an exit head (trained by `fit --exit`) "

@@ -88,3 +88,32 @@ def test_the_console_explains_a_cached_probe_without_downloading_it_again(
     redis_ns.client.delete(redis_ns.keys.ckpt("toxicity", live))  # only the cache has it now
     second = explainer.explain("toxicity", "a different text", lens=False)
     assert second != first and f"v{live}" in str(second.get("where", second))
+
+
+def test_the_console_explains_in_the_configured_text_form(
+    published: Path, redis_ns: RedisNamespace
+) -> None:
+    """With PROBEGUARD_TEXT_FORM=chat the console's explainer reads chat-form states: a
+    probe trained on them explains (the text's tokens and the template's suffix), a raw
+    one is refused naming text_form."""
+    from worker.console.explainer import Explainer
+    from worker.errors import ExplainError
+    from worker.llm.chat_form import turn_ids
+    from worker.llm.load import load_llm
+    from worker.settings import Settings
+
+    settings = Settings(text_form="chat")
+    llm = load_llm(settings, lm_head=True)
+    fp = llm.fingerprint.model_copy(update={"text_form": turn_ids(llm.tokenizer).key})
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
+    raw = registry.stages().live
+    assert raw is not None
+    version = registry.allocate_version()
+    probe = build_probe(registry.get(raw).manifest.spec, seed=1)
+    registry.publish(*checkpoint_to_bytes(probe, llm=fp, version=version), set_live=True)
+    explainer = Explainer(settings, redis_ns.client)
+    report = explainer.explain("toxicity", TEXT, lens=False)
+    assert report["version"] == version
+    assert report["n_tokens"] == len(TEXT) + len("\nassistant: ")
+    with pytest.raises(ExplainError, match="text_form"):
+        explainer.explain("toxicity", TEXT, version=raw, lens=False)

@@ -19,6 +19,7 @@ from tests.process_helpers import wait_until
 from tests.registry_helpers import publish_probe, toxicity_spec
 from tests.tiny_llm import make_tiny_llm
 from worker.embedded import EmbeddedRedis, free_port
+from worker.llm.extract import HiddenStateExtractor
 from worker.rollout.changes import Rollout
 from worker.scoring import probe_watch
 from worker.scoring.batch import ServedProbe
@@ -197,3 +198,27 @@ def test_stage_changes_after_the_seq_counter_went_back_are_applied(
     watcher.refresh(force=True)
     assert lives(watcher) == {"a": 1, "b": 1}
     assert "b" in watcher.untrusted
+
+
+@pytest.mark.parametrize("serving", ["raw", "chat"])
+def test_a_probe_of_the_other_text_form_is_refused_naming_it(
+    redis_ns: RedisNamespace, serving: str
+) -> None:
+    """A scorer in the chat form (PROBEGUARD_TEXT_FORM=chat) serves the probes trained on
+    chat-form states and refuses the raw ones, and vice versa: same LLM, other states."""
+    llm = make_tiny_llm()
+    raw = HiddenStateExtractor(llm, max_tokens=64).fingerprint
+    chat = HiddenStateExtractor(llm, max_tokens=64, text_form="chat").fingerprint
+    mine, other = (raw, chat) if serving == "raw" else (chat, raw)
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
+    refusals: list[tuple[str, int, str]] = []
+    watcher = ProbeWatcher({"toxicity": registry}, mine, on_refused=lambda *r: refusals.append(r))
+    good = publish_probe(registry, mine, seed=1)
+    watcher.refresh(force=True)
+    assert watcher.versions()["toxicity"]["live"] == good
+    bad = publish_probe(registry, other, seed=2)
+    watcher.refresh(force=True)
+    assert watcher.versions()["toxicity"]["live"] == good  # the last good probe serves on
+    assert bad in watcher.refused["toxicity"]
+    assert [(name, v) for name, v, _ in refusals] == [("toxicity", bad)]
+    assert "text_form" in refusals[0][2]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,10 +21,13 @@ from schemas import (
 )
 from tests.conftest import RedisNamespace
 from tests.registry_helpers import num
+from tests.tiny_llm import make_tiny_llm
 from worker.cli import main
 from worker.errors import RegistryError, StagesChanged
+from worker.llm.extract import HiddenStateExtractor
 from worker.rollout.changes import Rollout
 from worker.rollout.policy import Policy, next_action
+from worker.settings import load_settings
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.evidence import Confusion, EvidenceStore, Judgement, Truth
 from worker.store.lease import Lease
@@ -53,7 +57,7 @@ def publish(registry: CheckpointRegistry, *, live: bool = False, fp: LLMFingerpr
         probe="tox",
         version=v,
         created_at=utcnow(),
-        spec=SPEC,
+        spec=SPEC.model_copy(update={"hidden_size": fp.hidden_size}),
         llm=fp,
         tensors_sha256=hashlib.sha256(blob).hexdigest(),
     )
@@ -247,6 +251,29 @@ def test_cli_changes_and_explains_refusals(cli, registry: CheckpointRegistry, ev
     code, out, _ = cli("history", "--json")
     kinds = [e["kind"] for e in json.loads(out)["events"]]
     assert kinds == ["canary", "rolled_back", "promoted", "rolled_back", "unpinned"]
+
+
+def test_cli_verify_model_checks_the_configured_text_form(
+    cli, registry: CheckpointRegistry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--verify-model checks against the fingerprint the configured scorers have: in the
+    chat form (PROBEGUARD_TEXT_FORM=chat) a chat-form probe passes and a raw one is
+    refused naming text_form (it took the bare LLM's fingerprint, the other way round)."""
+    make_tiny_llm(tmp_path)
+    env = {
+        "PROBEGUARD_MODEL": str(tmp_path / "tiny-llama-0"),
+        "PROBEGUARD_CACHE_DIR": str(tmp_path / "cache"),
+        "PROBEGUARD_TEXT_FORM": "chat",
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    chat = HiddenStateExtractor.from_settings(load_settings()).fingerprint
+    raw = chat.model_copy(update={"text_form": None})
+    v_raw, v_chat = publish(registry, fp=raw), publish(registry, fp=chat)
+    code, _, err = cli("promote", str(v_raw), "--verify-model")
+    assert code == 1 and "text_form" in err and "scorers would refuse it" in err
+    code, out, _ = cli("promote", str(v_chat), "--verify-model")
+    assert code == 0 and f"v{v_chat} is live" in out
 
 
 def test_cli_status_and_show(cli, registry: CheckpointRegistry, redis_ns: RedisNamespace) -> None:

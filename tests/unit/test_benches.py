@@ -96,3 +96,31 @@ def test_extract_throughput_bench_runs_on_a_tiny_llm(
     assert out["rss_16x256"]["shape"][0] == NUM_LAYERS + 1
     for row in out["batch_sizes"].values():
         assert row["extract"]["tokens_per_s"] > 0 and row["early_exit_speedup"] > 0
+
+
+def test_text_form_bench_runs_on_a_tiny_llm(
+    capsys, tmp_path: Path, tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.unit.offline_helpers import write_labeled
+
+    monkeypatch.setenv("PROBEGUARD_MODEL", tiny_model_dir)
+    monkeypatch.setenv("PROBEGUARD_MAX_TOKENS", "64")
+    (tmp_path / "toy").mkdir()
+    data = write_labeled(tmp_path / "toy" / "train.jsonl", 90, seed=3, multilabel=False)
+    bench = load_bench("text_form")
+    argv = ["--data", str(data), "--limit", "80", "--cache-root", str(tmp_path / "caches")]
+    assert bench.main([*argv, "--kind", "mean", "--folds", "2", "--epochs", "2"]) == 0
+    out = last_json(capsys)
+    assert out["bench"] == "text_form" and out["limit"] == 80 and out["kind"] == "mean"
+    # The tiny template: "system: be nice\nuser: " before the text, "\nassistant: " after.
+    assert out["chat_form"]["context_tokens"] == 22 and out["chat_form"]["suffix_tokens"] == 12
+    assert out["train_rows"] + out["test_rows"] == 80 and 10 < out["test_rows"] < 40
+    for name in ("raw", "chat", "raw_in_chat"):
+        assert 0 <= out[name]["auprc"] <= 1 and 0 <= out[name]["r_at_1pct_fpr"] <= 1
+    # Three kinds of states: raw, chat, and the held-out rows' content tokens in chat form.
+    caches = sorted(p.name for p in (tmp_path / "caches").iterdir() if p.name != "text_form")
+    assert caches == [
+        "toy-train-limit80-held30-tiny-llama-0-none-chat-content",
+        "toy-train-limit80-tiny-llama-0",
+        "toy-train-limit80-tiny-llama-0-none-chat",
+    ]

@@ -182,6 +182,26 @@ def test_a_configured_key_refuses_an_unsigned_checkpoint(
     assert "unsigned" in err and "k" * 32 not in err, err
 
 
+def test_explain_reads_the_configured_text_form(
+    capsys, workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A probe trained on chat-form states explains in the chat form (the text's tokens and
+    the template's suffix), and is refused in the raw form naming text_form."""
+    llm = load_llm(
+        Settings(model=str(workspace / "tiny-llama-0-own"), cache_dir=workspace / "model-cache"),
+        lm_head=True,
+    )
+    fp = HiddenStateExtractor(llm, max_tokens=64, text_form="chat").fingerprint
+    save_checkpoint(build_probe(spec("mean"), seed=0), tmp_path / "chat", llm=fp, version=3)
+    argv = ["--checkpoint", str(tmp_path / "chat"), "--model", str(workspace / "tiny-llama-0-own")]
+    capsys.readouterr()
+    assert main(["explain", *argv, TEXT]) == 1
+    assert "text_form" in capsys.readouterr().err
+    monkeypatch.setenv("PROBEGUARD_TEXT_FORM", "chat")
+    r = explain_json(capsys, *argv, TEXT)
+    assert r["version"] == 3 and r["n_tokens"] == len(TEXT) + len("\nassistant: ")
+
+
 def test_registry_needs_redis(capsys, workspace: Path) -> None:
     assert main(["explain", "--model", str(workspace / "tiny-llama-0-own"), TEXT]) == 1
     assert "no Redis configured" in capsys.readouterr().err

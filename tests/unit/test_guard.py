@@ -16,20 +16,15 @@ from tests.registry_helpers import publish_probe, toxicity_spec
 from tests.tiny_llm import make_tiny_llm
 from worker.errors import ConfigError
 from worker.guard import Guard, GuardedReply
+from worker.llm.extract import HiddenStateExtractor
 from worker.llm.model import LoadedLLM
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 
-TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant: {% endif %}"
-)
-
 
 def chat_llm() -> LoadedLLM:
-    llm = make_tiny_llm(lm_head="tied")
-    llm.tokenizer.chat_template = llm.tokenizer.chat_template or TEMPLATE
-    return llm
+    """The tiny Llama with its LM head (its tokenizer has a chat template)."""
+    return make_tiny_llm(lm_head="tied")
 
 
 class Recorder:
@@ -70,8 +65,6 @@ def run(
     spec = toxicity_spec(llm.hidden_size, layers=[1, 4]).model_copy(
         update={"flag_labels": [flag], "thresholds": {flag: threshold}}
     )
-    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
-    publish_probe(registry, llm.fingerprint, probe=build_probe(spec, seed=1))
     options = {"max_new_tokens": kw.pop("max_new_tokens", 8), "do_sample": False}
     options["suppress_tokens"] = no_blanks(llm)
     options.update(kw.pop("generate", {}))
@@ -83,6 +76,9 @@ def run(
         guard_review=False,
         **kw,
     )
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
+    trained_on = HiddenStateExtractor.for_llm(llm, settings).fingerprint  # raw or chat form
+    publish_probe(registry, trained_on, probe=build_probe(spec, seed=1))
     with Guard(llm, settings, redis_ns.client) as guard:
         assert guard.wait_ready(30)
         yield guard, guard.chat([{"role": "user", "content": text}], **options)
@@ -196,7 +192,7 @@ def test_states_the_turn_did_not_keep_are_extracted_by_a_forward_of_its_own(
     llm: LoadedLLM,
 ) -> None:
     from worker.guard.guard import _Captured
-    from worker.llm.extract import Extraction, HiddenStateExtractor
+    from worker.llm.extract import Extraction
 
     captured = _Captured.for_llm(llm, Settings())
     plain = HiddenStateExtractor.for_llm(llm, Settings())
@@ -206,3 +202,37 @@ def test_states_the_turn_did_not_keep_are_extracted_by_a_forward_of_its_own(
     assert torch.equal(captured.extract(["hello"], [1]).hidden, hidden)  # handed over
     got = captured.extract(["hello"], [1, 3])  # a probe swapped in that reads layer 3 too
     assert torch.allclose(got.hidden, want.hidden)
+
+
+@pytest.mark.parametrize("form", ["chat", "raw"])
+def test_in_the_chat_form_inline_scores_equal_the_scorers(
+    llm: LoadedLLM, redis_ns: RedisNamespace, form: str
+) -> None:
+    from schemas import ChatMessage, utcnow
+    from worker.scoring.engine import ScoringEngine
+    from worker.scoring.metrics import ScorerMetrics
+
+    texts = ["what a lovely day", "XXXX ZZZZ QQQQ!!!", "see you tomorrow, friend"]
+    inline = []
+    with run(llm, redis_ns, "toxic", 1.0, text_form=form, chat_system_prompt="be brief") as (g, _):
+        for text in texts:
+            turn = g.chat([{"role": "user", "content": text}], max_new_tokens=1)
+            assert turn.prompt is not None
+            inline.append(turn.prompt.results[0].scores["toxic"])
+        settings = g.settings
+    extractor = HiddenStateExtractor.for_llm(llm, settings)
+    engine = ScoringEngine(
+        settings, extractor, redis_ns.client, worker_id="scorer", metrics=ScorerMetrics()
+    )
+    engine.watcher.refresh(force=True)
+    messages = [
+        ChatMessage(message_id=f"m{i}", conversation_id="c", text=t, created_at=utcnow())
+        for i, t in enumerate(texts)
+    ]
+    judged = engine.judge(messages, review=False)
+    scorer = [judged.verdicts[i].results[0].scores["toxic"] for i in range(len(texts))]
+    gaps = [abs(a - b) for a, b in zip(inline, scorer, strict=True)]
+    if form == "chat":  # the same ids, the same states: the same scores
+        assert max(gaps) < 1e-4, gaps
+    else:  # the text's states carry the template before them: close, not equal
+        assert max(gaps) > 1e-4, gaps

@@ -125,6 +125,8 @@ def _run(args: argparse.Namespace) -> int:
         truncation=settings.truncation,
         batch_size=1,
         max_chunks=settings.max_chunks,
+        text_form=settings.text_form,
+        chat_system_prompt=settings.chat_system_prompt,
     )
     probe, manifest = verify(source, extractor, settings.signing_key)
     opts = ExplainOptions(

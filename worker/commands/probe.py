@@ -143,14 +143,15 @@ def _emit(obj: Any) -> None:
 
 
 def _model(ctx: ProbeContext, args: argparse.Namespace) -> tuple[Any, str]:
-    """--verify-model: the configured LLM's fingerprint (slow, loaded only after the
-    version is known to exist); else None: checked against live's."""
+    """--verify-model: the configured LLM's fingerprint, as its scorers have it (text form
+    included; slow, loaded only after the version is known to exist); else None: checked
+    against live's."""
     if not args.verify_model:
         return None, " (--verify-model checks against the configured model instead)"
-    from worker.llm.load import load_llm
+    from worker.llm.extract import HiddenStateExtractor
 
     ctx.registry.manifest(args.version)  # an unknown version fails before the slow load
-    return load_llm(ctx.settings).fingerprint, ""
+    return HiddenStateExtractor.from_settings(ctx.settings).fingerprint, ""
 
 
 # --- actions -----------------------------------------------------------------------------

@@ -161,6 +161,8 @@ class Explainer:
             truncation=s.truncation,
             batch_size=1,
             max_chunks=s.max_chunks,
+            text_form=s.text_form,
+            chat_system_prompt=s.chat_system_prompt,
         )
 
     # --- explanations ------------------------------------------------------------

@@ -330,12 +330,13 @@ class Guard:
         turn = turn_ids(
             self.tokenizer,
             messages[:-1],
-            system_prompt=None,  # MERGE self.settings.chat_system_prompt
+            system_prompt=self.settings.chat_system_prompt,
         )
         content = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         ids = [*turn.context, *content, *turn.suffix]
         start = len(turn.context)
-        end = start + len(content)  # MERGE len(ids) if self.settings.text_form == "chat" else
+        # Chat form: the text and the suffix, as the probes were trained; raw: the text alone.
+        end = len(ids) if self.settings.text_form == "chat" else start + len(content)
         with self._lock:
             layers = self.engine.batch_scorer.layers()
             tap = StateTap(self.llm, layers, (start, end), self.extractor.dtype)

@@ -26,6 +26,11 @@ How a text becomes tokens:
    output row, so the probe's token pooling combines them (masked mean = token-weighted
    mean over chunks, max = max over chunks, gate/attention over all chunks' tokens).
    Beyond ``max_chunks`` chunks the truncation rule applies first.
+5. ``text_form="chat"`` reads the text as a user turn of the tokenizer's chat template
+   (:mod:`worker.llm.chat_form`): each model input is ``context + ids(text) + suffix``
+   (the template's ids before and after the text, instead of the special tokens). The
+   context runs (it conditions every state, takes positions ``0..``, and counts toward
+   ``max_tokens``) but is not part of the output row; the suffix is. Every chunk gets both.
 
 Batching: the pieces of all texts are sorted by length (longest first) and cut into
 micro-batches of at most ``batch_size`` pieces and at most ``batch_tokens`` padded tokens
@@ -62,6 +67,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar, cast
 import torch
 
 from worker.errors import ConfigError, DeviceError, ExtractionError, ExtractionInputError
+from worker.llm.chat_form import ChatTurn, turn_ids
 from worker.llm.load import LoadedLLM, load_llm
 
 if TYPE_CHECKING:
@@ -86,8 +92,9 @@ class ExitStage:
     """Decide some rows at a shallow layer; only the others continue the forward pass.
 
     After hidden-state index ``layer`` (``1 <= layer < num_layers``) is computed for a
-    micro-batch, ``decide(states [b, t, D], mask [b, t] bool, positions)`` (``positions``:
-    the rows' input positions) returns ``(exit [b] bool, payload [b, ...])``: rows with
+    micro-batch, ``decide(states [b, t, D], mask [b, t] bool, positions)`` (``mask``: the
+    tokens of the rows' output, i.e. without the chat form's context; ``positions``: the
+    rows' input positions) returns ``(exit [b] bool, payload [b, ...])``: rows with
     ``exit`` set are decided there (their payload row is kept in
     :attr:`Extraction.exited`), the others run on from block ``layer + 1`` in a smaller
     batch. A text cut into several chunks always continues (its row spans several
@@ -124,8 +131,9 @@ class _Piece:
     """One model input: a whole text, or one chunk of a long text."""
 
     row: int  # output row
-    offset: int  # where its tokens start among the row's tokens
-    ids: list[int]  # with special tokens
+    offset: int  # where its output tokens start among the row's tokens
+    ids: list[int]  # what the model runs: context, special tokens and the text's tokens
+    skip: int = 0  # leading ids run but not output (the chat form's context)
 
 
 class _EarlyExit(Exception):
@@ -162,6 +170,9 @@ class HiddenStateExtractor:
     The returned tensors are ordinary tensors (not inference-mode ones), so they can feed
     probe training directly. Forward passes are serialised by a lock; one extractor can
     be shared between threads.
+
+    ``text_form="chat"`` puts each text into the tokenizer's chat template as a user turn
+    after ``chat_system_prompt`` (None: the template's default); see the module docstring.
     """
 
     def __init__(
@@ -176,7 +187,11 @@ class HiddenStateExtractor:
         max_chunks: int = 1,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
+        text_form: Literal["raw", "chat"] = "raw",
+        chat_system_prompt: str | None = None,
     ) -> None:
+        if text_form not in ("raw", "chat"):
+            raise ConfigError(f"text_form must be 'raw' or 'chat', not {text_form!r}")
         if truncation not in ("head", "head_tail"):
             raise ConfigError(f"truncation must be 'head' or 'head_tail', not {truncation!r}")
         if batch_size < 1 or max_chunks < 1 or (batch_tokens is not None and batch_tokens < 1):
@@ -195,10 +210,24 @@ class HiddenStateExtractor:
         self.dtype = dtype or llm.dtype
         tokenizer = llm.tokenizer
         self._pad_id = int(tokenizer.pad_token_id)
-        self._prefix, self._suffix = _special_affixes(tokenizer)
-        self._budget = max_tokens - len(self._prefix) - len(self._suffix)  # content tokens
+        self.text_form = text_form
+        self._turn: ChatTurn | None = None
+        self._context: list[int] = []  # run before every piece, not output
+        self._prefix: list[int]
+        self._suffix: list[int]
+        if text_form == "chat":
+            self._turn = turn_ids(tokenizer, system_prompt=chat_system_prompt)
+            self._context, self._prefix = list(self._turn.context), []
+            self._suffix = list(self._turn.suffix)
+        else:
+            self._prefix, self._suffix = _special_affixes(tokenizer)
+        around = len(self._context) + len(self._prefix) + len(self._suffix)
+        self._budget = max_tokens - around  # content tokens
         if self._budget < 1:
-            raise ConfigError(f"max_tokens={max_tokens} leaves no room next to special tokens")
+            raise ConfigError(
+                f"max_tokens={max_tokens} leaves no room next to the {around} ids put around "
+                f"a text ({text_form} form)"
+            )
         limit = getattr(llm.model.config, "max_position_embeddings", None)
         if limit is not None and max_tokens > limit:
             raise ConfigError(f"max_tokens={max_tokens} exceeds the model's {limit} positions")
@@ -223,6 +252,8 @@ class HiddenStateExtractor:
             batch_tokens=settings.batch_tokens or None,
             batch_min_fill=settings.batch_min_fill,
             max_chunks=settings.max_chunks,
+            text_form=settings.text_form,
+            chat_system_prompt=settings.chat_system_prompt,
         )
 
     @property
@@ -240,7 +271,11 @@ class HiddenStateExtractor:
 
     @property
     def fingerprint(self) -> LLMFingerprint:
-        return self.llm.fingerprint
+        """The LLM's fingerprint, with the chat form's key as ``text_form`` (raw: None):
+        states of one form are not the other's, so probes of one are refused on the other."""
+        if self._turn is None:
+            return self.llm.fingerprint
+        return self.llm.fingerprint.model_copy(update={"text_form": self._turn.key})
 
     @property
     def autocast(self) -> Literal["bfloat16", "float16"] | None:
@@ -322,8 +357,9 @@ class HiddenStateExtractor:
         )
 
     def token_ids(self, text: str | bytes) -> list[int]:
-        """Token ids of ``text`` as :meth:`extract` runs them: its row's real positions, in
-        order (special tokens, truncation and chunks included).
+        """Token ids of ``text`` as :meth:`extract` outputs them: its row's real positions,
+        in order (special tokens, truncation, chunks and the chat form's suffix included;
+        the chat form's context, run but not output, left out).
 
         Raises :class:`ExtractionInputError` when the text cannot be extracted.
         """
@@ -333,17 +369,19 @@ class HiddenStateExtractor:
             kind, _, reason = errors.get(0, "failed: no tokens").partition(": ")
             raise ExtractionInputError(kind, reason)
         pieces, _ = self._plan([tokenized[0][1]])
-        return [i for piece in sorted(pieces, key=lambda p: p.offset) for i in piece.ids]
+        ordered = sorted(pieces, key=lambda p: p.offset)
+        return [i for piece in ordered for i in piece.ids[piece.skip :]]
 
     def token_counts(self, texts: Sequence[str | bytes]) -> list[int]:
-        """Real tokens :meth:`extract` would run for each text (special tokens, truncation
-        and chunks included; 0 for a text it cannot extract): what a batch costs."""
+        """Real tokens :meth:`extract` would run for each text (special tokens, truncation,
+        chunks and the chat form's context included, though the context is no part of the
+        output row; 0 for a text it cannot extract): what a batch costs."""
         errors: dict[int, str] = {}
         tokenized = self._tokenize(texts, errors)
         counts = [0] * len(texts)
-        _, lengths = self._plan([ids for _, ids in tokenized])
-        for (pos, _), n in zip(tokenized, lengths, strict=True):
-            counts[pos] = n
+        pieces, _ = self._plan([ids for _, ids in tokenized])
+        for piece in pieces:
+            counts[tokenized[piece.row][0]] += len(piece.ids)
         return counts
 
     # --- texts to pieces ------------------------------------------------------------------
@@ -395,15 +433,16 @@ class HiddenStateExtractor:
         return [list(ids) for ids in enc["input_ids"]]
 
     def _plan(self, contents: list[list[int]]) -> tuple[list[_Piece], list[int]]:
-        """Pieces to run, and each row's total token count."""
+        """Pieces to run, and each row's output token count (the context left out)."""
         pieces: list[_Piece] = []
         lengths: list[int] = []
+        skip = len(self._context)
         for row, content in enumerate(contents):
             offset = 0
             for chunk in self._chunks(content):
-                ids = self._prefix + chunk + self._suffix
-                pieces.append(_Piece(row, offset, ids))
-                offset += len(ids)
+                ids = self._context + self._prefix + chunk + self._suffix
+                pieces.append(_Piece(row, offset, ids, skip))
+                offset += len(ids) - skip
             lengths.append(offset)
         return pieces, lengths
 
@@ -475,14 +514,16 @@ class HiddenStateExtractor:
         b, t = len(batch), max(len(p.ids) for p in batch)
         input_ids = torch.full((b, t), self._pad_id, dtype=torch.long)  # [b, t]
         attention = torch.zeros(b, t, dtype=torch.long)  # [b, t]
-        # (micro-batch row, first real position there, output row, position there, length)
+        # (micro-batch row, first output position there, output row, position there, length):
+        # the chat form's context runs (attention covers it) but is not output.
         spans: list[tuple[int, int, int, int, int]] = []
         for r, piece in enumerate(batch):
             n = len(piece.ids)
             lo = t - n if self._left_pad else 0
             input_ids[r, lo : lo + n] = torch.tensor(piece.ids)
             attention[r, lo : lo + n] = 1
-            spans.append((r, lo, piece.row, starts[piece.row] + piece.offset, n))
+            first = starts[piece.row] + piece.offset
+            spans.append((r, lo + piece.skip, piece.row, first, n - piece.skip))
         slot = {layer: i for i, layer in enumerate(wanted)}
 
         def sink_to(spans: list[tuple[int, int, int, int, int]]) -> _Sink:
@@ -512,7 +553,11 @@ class HiddenStateExtractor:
             self._model_inputs(input_ids, attention), (*low, k) if k not in low else low, capture
         )
         states = captured[0]  # [b, t, D]: hidden-state index k of every row
-        go = self._continuing(staged, batch, states, attention.to(states.device).bool())
+        # The stage pools what the full probe pools: the output positions, not the context.
+        output = torch.zeros(b, t, dtype=torch.bool)  # [b, t]
+        for r, lo, _, _, n in spans:
+            output[r, lo : lo + n] = True
+        go = self._continuing(staged, batch, states, output.to(states.device))
         if not go:
             return
         # The continuing rows, without the padding only the exited rows needed.
