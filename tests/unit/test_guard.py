@@ -148,6 +148,18 @@ def test_a_streaming_check_stops_a_flagged_reply_and_withholds_it(
     assert reply.refused == "reply" and reply.checks == 1 and reply.tokens == 4
     assert reply.text == Settings().guard_refusal and reply.generated
     assert shown.puts[1:] == [] and shown.ended  # nothing of the reply was shown
+    # annotate: the same checks run and say when the reply went bad; nothing is stopped.
+    marked = one(
+        llm,
+        redis_ns,
+        flag,
+        (p + r) / 2,
+        guard_on_flag="annotate",
+        guard_stream_every=4,
+        max_new_tokens=12,
+    )
+    assert marked.refused is None and marked.tokens == 12 and marked.checks == 3
+    assert marked.flagged_at == 4 and marked.text == marked.generated
 
 
 def test_a_model_without_its_lm_head_cannot_be_guarded(redis_ns: RedisNamespace) -> None:

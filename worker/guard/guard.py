@@ -82,6 +82,7 @@ class GuardedReply:
     refused: Literal["prompt", "reply"] | None = None  # what guard_on_flag=refuse stopped
     tokens: int = 0  # reply tokens generated
     checks: int = 0  # streaming checks of the reply run before the end
+    flagged_at: int | None = None  # reply tokens when a streaming check first flagged
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -168,6 +169,7 @@ class _Turn:
     prompt_done: bool = False
     refused: Literal["prompt", "reply"] | None = None
     checks: int = 0
+    flagged_at: int | None = None
     errors: list[str] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)  # the reply's ids sampled so far
     shown: _Held | None = None  # the caller's streamer, shown what verdicts covered
@@ -187,9 +189,11 @@ class _Turn:
         every = g.settings.guard_stream_every
         if every and len(ids) % every == 0 and self.tap.decoded > 0:
             self.checks += 1
-            if g.refusing and g._reply_flags(self):
-                self.refused = "reply"
-                return True
+            if g._reply_flags(self):
+                self.flagged_at = self.flagged_at or len(ids)
+                if g.refusing:
+                    self.refused = "reply"
+                    return True
             self._release()
         return False
 
@@ -361,6 +365,7 @@ class Guard:
             refused=state.refused,
             tokens=len(out),
             checks=state.checks,
+            flagged_at=state.flagged_at,
             errors=state.errors,
         )
 
