@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
 from transformers import AutoTokenizer
 
 from probes import save_checkpoint
@@ -72,10 +73,16 @@ def test_inline_bench_times_every_configuration(
     spec_.loader.exec_module(bench)
     argv = ["--data", str(data), "--n", "3", "--max-new-tokens", "4", "--stream-every", "2"]
     argv += ["--model", str(model), "--probe", str(tmp_path / "probe"), "--redis-url", redis_url]
-    assert bench.main(argv) == 0
+    argv += ["--repeats", "2", "--threads", "1"]
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)  # --threads sets it process-wide
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
     assert out["bench"] == "inline" and out["n"] == 3 and out["max_new_tokens"] == 4
+    assert out["repeats"] == 2 and out["threads"] == 1
     assert set(out["configs"]) == set(bench.CONFIGS)
     assert all(c["median_ms"] > 0 for c in out["configs"].values())
     # The same work in every configuration: forced token counts, the guard's hooks leave
