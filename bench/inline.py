@@ -30,12 +30,16 @@ load from other processes hits every configuration alike), after one untimed war
 each; ``--repeats R`` runs each R times per prompt (every other time in reverse order) and
 keeps the fastest (other processes only ever add time: on a shared 2-core machine a
 busy neighbour can make one generation 5x slower). Per configuration: the median over
-prompts, ms per request and per generated token; side by side,
-fractions of plain generation (from the medians; ``paired``: the median of the per-prompt
-fractions, steadier on a noisy machine):
+prompts, ms per request and per generated token, and the time spent in
+``ScoringEngine.judge`` (the probe, the verdicts, the Redis writes; the separate engine's
+includes its forward pass); side by side, fractions of plain generation, from the
+configurations' medians (the fields below), from each prompt's own times (``paired``: the
+median over prompts; steadier when load comes and goes) and from the time in ``judge``
+alone (``accounted``: a floor that noise barely moves; the hooks' copies, the stopping
+criterion and the streamer are left out):
 
 - ``prompt_overhead`` = (guard_prompt_1 - plain_1) / plain_1: what the prompt verdict adds
-  to the prefill it rides on (target <= 0.10);
+  to the prefill it rides on (target <= 0.10; ``meets``, and ``meets_paired``);
 - ``stream_overhead_per_token`` = ((guard_stream - guard_prompt) / max_new_tokens) /
   ((plain - plain_1) / (max_new_tokens - 1)): what streaming checks add per generated
   token, relative to one plain decoding step (target <= 0.05);
@@ -169,19 +173,34 @@ def prompt_ids(tokenizer: Any, text: str) -> list[int]:
     return [*turn.context, *content, *turn.suffix]
 
 
-class FlagScores:
-    """Keeps the flag scores of every batch an engine judges (``(position, probe) ->
-    score``), in order: a guard turn's first is its prompt's."""
+class JudgeLog:
+    """Wraps an engine's ``judge``: per call since :meth:`clear`, its wall time (ms: the
+    probe, verdicts and Redis writes; the separate engine's includes its forward pass) and
+    flag scores (``(position, probe) -> score``), in order: a guard turn's first call is
+    its prompt's."""
 
     def __init__(self, engine: Any) -> None:
         self.inner = engine.judge
-        self.calls: list[dict[tuple[int, str], float]] = []
+        self.calls: list[tuple[float, dict[tuple[int, str], float]]] = []
         setattr(engine, "judge", self)  # noqa: B010 (an instance attribute over the method)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
         judged = self.inner(*args, **kwargs)
-        self.calls.append(dict(judged.scores.flag_scores) if judged.scores else {})
+        ms = 1000 * (time.perf_counter() - t0)
+        self.calls.append((ms, dict(judged.scores.flag_scores) if judged.scores else {}))
         return judged
+
+    def clear(self) -> None:
+        self.calls.clear()
+
+    @property
+    def ms(self) -> float:
+        return sum(ms for ms, _ in self.calls)
+
+    @property
+    def first_scores(self) -> dict[tuple[int, str], float]:
+        return self.calls[0][1] if self.calls else {}
 
 
 class Bench:
@@ -207,7 +226,7 @@ class Bench:
             )
             for name, every in (("guard_prompt", 0), ("guard_stream", args.stream_every))
         }
-        self.prompt_scores = FlagScores(self.guards["guard_prompt"].engine)
+        self.judges = {name: JudgeLog(guard.engine) for name, guard in self.guards.items()}
         extractor = HiddenStateExtractor(
             llm,
             max_tokens=settings.max_tokens,
@@ -220,6 +239,7 @@ class Bench:
         self.engine = ScoringEngine(
             settings, extractor, client, worker_id="bench-separate", metrics=ScorerMetrics()
         )
+        self.judges["separate"] = JudgeLog(self.engine)
         self.stop = threading.Event()
         self._stack = contextlib.ExitStack()
 
@@ -262,11 +282,16 @@ class Bench:
 
     def plain(self, text: str, new: int) -> dict[str, Any]:
         out = self.generate(prompt_ids(self.tokenizer, text), new)
-        return {"tokens": len(out), "text": self.tokenizer.decode(out, skip_special_tokens=True)}
+        reply = self.tokenizer.decode(out, skip_special_tokens=True)
+        return {"tokens": len(out), "text": reply, "judge_ms": 0.0}
 
     def guard(self, name: str, text: str, new: int) -> dict[str, Any]:
+        judges = self.judges[name]
+        judges.clear()
         reply = self.guards[name].chat([{"role": "user", "content": text}], **self.options(new))
         return {
+            "judge_ms": judges.ms,
+            "prompt_flag_scores": judges.first_scores,
             "tokens": reply.tokens,
             "text": reply.generated,
             "checks": reply.checks,
@@ -286,12 +311,14 @@ class Bench:
             text=text,
             created_at=utcnow(),
         )
+        judges = self.judges["separate"]
+        judges.clear()
         judged = self.engine.judge([message], review=self.settings.guard_review)
-        scores = judged.scores.flag_scores if judged.scores else {}
         verdict = judged.verdicts.get(0)
         return {
             **out,
-            "flag_scores": dict(scores),
+            "judge_ms": judges.ms,
+            "prompt_flag_scores": judges.first_scores,
             "decision": verdict.decision if verdict is not None else None,
             "errors": list(judged.errors.values()),
         }
@@ -308,55 +335,49 @@ class Bench:
 
 def run(
     bench: Bench, texts: list[str], repeats: int
-) -> tuple[dict[str, list[float]], dict[str, Any]]:
-    """Every prompt through every configuration ``repeats`` times, round-robin; each
-    (prompt, configuration)'s fastest time (ms), and the checks."""
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, Any]]:
+    """Every prompt through every configuration ``repeats`` times, round-robin. Per
+    configuration and prompt: the fastest run's time (ms) and its time in ``judge`` (ms);
+    and the checks (from each prompt's first runs)."""
     runners = {c: bench.runner(c) for c in CONFIGS}
     log("warm-up: one untimed request per configuration …")
     for c in CONFIGS:
         runners[c](texts[0])
     times: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    judge: dict[str, list[float]] = {c: [] for c in CONFIGS}
     got: dict[str, list[dict[str, Any]]] = {c: [] for c in CONFIGS}
-    prompt_flags: list[dict[tuple[int, str], float]] = []
     for i, text in enumerate(texts):
         order = CONFIGS[i % len(CONFIGS) :] + CONFIGS[: i % len(CONFIGS)]
-        best = {c: float("inf") for c in CONFIGS}
+        best: dict[str, tuple[float, float]] = {}
         for r in range(repeats):
             for c in order if r % 2 == 0 else order[::-1]:
-                if c == "guard_prompt":
-                    bench.prompt_scores.calls.clear()
                 t0 = time.perf_counter()
                 out = runners[c](text)
-                best[c] = min(best[c], 1000 * (time.perf_counter() - t0))
+                ms = 1000 * (time.perf_counter() - t0)
+                if c not in best or ms < best[c][0]:
+                    best[c] = (ms, out["judge_ms"])
                 if r == 0:
                     got[c].append(out)
-                if c == "guard_prompt" and r == 0:
-                    calls = bench.prompt_scores.calls
-                    prompt_flags.append(calls[0] if calls else {})
         for c in CONFIGS:
-            times[c].append(best[c])
+            times[c].append(best[c][0])
+            judge[c].append(best[c][1])
         log(
             f"  prompt {i + 1}/{len(texts)}: "
-            + ", ".join(f"{c} {best[c]:.0f}" for c in CONFIGS)
+            + ", ".join(f"{c} {best[c][0]:.0f}" for c in CONFIGS)
             + f" ms; load {load_average()[0]}"
         )
-    return times, checks(bench, got, prompt_flags)
+    return times, judge, checks(bench, got)
 
 
-def checks(
-    bench: Bench,
-    got: dict[str, list[dict[str, Any]]],
-    prompt_flags: list[dict[tuple[int, str], float]],
-) -> dict[str, Any]:
+def checks(bench: Bench, got: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Same work everywhere (token counts, replies), and the guard's prompt flag scores
     against the separate scorer's."""
     n = bench.args.max_new_tokens
+    pairs = zip(got["guard_prompt"], got["separate"], strict=True)
     diffs = [
-        abs(guard[key] - sep[key])
-        for guard, sep in zip(
-            prompt_flags, (o["flag_scores"] for o in got["separate"]), strict=True
-        )
-        for key in guard.keys() & sep.keys()
+        abs(g["prompt_flag_scores"][key] - s["prompt_flag_scores"][key])
+        for g, s in pairs
+        for key in g["prompt_flag_scores"].keys() & s["prompt_flag_scores"].keys()
     ]
     same_decision = sum(
         g["decision"] == s["decision"]
@@ -385,20 +406,29 @@ def checks(
     }
 
 
-def summarize(times: dict[str, list[float]], n: int) -> dict[str, Any]:
-    """Medians, and the overheads as fractions of plain generation (see the docstring)."""
+def summarize(
+    times: dict[str, list[float]], judge: dict[str, list[float]], n: int
+) -> dict[str, Any]:
+    """Medians, and the overheads as fractions of plain generation (see the docstring):
+    from the configurations' medians, from each prompt's own (``paired``), and from the
+    time spent in ``judge`` alone (``accounted``: what the probe, the verdicts and Redis
+    cost, without the hooks, the streamer or the stopping criterion)."""
     med = {c: statistics.median(times[c]) for c in CONFIGS}
     decode = (med["plain"] - med["plain_1"]) / (n - 1)  # ms per plain decoding step
+    prompts = range(len(times["plain"]))
 
     def per_prompt(f: Callable[[int], float]) -> float:
-        return statistics.median(f(i) for i in range(len(times["plain"])))
+        return statistics.median(f(i) for i in prompts)
 
-    def frac(a: str, b: str) -> Callable[[int], float]:
-        return lambda i: (times[a][i] - times[b][i]) / times[b][i]
+    def frac(a: str, b: str, of: dict[str, list[float]] = times) -> Callable[[int], float]:
+        return lambda i: (of[a][i] - of[b][i]) / times[b][i]
 
-    def stream(i: int) -> float:
-        step = (times["plain"][i] - times["plain_1"][i]) / (n - 1)
-        return (times["guard_stream"][i] - times["guard_prompt"][i]) / n / step
+    def stream(of: dict[str, list[float]]) -> Callable[[int], float]:
+        def f(i: int) -> float:
+            step = (times["plain"][i] - times["plain_1"][i]) / (n - 1)
+            return (of["guard_stream"][i] - of["guard_prompt"][i]) / n / step
+
+        return f
 
     overheads = {
         "prompt_overhead": (med["guard_prompt_1"] - med["plain_1"]) / med["plain_1"],
@@ -407,13 +437,16 @@ def summarize(times: dict[str, list[float]], n: int) -> dict[str, Any]:
         "separate_overhead": (med["separate"] - med["plain"]) / med["plain"],
         "separate_prompt_overhead": (med["separate_1"] - med["plain_1"]) / med["plain_1"],
     }
-    paired = {
-        "prompt_overhead": per_prompt(frac("guard_prompt_1", "plain_1")),
-        "stream_overhead_per_token": per_prompt(stream),
-        "inline_overhead": per_prompt(frac("guard_prompt", "plain")),
-        "separate_overhead": per_prompt(frac("separate", "plain")),
-        "separate_prompt_overhead": per_prompt(frac("separate_1", "plain_1")),
+    pairs = {
+        "prompt_overhead": ("guard_prompt_1", "plain_1"),
+        "inline_overhead": ("guard_prompt", "plain"),
+        "separate_overhead": ("separate", "plain"),
+        "separate_prompt_overhead": ("separate_1", "plain_1"),
     }
+    paired = {k: per_prompt(frac(a, b)) for k, (a, b) in pairs.items()}
+    paired["stream_overhead_per_token"] = per_prompt(stream(times))
+    accounted = {k: per_prompt(frac(a, b, judge)) for k, (a, b) in pairs.items()}
+    accounted["stream_overhead_per_token"] = per_prompt(stream(judge))
     configs = {
         c: {
             "median_ms": round(med[c], 2),
@@ -421,12 +454,15 @@ def summarize(times: dict[str, list[float]], n: int) -> dict[str, Any]:
             "vs_plain": round(med[c] / med["plain_1" if c.endswith("_1") else "plain"], 4),
             "min_ms": round(min(times[c]), 2),
             "max_ms": round(max(times[c]), 2),
+            "judge_ms": round(statistics.median(judge[c]), 2),  # in engine.judge
         }
         for c in CONFIGS
     }
+    order = list(overheads)
     return {
         **{k: round(v, 4) for k, v in overheads.items()},
-        "paired": {k: round(v, 4) for k, v in paired.items()},
+        "paired": {k: round(paired[k], 4) for k in order},
+        "accounted": {k: round(accounted[k], 4) for k in order},
         "decode_ms_per_token": round(decode, 2),
         "configs": configs,
     }
@@ -463,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{load_average()}"
         )
         load_before = load_average()
-        times, found = run(bench, texts, args.repeats)
+        times, judge, found = run(bench, texts, args.repeats)
         load_after = load_average()
     finally:
         bench.close()
@@ -472,18 +508,27 @@ def main(argv: list[str] | None = None) -> int:
             client.delete(*keys[j : j + 1000])
         client.close()
     n = args.max_new_tokens
-    summary = summarize(times, n)
+    summary = summarize(times, judge, n)
     meets = {
         "prompt": summary["prompt_overhead"] <= TARGET_PROMPT,
         "stream": summary["stream_overhead_per_token"] <= TARGET_STREAM,
     }
-    print(f"{'config':16}{'median ms':>10}{'ms/token':>10}{'x plain':>9}")
+    paired = summary["paired"]
+    meets_paired = {
+        "prompt": paired["prompt_overhead"] <= TARGET_PROMPT,
+        "stream": paired["stream_overhead_per_token"] <= TARGET_STREAM,
+    }
+    print(f"{'config':16}{'median ms':>10}{'ms/token':>10}{'x plain':>9}{'judge ms':>10}")
     for c, row in summary["configs"].items():
-        print(f"{c:16}{row['median_ms']:>10.1f}{row['ms_per_token']:>10.1f}{row['vs_plain']:>9.3f}")
-    for key in ("prompt_overhead", "stream_overhead_per_token", "inline_overhead"):
-        print(f"{key}: {summary[key]:+.3f} (paired {summary['paired'][key]:+.3f})")
-    for key in ("separate_overhead", "separate_prompt_overhead"):
-        print(f"{key}: {summary[key]:+.3f} (paired {summary['paired'][key]:+.3f})")
+        print(
+            f"{c:16}{row['median_ms']:>10.1f}{row['ms_per_token']:>10.1f}"
+            f"{row['vs_plain']:>9.3f}{row['judge_ms']:>10.1f}"
+        )
+    print(f"{'overhead':28}{'medians':>9}{'paired':>9}{'accounted':>11}")
+    for key in summary["paired"]:
+        print(
+            f"{key:28}{summary[key]:>+9.3f}{paired[key]:>+9.3f}{summary['accounted'][key]:>+11.3f}"
+        )
     result = {
         "bench": "inline",
         "model": args.model,
@@ -506,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_after": load_after,
         "targets": {"prompt_overhead_max": TARGET_PROMPT, "stream_overhead_max": TARGET_STREAM},
         "meets": meets,
+        "meets_paired": meets_paired,
     }
     print(json.dumps(result))
     return 0

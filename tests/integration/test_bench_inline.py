@@ -97,6 +97,12 @@ def test_inline_bench_times_every_configuration(
     assert out["flag_scores_compared"] == 3
     assert 0 <= out["max_abs_flag_score_diff"] <= 1
     assert 0 <= out["same_prompt_decision"] <= 3
+    # Time in judge: none in plain generation, some wherever a probe runs.
+    judge = {c: row["judge_ms"] for c, row in out["configs"].items()}
+    assert judge["plain"] == judge["plain_1"] == 0
+    assert all(judge[c] > 0 for c in ("guard_prompt", "guard_stream", "separate", "separate_1"))
+    assert set(out["accounted"]) == set(out["paired"]) >= {"prompt_overhead", "inline_overhead"}
+    assert out["accounted"]["prompt_overhead"] > 0
     # The overheads follow from the medians (rounded in the JSON: compared loosely).
     cfg = out["configs"]
     for key, config in (
@@ -112,6 +118,7 @@ def test_inline_bench_times_every_configuration(
     )
     stream = (cfg["guard_stream"]["median_ms"] - cfg["guard_prompt"]["median_ms"]) / 4 / decode
     assert out["stream_overhead_per_token"] == pytest.approx(stream, rel=0.05, abs=0.02)
+    assert set(out["meets_paired"]) == {"prompt", "stream"}
     assert out["meets"] == {
         "prompt": out["prompt_overhead"] <= 0.10,
         "stream": out["stream_overhead_per_token"] <= 0.05,
