@@ -86,12 +86,13 @@ def test_inline_bench_times_every_configuration(
     assert set(out["configs"]) == set(bench.CONFIGS)
     assert all(c["median_ms"] > 0 for c in out["configs"].values())
     # The same work in every configuration: forced token counts, the guard's hooks leave
-    # the reply unchanged, every prompt got its verdict, the reply its 4 / 2 checks.
+    # the reply unchanged, every prompt got its verdict, the reply its check at token 2 (at
+    # token 4, the last, the final verdict reads the same states).
     assert (
         out["tokens_forced"] and out["tokens"]["plain"] == [4] and out["tokens"]["plain_1"] == [1]
     )
     assert out["same_reply_as_plain"] == {"guard_prompt": 3, "guard_stream": 3, "separate": 3}
-    assert out["prompts_scored"] == 3 and out["stream_checks"] == [2] and out["errors"] == []
+    assert out["prompts_scored"] == 3 and out["stream_checks"] == [1] and out["errors"] == []
     # The tiny tokenizer's template puts context before the text: scores are comparable
     # but read different states (raw-text probe), so the difference is a number in [0, 1].
     assert out["flag_scores_compared"] == 3

@@ -165,6 +165,7 @@ class _Turn:
     prompt: ChatMessage
     reply_id: str
     prompt_len: int
+    last: int | None = None  # max_new_tokens: the final verdict reads the last check's states
     prompt_verdict: Verdict | None = None
     prompt_done: bool = False
     refused: Literal["prompt", "reply"] | None = None
@@ -187,7 +188,7 @@ class _Turn:
                 return True
             self._release()
         every = g.settings.guard_stream_every
-        if every and len(ids) % every == 0 and self.tap.decoded > 0:
+        if every and len(ids) % every == 0 and self.tap.decoded > 0 and len(ids) != self.last:
             self.checks += 1
             if g._reply_flags(self):
                 self.flagged_at = self.flagged_at or len(ids)
@@ -345,6 +346,7 @@ class Guard:
             layers = self.engine.batch_scorer.layers()
             tap = StateTap(self.llm, layers, (start, end), self.extractor.dtype)
             state = _Turn(self, tap, prompt, uuid.uuid4().hex, len(ids))
+            state.last = generate.get("max_new_tokens")
             out = self._generate(ids, tap, state, generate)
             reply_text = self.tokenizer.decode(out, skip_special_tokens=True)
             reply = None
