@@ -227,15 +227,7 @@ class Bench:
             for name, every in (("guard_prompt", 0), ("guard_stream", args.stream_every))
         }
         self.judges = {name: JudgeLog(guard.engine) for name, guard in self.guards.items()}
-        extractor = HiddenStateExtractor(
-            llm,
-            max_tokens=settings.max_tokens,
-            truncation=settings.truncation,
-            batch_size=settings.batch_size,
-            batch_tokens=settings.batch_tokens or None,
-            batch_min_fill=settings.batch_min_fill,
-            max_chunks=settings.max_chunks,
-        )
+        extractor = HiddenStateExtractor.for_llm(llm, settings)
         self.engine = ScoringEngine(
             settings, extractor, client, worker_id="bench-separate", metrics=ScorerMetrics()
         )

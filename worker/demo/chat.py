@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas import HumanLabel, Verdict, utcnow
-from worker.demo.run import embedded_stack
+from worker.demo.run import embedded_stack, run_names
 from worker.guard import Guard, GuardedReply
 from worker.kafka.clients import ensure_topics, make_producer
 from worker.learning.updater import Updater
@@ -118,16 +118,9 @@ def run_chat(
     stop = stop or threading.Event()
     session = ChatSession()
     with embedded_stack(settings, keep=opts.keep) as stack:
-        tag = opts.tag
         s = stack.model_copy(
             update={
-                "redis_prefix": tag,
-                "topic_chat": f"{tag}.chat",
-                "topic_labels": f"{tag}.labels",
-                "topic_verdicts": f"{tag}.verdicts",
-                "topic_review": f"{tag}.review",
-                "topic_dead_letter": f"{tag}.dead-letter",
-                "group_updater": f"{tag}-updater",
+                **run_names(opts.tag),
                 "probes": PROBE,
                 "train_probe": PROBE,
                 "guard_on_flag": settings.guard_on_flag,

@@ -41,7 +41,7 @@ from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.redis import Keys, make_redis
 
-__all__ = ["DemoOptions", "DemoRun", "default_data", "embedded_stack", "run_demo"]
+__all__ = ["DemoOptions", "DemoRun", "default_data", "embedded_stack", "run_demo", "run_names"]
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +135,16 @@ def embedded_stack(base: Settings, *, keep: bool = False) -> Iterator[Settings]:
                     svc.stop()
 
 
+def run_names(tag: str) -> dict[str, str]:
+    """Settings that give one run its own Redis key prefix, topics and consumer groups."""
+    names = {"redis_prefix": tag}
+    for topic in ("chat", "labels", "verdicts", "review", "dead_letter"):
+        names[f"topic_{topic}"] = f"{tag}.{topic.replace('_', '-')}"
+    for group in ("scorer", "updater", "console"):
+        names[f"group_{group}"] = f"{tag}-{group}"
+    return names
+
+
 class DemoRun:
     """One demo run; :meth:`run` returns the figures the report shows."""
 
@@ -164,18 +174,9 @@ class DemoRun:
 
     def configure(self, stack: Settings) -> Settings:
         """Per-run topics, group ids and key prefix; demo-sized learning settings."""
-        tag = f"demo-{self.run_id}"
         return stack.model_copy(
             update={
-                "redis_prefix": tag,
-                "topic_chat": f"{tag}.chat",
-                "topic_labels": f"{tag}.labels",
-                "topic_verdicts": f"{tag}.verdicts",
-                "topic_review": f"{tag}.review",
-                "topic_dead_letter": f"{tag}.dead-letter",
-                "group_scorer": f"{tag}-scorer",
-                "group_updater": f"{tag}-updater",
-                "group_console": f"{tag}-console",
+                **run_names(f"demo-{self.run_id}"),
                 "probes": "demo",
                 "train_probe": "demo",
                 "stats_warmup": min(24, max(4, len(self.rows) // 5)),
