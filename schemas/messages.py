@@ -251,8 +251,13 @@ class ReviewRequest(WireModel):
     scores: Scores
     reason: Literal["uncertain", "audit"]
     created_at: AwareDatetime
+    reply_to: Id | None = None  # the text is a model's reply to this message
 
     _scores = field_validator("scores")(_check_scores)
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        return _omit_none(self, handler, ("reply_to",))
 
 
 DeadLetterKind = Literal[

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from probes.probe import build_probe
-from schemas import Verdict
+from schemas import ReviewRequest, Verdict
 from tests.conftest import RedisNamespace
 from tests.integration.test_updater import fast, label
 from tests.kafka_helpers import drain, produce_raw
@@ -53,7 +53,8 @@ def human(message_id: str, lab: str) -> bytes:
 def test_guarded_turns_reach_the_topic_their_labels_train_a_version_the_guard_serves(
     settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded]
 ) -> None:
-    settings = fast(settings, default_probe=False, guard_on_flag="continue")
+    # Every message is audited: both turns reach the review queue.
+    settings = fast(settings, default_probe=False, guard_on_flag="continue", review_audit_share=1.0)
     ensure_topics(settings)
     llm = chat_llm()
     registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
@@ -73,6 +74,13 @@ def test_guarded_turns_reach_the_topic_their_labels_train_a_version_the_guard_se
         assert got["g-1"] == turn.prompt and got[turn.reply_id] == turn.reply
         assert got[turn.reply_id].reply_to == "g-1"
         assert {r.version for v in got.values() for r in v.results} == {first}
+        want = {"g-1", turn.reply_id}
+        reviews = drain(
+            settings, settings.topic_review, lambda rs: want <= {r.key.decode() for r in rs}, 60
+        )
+        asked = {r.key.decode(): ReviewRequest.decode(r.value) for r in reviews}
+        assert asked["g-1"].reply_to is None and asked[turn.reply_id].reply_to == "g-1"
+        assert asked[turn.reply_id].text == turn.generated
 
         updater = Updater(
             settings,

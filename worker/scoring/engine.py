@@ -228,6 +228,7 @@ class ScoringEngine:
                     scores=r.scores,
                     reason=reason,
                     created_at=utcnow(),
+                    reply_to=msg.reply_to,
                 )
                 candidates.append((pos, request))
         return candidates
