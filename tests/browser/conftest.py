@@ -86,9 +86,15 @@ class Stack:
     url: str
 
     def review(
-        self, n: int, *, texts: Callable[[int], str] | None = None, tag: str = "m"
+        self,
+        n: int,
+        *,
+        texts: Callable[[int], str] | None = None,
+        tag: str = "m",
+        reply_to: str | None = None,
     ) -> list[str]:
-        """Put ``n`` review requests on the review topic; returns their message ids."""
+        """Put ``n`` review requests on the review topic (``reply_to``: model replies to that
+        message); returns their message ids."""
         ids = [f"{tag}-{uuid.uuid4().hex[:6]}-{i}" for i in range(n)]
         records = []
         for i, mid in enumerate(ids):
@@ -101,6 +107,7 @@ class Stack:
                 scores={"ok": 0.5, "toxic": 0.5},
                 reason="uncertain" if i % 3 else "audit",
                 created_at=utcnow(),
+                reply_to=reply_to,
             )
             records.append((mid.encode(), req.encode()))
         produce_raw(self.settings, self.settings.topic_review, records)

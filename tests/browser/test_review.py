@@ -14,7 +14,7 @@ from tests.kafka_helpers import committed_total, drain
 from tests.process_helpers import Threaded, wait_until
 from worker.learning.updater import Updater
 from worker.llm.extract import HiddenStateExtractor
-from worker.store.redis import make_redis
+from worker.store.redis import Keys, make_redis
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
@@ -186,6 +186,32 @@ def test_hostile_text_shows_as_text_and_runs_nothing(
     assert page.inner_text("#report blockquote.message") == XSS
     assert page.evaluate("window.__pwned") is None
     assert not errors
+
+
+def test_a_models_reply_is_shown_under_the_message_it_answers(
+    stack: Stack, new_page: Callable[[], Any], tmp_path: Any
+) -> None:
+    s = stack.settings
+    client = make_redis(s)
+    client.set(Keys(s.redis_prefix).text("p-1"), XSS.encode())  # the prompt, as a guard wrote it
+    stack.review(1, texts=lambda _: "Sure, here is how.", reply_to="p-1")
+    stack.review(1, texts=lambda _: "And the cache forgot this one's prompt.", reply_to="p-gone")
+    page = new_page()
+    sign_in(page, stack.url, "rita")
+    page.wait_for_selector("#item")
+    seen = {}
+    for _ in range(2):
+        page.wait_for_selector("#item")
+        note = page.inner_text("#reply-note")
+        seen[page.inner_text("#message")] = note
+        if page.locator("#prompt").count():
+            assert page.inner_text("#prompt") == XSS  # hostile text shows as text
+            assert page.evaluate("window.__pwned") is None
+            page.screenshot(path=str(tmp_path / "review-reply.png"), full_page=True)
+        with page.expect_navigation():
+            page.keyboard.press("s")
+    assert "message p-1, which said:" in seen["Sure, here is how."]
+    assert "no longer cached" in seen["And the cache forgot this one's prompt."]
 
 
 def test_multilabel_probe_toggles_with_digits_and_submits_with_enter(

@@ -50,6 +50,15 @@ def _decided(console: Console, message_id: str) -> list[dict[str, Any]]:
     ]
 
 
+def _prompt(console: Console, reply_to: str | None) -> str | None:
+    """The text a model's reply answers (from the text cache), for the reviewer to judge the
+    reply in its context; None for a message someone sent, or once the cache dropped it."""
+    if reply_to is None:
+        return None
+    raw = console.texts.get(console.keys.text(reply_to))
+    return None if raw is None else bytes(raw).decode("utf-8", errors="replace")
+
+
 def _explanation(console: Console, item: ReviewItem) -> tuple[dict[str, Any] | None, str]:
     """The item's explanation by the version that scored it, else by the live version
     with a note saying so; None and why when neither can explain it."""
@@ -106,6 +115,7 @@ def review(request: Request) -> HTMLResponse:
         skipped=queue.skipped_by(user.name) if item is None else 0,
         skip_s=console.settings.console_skip_s,
         decided=_decided(console, item.request.message_id) if item else [],
+        prompt=_prompt(console, item.request.reply_to) if item else None,
         report=report,
         explain_note=note or console.explainer.status,
         undo_s=console.settings.console_undo_s,
