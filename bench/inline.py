@@ -65,8 +65,10 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -121,14 +123,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="checkpoint directory served as v0 (default: the model's packaged default)",
     )
     p.add_argument(
+        "--text-form",
+        choices=("raw", "chat"),
+        default="raw",
+        help="PROBEGUARD_TEXT_FORM of the guards and the separate scorer: in the chat form "
+        "their scores must agree (default: %(default)s)",
+    )
+    p.add_argument(
+        "--random-probe",
+        type=int,
+        metavar="SEED",
+        default=None,
+        help="serve a seeded random probe of the packaged default's architecture (trained "
+        "on nothing: same cost, and the only probe there is for the chat form) instead",
+    )
+    p.add_argument(
         "--redis-url", default="redis://127.0.0.1:6379/0", help="Redis (default: %(default)s)"
     )
     args = p.parse_args(argv)
+    if args.random_probe is not None and args.probe is not None:
+        p.error("--probe and --random-probe exclude each other")
     if args.max_new_tokens < 2:
         p.error("--max-new-tokens must be >= 2 (the per-token decode cost needs a step)")
     if min(args.n, args.stream_every, args.repeats) < 1:
         p.error("--n, --stream-every and --repeats must be >= 1")
     return args
+
+
+def random_probe(bench: Bench, seed: int, folder: Path) -> None:
+    """Save a seeded random probe with the packaged default's spec under ``folder``, for the
+    LLM and text form the separate scorer reads (its fingerprint)."""
+    from probes.checkpoint import save_checkpoint
+    from probes.probe import build_probe
+    from worker.defaults import find_default
+
+    found = find_default(bench.llm.fingerprint, "toxicity")
+    if found is None:
+        raise SystemExit("--random-probe copies the packaged default's spec: none for this LLM")
+    name = bench.settings.probe_names[0]
+    probe = build_probe(found.probe.spec.model_copy(update={"name": name}), seed=seed)
+    save_checkpoint(probe, folder, llm=bench.engine.extractor.fingerprint)
 
 
 def log(msg: str) -> None:
@@ -468,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     prefix = f"bench-inline-{uuid.uuid4().hex[:8]}"
+    random_dir = Path(tempfile.mkdtemp(prefix="bench-inline-")) / "probe"
+    if args.random_probe is not None:
+        args.probe = random_dir  # written once the LLM is loaded, read when the guards start
     settings = Settings(
         model=args.model,
         redis_url=args.redis_url,
@@ -478,9 +515,12 @@ def main(argv: list[str] | None = None) -> int:
         guard_review=False,
         guard_on_flag="continue",  # a flagged prompt still generates: the same work
         bootstrap_checkpoint=args.probe,
+        text_form=args.text_form,
     )
     client = make_redis(settings)
     bench = Bench(args, settings, client)
+    if args.random_probe is not None:
+        random_probe(bench, args.random_probe, random_dir)
     try:
         bench.start()
         texts = pick_texts(args.data, bench.tokenizer, settings, args.n)
@@ -495,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         load_after = load_average()
     finally:
         bench.close()
+        shutil.rmtree(random_dir.parent, ignore_errors=True)
         keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
         for j in range(0, len(keys), 1000):
             client.delete(*keys[j : j + 1000])
@@ -524,7 +565,14 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "bench": "inline",
         "model": args.model,
-        "probe": str(args.probe) if args.probe else "packaged default",
+        "probe": (
+            f"random (seed {args.random_probe})"
+            if args.random_probe is not None
+            else str(args.probe)
+            if args.probe
+            else "packaged default"
+        ),
+        "text_form": args.text_form,
         "data": str(args.data),
         "redis_prefix": prefix,  # its keys are deleted at the end
         "n": len(texts),

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -18,6 +19,7 @@ from probes import save_checkpoint
 from probes.probe import build_probe
 from schemas import ProbeSpec
 from tests.tiny_llm import NUM_LAYERS, make_tiny_llm
+from worker.llm.extract import HiddenStateExtractor
 from worker.llm.load import load_llm
 from worker.settings import Settings
 
@@ -40,14 +42,11 @@ def chat_model(tmp_path: Path) -> Path:
     return directory
 
 
-def test_inline_bench_times_every_configuration(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-    redis_url: str,
-) -> None:
-    monkeypatch.setenv("PROBEGUARD_CACHE_DIR", str(tmp_path / "model-cache"))
-    monkeypatch.setenv("PROBEGUARD_MAX_TOKENS", "64")
+def run_bench(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], redis_url: str, text_form: str = "raw"
+) -> dict[str, Any]:
+    """Run the bench on the tiny chat LLM with a random MHA probe trained on ``text_form``;
+    its last line, parsed."""
     model = chat_model(tmp_path)
     llm = load_llm(Settings(model=str(model)), lm_head=True)
     spec = ProbeSpec(
@@ -60,7 +59,8 @@ def test_inline_bench_times_every_configuration(
         labels=["ok", "toxic"],
         flag_labels=["toxic"],
     )
-    save_checkpoint(build_probe(spec, seed=0), tmp_path / "probe", llm=llm.fingerprint)
+    form = HiddenStateExtractor.for_llm(llm, Settings(model=str(model), text_form=text_form))
+    save_checkpoint(build_probe(spec, seed=0), tmp_path / "probe", llm=form.fingerprint)
     data = tmp_path / "texts.jsonl"
     rows = [{"text": f"message {i}: " + "words " * (i % 5 + 1)} for i in range(8)]
     rows.insert(2, {"text": "x" * 200})  # longer than the scorer reads whole: skipped
@@ -73,17 +73,42 @@ def test_inline_bench_times_every_configuration(
     spec_.loader.exec_module(bench)
     argv = ["--data", str(data), "--n", "3", "--max-new-tokens", "4", "--stream-every", "2"]
     argv += ["--model", str(model), "--probe", str(tmp_path / "probe"), "--redis-url", redis_url]
-    argv += ["--repeats", "2", "--threads", "1"]
+    argv += ["--repeats", "2", "--threads", "1", "--text-form", text_form]
     threads = torch.get_num_threads()
     try:
         assert bench.main(argv) == 0
     finally:
         torch.set_num_threads(threads)  # --threads sets it process-wide
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out: dict[str, Any] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    return out
+
+
+def test_in_the_chat_form_the_guards_scores_are_the_separate_scorers(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    redis_url: str,
+) -> None:
+    monkeypatch.setenv("PROBEGUARD_CACHE_DIR", str(tmp_path / "model-cache"))
+    monkeypatch.setenv("PROBEGUARD_MAX_TOKENS", "64")
+    out = run_bench(tmp_path, capsys, redis_url, text_form="chat")
+    assert out["text_form"] == "chat" and out["flag_scores_compared"] == 3
+    assert out["max_abs_flag_score_diff"] < 1e-4 and out["same_prompt_decision"] == 3
+
+
+def test_inline_bench_times_every_configuration(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    redis_url: str,
+) -> None:
+    monkeypatch.setenv("PROBEGUARD_CACHE_DIR", str(tmp_path / "model-cache"))
+    monkeypatch.setenv("PROBEGUARD_MAX_TOKENS", "64")
+    out = run_bench(tmp_path, capsys, redis_url)
 
     assert out["bench"] == "inline" and out["n"] == 3 and out["max_new_tokens"] == 4
     assert out["repeats"] == 2 and out["threads"] == 1
-    assert set(out["configs"]) == set(bench.CONFIGS)
+    assert set(out["configs"]) == set(sys.modules["bench_inline"].CONFIGS)
     assert all(c["median_ms"] > 0 for c in out["configs"].values())
     # The same work in every configuration: forced token counts, the guard's hooks leave
     # the reply unchanged, every prompt got its verdict, the reply its check at token 2 (at
