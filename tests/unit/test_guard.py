@@ -249,3 +249,23 @@ def test_in_the_chat_form_inline_scores_equal_the_scorers(
         assert max(gaps) < 1e-4, gaps
     else:  # the text's states carry the template before them: close, not equal
         assert max(gaps) > 1e-4, gaps
+
+
+@pytest.mark.parametrize("form", ["raw", "chat"])
+def test_raw_probes_inside_the_template_are_called_approximate(
+    llm: LoadedLLM, redis_ns: RedisNamespace, caplog: pytest.LogCaptureFixture, form: str
+) -> None:
+    settings = Settings(
+        redis_url=redis_ns.url,
+        redis_prefix=redis_ns.prefix,
+        text_form=form,
+        guard_verdicts=False,
+        guard_review=False,
+    )
+    with (
+        caplog.at_level("WARNING", logger="worker.guard.guard"),
+        Guard(llm, settings, redis_ns.client),
+    ):
+        pass
+    warned = any("approximate" in r.getMessage() for r in caplog.records)
+    assert warned == (form == "raw")
