@@ -42,6 +42,12 @@ def chat_model(tmp_path: Path) -> Path:
     return directory
 
 
+@pytest.fixture
+def bench_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PROBEGUARD_CACHE_DIR", str(tmp_path / "model-cache"))
+    monkeypatch.setenv("PROBEGUARD_MAX_TOKENS", "64")
+
+
 def run_bench(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], redis_url: str, text_form: str = "raw"
 ) -> dict[str, Any]:
@@ -83,27 +89,19 @@ def run_bench(
     return out
 
 
+@pytest.mark.usefixtures("bench_env")
 def test_in_the_chat_form_the_guards_scores_are_the_separate_scorers(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-    redis_url: str,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], redis_url: str
 ) -> None:
-    monkeypatch.setenv("PROBEGUARD_CACHE_DIR", str(tmp_path / "model-cache"))
-    monkeypatch.setenv("PROBEGUARD_MAX_TOKENS", "64")
     out = run_bench(tmp_path, capsys, redis_url, text_form="chat")
     assert out["text_form"] == "chat" and out["flag_scores_compared"] == 3
     assert out["max_abs_flag_score_diff"] < 1e-4 and out["same_prompt_decision"] == 3
 
 
+@pytest.mark.usefixtures("bench_env")
 def test_inline_bench_times_every_configuration(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-    redis_url: str,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], redis_url: str
 ) -> None:
-    monkeypatch.setenv("PROBEGUARD_CACHE_DIR", str(tmp_path / "model-cache"))
-    monkeypatch.setenv("PROBEGUARD_MAX_TOKENS", "64")
     out = run_bench(tmp_path, capsys, redis_url)
 
     assert out["bench"] == "inline" and out["n"] == 3 and out["max_new_tokens"] == 4
