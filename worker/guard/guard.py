@@ -25,9 +25,10 @@ With ``PROBEGUARD_TEXT_FORM=chat`` the probes were trained on exactly that form 
 message, and the guard pools the text and the suffix: a single-turn prompt under the
 configured system prompt gives the same states as the Kafka scorer's, so the same scores.
 With ``raw`` (probes trained on bare texts, e.g. the packaged default) it pools the text's
-own tokens, whose states now also carry the template before them: an approximation
-(on ToxicChat it loses 17 AUPRC points, ``bench/text_form.md``; the guard logs a warning). A reply's states always carry its
-prompt; the scorer, given the reply's text alone, would not see that.
+own tokens, whose states now also carry the template before them: an approximation (on
+ToxicChat it loses 17 AUPRC points, ``bench/text_form.md``; the guard logs a warning). A
+reply's states always carry its prompt; the scorer, given the reply's text alone, would
+not see that.
 
 Example::
 
