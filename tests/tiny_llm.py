@@ -29,6 +29,9 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
 from transformers import (
     BertConfig,
     BertModel,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    Gemma3TextModel,
     LlamaConfig,
     LlamaForCausalLM,
     LlamaModel,
@@ -160,3 +163,24 @@ def make_tiny_llm(
         llm = load_llm(settings, lm_head=lm_head is not None)
     llm.tokenizer.padding_side = padding_side
     return llm
+
+
+def make_tiny_gemma3(*, lm_head: bool = False) -> LoadedLLM:
+    """A tiny Gemma 3 text model (sliding-window and global layers, scaled embeddings) with
+    the Llama tiny tokenizer; ``lm_head``: a ``Gemma3ForCausalLM`` that can generate."""
+    tokenizer = tiny_tokenizer("llama")
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=64,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=4,  # shorter than most texts: the sliding layers' own mask matters
+        layer_types=["sliding_attention", "full_attention"] * (NUM_LAYERS // 2),
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config) if lm_head else Gemma3TextModel(config)
+    return LoadedLLM.from_model(model, tokenizer, model_id="tiny-gemma3")

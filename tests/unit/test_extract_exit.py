@@ -8,9 +8,8 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from transformers import Gemma3TextConfig, Gemma3TextModel
 
-from tests.tiny_llm import NUM_LAYERS, make_tiny_llm, tiny_tokenizer
+from tests.tiny_llm import NUM_LAYERS, make_tiny_gemma3, make_tiny_llm
 from worker.errors import ExtractionError
 from worker.llm.extract import ExitStage, Extraction, HiddenStateExtractor
 from worker.llm.load import LoadedLLM
@@ -26,26 +25,6 @@ def short_rows_exit(
     """Exit the rows of fewer than 9 tokens; the payload sums their first 3 dims."""
     SEEN.extend(zip(positions, mask.sum(-1).tolist(), strict=True))
     return mask.sum(-1) < 9, (states[:, :, :3] * mask[..., None]).sum(1)
-
-
-def tiny_gemma3() -> LoadedLLM:
-    """A tiny Gemma 3 text model: sliding-window and global layers, scaled embeddings."""
-    tokenizer = tiny_tokenizer("llama")
-    config = Gemma3TextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        sliding_window=4,  # shorter than most texts: the sliding layers' own mask matters
-        layer_types=["sliding_attention", "full_attention"] * (NUM_LAYERS // 2),
-        max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
-    model = Gemma3TextModel(config)
-    return LoadedLLM.from_model(model, tokenizer, model_id="tiny-gemma3")
 
 
 def same_rows(out: Extraction, full: Extraction, atol: float = 1e-5) -> None:
@@ -85,7 +64,7 @@ def real_block_calls(llm: LoadedLLM) -> Iterator[list[int]]:
 def test_continuing_rows_get_the_full_pass_states_and_exited_rows_their_payload(
     arch: str, side: str
 ) -> None:
-    llm = tiny_gemma3() if arch == "gemma3" else make_tiny_llm(arch=arch)  # type: ignore[arg-type]
+    llm = make_tiny_gemma3() if arch == "gemma3" else make_tiny_llm(arch=arch)  # type: ignore[arg-type]
     llm.tokenizer.padding_side = side
     ex = HiddenStateExtractor(llm, max_tokens=64, batch_size=3)
     full = ex.extract(TEXTS, layers=ALL)
