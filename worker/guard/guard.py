@@ -144,22 +144,11 @@ class _Held:
         self.inner.end()
 
 
-class _Watch:
-    """The stopping criterion ``generate`` calls after each sampled token: the prompt's
-    verdict after the first, a check of the reply every ``every`` tokens."""
-
-    def __init__(self, guard: Guard, turn: _Turn) -> None:
-        self.guard = guard
-        self.turn = turn
-
-    def __call__(self, input_ids: torch.Tensor, scores: Any, **_: Any) -> torch.Tensor:
-        stop = self.turn.step(input_ids[0, self.turn.prompt_len :].tolist())
-        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
-
-
 @dataclass
 class _Turn:
-    """One :meth:`Guard.chat` call in progress."""
+    """One :meth:`Guard.chat` call in progress; also the stopping criterion ``generate``
+    calls after each sampled token: the prompt's verdict after the first, a check of the
+    reply every ``guard_stream_every`` tokens."""
 
     guard: Guard
     tap: StateTap
@@ -175,6 +164,10 @@ class _Turn:
     errors: list[str] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)  # the reply's ids sampled so far
     shown: _Held | None = None  # the caller's streamer, shown what verdicts covered
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **_: Any) -> torch.Tensor:
+        stop = self.step(input_ids[0, self.prompt_len :].tolist())
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
     def step(self, ids: list[int]) -> bool:
         """After the reply tokens ``ids`` were sampled: True stops generation."""
@@ -353,8 +346,8 @@ class Guard:
         with self._lock:
             layers = self.engine.batch_scorer.layers()
             tap = StateTap(self.llm, layers, (start, end), self.extractor.dtype)
-            state = _Turn(self, tap, prompt, uuid.uuid4().hex, len(ids))
-            state.last = generate.get("max_new_tokens")
+            last = generate.get("max_new_tokens")
+            state = _Turn(self, tap, prompt, uuid.uuid4().hex, len(ids), last)
             out = self._generate(ids, tap, state, generate)
             reply_text = self.tokenizer.decode(out, skip_special_tokens=True)
             reply = None
@@ -386,7 +379,7 @@ class Guard:
 
         device = self.llm.device
         input_ids = torch.tensor([ids], device=device)
-        criteria = StoppingCriteriaList([_Watch(self, turn)])
+        criteria = StoppingCriteriaList([turn])
         extra = options.pop("stopping_criteria", None)
         if extra:
             criteria.extend(extra)
