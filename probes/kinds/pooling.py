@@ -73,9 +73,17 @@ def per_span(
     return torch.stack(rows, dim=1)
 
 
+def _tracks_grad(hidden: Tensor) -> bool:
+    return hidden.requires_grad and torch.is_grad_enabled()
+
+
 def masked_mean(hidden: Tensor, mask: Tensor) -> Tensor:
-    """Mean over real tokens: ``[L, B, T, D]``, ``[B, T]`` -> ``[L, B, D]``."""
-    spans = real_spans(mask)
+    """Mean over real tokens: ``[L, B, T, D]``, ``[B, T]`` -> ``[L, B, D]``.
+
+    Without gradients it reads each row's real span (no temporary); with them it masks the
+    whole tensor, since the backward pass of per-row slices writes a full-size gradient per
+    row (quadratic in the batch: most of an MHA training step's time before this)."""
+    spans = None if _tracks_grad(hidden) else real_spans(mask)
     if spans is not None:
         return per_span(hidden, spans, lambda x: x.mean(dim=1), empty=0.0)
     keep = mask[None, :, :, None]  # [1, B, T, 1]

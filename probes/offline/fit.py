@@ -46,6 +46,10 @@ __all__ = [
 ]
 
 MAX_BATCH = 256
+# Token-level mini-batches are padded once per fit when their fp32 copy fits in this many
+# bytes (padding and the fp16 -> fp32 copy every step were a third of an MHA epoch); above
+# it they are padded per step as they come.
+PREPAD_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,32 @@ def _batches(
         yield from order.split(size)
 
 
+class _Prepadded:
+    """A token-level split's mini-batches, padded once to fp32 ``(hidden, mask, targets)``.
+
+    Their composition (rows of similar length together, :func:`_batches` on one random
+    order) is fixed for the whole fit; each epoch only shuffles their order.
+    """
+
+    def __init__(self, data: ProbeDataset, size: int, g: torch.Generator | None) -> None:
+        order = torch.arange(len(data)) if g is None else torch.randperm(len(data), generator=g)
+        self.index = list(_batches(data, size, order, None))
+        self.items = [data.batch(idx) for idx in self.index]
+
+    @staticmethod
+    def fits(data: ProbeDataset) -> bool:
+        """Whether the padded fp32 copy stays within :data:`PREPAD_BYTES` (an estimate:
+        each row padded to at most twice its length)."""
+        if not data.token_level:
+            return False
+        per_token = len(data.layers) * data.hidden_size * 4
+        return 2 * int(data.lengths.sum()) * per_token <= PREPAD_BYTES
+
+    def epoch(self, g: torch.Generator) -> Iterator[tuple[Tensor, Tensor | None, Tensor]]:
+        for i in torch.randperm(len(self.items), generator=g).tolist():
+            yield self.items[i]
+
+
 def _epoch_order(train: ProbeDataset, config: FitConfig, g: torch.Generator) -> Tensor:
     if config.balance != "sampler":
         return torch.randperm(len(train), generator=g)
@@ -149,9 +179,16 @@ def drift_reference(
 
 
 @torch.no_grad()
-def predict_dataset(probe: Probe, data: ProbeDataset, batch_size: int = 128) -> Tensor:
-    """Probabilities ``[N, C]`` for every row of ``data``, in row order."""
+def predict_dataset(
+    probe: Probe, data: ProbeDataset, batch_size: int = 128, *, prepadded: _Prepadded | None = None
+) -> Tensor:
+    """Probabilities ``[N, C]`` for every row of ``data``, in row order (``prepadded``: its
+    batches of ``data``, padded once)."""
     out = torch.empty(len(data), len(probe.spec.labels))
+    if prepadded is not None:
+        for idx, (hidden, mask, _) in zip(prepadded.index, prepadded.items, strict=True):
+            out[idx] = probe.predict_proba_many(hidden, mask)
+        return out
     order = torch.arange(len(data))
     for idx in _batches(data, batch_size, order, None):
         hidden, mask, _ = data.batch(idx)
@@ -219,12 +256,25 @@ def fit(
     best_score, best_state, best_epoch = float("-inf"), None, 0
     history: list[dict[str, float]] = []
     val_probs: list[Tensor] = []
+    # Balanced sampling draws other rows every epoch, so its batches are padded per step.
+    prepadded = (
+        _Prepadded(train, config.batch_size, g)
+        if config.balance != "sampler" and _Prepadded.fits(train)
+        else None
+    )
+    val_prepadded = _Prepadded(val, 128, None) if val is not None and _Prepadded.fits(val) else None
+
+    def epoch_batches() -> Iterator[tuple[Tensor, Tensor | None, Tensor]]:
+        if prepadded is not None:
+            return prepadded.epoch(g)
+        order = _epoch_order(train, config, g)
+        return (train.batch(idx) for idx in _batches(train, config.batch_size, order, g))
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)  # dropout
         for epoch in range(1, config.max_epochs + 1):
             losses = []
-            for idx in _batches(train, config.batch_size, _epoch_order(train, config, g), g):
-                hidden, mask, y = train.batch(idx)
+            for hidden, mask, y in epoch_batches():
                 losses.append(learner.learn_many(hidden, mask, y))
             row: dict[str, float] = {"epoch": epoch, "train_loss": sum(losses) / len(losses)}
             if val is None:
@@ -232,7 +282,7 @@ def fit(
                 if progress is not None:
                     progress(row)
                 continue
-            probs = predict_dataset(probe, val)
+            probs = predict_dataset(probe, val, prepadded=val_prepadded)
             if record_val_probs:
                 val_probs.append(probs)
             score, logged = epoch_score(probe.spec, probs, val.targets, config.monitor)
@@ -250,7 +300,7 @@ def fit(
     probe.eval()
     report: dict[str, Any] = {}
     if val is not None:
-        probs = predict_dataset(probe, val)
+        probs = predict_dataset(probe, val, prepadded=val_prepadded)
         probe.set_thresholds(
             choose_thresholds(probe.spec, probs, val.targets, point=config.operating_point)
         )

@@ -110,3 +110,46 @@ def test_fit_is_deterministic() -> None:
         return predict_dataset(res.probe, val)
 
     assert torch.equal(run(), run())
+
+
+def test_masked_mean_with_gradients_matches_the_span_path_and_ignores_nan_padding() -> None:
+    """With gradients the mean masks the whole tensor (the per-row span path's backward
+    writes one full-size gradient per row); values and gradients are the same, and NaN in
+    the padding reaches neither."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.arange(6)[None, :] < torch.tensor([6, 2, 4])[:, None]  # [3, 6]
+    base = torch.randn(2, 3, 6, 5, generator=g).masked_fill(~mask[None, :, :, None], float("nan"))
+    with torch.no_grad():
+        reference = masked_mean(base, mask)  # the span path
+    hidden = base.clone().requires_grad_(True)
+    out = masked_mean(hidden, mask)
+    torch.testing.assert_close(out, reference)
+    out.sum().backward()
+    assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
+    expected = mask[None, :, :, None] / mask.sum(1)[None, :, None, None]
+    torch.testing.assert_close(hidden.grad, expected.expand_as(hidden.grad).float())
+
+
+def test_prepadded_batches_cover_every_row_once_per_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
+    import probes.offline.fit as fit_module
+
+    data = token_dataset(n=70)
+    pre = fit_module._Prepadded(data, 16, torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    rows = torch.cat(list(pre.index)).sort().values
+    assert torch.equal(rows, torch.arange(70))
+    for (hidden, mask, y), idx in zip(pre.items, pre.index, strict=True):
+        h, m, t = data.batch(idx)
+        assert torch.equal(hidden, h) and torch.equal(mask, m) and torch.equal(y, t)
+    assert sum(int(b[2].shape[0]) for b in pre.epoch(g)) == 70
+    probe = build_probe(spec_for(data, "mha"), seed=0)
+    probe.set_input_stats(*data.input_stats())
+    torch.testing.assert_close(
+        predict_dataset(probe, data, prepadded=pre), predict_dataset(probe, data)
+    )
+    # Over the memory budget fit pads per step and still trains.
+    assert fit_module._Prepadded.fits(data)
+    monkeypatch.setattr(fit_module, "PREPAD_BYTES", 0)
+    assert not fit_module._Prepadded.fits(data)
+    res = fit(build_probe(spec_for(data, "mha"), seed=0), data, data, FitConfig(max_epochs=2))
+    assert res.epochs == 2
