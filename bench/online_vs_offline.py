@@ -89,6 +89,10 @@ class CachedExtractor:
     def hidden_size(self) -> int:
         return self._fp.hidden_size
 
+    @property
+    def model_type(self) -> str:
+        return ""  # the updater's replay dtype is the cache's (Settings.state_dtype, below)
+
     def extract(self, texts: Sequence[str], layers: Sequence[int]) -> Extraction:
         index = [b for b, t in enumerate(texts) if t in self.row]
         errors = {
@@ -144,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             redis_url=redis_server.url,
             redis_prefix=f"bench-{uuid.uuid4().hex[:6]}",
             metrics_port=0,
+            state_dtype=caches[0].manifest.dtype,
         )
         log(f"online: {len(train)} labels through Kafka into the updater …")
         ensure_topics(settings)

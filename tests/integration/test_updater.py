@@ -20,7 +20,7 @@ from tests.conftest import RedisNamespace
 from tests.kafka_helpers import drain, produce_raw
 from tests.process_helpers import Threaded, settings_env, spawn, tiny_model_dir, wait_until
 from tests.registry_helpers import toxicity_spec
-from tests.tiny_llm import make_tiny_llm
+from tests.tiny_llm import make_tiny_gemma3, make_tiny_llm
 from worker.kafka.clients import ensure_topics, make_admin
 from worker.learning.resume import seed_spec
 from worker.learning.updater import Updater
@@ -147,6 +147,51 @@ def test_labels_become_versions_that_scorers_serve_and_that_learn(
     assert manifest.drift is not None and manifest.drift.examples > 0
     assert len(manifest.drift.layer_mean) == len(manifest.spec.layers)
     assert abs(sum(manifest.drift.score_bins) - 1.0) < 1e-3
+
+
+def test_a_gemma3_whose_states_exceed_fp16_scores_and_learns(
+    settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded], tmp_path: Path
+) -> None:
+    """A tiny Gemma 3, saved as a model directory and loaded as any PROBEGUARD_MODEL is, whose
+    residual stream exceeds fp16 as the real one's does: with the default STATE_DTYPE
+    (auto) the updater keeps its replay in bf16 and learns from every label (in fp16 each
+    would be refused as not finite), and the scorer serves what it publishes."""
+    llm = make_tiny_gemma3(tmp_path, wide=True)
+    assert llm.model_type == "gemma3_text" and settings.state_dtype == "auto"
+    settings = fast(settings)
+    ensure_topics(settings)
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
+    updater = Updater(
+        settings, HiddenStateExtractor(llm, max_tokens=64), redis_ns.client, worker_id="updater-g"
+    )
+    threads.append(Threaded(updater.run, updater.stop))
+    scorer = Scorer(
+        settings, HiddenStateExtractor(llm, max_tokens=64), redis_ns.client, worker_id="scorer-g"
+    )
+    threads.append(Threaded(scorer.run, scorer.stop))
+
+    produce_raw(settings, settings.topic_labels, [(None, label(i)) for i in range(32)])
+    wait_until(lambda: registry.stages().live is not None, "a first version")
+    assert updater.learner is not None and updater.learner.config.state_dtype == "bfloat16"
+    first = registry.stages().live
+    wait_until(lambda: scorer.watcher.versions()["toxicity"]["live"] == first, "scorer swap")
+    before = p_correct(settings, "a", 16)
+
+    produce_raw(settings, settings.topic_labels, [(None, label(i)) for i in range(32, 192)])
+    # labels_seen counts only the labels learned from: refused ones would never reach it.
+    wait_until(
+        lambda: updater.labels_seen >= 192 and updater.unpublished == 0,
+        "all labels learned and published",
+    )
+    last = registry.stages().live
+    assert last is not None and first is not None and last > first
+    assert registry.manifest(last).counters.labels_seen >= 192
+    wait_until(lambda: scorer.watcher.versions()["toxicity"]["live"] == last, "scorer swap")
+    got = toy_verdicts(settings, "b", 16)
+    assert sorted(got) == list(range(16))
+    assert all(v.results[0].version == last for v in got.values())
+    after = sum(v.results[0].scores[toy(i)[1]] for i, v in got.items()) / len(got)
+    assert after > before and after > 0.75, (before, after)
 
 
 def test_the_updater_publishes_int8_when_configured_and_scorers_serve_it(

@@ -61,10 +61,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     build.add_argument(
         "--dtype",
-        choices=["float16", "bfloat16", "float32"],
+        choices=["auto", "float16", "bfloat16", "float32"],
         default=None,
-        help="how hidden states are stored (default: PROBEGUARD_STATE_DTYPE, float16); "
-        "bfloat16 for LLMs whose activations exceed fp16's 65504, e.g. Gemma 3",
+        help="how hidden states are stored (default: PROBEGUARD_STATE_DTYPE, auto: bfloat16 "
+        "for Gemma 3, whose activations exceed fp16's 65504, float16 for other LLMs)",
     )
     build.add_argument("--no-progress", action="store_true", help="no progress bar")
     build.add_argument("--json", action="store_true", help="print the summary as one JSON line")
@@ -83,6 +83,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _build(args: argparse.Namespace) -> int:
     from worker.errors import OfflineError
     from worker.llm.extract import HiddenStateExtractor
+    from worker.llm.precision import resolve_state_dtype
     from worker.offline.build_cache import build_cache
     from worker.settings import load_settings
 
@@ -107,7 +108,7 @@ def _build(args: argparse.Namespace) -> int:
         shard_rows=args.shard_rows,
         batch_size=settings.batch_size,
         progress=not args.no_progress,
-        dtype=settings.state_dtype,
+        dtype=resolve_state_dtype(settings.state_dtype, extractor.model_type),
         key=settings.cache_key_bytes,
     )
     return _report(args.out, manifest, settings.cache_key_bytes, as_json=args.json)

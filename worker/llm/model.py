@@ -63,6 +63,11 @@ class LoadedLLM:
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
+    @property
+    def model_type(self) -> str:
+        """The architecture as its config names it (``"llama"``, ``"gemma3_text"``, ...)."""
+        return str(getattr(self.model.config, "model_type", ""))
+
     @classmethod
     def from_model(
         cls,

@@ -1,5 +1,6 @@
 """How the frozen LLM computes: the device it runs on, int8 dynamic quantization of its
-linear layers, and autocast (bfloat16 where it is native and a gain).
+linear layers, and autocast (bfloat16 where it is native and a gain); and the dtype its
+hidden states are stored in (``Settings.state_dtype``).
 
 Quantization changes the states, so the fingerprint records it (a probe trained on
 unquantized states is refused on quantized ones and vice versa); autocast keeps them within
@@ -14,8 +15,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from schemas import StateDtype
 from worker.errors import ConfigError
 from worker.llm.model import LoadedLLM
+from worker.settings import StateDtypeSetting
 
 __all__ = [
     "DTYPES",
@@ -25,10 +28,16 @@ __all__ = [
     "quantize_llm",
     "resolve_autocast",
     "resolve_device",
+    "resolve_state_dtype",
 ]
 
 # Settings.llm_quantize -> the fingerprint's quantization tag.
 QUANTIZATIONS: dict[str, str] = {"int8": "torch-int8-dynamic"}
+
+# Model types (config.model_type prefixes) whose residual stream exceeds fp16's 65504, so
+# that `STATE_DTYPE=auto` stores their states as bfloat16: Gemma 3 (gemma3, gemma3_text),
+# measured up to 1.04e5 on ToxicChat texts (bench/quality.md).
+WIDE_STATE_MODEL_TYPES = ("gemma3",)
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -151,3 +160,17 @@ def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
         if line.startswith("flags"):
             flags.update(line.partition(":")[2].split())
     return "amx_bf16" in flags
+
+
+def resolve_state_dtype(setting: StateDtypeSetting, model_type: str) -> StateDtype:
+    """How the hidden states of a ``model_type`` LLM are stored (``Settings.state_dtype``) in
+    caches and the updater's replay: an explicit value as it is; ``auto``: ``bfloat16`` for
+    the models in :data:`WIDE_STATE_MODEL_TYPES` (as fp16 their states overflow), else
+    ``float16``.
+
+    Example: ``resolve_state_dtype("auto", "gemma3_text") == "bfloat16"``, and
+    ``resolve_state_dtype("auto", "llama") == "float16"``.
+    """
+    if setting != "auto":
+        return setting
+    return "bfloat16" if model_type.startswith(WIDE_STATE_MODEL_TYPES) else "float16"
