@@ -68,6 +68,9 @@ class FitConfig:
     layer_lr_scale: float = 30.0  # learning-rate multiplier of the layer-mix scalars
     mix_entropy: float = 0.0  # weight of the layer-mix entropy penalty (see probes.learner)
     operating_point: OperatingPoint = OperatingPoint()  # where flag thresholds go
+    # After cross-validation: "soup" serves the average of the fold models' weights at the
+    # chosen epoch (no refit), "refit" trains once more on every row (probes.offline.select).
+    final: Literal["soup", "refit"] = "soup"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -94,6 +97,7 @@ class FitResult:
     train_counts: dict[str, int] = field(default_factory=dict)  # rows (or positives) per label
     history: list[dict[str, float]] = field(default_factory=list)
     val_probs: list[Tensor] = field(default_factory=list)  # [N_val, C] per epoch, if recorded
+    epoch_states: list[dict[str, Tensor]] = field(default_factory=list)  # per epoch, if kept
     drift: DriftReference | None = None  # the training split's statistics (probes.drift)
 
 
@@ -225,11 +229,16 @@ def fit(
     progress: Callable[[dict[str, float]], None] | None = None,
     *,
     record_val_probs: bool = False,
+    keep_states: bool = False,
+    input_stats: tuple[Tensor, Tensor] | None = None,
+    reference: bool = True,
 ) -> FitResult:
     """Train ``probe`` on ``train`` with early stopping and thresholds on ``val``; with
     ``val=None``, for exactly ``config.max_epochs`` epochs, thresholds untouched.
-    ``record_val_probs`` keeps every epoch's validation probabilities (for
-    cross-validation, which picks the epoch from several folds' curves)."""
+    ``record_val_probs`` keeps every epoch's validation probabilities and ``keep_states``
+    every epoch's weights (for cross-validation, which picks the epoch from several folds'
+    curves); ``input_stats`` standardizes by these instead of the training split's;
+    ``reference=False`` skips the drift statistics (a fold model is never served)."""
     splits = [("train", train)] + ([("validation", val)] if val is not None else [])
     for name, data in splits:
         if data.layers != list(probe.spec.layers) or data.labels != list(probe.spec.labels):
@@ -242,7 +251,7 @@ def fit(
     started = time.perf_counter()
     g = torch.Generator().manual_seed(config.seed)
     if config.standardize:
-        probe.set_input_stats(*train.input_stats())
+        probe.set_input_stats(*(input_stats or train.input_stats()))
     probe.pool.gradient_checkpointing = config.gradient_checkpointing
     weights = class_weights(train) if config.balance == "weights" else None
     learner = Learner(
@@ -256,6 +265,7 @@ def fit(
     best_score, best_state, best_epoch = float("-inf"), None, 0
     history: list[dict[str, float]] = []
     val_probs: list[Tensor] = []
+    epoch_states: list[dict[str, Tensor]] = []
     # Balanced sampling draws other rows every epoch, so its batches are padded per step.
     prepadded = (
         _Prepadded(train, config.batch_size, g)
@@ -277,6 +287,8 @@ def fit(
             for hidden, mask, y in epoch_batches():
                 losses.append(learner.learn_many(hidden, mask, y))
             row: dict[str, float] = {"epoch": epoch, "train_loss": sum(losses) / len(losses)}
+            if keep_states:
+                epoch_states.append(copy.deepcopy(probe.state_dict()))
             if val is None:
                 history.append(row)
                 if progress is not None:
@@ -317,5 +329,6 @@ def fit(
         train_counts=dict(zip(train.labels, train.class_counts().tolist(), strict=True)),
         history=history,
         val_probs=val_probs,
-        drift=drift_reference(probe, train),
+        epoch_states=epoch_states,
+        drift=drift_reference(probe, train) if reference else None,
     )

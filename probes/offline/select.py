@@ -21,7 +21,13 @@ How (``k`` folds, stratified by class, or by "any label" for multilabel targets)
    *other* folds only, so no reported number was tuned on the rows it is measured on.
    (A fold that early stopping ended first counts with its last epoch for the epochs it did
    not run; :func:`_pad`.)
-4. :func:`fit_cv` refits on every row for ``E*`` epochs and sets the thresholds of step 2.
+4. :func:`fit_cv` serves the *soup* of the ``k`` fold models: the average of their weights
+   after ``E*`` epochs (every fold starts from the same initialization and standardizes by
+   the statistics of all rows, so their weights stay in one basin), with the thresholds of
+   step 2; or, with ``FitConfig(final="refit")``, refits on every row for ``E*`` epochs.
+   The soup costs no further training, and its thresholds were chosen on scores of the
+   very models it averages; a refit model is more confident than the fold models its
+   thresholds came from, so they transfer worse (``bench/quality.md``).
 
 Depth (:func:`select_depth`): the same cross-validation for each candidate deepest layer
 (the probe reads the given layers up to it), then the shallowest depth whose mean fold
@@ -35,6 +41,7 @@ layer a served probe reads, so a shallower probe is a cheaper forward::
 from __future__ import annotations
 
 import hashlib
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -47,9 +54,18 @@ from torch import Tensor
 from probes.errors import ProbeError
 from probes.metrics import choose_thresholds, evaluate
 from probes.offline.dataset import ProbeDataset
-from probes.offline.fit import FitConfig, FitResult, epoch_score, fit
+from probes.offline.fit import (
+    FitConfig,
+    FitResult,
+    drift_reference,
+    epoch_score,
+    fit,
+    predict_dataset,
+)
 from probes.probe import build_probe
 from schemas import ProbeSpec
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CVResult",
@@ -137,6 +153,7 @@ class CVResult:
     fold_curves: list[list[float]]  # each fold's monitored score per epoch (padded: _pad)
     oof_probs: Tensor  # [N, C] out-of-fold probabilities at E*, in row order
     oof_report: dict[str, Any] = field(default_factory=dict)  # at `thresholds` (tuned on it)
+    fold_states: list[dict[str, Tensor]] = field(default_factory=list)  # weights at E* (soup)
 
     def summary(self) -> dict[str, float]:
         """Mean and spread (sample standard deviation) of the fold figures."""
@@ -186,6 +203,11 @@ def cross_validate(
 ) -> CVResult:
     """Steps 1-3 of the module docstring: ``folds`` fits, the choice and the fold figures."""
     assign = stratified_folds(data, folds, config.seed)
+    # One standardization for every fold (no labels in it): the folds' weights then mean
+    # the same thing, which the soup averages.
+    stats = data.input_stats() if config.standardize else None
+    soup = config.final == "soup"
+    states: list[list[dict[str, Tensor]]] = []
     parts: list[tuple[Tensor, Tensor, list[Tensor], list[float], int, float]] = []
     for i in range(folds):
         held = (assign == i).nonzero().flatten()
@@ -204,7 +226,11 @@ def cross_validate(
             config,
             progress=tagged,
             record_val_probs=True,
+            keep_states=soup,
+            input_stats=stats,
+            reference=False,
         )
+        states.append(result.epoch_states)
         curve = [epoch_score(spec, p, val.targets, config.monitor)[0] for p in result.val_probs]
         seconds = time.perf_counter() - started
         parts.append((held, val.targets, result.val_probs, curve, result.best_epoch, seconds))
@@ -243,6 +269,8 @@ def cross_validate(
         oof[held] = probs[epochs - 1]
     thresholds = choose_thresholds(spec, oof, data.targets, point=config.operating_point)
     tuned = spec.model_copy(update={"thresholds": thresholds})
+    # A fold that stopped early contributes its last epoch (as its curve does, _pad).
+    at_best = [s[min(epochs, len(s)) - 1] for s in states] if soup else []
     return CVResult(
         folds=reports,
         epochs=epochs,
@@ -251,6 +279,7 @@ def cross_validate(
         fold_curves=[p[3] for p in parts],
         oof_probs=oof,
         oof_report=evaluate(tuned, oof, data.targets),
+        fold_states=at_best,
     )
 
 
@@ -278,9 +307,14 @@ def refit(
     started: float | None = None,
     progress: Callable[[dict[str, float]], None] | None = None,
 ) -> FitResult:
-    """Step 4: fit on every row of ``data`` for ``cv.epochs`` and set ``cv.thresholds``;
-    ``val_report`` is the pooled out-of-fold report, ``seconds`` counts from ``started``."""
+    """Step 4: the soup of ``cv.fold_states`` (``config.final == "soup"``) or a fit on every
+    row of ``data`` for ``cv.epochs``, with ``cv.thresholds``; ``val_report`` is the pooled
+    out-of-fold report, ``seconds`` counts from ``started``."""
     started = time.perf_counter() if started is None else started
+    if config.final == "soup" and cv.fold_states:
+        soup = _soup(spec, data, config, cv, started)
+        if soup is not None:
+            return soup
 
     def tagged(row: dict[str, float]) -> None:
         if progress is not None:
@@ -297,6 +331,45 @@ def refit(
     final.val_report = cv.oof_report
     final.seconds = time.perf_counter() - started
     return final
+
+
+def _soup(
+    spec: ProbeSpec, data: ProbeDataset, config: FitConfig, cv: CVResult, started: float
+) -> FitResult:
+    """The probe whose weights are the mean of the fold models' at ``cv.epochs``, or None
+    when that mean is no model of the data: fold models that left the shared basin (a high
+    learning rate on little data) average to weights that score the rows they all trained
+    on worse than each fold scored rows it never saw."""
+    probe = build_probe(spec, seed=config.seed)
+    mean = {
+        key: torch.stack([s[key].double() for s in cv.fold_states]).mean(0).to(value.dtype)
+        for key, value in cv.fold_states[0].items()
+    }
+    probe.load_state_dict(mean)
+    probe.eval()
+    seen = float(epoch_score(spec, predict_dataset(probe, data), data.targets, "auprc")[0])
+    unseen = statistics.fmean(f.auprc for f in cv.folds)
+    if not seen >= unseen:
+        log.warning(
+            "the soup of the fold models scores AUPRC %.3f on their training rows, below "
+            "the folds' %.3f out of fold: refitting on every row instead",
+            seen,
+            unseen,
+        )
+        return None
+    probe.set_thresholds(cv.thresholds)
+    return FitResult(
+        probe=probe,
+        best_epoch=cv.epochs,
+        epochs=cv.epochs,
+        steps=0,
+        examples=0,
+        seconds=time.perf_counter() - started,
+        val_report=cv.oof_report,
+        train_rows=len(data),
+        train_counts=dict(zip(data.labels, data.class_counts().tolist(), strict=True)),
+        drift=drift_reference(probe, data),
+    )
 
 
 @dataclass

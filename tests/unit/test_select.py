@@ -65,9 +65,10 @@ def test_each_fold_is_reported_at_choices_made_on_the_other_folds() -> None:
 
 def test_fit_cv_refits_on_every_row_with_the_chosen_epochs_and_thresholds() -> None:
     data = token_dataset(n=120, seed=1)
-    config = FitConfig(max_epochs=5, patience=2, lr=3e-3)
+    config = FitConfig(max_epochs=5, patience=2, lr=3e-3, final="refit")
     result, cv = fit_cv(spec_for(data, "gate"), data, config, folds=3)
-    assert result.epochs == cv.epochs and result.train_rows == 120
+    assert result.epochs == cv.epochs and result.train_rows == 120 and result.steps > 0
+    assert not cv.fold_states  # nothing kept that the refit does not use
     assert result.probe.spec.thresholds == cv.thresholds and "toxic" in cv.thresholds
     test = token_dataset(n=60, seed=2)
     accuracy = (predict_dataset(result.probe, test).argmax(1) == test.targets).float().mean()
@@ -128,3 +129,43 @@ def test_select_depth_stops_where_the_signal_is(signal: int, chosen: int) -> Non
     assert auprc[chosen] >= max(auprc.values()) - 0.02
     if signal == 4:
         assert auprc[1] < auprc[4] - 0.1  # noise layers alone do not learn the task
+
+
+@pytest.mark.parametrize("pool", ["mean", "gate"])
+def test_fit_cv_serves_the_soup_of_the_fold_models_at_the_chosen_epoch(pool: str) -> None:
+    """The default final probe averages the k fold models' weights after E* epochs (no
+    refit): every fold standardizes by the same statistics of all rows, and each fold
+    contributes the weights its curve counts at E* (its last ones if it stopped early)."""
+    data = token_dataset(n=120, seed=1)
+    config = FitConfig(max_epochs=6, patience=2, lr=3e-3)
+    assert config.final == "soup"
+    result, cv = fit_cv(spec_for(data, pool), data, config, folds=3)
+    assert len(cv.fold_states) == 3 and result.steps == 0 and result.epochs == cv.epochs
+    state = result.probe.state_dict()
+    for key, value in state.items():
+        folds = torch.stack([s[key].double() for s in cv.fold_states])
+        torch.testing.assert_close(value.double(), folds.mean(0), rtol=1e-5, atol=1e-6)
+    shift = [s[k] for s in cv.fold_states for k in s if k.endswith("shift")]
+    assert shift and all(torch.equal(shift[0], t) for t in shift)  # one standardization
+    assert not torch.equal(cv.fold_states[0][key], cv.fold_states[1][key])  # trained apart
+    assert result.probe.spec.thresholds == cv.thresholds and result.drift is not None
+    test = token_dataset(n=60, seed=2)
+    accuracy = (predict_dataset(result.probe, test).argmax(1) == test.targets).float().mean()
+    assert accuracy > 0.8
+
+
+def test_a_soup_worse_in_sample_than_its_folds_out_of_fold_falls_back_to_a_refit(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """MHA fold models at a high learning rate on 80 rows leave the shared basin: their
+    mean scores the rows they trained on worse than they scored unseen ones, so fit_cv
+    refits on every row rather than serve it."""
+    data = token_dataset(n=120, seed=1)
+    config = FitConfig(max_epochs=6, patience=2, lr=3e-3)
+    with caplog.at_level("WARNING", logger="probes.offline.select"):
+        result, cv = fit_cv(spec_for(data, "mha"), data, config, folds=3)
+    assert "refitting on every row instead" in caplog.text
+    assert len(cv.fold_states) == 3 and result.steps > 0 and result.epochs == cv.epochs
+    test = token_dataset(n=60, seed=2)
+    accuracy = (predict_dataset(result.probe, test).argmax(1) == test.targets).float().mean()
+    assert accuracy > 0.7
