@@ -23,9 +23,13 @@ from probes.explain import layer_breakdown
 from probes.heads import add_head, remove_head
 from probes.metrics import (
     average_precision,
+    choose_thresholds,
     evaluate,
     expected_calibration_error,
 )
+from probes.offline.dataset import ProbeDataset
+from probes.offline.fit import FitConfig
+from probes.offline.select import fit_cv
 from schemas import ExitSpec, HeadCalibration, HeadSpec, ProbeSpec
 from tests.unit.synthetic import FINGERPRINT, D, make_spec, toy_task
 
@@ -248,3 +252,39 @@ def test_heads_added_removed_or_renamed_keep_the_calibration_consistent() -> Non
     assert remove_head(grown, "contract").spec.calibration == {}
     probe.rename("served")  # a single head is named after its probe
     assert set(probe.spec.calibration) == {"served"}
+
+
+# --- fit: out of fold ------------------------------------------------------------------------
+
+
+def _imbalanced(n: int = 240, seed: int = 0) -> ProbeDataset:
+    """Cached summaries ``[2, n, D]`` of a binary multilabel task, about 20 % positive."""
+    g = torch.Generator().manual_seed(seed)
+    y = (torch.rand(n, 1, generator=g) < 0.2).float()
+    direction = torch.randn(D, generator=torch.Generator().manual_seed(9))
+    x = torch.randn(2, n, D, generator=g) * 1.5 + 0.6 * y[None, :, :1] * direction
+    ids = [f"r{i}" for i in range(n)]
+    return ProbeDataset([1, 2], ["toxic"], "multilabel", y, ids, summaries=x)
+
+
+def test_fit_cv_calibrates_out_of_fold_and_chooses_thresholds_on_the_calibrated_scores() -> None:
+    data = _imbalanced()
+    spec = _binary_spec()
+    config = FitConfig(max_epochs=6, patience=6, lr=3e-3)
+    plain, raw_cv = fit_cv(spec, data, config, folds=3)
+    result, cv = fit_cv(spec, data, config, folds=3, calibrate=True)
+    assert plain.probe.spec.calibration == {} and raw_cv.calibration_report == {}
+    assert set(cv.calibration) == {"tox"} and cv.calibration["tox"].labels_seen == len(data)
+    assert result.probe.spec.calibration == cv.calibration
+    assert result.probe.spec.thresholds == cv.thresholds
+    # Thresholds chosen on the calibrated out-of-fold scores, which rank as the raw ones did.
+    tuned = spec.model_copy(update={"calibration": cv.calibration})
+    assert cv.thresholds == choose_thresholds(tuned, cv.oof_probs, data.targets)
+    torch.testing.assert_close(
+        cv.oof_probs, calibrated_probabilities(tuned, raw_logits(spec, raw_cv.oof_probs))
+    )
+    assert cv.oof_report["auprc"] == pytest.approx(raw_cv.oof_report["auprc"], abs=1e-9)
+    assert cv.oof_report["f1"] == pytest.approx(raw_cv.oof_report["f1"], abs=1e-9)
+    report = cv.calibration_report
+    assert report["ece_uncalibrated"] == pytest.approx(raw_cv.oof_report["ece"])
+    assert report["ece"] < report["ece_uncalibrated"]  # cross-fitted, so honest
