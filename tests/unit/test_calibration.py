@@ -31,7 +31,8 @@ from probes.offline.dataset import ProbeDataset
 from probes.offline.fit import FitConfig
 from probes.offline.select import fit_cv
 from schemas import ExitSpec, HeadCalibration, HeadSpec, ProbeSpec
-from tests.unit.synthetic import FINGERPRINT, D, make_spec, toy_task
+from tests.unit.synthetic import FINGERPRINT, NUM_LAYERS, D, make_spec, toy_task
+from worker.learning.online_learner import LearningConfig, OnlineLearner
 
 
 def _binary_spec(**extra: object) -> ProbeSpec:
@@ -288,3 +289,69 @@ def test_fit_cv_calibrates_out_of_fold_and_chooses_thresholds_on_the_calibrated_
     report = cv.calibration_report
     assert report["ece_uncalibrated"] == pytest.approx(raw_cv.oof_report["ece"])
     assert report["ece"] < report["ece_uncalibrated"]  # cross-fitted, so honest
+
+
+# --- the updater -----------------------------------------------------------------------------
+
+
+SEED_CALIBRATION = HeadCalibration(temperature=5.0, bias=[2.0, -1.0, -1.0])
+
+
+def _calibrated_learner(need: int) -> OnlineLearner:
+    probe = build_probe(make_spec("mean", "scalar_mix"), seed=0)
+    probe.set_calibration({"contract": SEED_CALIBRATION})
+    config = LearningConfig(batch_size=8, calibrate_min_positives=need)
+    return OnlineLearner(probe, config)
+
+
+def _feed_and(learner: OnlineLearner) -> OnlineLearner:
+    """``learner`` after learning 96 rows of the toy task and calibrating at publish."""
+    _feed(learner)
+    learner.calibrate()
+    return learner
+
+
+def _feed(learner: OnlineLearner, n: int = 96) -> None:
+    hidden, mask, y = toy_task(NUM_LAYERS, "multiclass", n=n, seed=1)
+    hidden = hidden[torch.tensor(learner.probe.layers) - 1]
+    for start in range(0, n, 8):
+        part = slice(start, start + 8)
+        learner.learn(hidden[:, part], mask[part], y[part], y[part].tolist())
+
+
+def test_the_updater_refits_the_calibration_on_its_window_with_the_thresholds() -> None:
+    learner = _feed_and(_calibrated_learner(need=5))
+    spec = learner.probe.spec
+    cal = spec.calibration["contract"]
+    assert cal.temperature != 5.0 and cal.labels_seen == learner.counters.labels_seen == 96
+    assert learner.metrics()["calibration_age/contract"] == 0.0
+    logits, targets = learner.prequential.logit_window()  # type: ignore[misc]
+    probs = calibrated_probabilities(spec, logits)
+    expected = choose_thresholds(spec, probs, targets, min_positives=5)
+    assert spec.thresholds == expected and set(expected) == {"toxic"}
+    # The refit fits the window better than the calibration it replaced.
+    before = spec.model_copy(update={"calibration": {"contract": SEED_CALIBRATION}})
+    nll = F.nll_loss(probs.log(), targets)
+    assert nll < F.nll_loss(calibrated_probabilities(before, logits).log(), targets)
+
+
+def test_without_the_evidence_the_updater_keeps_calibration_and_thresholds_and_says_how_old() -> (
+    None
+):
+    learner = _calibrated_learner(need=10_000)
+    learner.probe.set_thresholds({"toxic": 0.4})
+    _feed_and(learner)
+    assert learner.probe.spec.calibration["contract"].temperature == 5.0
+    assert learner.probe.spec.thresholds == {"toxic": 0.4}
+    assert learner.metrics()["calibration_age/contract"] == 96.0
+
+
+def test_the_updater_gives_no_calibration_to_a_probe_without_one() -> None:
+    learner = OnlineLearner(
+        build_probe(make_spec("mean", "scalar_mix"), seed=0),
+        LearningConfig(batch_size=8, calibrate_min_positives=5),
+    )
+    _feed_and(learner)
+    assert learner.probe.spec.calibration == {} and set(learner.probe.spec.thresholds) == {"toxic"}
+    assert not any(k.startswith("calibration_age") for k in learner.metrics())
+    assert "prequential_ece" in learner.metrics()
