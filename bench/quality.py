@@ -14,7 +14,10 @@ configured LLM (``PROBEGUARD_MODEL``) when missing and reused after. The peers r
 texts of the same rows. Probe kinds (``--kinds``): ``mean`` / ``max`` pooling with a scalar
 mix over every cached layer (0..top), ``gate`` / ``mha`` with a scalar mix over the 8
 token-level layers; ``fit`` defaults otherwise. ``--operating-point`` adds thresholds at
-that point (chosen out of fold) and their held-out precision and recall.
+that point (chosen out of fold) and their held-out precision and recall. Beside F1 and
+AUPRC every row reports held-out recall at 1 % false positives and ECE (15 equal-width bins);
+the probes are calibrated per head on their out-of-fold scores as ``fit`` does by default,
+the peers' logistic regressions (class-balanced) are not.
 
 Example (ToxicChat; about 40 min on 2 busy cores once the caches exist, 10 min more to
 build them)::
@@ -162,7 +165,12 @@ def spec_for(
 def figures(spec: ProbeSpec, probs: Tensor, targets: Tensor, thresholds: dict) -> dict:
     rep = evaluate(spec.model_copy(update={"thresholds": thresholds}), probs, targets)
     head = rep.get("flagged")
-    out = {"f1": rep["f1"], "auprc": rep["auprc"]}
+    out = {
+        "f1": rep["f1"],
+        "auprc": rep["auprc"],
+        "recall_at_1pct_fpr": rep["recall_at_1pct_fpr"],
+        "ece": rep["ece"],
+    }
     if head is not None:
         out.update(precision=head["precision"], recall=head["recall"])
     return {k: round(float(v), 4) for k, v in out.items()}
@@ -195,7 +203,8 @@ def run_probe(kind: str, caches, test_caches, args, point) -> dict[str, Any]:
             auprc = row.get("val_auprc", float("nan"))
             log(f"  {kind} fold {row['fold']} epoch {row['epoch']} val AUPRC {auprc:.3f}")
 
-    result, cv = fit_cv(spec, dev, config, folds=args.folds, progress=progress)
+    # Calibrated per head on the out-of-fold scores, as `fit` does by default.
+    result, cv = fit_cv(spec, dev, config, folds=args.folds, calibrate=True, progress=progress)
     from probes.offline.fit import predict_dataset
 
     probs = predict_dataset(result.probe, held)
@@ -211,6 +220,7 @@ def run_probe(kind: str, caches, test_caches, args, point) -> dict[str, Any]:
         "folds": folds,
         "test": figures(spec, probs, held.targets, cv.thresholds),
         "thresholds": cv.thresholds,
+        "calibration": {k: v.model_dump() for k, v in cv.calibration.items()},
         "at_point": at_point(spec, cv.oof_probs, dev.targets, probs, held.targets, point),
         "layer_entropy": round(result.probe.layer_entropy(), 3),
         "seconds": round(time.perf_counter() - started, 1),
@@ -325,7 +335,7 @@ def report(rows: list[dict], point: OperatingPoint, args) -> None:
     print()
     print(
         f"{'method':<16}{'CV F1':>15}{'CV AUPRC':>15}{'test F1':>9}{'test AUPRC':>11}"
-        f"{'P':>7}{'R':>7}   at {point}: P / R"
+        f"{'R@1%FPR':>9}{'ECE':>7}{'P':>7}{'R':>7}   at {point}: P / R"
     )
     for r in rows:
         f1m, f1s = spread(r["folds"], "f1")
@@ -333,10 +343,13 @@ def report(rows: list[dict], point: OperatingPoint, args) -> None:
         t, a = r["test"], r["at_point"]
         print(
             f"{r['method']:<16}{f1m:>8.3f} ± {f1s:.3f}{apm:>8.3f} ± {aps:.3f}{t['f1']:>9.3f}"
-            f"{t['auprc']:>11.3f}{t.get('precision', float('nan')):>7.3f}"
+            f"{t['auprc']:>11.3f}{t['recall_at_1pct_fpr']:>9.3f}{t['ece']:>7.3f}"
+            f"{t.get('precision', float('nan')):>7.3f}"
             f"{t.get('recall', float('nan')):>7.3f}   {a.get('precision', float('nan')):.3f} / "
             f"{a.get('recall', float('nan')):.3f}"
         )
+    print("(test R@1%FPR: recall at 1 % false positives; ECE: 15 equal-width bins of the flag")
+    print(" score; the probes are calibrated per head on their out-of-fold scores, the peers not)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,11 +25,11 @@ layer, calibration and thresholds by cross-validation (:mod:`probes.offline.exit
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from probes.calibration import calibrated, fit_calibration
 from probes.errors import ProbeError
-from probes.probe import Probe, build_probe, multiclass_columns
+from probes.probe import Probe, build_probe
 from schemas import ExitSpec, ProbeSpec
 
 __all__ = [
@@ -41,23 +41,6 @@ __all__ = [
     "flag_risk",
     "without_exit",
 ]
-
-
-def calibrated(
-    spec: ProbeSpec, logits: Tensor, temperature: float, bias: list[float] | Tensor | None = None
-) -> Tensor:
-    """Probabilities ``[B, C]`` of the exit head's logits ``[B, C]`` as ``logits /
-    temperature + bias`` (by the probe's task: one softmax, sigmoids, softmax per
-    multiclass head)."""
-    scaled = logits.float() / temperature
-    if bias is not None:
-        scaled = scaled + torch.as_tensor(bias, dtype=scaled.dtype, device=scaled.device)
-    if spec.task == "multiclass":
-        return torch.softmax(scaled, dim=-1)
-    probs = torch.sigmoid(scaled)
-    for cols in multiclass_columns(spec):
-        probs[:, cols] = torch.softmax(scaled[:, cols], dim=-1)
-    return probs
 
 
 @torch.no_grad()
@@ -102,38 +85,6 @@ def exits(
     if high is not None:
         out |= risk >= high
     return out
-
-
-def fit_calibration(
-    spec: ProbeSpec, logits: Tensor, targets: Tensor, steps: int = 300
-) -> tuple[float, list[float]]:
-    """The temperature and per-label bias that minimize the negative log-likelihood of
-    out-of-fold ``logits [N, C]`` as ``logits / T + bias`` (NaN multilabel targets are
-    unknown). The bias moves probabilities to the data's base rate, which a head trained
-    with balanced classes lacks; the temperature alone would only squash them toward 0.5."""
-    logits = logits.float().detach()
-    log_t = torch.zeros((), requires_grad=True)
-    bias = torch.zeros(logits.shape[1], requires_grad=True)
-    optimizer = torch.optim.Adam([log_t, bias], lr=0.05)
-    known = None if spec.task == "multiclass" else ~targets.isnan()
-    for _ in range(steps):
-        optimizer.zero_grad()
-        scaled = logits / log_t.exp() + bias
-        if known is None:
-            loss = F.cross_entropy(scaled, targets)
-        else:
-            cells = F.binary_cross_entropy_with_logits(
-                scaled, targets.nan_to_num(0.0), reduction="none"
-            )
-            loss = (cells * known).sum() / known.sum().clamp_min(1)
-        loss.backward()
-        optimizer.step()
-        with torch.no_grad():
-            log_t.clamp_(-6.9, 6.9)  # T in [0.001, 1000] (ExitSpec's range)
-            bias.clamp_(-100.0, 100.0)
-    if spec.task == "multiclass":
-        bias = bias - bias.mean()  # softmax: only differences matter
-    return float(log_t.exp()), [round(float(b), 6) for b in bias]
 
 
 def attach_exit(probe: Probe, exit_probe: Probe, exit_spec: ExitSpec) -> Probe:

@@ -151,6 +151,9 @@ def remove_head(probe: Probe, name: str) -> Probe:
             "labels": new_labels,
             "flag_labels": [x for x in spec.flag_labels if x not in gone.labels],
             "thresholds": {k: v for k, v in spec.thresholds.items() if k not in gone.labels},
+            "calibration": {
+                k: v.model_dump() for k, v in spec.calibration.items() if k != gone.name
+            },
         },
         f"cannot remove head {name!r} from probe {spec.name!r}",
     )

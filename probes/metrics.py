@@ -6,11 +6,16 @@
   :func:`best_threshold` the one at an :class:`OperatingPoint` ("f1",
   "precision>=0.9": the most recall at that precision, "recall>=0.8": the most
   precision at that recall).
+- :func:`recall_at_fpr` is the recall at 1 % false positives moderation services report;
+  :func:`expected_calibration_error` (ECE) how far scores are from frequencies.
 - :func:`evaluate` is the full report ``eval`` prints: F1 at the chosen
-  thresholds, AUPRC, accuracy, per-class precision/recall, confusion matrix.
+  thresholds, AUPRC, recall at 1 % FPR, ECE, accuracy, per-class precision/recall,
+  confusion matrix.
 
-Headline ``f1``/``auprc``: when the spec has flag labels, the binary "flagged"
-decision (the moderation outcome); otherwise the macro average over classes. A multi-head
+Headline ``f1``/``auprc``/``recall_at_1pct_fpr``/``ece``: when the spec has flag labels,
+the binary "flagged" decision (the moderation outcome; its score is the flag labels' summed
+probability for a multiclass probe, their highest for a multilabel one); otherwise the
+macro average over classes. A multi-head
 probe is measured head by head, each on the rows that annotate it (``report["heads"]``),
 and its headline is the macro average over its heads.
 """
@@ -34,6 +39,7 @@ __all__ = [
     "best_threshold",
     "choose_thresholds",
     "evaluate",
+    "expected_calibration_error",
     "percentile",
     "precision_recall_f1",
     "recall_at_fpr",
@@ -76,6 +82,27 @@ def recall_at_fpr(y: np.ndarray, score: np.ndarray, fpr: float = 0.01) -> float:
     _, tps, fps = _ranked(y, np.asarray(score, dtype=np.float64))
     ok = fps / n_neg <= fpr + 1e-12
     return float(tps[ok].max() / n_pos) if ok.any() else 0.0
+
+
+def expected_calibration_error(y: np.ndarray, score: np.ndarray, bins: int = 15) -> float:
+    """ECE of probabilities ``score`` for binary targets ``y``: the rows fall into ``bins``
+    equal-width bins of [0, 1] (``[k/bins, (k+1)/bins)``, the last one closed), and each
+    bin's gap between its mean score and its share of positives counts by its share of the
+    rows (Guo et al. 2017, on the positive class; 15 bins as they and most reports use).
+    0 is perfectly calibrated; NaN without rows.
+
+    >>> y, s = np.array([0, 1, 1, 0]), np.array([0.1, 0.2, 0.9, 0.95])
+    >>> round(expected_calibration_error(y, s, bins=2), 4)  # (0.35 + 0.425) / 2
+    0.3875
+    """
+    y = np.asarray(y).astype(np.float64)
+    p = np.clip(np.asarray(score, dtype=np.float64), 0.0, 1.0)
+    if len(y) == 0:
+        return float("nan")
+    which = np.minimum((p * bins).astype(np.int64), bins - 1)  # [N] bin of each row
+    # n_b · |mean y_b - mean p_b| = |sum y_b - sum p_b|
+    gap = np.abs(np.bincount(which, y, bins) - np.bincount(which, p, bins))  # [bins]
+    return float(gap.sum() / len(y))
 
 
 def best_f1_threshold(y: np.ndarray, score: np.ndarray) -> tuple[float, float]:
@@ -214,6 +241,7 @@ def evaluate(spec: ProbeSpec, probs: Tensor, targets: Tensor) -> dict[str, Any]:
             "f1": f1,
             "auprc": average_precision(truth[:, j], p[:, j]),
             "recall_at_1pct_fpr": recall_at_fpr(truth[:, j], p[:, j]),
+            "ece": expected_calibration_error(truth[:, j], p[:, j]),
             "support": int(truth[:, j].sum()),
             "threshold": spec.thresholds.get(label, float("nan")),
         }
@@ -243,12 +271,17 @@ def evaluate(spec: ProbeSpec, probs: Tensor, targets: Tensor) -> dict[str, Any]:
             "f1": f1,
             "auprc": average_precision(y_flag, _flag_score(spec, p)),
             "recall_at_1pct_fpr": recall_at_fpr(y_flag, _flag_score(spec, p)),
+            "ece": expected_calibration_error(y_flag, _flag_score(spec, p)),
             "support": int(y_flag.sum()),
         }
         report["f1"], report["auprc"] = f1, report["flagged"]["auprc"]
+        for key in ("recall_at_1pct_fpr", "ece"):
+            report[key] = report["flagged"][key]
         report["headline"] = f"flagged ({', '.join(spec.flag_labels)})"
     else:
         report["f1"], report["auprc"] = report["macro_f1"], report["macro_auprc"]
+        for key in ("recall_at_1pct_fpr", "ece"):
+            report[key] = float(np.mean([v[key] for v in present])) if present else float("nan")
         report["headline"] = "macro over labels"
     return report
 
@@ -275,6 +308,8 @@ def _evaluate_heads(spec: ProbeSpec, probs: Tensor, targets: Tensor) -> dict[str
         "heads": heads,
         "f1": macro("f1"),
         "auprc": macro("auprc"),
+        "recall_at_1pct_fpr": macro("recall_at_1pct_fpr"),
+        "ece": macro("ece"),
         "headline": f"macro over {len(heads)} heads",
     }
 

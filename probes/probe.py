@@ -19,14 +19,17 @@ states identically.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor, nn
 
+from probes.calibration import calibrated_probabilities, multiclass_columns
 from probes.errors import ProbeError
 
 # Importing the kinds registers every one of them.
 from probes.kinds import LAYER_MIXES, TOKEN_POOLS, LayerMixModule, TokenPoolModule
-from schemas import ProbeSpec
+from schemas import HeadCalibration, ProbeSpec
 
 __all__ = [
     "Probe",
@@ -36,12 +39,6 @@ __all__ = [
     "slice_layer_state",
     "weight_entropy",
 ]
-
-
-def multiclass_columns(spec: ProbeSpec) -> list[slice]:
-    """The output columns of each multiclass head of a multi-head spec (a single-head
-    multiclass probe has none here: its whole output is one softmax)."""
-    return [spec.head_columns(h.name) for h in spec.heads if h.task == "multiclass"]
 
 
 def weight_entropy(weights: Tensor) -> float:
@@ -98,9 +95,20 @@ class Probe(nn.Module):
         data["thresholds"] = {k: float(v) for k, v in thresholds.items()}
         self._spec = ProbeSpec.model_validate(data)
 
+    def set_calibration(self, calibration: Mapping[str, HeadCalibration]) -> None:
+        """Replace the per-head calibration of the probabilities (``{}``: none). Thresholds
+        chosen on other probabilities no longer mean what they did: set them after."""
+        data = self._spec.model_dump()
+        data["calibration"] = {k: v.model_dump() for k, v in calibration.items()}
+        self._spec = ProbeSpec.model_validate(data)
+
     def rename(self, name: str) -> None:
         """Serve under another probe name (e.g. a packaged default as a deployment's probe)."""
-        self._spec = ProbeSpec.model_validate({**self._spec.model_dump(), "name": name})
+        data = {**self._spec.model_dump(), "name": name}
+        if not self._spec.heads and self._spec.name in self._spec.calibration:
+            # A single-head probe's one head is named after the probe.
+            data["calibration"] = {name: data["calibration"][self._spec.name]}
+        self._spec = ProbeSpec.model_validate(data)
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -197,14 +205,22 @@ class Probe(nn.Module):
         return self.head(self.drop(self.mix(pooled))), self.mix.weights(pooled)
 
     def probabilities(self, logits: Tensor) -> Tensor:
-        """Softmax (multiclass) or sigmoid (multilabel) of logits ``[..., C]``; with heads,
-        each multiclass head's columns take a softmax of their own."""
-        if self._spec.task == "multiclass":
-            return torch.softmax(logits, dim=-1)
-        probs = torch.sigmoid(logits)
-        for cols in multiclass_columns(self._spec):  # over the last axis: [..., C]
-            probs[..., cols] = torch.softmax(logits[..., cols], dim=-1)
-        return probs
+        """Softmax (multiclass) or sigmoid (multilabel) of logits ``[..., C]``, calibrated
+        by ``spec.calibration`` when it has one; with heads, each multiclass head's columns
+        take a softmax of their own. Every path from this probe's logits to probabilities
+        goes through here (:mod:`probes.calibration`)."""
+        return calibrated_probabilities(self._spec, logits)
+
+    @torch.no_grad()
+    def predict_logits_many(self, hidden: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Uncalibrated logits ``[B, C]``, in eval mode, without gradients
+        (:meth:`probabilities` of them is :meth:`predict_proba_many`)."""
+        was_training = self.training
+        self.eval()
+        try:
+            return self(hidden, mask)
+        finally:
+            self.train(was_training)
 
     @torch.no_grad()
     def predict_proba_many(self, hidden: Tensor, mask: Tensor | None = None) -> Tensor:

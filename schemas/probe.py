@@ -23,6 +23,7 @@ __all__ = [
     "CheckpointManifest",
     "EventKind",
     "ExitSpec",
+    "HeadCalibration",
     "HeadSpec",
     "LLMFingerprint",
     "LayerMix",
@@ -84,6 +85,26 @@ class ExitSpec(WireModel):
     flag_above: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
 
 
+class HeadCalibration(WireModel):
+    """How one head's logits become probabilities: softmax / sigmoid of ``logits /
+    temperature + bias`` (one bias per label of the head), fitted on out-of-fold logits
+    (``fit``) or on the updater's prequential window. A class-balanced loss leaves a head's
+    probabilities at about half flagged whatever the data's base rate; the bias moves them
+    back, the temperature spreads or squashes them. Monotone per sigmoid label (and for a
+    two-class softmax), so their AUPRC does not move; thresholds are chosen on the
+    calibrated probabilities.
+
+    ``labels_seen``: the probe's training labels (``TrainingCounters.labels_seen``) when it
+    was fitted; a checkpoint whose counters are ahead learned that many labels since.
+    """
+
+    temperature: Annotated[float, Field(gt=0.0, le=1000.0)] = 1.0
+    bias: Annotated[
+        list[Annotated[float, Field(ge=-100.0, le=100.0)]], Field(min_length=1, max_length=1024)
+    ]
+    labels_seen: Annotated[int, Field(ge=0)] = 0
+
+
 class ProbeSpec(WireModel):
     """The architecture and label space of a probe.
 
@@ -126,6 +147,9 @@ class ProbeSpec(WireModel):
     heads: Annotated[list[HeadSpec], Field(max_length=64)] = Field(default_factory=list)
     # An exit head at a shallow layer that decides easy messages early (None: no cascade).
     exit: ExitSpec | None = None
+    # Per head (by name; a single-head probe's one head is named after the probe), the
+    # calibration of its probabilities; a head not named here is uncalibrated.
+    calibration: dict[ProbeName, HeadCalibration] = Field(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
@@ -151,6 +175,8 @@ class ProbeSpec(WireModel):
             data.pop("heads", None)
         if data.get("exit") is None:
             data.pop("exit", None)  # likewise for specs without an exit head
+        if not data.get("calibration"):
+            data.pop("calibration", None)  # and for uncalibrated ones
         return data
 
     @model_validator(mode="after")
@@ -194,7 +220,19 @@ class ProbeSpec(WireModel):
                     f"the exit head's bias has {len(self.exit.bias)} values for "
                     f"{len(self.labels)} labels"
                 )
+        self._calibration_fits()
         return self
+
+    def _calibration_fits(self) -> None:
+        heads = {h.name: h for h in self.head_specs}
+        for name, cal in self.calibration.items():
+            if name not in heads:
+                raise ValueError(f"calibration names head {name!r}; the heads are {sorted(heads)}")
+            if len(cal.bias) != len(heads[name].labels):
+                raise ValueError(
+                    f"head {name!r}'s calibration has {len(cal.bias)} biases for "
+                    f"{len(heads[name].labels)} labels"
+                )
 
     @property
     def deepest_layer(self) -> int:
@@ -247,6 +285,7 @@ class ProbeSpec(WireModel):
                 "thresholds": {k: v for k, v in self.thresholds.items() if k in h.labels},
                 "heads": [],
                 "exit": None,
+                "calibration": {k: v for k, v in self.calibration.items() if k == h.name},
             }
         )
 
@@ -261,6 +300,7 @@ class ProbeSpec(WireModel):
                 "layer_mix": "single",
                 "token_pool": self.exit.token_pool,
                 "exit": None,
+                "calibration": {},  # the exit head's own is ExitSpec's
             }
         )
 

@@ -556,7 +556,8 @@ class Settings(BaseSettings):
         20,
         description="Each published version's flag thresholds move to `OPERATING_POINT` on the "
         "prequential window once it holds this many positives of the label (`0`: keep "
-        "arg-max).",
+        "arg-max); a calibrated probe's head gets its temperature and bias refitted there "
+        "once the window holds this many of each of the head's labels.",
     )
     # Without it Lion's fixed-size steps collapse the mix onto one layer within a few
     # hundred labels (see probes/learner.py).

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from probes.exit import attach_exit, calibrated, fit_calibration, flag_risk
+from probes.calibration import calibrated, fit_calibration
+from probes.exit import attach_exit, flag_risk
 from probes.metrics import _flag_score, _truth, average_precision
 from probes.offline.dataset import ProbeDataset
 from probes.offline.fit import FitConfig, fit

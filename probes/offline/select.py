@@ -29,6 +29,11 @@ How (``k`` folds, stratified by class, or by "any label" for multilabel targets)
    very models it averages; a refit model is more confident than the fold models its
    thresholds came from, so they transfer worse (``bench/quality.md``).
 
+With ``calibrate=True``, between steps 3 and 4 (:func:`calibrate_cv`): each head's
+temperature and per-label bias are fitted on the out-of-fold logits, and the thresholds of
+step 2 are chosen again on the calibrated out-of-fold probabilities; the refit probe
+carries both.
+
 Depth (:func:`select_depth`): the same cross-validation for each candidate deepest layer
 (the probe reads the given layers up to it), then the shallowest depth whose mean fold
 AUPRC is within ``epsilon`` of the best; the scorer's forward pass stops at the deepest
@@ -51,6 +56,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from probes.calibration import calibrated_probabilities, fit_heads, raw_logits
 from probes.errors import ProbeError
 from probes.metrics import choose_thresholds, evaluate
 from probes.offline.dataset import ProbeDataset
@@ -63,7 +69,7 @@ from probes.offline.fit import (
     predict_dataset,
 )
 from probes.probe import build_probe
-from schemas import ProbeSpec
+from schemas import HeadCalibration, ProbeSpec
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +78,7 @@ __all__ = [
     "DepthRow",
     "DepthSearch",
     "FoldReport",
+    "calibrate_cv",
     "choose_depth",
     "cross_validate",
     "depth_candidates",
@@ -154,6 +161,10 @@ class CVResult:
     oof_probs: Tensor  # [N, C] out-of-fold probabilities at E*, in row order
     oof_report: dict[str, Any] = field(default_factory=dict)  # at `thresholds` (tuned on it)
     fold_states: list[dict[str, Tensor]] = field(default_factory=list)  # weights at E* (soup)
+    # calibrate_cv: per head, fitted on the out-of-fold logits (oof_probs, thresholds and
+    # oof_report are then the calibrated ones), and its ECE before and after.
+    calibration: dict[str, HeadCalibration] = field(default_factory=dict)
+    calibration_report: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> dict[str, float]:
         """Mean and spread (sample standard deviation) of the fold figures."""
@@ -283,18 +294,64 @@ def cross_validate(
     )
 
 
+def calibrate_cv(
+    spec: ProbeSpec, data: ProbeDataset, cv: CVResult, config: FitConfig, *, folds: int = 5
+) -> CVResult:
+    """``cv`` with each head calibrated on its out-of-fold logits (:func:`probes.calibration.
+    fit_heads`; the logits come back from ``cv.oof_probs``) and the thresholds chosen again,
+    at ``config.operating_point``, on the calibrated out-of-fold probabilities.
+
+    ``calibration_report``: the headline ECE (:func:`probes.metrics.evaluate`) of the
+    out-of-fold probabilities before, and after calibration cross-fitted over ``folds``
+    parts of the rows (each part calibrated by the fit on the others), so that figure was
+    not tuned on the rows it is measured on."""
+    logits, targets = raw_logits(spec, cv.oof_probs), data.targets
+
+    def calibrated_by(calibration: dict[str, HeadCalibration], rows: Tensor) -> Tensor:
+        return calibrated_probabilities(
+            spec.model_copy(update={"calibration": calibration}), logits[rows]
+        )
+
+    calibration = fit_heads(spec, logits, targets, labels_seen=len(data))
+    crossed = torch.empty_like(cv.oof_probs)
+    part = stratified_folds(data, folds, config.seed)
+    for i in range(folds):
+        rows = part == i
+        crossed[rows] = calibrated_by(fit_heads(spec, logits[~rows], targets[~rows]), rows)
+    probs = calibrated_by(calibration, torch.ones(len(data), dtype=torch.bool))
+    tuned = spec.model_copy(update={"calibration": calibration})
+    thresholds = choose_thresholds(tuned, probs, targets, point=config.operating_point)
+    tuned = tuned.model_copy(update={"thresholds": thresholds})
+    return replace(
+        cv,
+        oof_probs=probs,
+        thresholds=thresholds,
+        oof_report=evaluate(tuned, probs, targets),
+        calibration=calibration,
+        calibration_report={
+            "ece_uncalibrated": float(evaluate(spec, cv.oof_probs, targets)["ece"]),
+            "ece": float(evaluate(spec, crossed, targets)["ece"]),
+        },
+    )
+
+
 def fit_cv(
     spec: ProbeSpec,
     data: ProbeDataset,
     config: FitConfig = FitConfig(),
     *,
     folds: int = 5,
+    calibrate: bool = False,
     progress: Callable[[dict[str, float]], None] | None = None,
 ) -> tuple[FitResult, CVResult]:
-    """Cross-validate, then refit on every row of ``data`` for the chosen epochs and set
-    the chosen thresholds. The result's ``val_report`` is the pooled out-of-fold report."""
+    """Cross-validate, then make the final probe (:func:`refit`: the fold models' soup, or a
+    fit on every row) with the chosen thresholds (and, with ``calibrate``, the calibration:
+    :func:`calibrate_cv`).
+    The result's ``val_report`` is the pooled out-of-fold report."""
     started = time.perf_counter()
     cv = cross_validate(spec, data, config, folds=folds, progress=progress)
+    if calibrate:
+        cv = calibrate_cv(spec, data, cv, config, folds=folds)
     return refit(spec, data, config, cv, started=started, progress=progress), cv
 
 
@@ -308,8 +365,9 @@ def refit(
     progress: Callable[[dict[str, float]], None] | None = None,
 ) -> FitResult:
     """Step 4: the soup of ``cv.fold_states`` (``config.final == "soup"``) or a fit on every
-    row of ``data`` for ``cv.epochs``, with ``cv.thresholds``; ``val_report`` is the pooled
-    out-of-fold report, ``seconds`` counts from ``started``."""
+    row of ``data`` for ``cv.epochs``, with ``cv.thresholds`` (and ``cv.calibration`` when
+    there is one); ``val_report`` is the pooled out-of-fold report, ``seconds`` counts from
+    ``started``."""
     started = time.perf_counter() if started is None else started
     if config.final == "soup" and cv.fold_states:
         soup = _soup(spec, data, config, cv, started)
@@ -327,6 +385,8 @@ def refit(
         replace(config, max_epochs=cv.epochs),
         progress=tagged,
     )
+    if cv.calibration:
+        final.probe.set_calibration(cv.calibration)
     final.probe.set_thresholds(cv.thresholds)
     final.val_report = cv.oof_report
     final.seconds = time.perf_counter() - started
@@ -335,7 +395,7 @@ def refit(
 
 def _soup(
     spec: ProbeSpec, data: ProbeDataset, config: FitConfig, cv: CVResult, started: float
-) -> FitResult:
+) -> FitResult | None:
     """The probe whose weights are the mean of the fold models' at ``cv.epochs``, or None
     when that mean is no model of the data: fold models that left the shared basin (a high
     learning rate on little data) average to weights that score the rows they all trained
@@ -357,6 +417,8 @@ def _soup(
             unseen,
         )
         return None
+    if cv.calibration:
+        probe.set_calibration(cv.calibration)
     probe.set_thresholds(cv.thresholds)
     return FitResult(
         probe=probe,
@@ -458,6 +520,7 @@ def select_depth(
     folds: int = 5,
     epsilon: float = 0.01,
     depths: list[int] | None = None,
+    calibrate: bool = False,
     progress: Callable[[dict[str, float]], None] | None = None,
 ) -> tuple[FitResult, CVResult, DepthSearch]:
     """Search the depth/quality trade-off by cross-validation, then refit at the choice.
@@ -467,7 +530,8 @@ def select_depth(
     same folds, same config); the chosen depth is the shallowest whose mean fold AUPRC is
     within ``epsilon`` of the best (:func:`choose_depth`), and the final probe reads only
     its layers, so a scorer serving it stops its forward pass there. Cost: ``folds`` fits
-    per candidate plus one refit (shallow candidates are cheaper: fewer layers).
+    per candidate plus one refit (shallow candidates are cheaper: fewer layers). With
+    ``calibrate``, the chosen depth's probe is calibrated (:func:`calibrate_cv`).
     """
     started = time.perf_counter()
     rows = []
@@ -486,6 +550,8 @@ def select_depth(
     search = DepthSearch(rows=rows, chosen=chosen, best=best, epsilon=epsilon)
     pick = search.row(chosen)
     sub = ProbeSpec.model_validate({**spec.model_dump(), "layers": pick.layers})
+    if calibrate:
+        pick.cv = calibrate_cv(sub, data, pick.cv, config, folds=folds)
     final = refit(
         sub, data.select_layers(pick.layers), config, pick.cv, started=started, progress=progress
     )

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from probes import build_probe, save_checkpoint
 from probes.checkpoint import probe_from_bytes
-from schemas import DeadLetter, Verdict
+from schemas import DeadLetter, HeadCalibration, Verdict
 from schemas.messages import DEAD_LETTER_PAYLOAD_BYTES
 from tests.conftest import RedisNamespace
 from tests.kafka_helpers import drain, produce_raw
@@ -192,6 +193,54 @@ def test_a_gemma3_whose_states_exceed_fp16_scores_and_learns(
     assert all(v.results[0].version == last for v in got.values())
     after = sum(v.results[0].scores[toy(i)[1]] for i, v in got.items()) / len(got)
     assert after > before and after > 0.75, (before, after)
+
+
+def test_a_calibrated_seed_is_recalibrated_on_the_window_once_it_holds_the_positives(
+    settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded], tmp_path: Path
+) -> None:
+    """A probe `fit` calibrated keeps its calibration (and says how old it is) while the
+    prequential window is short of positives, then gets it refitted there, and scorers
+    serve the calibrated probabilities."""
+    fp = extractor().fingerprint
+    spec = toxicity_spec(fp.hidden_size).model_copy(update={"labels": ["non-toxic", "toxic"]})
+    seed = build_probe(spec, seed=3)
+    seed.set_calibration({"toxicity": HeadCalibration(temperature=5.0, bias=[1.0, -1.0])})
+    save_checkpoint(seed, tmp_path / "fit", llm=fp)
+    settings = fast(settings, seed_checkpoint=tmp_path / "fit", default_probe=False)
+    ensure_topics(settings)
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
+    updater = Updater(settings, extractor(), redis_ns.client, worker_id="updater-a")
+    threads.append(Threaded(updater.run, updater.stop))
+
+    produce_raw(settings, settings.topic_labels, [(None, label(i)) for i in range(32)])
+    wait_until(lambda: registry.stages().live is not None, "a first version")
+    first = registry.manifest(registry.stages().live)  # type: ignore[arg-type]
+    # At most 16 toxic labels in the window, fewer than CALIBRATE_MIN_POSITIVES (20): the
+    # calibration is kept, and the manifest says it is as old as the labels learned since.
+    assert first.spec.calibration == seed.spec.calibration
+    assert first.metrics["calibration_age/toxicity"] == first.counters.labels_seen > 0
+
+    produce_raw(settings, settings.topic_labels, [(None, label(i)) for i in range(32, 128)])
+    wait_until(
+        lambda: updater.labels_seen >= 128 and updater.unpublished == 0, "all labels published"
+    )
+    last = registry.manifest(registry.stages().live)  # type: ignore[arg-type]
+    cal = last.spec.calibration["toxicity"]
+    assert cal.temperature != 5.0 and cal.labels_seen == last.counters.labels_seen
+    assert last.metrics["calibration_age/toxicity"] == 0.0
+    assert "prequential_ece" in last.metrics and set(last.spec.thresholds) == {"toxic"}
+
+    served = registry.stages().live
+    scorer = Scorer(settings, extractor(), redis_ns.client, worker_id="scorer-1")
+    threads.append(Threaded(scorer.run, scorer.stop))
+    wait_until(lambda: scorer.watcher.versions()["toxicity"]["live"] == served, "scorer swap")
+    stored = registry.get(served)  # type: ignore[arg-type]
+    probe, _ = probe_from_bytes(stored.blob, stored.manifest_json, fp)
+    ex = extractor().extract([toy(0)[0]], list(probe.layers))
+    want = probe.predict_proba_many(ex.hidden.float(), ex.mask)[0]  # calibrated
+    result = toy_verdicts(settings, "c", 1)[0].results[0]
+    assert result.version == served
+    assert result.scores["toxic"] == pytest.approx(float(want[1]), abs=1e-4)
 
 
 def test_the_updater_publishes_int8_when_configured_and_scorers_serve_it(

@@ -16,8 +16,10 @@ from probes.metrics import (
     best_threshold,
     choose_thresholds,
     evaluate,
+    expected_calibration_error,
 )
 from schemas import OperatingPoint, ProbeSpec
+from tests.unit.synthetic import NUM_LAYERS, D, make_spec, toy_task
 
 
 def test_average_precision_matches_scikit_learn_example() -> None:
@@ -133,3 +135,44 @@ def test_choose_thresholds_at_an_operating_point() -> None:
     assert strict["toxic"] > choose_thresholds(spec, probs, y)["toxic"] > loose["toxic"]
     report = evaluate(spec.model_copy(update={"thresholds": strict}), probs, y)
     assert report["flagged"]["precision"] == 1.0
+
+
+def test_ece_of_a_hand_computed_case() -> None:
+    # 15 equal-width bins: 0.05 -> bin 0 (two rows, one positive: |1 - 0.1|), 0.5 -> bin 7
+    # (|1 - 0.5|), 0.95 -> bin 14 (|1 - 0.95|); (0.9 + 0.5 + 0.05) / 4 rows.
+    y, p = np.array([1, 0, 1, 1]), np.array([0.05, 0.05, 0.5, 0.95])
+    assert expected_calibration_error(y, p) == pytest.approx(0.3625)
+    # A score of exactly 1 falls in the last bin; frequencies that match scores give 0.
+    assert expected_calibration_error(np.array([1, 1]), np.array([1.0, 1.0])) == 0.0
+    assert expected_calibration_error(np.array([0, 1]), np.array([0.5, 0.5])) == 0.0
+    assert math.isnan(expected_calibration_error(np.array([]), np.array([])))
+
+
+def test_evaluate_reports_recall_at_1pct_fpr_and_ece_beside_f1_and_auprc() -> None:
+    spec = ProbeSpec(
+        name="tox",
+        token_pool="mean",
+        layer_mix="scalar_mix",
+        layers=[1, 2],
+        hidden_size=D,
+        task="multilabel",
+        labels=["toxic"],
+        flag_labels=["toxic"],
+    )
+    probs = torch.tensor([[0.9], [0.8], [0.3], [0.1], [0.05]])
+    targets = torch.tensor([[1.0], [0.0], [1.0], [0.0], [0.0]])
+    rep = evaluate(spec, probs, targets)
+    y, s = targets.numpy()[:, 0], probs.double().numpy()[:, 0]
+    assert rep["ece"] == pytest.approx(expected_calibration_error(y, s))
+    assert rep["recall_at_1pct_fpr"] == rep["flagged"]["recall_at_1pct_fpr"] == 0.5
+    assert rep["per_class"]["toxic"]["ece"] == pytest.approx(rep["ece"])
+    # Without flag labels: the macro over labels; several heads: the macro over heads.
+    plain = evaluate(spec.model_copy(update={"flag_labels": []}), probs, targets)
+    assert plain["ece"] == pytest.approx(rep["ece"]) and plain["recall_at_1pct_fpr"] == 0.5
+    multi = make_spec("mean", "scalar_mix", "multihead")
+    _, _, y3 = toy_task(NUM_LAYERS, "multihead", n=60, seed=3)
+    p3 = torch.rand(60, 3, generator=torch.Generator().manual_seed(0))
+    rep3 = evaluate(multi, p3, y3)
+    for key in ("ece", "recall_at_1pct_fpr"):
+        heads = [h[key] for h in rep3["heads"].values()]
+        assert rep3[key] == pytest.approx(float(np.mean(heads)))

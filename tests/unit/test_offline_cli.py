@@ -189,6 +189,9 @@ def test_quality_bench_runs_with_a_held_out_split(capsys, workspace) -> None:
     assert 40 < summary["test_rows"] < 100  # about 30 % held out by id hash
     for r in summary["results"]:
         assert len(r["folds"]) == 3 and 0 <= r["test"]["auprc"] <= 1
+        assert 0 <= r["test"]["recall_at_1pct_fpr"] <= 1 and 0 <= r["test"]["ece"] <= 1
+    assert all(r["calibration"] for r in summary["results"][:2])  # the probes, as `fit` does
+    assert any("R@1%FPR" in line and "ECE" in line for line in out)
     assert any(line.startswith("MiniLM") or line.startswith("mha") for line in out)
 
 
@@ -423,3 +426,37 @@ def test_fit_exit_prints_its_table_and_a_large_epsilon_attaches_an_exit_head(
     assert load_checkpoint(workspace / "no", None)[0].spec.exit is None
     with pytest.raises(SystemExit, match="--exit"):
         main([*argv, "--exit", "deep", "--out", str(workspace / "x")])
+
+
+def test_fit_calibrates_with_cross_validation_and_eval_reports_recall_at_1pct_fpr_and_ece(
+    capsys, caches, workspace
+) -> None:
+    argv = ["fit", "--cache", str(caches[0]), "--pool", "mean", "--folds", "2", "--epochs", "3"]
+    argv += ["--exit", "off"]
+    fitted = run_json(capsys, *argv, "--out", str(workspace / "cal"))
+    probe, manifest = load_checkpoint(workspace / "cal", None)
+    assert set(probe.spec.calibration) == {"mean-scalar-mix"}  # the single head, by name
+    cal = probe.spec.calibration["mean-scalar-mix"]
+    assert cal.labels_seen == manifest.counters.labels_seen == 160
+    assert fitted["calibration"] == {
+        "mean-scalar-mix": {"temperature": round(cal.temperature, 4), "bias": cal.bias}
+    }
+    for key in ("val_recall_at_1pct_fpr", "val_ece", "cv_ece", "cv_ece_uncalibrated"):
+        assert 0 <= fitted[key] <= 1 and manifest.metrics[key] == pytest.approx(fitted[key])
+    off = run_json(capsys, *argv, "--calibrate", "off", "--out", str(workspace / "uncal"))
+    assert off["calibration"] == {} and "cv_ece" not in off
+    assert load_checkpoint(workspace / "uncal", None)[0].spec.calibration == {}
+    # Same folds and epochs: calibration moves the scores, not their ranking.
+    assert fitted["cv_auprc_mean"] == off["cv_auprc_mean"]
+    assert fitted["val_auprc"] == pytest.approx(off["val_auprc"], abs=1e-6)
+
+    assert main([*argv, "--out", str(workspace / "cal-text")]) == 0
+    out = capsys.readouterr().out
+    assert "out of fold recall at 1 % FPR" in out and "calibration (temperature" in out
+    assert main(["eval", "--checkpoint", str(workspace / "cal"), "--cache", str(caches[1])]) == 0
+    out = capsys.readouterr().out
+    assert "recall at 1% FPR" in out and "ECE" in out
+    on_cache = run_json(
+        capsys, "eval", "--checkpoint", str(workspace / "cal"), "--cache", str(caches[1])
+    )
+    assert 0 <= on_cache["ece"] <= 1 and 0 <= on_cache["recall_at_1pct_fpr"] <= 1

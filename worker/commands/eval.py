@@ -19,8 +19,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "eval",
         help="evaluate a checkpoint on a labeled file or a cache",
         description=(
-            "F1 at the checkpoint's thresholds, AUPRC, accuracy, per-class precision/recall, "
-            "confusion matrix, and the layer weights the probe used (optionally as a PNG)."
+            "F1 at the checkpoint's thresholds, AUPRC, recall at 1% false positives, expected "
+            "calibration error (ECE: 15 equal-width bins of the flag score), accuracy, "
+            "per-class precision/recall, confusion matrix, and the layer weights the probe used "
+            "(optionally as a PNG)."
         ),
     )
     p.add_argument(
@@ -222,16 +224,24 @@ def _print_science(r: dict[str, Any]) -> None:
 
 def _print(r: dict[str, Any]) -> None:
     print(f"{r['probe']} on {r['n']} rows: {r['headline']}")
-    print(f"  F1 {r['f1']:.4f}  AUPRC {r['auprc']:.4f}  accuracy {r['accuracy']:.4f}")
-    if "flagged" in r:
-        print(f"  recall at 1% false positives {r['flagged']['recall_at_1pct_fpr']:.4f}")
+    print(
+        f"  F1 {r['f1']:.4f}  AUPRC {r['auprc']:.4f}  recall at 1% FPR "
+        f"{r['recall_at_1pct_fpr']:.4f}  ECE {r['ece']:.4f}  accuracy {r['accuracy']:.4f}"
+    )
     for head, h in r.get("heads", {}).items():
-        print(f"  head {head:<18} F1 {h['f1']:.4f}  AUPRC {h['auprc']:.4f}  rows {h['n']}")
-    print(f"  {'label':<20} {'prec':>6} {'recall':>6} {'f1':>6} {'auprc':>6} {'support':>7}")
+        print(
+            f"  head {head:<18} F1 {h['f1']:.4f}  AUPRC {h['auprc']:.4f}  recall at 1% FPR "
+            f"{h['recall_at_1pct_fpr']:.4f}  ECE {h['ece']:.4f}  rows {h['n']}"
+        )
+    print(
+        f"  {'label':<20} {'prec':>6} {'recall':>6} {'f1':>6} {'auprc':>6} {'r@1%':>6} "
+        f"{'ece':>6} {'support':>7}"
+    )
     for label, m in r["per_class"].items():
         print(
             f"  {label:<20} {m['precision']:6.3f} {m['recall']:6.3f} {m['f1']:6.3f} "
-            f"{m['auprc']:6.3f} {m['support']:7d}"
+            f"{m['auprc']:6.3f} {m['recall_at_1pct_fpr']:6.3f} {m['ece']:6.3f} "
+            f"{m['support']:7d}"
         )
     conf = r.get("confusion", {})  # per head for a multi-head probe (in --json)
     if "matrix" in conf:

@@ -33,7 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Lion on mini-batches (<= 256), class-weighted loss or balanced sampling. Model "
             "selection by k-fold cross-validation on the cache (default 5 folds): the number of "
             "epochs maximizes the folds' mean validation curve, the thresholds sit at "
-            "--operating-point on the out-of-fold scores, then the probe is refit on every row; "
+            "--operating-point on the out-of-fold scores (calibrated per head first: --calibrate), "
+            "then the probe is refit on every row; "
             "reported figures are per fold, at choices made on the other folds (mean ± spread). "
             "--val-cache selects on that file instead (early stopping, thresholds), --folds 0 on "
             "--val-fraction of the cache. The checkpoint carries the cache's LLM fingerprint, "
@@ -66,6 +67,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=0.005,
         help="with --exit: AUPRC the cascade may give up (%(default)s = 0.5 point)",
+    )
+    p.add_argument(
+        "--calibrate",
+        choices=["auto", "off"],
+        default="auto",
+        help="'auto' (with cross-validation): fit each head's temperature and per-label bias "
+        "on the out-of-fold logits, so its scores read as probabilities (ECE), and choose "
+        "the thresholds on the calibrated scores; the checkpoint carries both. 'off': raw "
+        "scores, as before (default: auto)",
     )
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
     p.set_defaults(func=_run)
@@ -305,11 +315,18 @@ def _fit(
             folds=folds,
             epsilon=args.depth_epsilon,
             depths=args.depth_candidates,
+            calibrate=args.calibrate == "auto",
         )
     if args.depth_candidates is not None:
         raise SystemExit("probeguard fit: --depth-candidates needs --depth auto")
     result, cv = fit_probe(
-        cache, opts, config, val_cache=val_cache, val_fraction=args.val_fraction, folds=folds
+        cache,
+        opts,
+        config,
+        val_cache=val_cache,
+        val_fraction=args.val_fraction,
+        folds=folds,
+        calibrate=args.calibrate == "auto",  # with cross-validation only
     )
     return result, cv, None
 
@@ -391,17 +408,33 @@ def _print_result(
             )
         print(
             f"{summary['probe']}: {folds}-fold CV F1 {c['f1_mean']:.3f} ± {c['f1_std']:.3f}, "
-            f"AUPRC {c['auprc_mean']:.3f} ± {c['auprc_std']:.3f} ({summary['headline']}, "
-            f"thresholds at {point}: {summary['thresholds']}); refit on all rows for "
-            f"{cv.epochs} epochs, {summary['parameters']} parameters, "
+            f"AUPRC {c['auprc_mean']:.3f} ± {c['auprc_std']:.3f}, out of fold recall at 1 % "
+            f"FPR {summary['val_recall_at_1pct_fpr']:.3f} and ECE {summary['val_ece']:.3f} "
+            f"({summary['headline']}, thresholds at {point}: {summary['thresholds']}); refit on "
+            f"all rows for {cv.epochs} epochs, {summary['parameters']} parameters, "
             f"{summary['train_seconds']} s -> {out}"
         )
+        if cv.calibration_report:
+            print(
+                f"calibration (temperature and per-label bias, per head, on the out-of-fold "
+                f"logits): ECE {cv.calibration_report['ece_uncalibrated']:.3f} -> "
+                f"{cv.calibration_report['ece']:.3f} (15 equal-width bins; each fold's rows "
+                f"calibrated on the others); {_temperatures(summary['calibration'])}"
+            )
     else:
         print(
-            f"{summary['probe']}: val F1 {summary['val_f1']:.3f}, AUPRC {summary['val_auprc']:.3f} "
-            f"({summary['headline']}), {summary['parameters']} parameters, best epoch "
-            f"{result.best_epoch}/{result.epochs}, {summary['train_seconds']} s -> {out}"
+            f"{summary['probe']}: val F1 {summary['val_f1']:.3f}, AUPRC {summary['val_auprc']:.3f}"
+            f", recall at 1 % FPR {summary['val_recall_at_1pct_fpr']:.3f}, ECE "
+            f"{summary['val_ece']:.3f} ({summary['headline']}), {summary['parameters']} "
+            f"parameters, best epoch {result.best_epoch}/{result.epochs}, "
+            f"{summary['train_seconds']} s -> {out}"
         )
+
+
+def _temperatures(calibration: dict[str, dict[str, Any]]) -> str:
+    shown = [f"{name} T={c['temperature']:.2f}" for name, c in list(calibration.items())[:6]]
+    more = f" and {len(calibration) - 6} more" if len(calibration) > 6 else ""
+    return ", ".join(shown) + more if shown else "no head had the positives to calibrate"
 
 
 def _apply_deprecated(args: argparse.Namespace) -> None:

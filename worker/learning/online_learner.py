@@ -11,9 +11,10 @@ takes the tensors):
     train  -- Lion steps on the new examples plus a class-balanced replay sample
               (at least as many replayed as new); EMA of the weights when configured
 
-At publish time :meth:`calibrate` moves flag thresholds to the F1-best point of the
-prequential window, :meth:`publishable` gives the probe to publish (the EMA shadow
-when configured), and :meth:`optimizer_state` the Lion momentum to publish beside it.
+At publish time :meth:`calibrate` refits a calibrated probe's temperature and bias and
+moves flag thresholds to the operating point of the prequential window,
+:meth:`publishable` gives the probe to publish (the EMA shadow when configured), and
+:meth:`optimizer_state` the Lion momentum to publish beside it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from probes.calibration import fit_heads
 from probes.drift import probe_reference
 from probes.errors import ProbeError
 from probes.heads import remap_label_rows
@@ -191,7 +193,8 @@ class OnlineLearner:
 
     def _learn(self, hidden: Tensor, mask: Tensor, targets: Tensor, buckets: list[int]) -> int:
         # Test, then train: the prequential score comes from the probe before this step.
-        self.prequential.add(self.lion.predict_proba_many(hidden, mask), targets)
+        logits = self.probe.predict_logits_many(hidden, mask)  # [B, C], uncalibrated
+        self.prequential.add(self.probe.probabilities(logits), targets, logits)
         new = self._examples(hidden, mask, targets, buckets)
         steps_before = self.lion.steps
         if self.warmup is not None:
@@ -318,14 +321,45 @@ class OnlineLearner:
         """Flag thresholds at the operating point (default: the F1 maximum) on the
         prequential window: the online counterpart of ``fit`` choosing them out of fold. Each
         label's threshold moves only once the window holds ``calibrate_min_positives`` of its
-        positives (0: never)."""
+        positives (0: never).
+
+        A probe that carries a calibration (``fit``'s, :mod:`probes.calibration`) has it
+        refitted first on the window's uncalibrated logits, head by head: a head whose window
+        rows hold ``calibrate_min_positives`` positives of each of its labels gets a new
+        temperature and bias (so all its labels get new thresholds too, chosen on the
+        probabilities under it). One without that evidence keeps both its calibration and
+        its thresholds, a pair that still makes the same decisions on the same logits; how
+        many labels the probe learned since its calibration was fitted is
+        ``calibration_age/<head>`` in :meth:`metrics` (the manifest). Refitting rather than
+        dropping it: dropping would throw the served scores back to the class-balanced
+        loss's scale (about half flagged) after a handful of labels, when the calibration
+        is still nearly right, and a threshold on a softmax over more than two labels has
+        no exact counterpart without it. A probe without a calibration gets none here."""
         need = self.config.calibrate_min_positives
-        window = self.prequential.window()
+        window = self.prequential.logit_window()
         if not need or window is None:
             return
+        logits, targets = window
         spec = self.probe.spec
+        probs = torch.stack(list(self.prequential.probs))  # [N, C] as they were served
+        if spec.calibration:
+            refit = fit_heads(
+                spec, logits, targets, min_positives=need, labels_seen=self.counters.labels_seen
+            )
+            if refit:
+                self.probe.set_calibration({**spec.calibration, **refit})
+                spec = self.probe.spec
+            kept = sorted(set(spec.calibration) - set(refit))
+            if kept:
+                log.info(
+                    "calibration of heads %s kept: the window holds fewer than %d positives "
+                    "of one of their labels",
+                    kept,
+                    need,
+                )
+            probs = self.probe.probabilities(logits)  # the window under the calibration now
         chosen = choose_thresholds(
-            spec, *window, min_positives=need, point=self.config.operating_point
+            spec, probs, targets, min_positives=need, point=self.config.operating_point
         )
         if chosen:
             self.probe.set_thresholds({**spec.thresholds, **chosen})
@@ -373,8 +407,18 @@ class OnlineLearner:
         self.replay.keep_first_layers(keep)
 
     def metrics(self) -> dict[str, float]:
-        """Prequential metrics and the layer-weight entropy, for the manifest."""
-        return {**self.prequential.report(), "layer_entropy": self.probe.layer_entropy()}
+        """Prequential metrics, the layer-weight entropy and, per calibrated head, the labels
+        the probe learned since its calibration was fitted (0: on this window), for the
+        manifest."""
+        ages = {
+            f"calibration_age/{name}": float(self.counters.labels_seen - c.labels_seen)
+            for name, c in self.probe.spec.calibration.items()
+        }
+        return {
+            **self.prequential.report(),
+            "layer_entropy": self.probe.layer_entropy(),
+            **ages,
+        }
 
     def publishable(self) -> Probe:
         """The probe to publish: the EMA of the weights when configured, else the probe."""
@@ -468,7 +512,7 @@ class _Saved:
     ema: dict[str, Tensor] | None
     replay: list[list[Example]]
     rng: object
-    prequential: tuple[list[Tensor], list[Tensor], int]
+    prequential: tuple[list[Tensor], list[Tensor], list[Tensor], int]
     warmup: list[Example] | None
     last_loss: float | None
     counters: TrainingCounters
@@ -487,7 +531,7 @@ class _Saved:
             ema=ema,
             replay=[list(bucket) for bucket in learner.replay.buckets],
             rng=learner.replay.rng.getstate(),
-            prequential=(list(pre.probs), list(pre.targets), pre.seen),
+            prequential=(list(pre.probs), list(pre.logits), list(pre.targets), pre.seen),
             warmup=None if learner.warmup is None else list(learner.warmup),
             last_loss=learner.last_loss,
             counters=learner.counters,
@@ -507,9 +551,11 @@ class _Saved:
             bucket.extend(kept)
         learner.replay.rng.setstate(self.rng)  # type: ignore[arg-type]
         pre = learner.prequential
-        probs, targets, pre.seen = self.prequential
+        probs, logits, targets, pre.seen = self.prequential
         pre.probs.clear()
         pre.probs.extend(probs)
+        pre.logits.clear()
+        pre.logits.extend(logits)
         pre.targets.clear()
         pre.targets.extend(targets)
         learner.warmup = self.warmup

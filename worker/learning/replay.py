@@ -107,17 +107,22 @@ class ReplayBuffer:
 
 
 class Prequential:
-    """The last ``window`` (probabilities, target) pairs, scored before learning from them."""
+    """The last ``window`` (probabilities, target) pairs, scored before learning from them,
+    with the uncalibrated logits the probabilities came from (the updater refits a
+    calibration on them: :meth:`OnlineLearner.calibrate`)."""
 
     def __init__(self, spec: ProbeSpec, window: int) -> None:
         self.spec = spec
         self.probs: deque[Tensor] = deque(maxlen=window)
+        self.logits: deque[Tensor] = deque(maxlen=window)
         self.targets: deque[Tensor] = deque(maxlen=window)
         self.seen = 0
 
-    def add(self, probs: Tensor, targets: Tensor) -> None:
-        for p, t in zip(probs, targets, strict=True):
+    def add(self, probs: Tensor, targets: Tensor, logits: Tensor) -> None:
+        """``probs [B, C]`` as served, the ``logits [B, C]`` they came from, ``targets``."""
+        for p, z, t in zip(probs, logits, targets, strict=True):
             self.probs.append(p.detach().float().cpu())
+            self.logits.append(z.detach().float().cpu())
             self.targets.append(t.cpu())
         self.seen += len(probs)
 
@@ -127,8 +132,15 @@ class Prequential:
             return None
         return torch.stack(list(self.probs)), torch.stack(list(self.targets))
 
+    def logit_window(self) -> tuple[Tensor, Tensor] | None:
+        """``(logits [N, C], targets)`` of the window, or None while it is empty."""
+        if not self.logits:
+            return None
+        return torch.stack(list(self.logits)), torch.stack(list(self.targets))
+
     def report(self) -> dict[str, float]:
-        """Flat metrics for a manifest / Prometheus: f1, auprc, accuracy, per-class f1."""
+        """Flat metrics for a manifest / Prometheus: f1, auprc, recall at 1 % FPR, ECE,
+        accuracy, per-class f1."""
         window = self.window()
         if window is None or len(self.probs) < 2:
             return {}
@@ -136,6 +148,8 @@ class Prequential:
         out = {
             "prequential_f1": rep["f1"],
             "prequential_auprc": rep["auprc"],
+            "prequential_recall_at_1pct_fpr": rep["recall_at_1pct_fpr"],
+            "prequential_ece": rep["ece"],
             "prequential_accuracy": rep["accuracy"],
             "prequential_n": float(rep["n"]),
         }

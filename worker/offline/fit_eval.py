@@ -124,13 +124,15 @@ def fit_probe(
     val_cache: HiddenStateCache | None = None,
     val_fraction: float = 0.1,
     folds: int = 0,
+    calibrate: bool = False,
 ) -> tuple[FitResult, CVResult | None]:
     """Build a probe for ``opts``, load its features and fit it.
 
     Model selection: with ``val_cache``, early stopping and thresholds on that file
     (:func:`probes.offline.fit.fit`); else with ``folds >= 2``, k-fold cross-validation on the
-    cache, then a refit on all of it (:func:`probes.offline.select.fit_cv`; the second value);
-    else on a stratified ``val_fraction`` of the cache."""
+    cache, then a refit on all of it (:func:`probes.offline.select.fit_cv`; the second value;
+    ``calibrate``: its heads calibrated on the out-of-fold scores); else on a stratified
+    ``val_fraction`` of the cache."""
     layers = _layers_for(cache, opts)
     data = load_split(cache, opts.token_pool, layers, opts.target)
     spec = _spec(cache, opts, layers, data)
@@ -147,7 +149,7 @@ def fit_probe(
         else f"a {val_fraction:.0%} validation split",
     )
     if val_cache is None and folds >= 2:
-        return fit_cv(spec, data, config, folds=folds, progress=_log_progress)
+        return fit_cv(spec, data, config, folds=folds, calibrate=calibrate, progress=_log_progress)
     if val_cache is not None:
         if val_cache.manifest.llm != cache.manifest.llm:
             raise OfflineError(
@@ -175,11 +177,13 @@ def fit_probe_depth(
     folds: int = 5,
     epsilon: float = 0.01,
     depths: list[int] | None = None,
+    calibrate: bool = False,
 ) -> tuple[FitResult, CVResult, DepthSearch]:
     """Like :func:`fit_probe` with k-fold selection, and the depth too: each candidate
     deepest layer (``depths``, default every layer of ``opts``) is cross-validated with the
     layers up to it, the shallowest within ``epsilon`` mean AUPRC of the best is refit
-    (:func:`probes.offline.select.select_depth`). The probe's ``layers`` record the choice."""
+    (:func:`probes.offline.select.select_depth`). The probe's ``layers`` record the choice;
+    ``calibrate``: its heads are calibrated on the chosen depth's out-of-fold scores."""
     if folds < 2:
         raise OfflineError(f"a depth search cross-validates: it needs --folds >= 2, got {folds}")
     spec, data = prepare(cache, opts)
@@ -195,7 +199,14 @@ def fit_probe_depth(
     )
     try:
         return select_depth(
-            spec, data, config, folds=folds, epsilon=epsilon, depths=depths, progress=_log_progress
+            spec,
+            data,
+            config,
+            folds=folds,
+            epsilon=epsilon,
+            depths=depths,
+            calibrate=calibrate,
+            progress=_log_progress,
         )
     except ProbeError as exc:
         raise OfflineError(str(exc)) from exc
@@ -250,6 +261,8 @@ def save_fit(
     metrics = {
         "val_f1": report["f1"],
         "val_auprc": report["auprc"],
+        "val_recall_at_1pct_fpr": report["recall_at_1pct_fpr"],
+        "val_ece": report["ece"],
         "val_accuracy": report["accuracy"],
         "val_macro_f1": report["macro_f1"],
         "best_epoch": float(result.best_epoch),
@@ -257,6 +270,7 @@ def save_fit(
     }
     if cv is not None:
         metrics.update({f"cv_{k}": v for k, v in cv.summary().items()})
+        metrics.update({f"cv_{k}": v for k, v in cv.calibration_report.items()})
     if depth is not None:
         metrics.update(
             depth_chosen=depth.chosen, depth_best=depth.best, depth_epsilon=depth.epsilon
@@ -291,7 +305,8 @@ def fit_summary(
     depth: DepthSearch | None = None,
 ) -> dict[str, Any]:
     """What ``fit`` reports of a fit saved to ``out``: the probe, the validation figures
-    (cross-validated ones with ``cv``), how it was selected, the depth search's choice."""
+    (cross-validated ones with ``cv``; recall at 1 % FPR and ECE beside F1 and AUPRC), how
+    it was selected, the depth search's choice, the calibration per head ({}: none)."""
     report = result.val_report
     summary = {
         "checkpoint": str(out),
@@ -306,6 +321,8 @@ def fit_summary(
         "thresholds": result.probe.spec.thresholds,
         "val_f1": report["f1"],
         "val_auprc": report["auprc"],
+        "val_recall_at_1pct_fpr": report["recall_at_1pct_fpr"],
+        "val_ece": report["ece"],
         "val_accuracy": report["accuracy"],
         "val_macro_f1": report["macro_f1"],
         "headline": report["headline"],
@@ -319,6 +336,11 @@ def fit_summary(
         )
     if cv is not None:
         summary.update({f"cv_{k}": v for k, v in cv.summary().items()})
+        summary.update({f"cv_{k}": v for k, v in cv.calibration_report.items()})
+    summary["calibration"] = {
+        name: {"temperature": round(c.temperature, 4), "bias": c.bias}
+        for name, c in result.probe.spec.calibration.items()
+    }
     return summary
 
 
