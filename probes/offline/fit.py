@@ -99,6 +99,7 @@ class FitResult:
     val_probs: list[Tensor] = field(default_factory=list)  # [N_val, C] per epoch, if recorded
     epoch_states: list[dict[str, Tensor]] = field(default_factory=list)  # per epoch, if kept
     drift: DriftReference | None = None  # the training split's statistics (probes.drift)
+    soup_of: int = 0  # fold models whose weights this probe averages (0: trained as it is)
 
 
 def class_weights(train: ProbeDataset) -> Tensor:

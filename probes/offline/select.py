@@ -431,6 +431,7 @@ def _soup(
         train_rows=len(data),
         train_counts=dict(zip(data.labels, data.class_counts().tolist(), strict=True)),
         drift=drift_reference(probe, data),
+        soup_of=len(cv.fold_states),
     )
 
 

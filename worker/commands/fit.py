@@ -95,6 +95,15 @@ def _selection_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--val-fraction", type=float, default=0.1, help="held out with --folds 0")
     p.add_argument(
+        "--final",
+        choices=["soup", "refit"],
+        default="soup",
+        help="with cross-validation, the probe written: 'soup' = the average of the fold "
+        "models' weights at the chosen epoch (no further training; its thresholds were chosen "
+        "on those models' out-of-fold scores), 'refit' = one more fit on every row (default: "
+        "soup; it falls back to refit when the average scores worse than the folds did)",
+    )
+    p.add_argument(
         "--operating-point",
         default="f1",
         help="where flag thresholds go: 'f1' (its maximum), 'precision>=0.9' (the most recall "
@@ -283,6 +292,7 @@ def _options(args: argparse.Namespace, point: OperatingPoint) -> tuple[ProbeOpti
         layer_lr_scale=args.layer_lr_scale,
         mix_entropy=args.mix_entropy,
         operating_point=point,
+        final=args.final,
     )
     return opts, config
 
@@ -410,8 +420,13 @@ def _print_result(
             f"{summary['probe']}: {folds}-fold CV F1 {c['f1_mean']:.3f} ± {c['f1_std']:.3f}, "
             f"AUPRC {c['auprc_mean']:.3f} ± {c['auprc_std']:.3f}, out of fold recall at 1 % "
             f"FPR {summary['val_recall_at_1pct_fpr']:.3f} and ECE {summary['val_ece']:.3f} "
-            f"({summary['headline']}, thresholds at {point}: {summary['thresholds']}); refit on "
-            f"all rows for {cv.epochs} epochs, {summary['parameters']} parameters, "
+            f"({summary['headline']}, thresholds at {point}: {summary['thresholds']}); "
+            + (
+                f"the soup of the {result.soup_of} fold models at {cv.epochs} epochs, "
+                if result.soup_of
+                else f"refit on all rows for {cv.epochs} epochs, "
+            )
+            + f"{summary['parameters']} parameters, "
             f"{summary['train_seconds']} s -> {out}"
         )
         if cv.calibration_report:

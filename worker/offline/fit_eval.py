@@ -317,6 +317,7 @@ def fit_summary(
         "parameters": result.probe.num_parameters(),
         "epochs": result.epochs,
         "best_epoch": result.best_epoch,
+        "final": f"soup of {result.soup_of} folds" if result.soup_of else "trained",
         "train_seconds": round(result.seconds, 2),
         "thresholds": result.probe.spec.thresholds,
         "val_f1": report["f1"],
