@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-root", type=Path, default=Path("runs/cache"))
     p.add_argument("--kinds", default=",".join(KINDS), help="probe kinds, comma-separated")
     p.add_argument("--peers", default=",".join(PEERS), help="peers, comma-separated ('' none)")
-    p.add_argument("--folds", type=int, default=5)
+    p.add_argument("--folds", type=int, default=3, help="as fit (3)")
     p.add_argument("--target", choices=["label", "labels"], default="label")
     p.add_argument("--operating-point", default="precision>=0.9")
     p.add_argument("--epochs", type=int, default=FitConfig.max_epochs)

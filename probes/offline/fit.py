@@ -60,7 +60,7 @@ class FitConfig:
     weight_decay: float = 0.1  # decoupled; Lion wants ~3-10x more than AdamW
     batch_size: int = 64  # at most MAX_BATCH
     max_epochs: int = 40
-    patience: int = 6  # epochs without improvement before stopping
+    patience: int = 3  # epochs without improvement before stopping
     balance: Literal["weights", "sampler", "none"] = "weights"
     monitor: Literal["auprc", "f1", "loss"] = "auprc"
     standardize: bool = True  # per-(layer, dim) normalization from the training split
