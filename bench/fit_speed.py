@@ -75,7 +75,7 @@ def epoch_seconds(config: str, data: ProbeDataset, learner: Learner, pre: _Prepa
     old_mean = config in ("before", "prepadded")
     tracks = pooling._tracks_grad
     if old_mean:  # the row-by-row mean in the backward pass too, as before
-        pooling._tracks_grad = lambda hidden: False  # type: ignore[assignment]
+        pooling._tracks_grad = lambda hidden: False
     try:
         started = time.perf_counter()
         padded = config in ("prepadded", "both", "bf16")
@@ -85,7 +85,7 @@ def epoch_seconds(config: str, data: ProbeDataset, learner: Learner, pre: _Prepa
                 learner.learn_many(hidden, mask, y)
         return time.perf_counter() - started
     finally:
-        pooling._tracks_grad = tracks  # type: ignore[assignment]
+        pooling._tracks_grad = tracks
 
 
 def main(argv: list[str] | None = None) -> int:

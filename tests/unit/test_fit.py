@@ -140,6 +140,7 @@ def test_prepadded_batches_cover_every_row_once_per_epoch(monkeypatch: pytest.Mo
     assert torch.equal(rows, torch.arange(70))
     for (hidden, mask, y), idx in zip(pre.items, pre.index, strict=True):
         h, m, t = data.batch(idx)
+        assert mask is not None and m is not None
         assert torch.equal(hidden, h) and torch.equal(mask, m) and torch.equal(y, t)
     assert sum(int(b[2].shape[0]) for b in pre.epoch(g)) == 70
     probe = build_probe(spec_for(data, "mha"), seed=0)
