@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
 import pytest
 
-from worker.cli import COMMANDS, main
+from worker.cli import COMMANDS, build_parser, main
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -33,6 +34,24 @@ def test_subcommand_help(name: str) -> None:
     assert f"usage: probeguard {name}" in out.stdout
     # Argument-group descriptions are not %-formatted: a "%%" there prints as typed.
     assert "%%" not in out.stdout
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return {
+        name: child
+        for action in parser._actions
+        if isinstance(action, argparse._SubParsersAction)
+        for name, child in action.choices.items()
+    }
+
+
+@pytest.mark.parametrize("name", [name for name, _ in COMMANDS])
+def test_nested_action_help_prints_no_doubled_percent(name: str) -> None:
+    """``probeguard default build --help`` printed "70%%": descriptions are not
+    %-formatted, only help strings are. Every action under every command is checked."""
+    command = _subparsers(build_parser([name]))[name]
+    for action, parser in _subparsers(command).items():
+        assert "%%" not in parser.format_help(), f"probeguard {name} {action} --help"
 
 
 def test_no_command_prints_help_and_fails(capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,8 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "build",
         help="rebuild the default from the datasets' train splits (fixed seed)",
         description="Builds (or resumes) a hidden-state cache per dataset, fits the multi-head "
-        "default on 70%% of each train split (by id hash), picks epochs and thresholds on "
-        "10%% and measures it on the other 20%%, then writes the checkpoint and its data card. "
+        "default on 70% of each train split (by id hash), picks epochs and thresholds on "
+        "10% and measures it on the other 20%, then writes the checkpoint and its data card. "
         "The LLM comes from PROBEGUARD_MODEL.",
     )
     build.add_argument(
