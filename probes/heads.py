@@ -69,6 +69,19 @@ def remap_label_rows(
     return out
 
 
+def _exit_for(spec: ProbeSpec, new_labels: Sequence[str]) -> dict[str, object] | None:
+    """``spec.exit`` for a probe over ``new_labels``: its per-label bias picked by label
+    name, 0 for a new label. A new flag label's exit column then scores 0.5 (zero rows),
+    above any sane ``allow_below``: the exit decides nothing early until it has learned."""
+    if spec.exit is None:
+        return None
+    out = spec.exit.model_dump()
+    if spec.exit.bias is not None:
+        old = dict(zip(spec.labels, spec.exit.bias, strict=True))
+        out["bias"] = [old.get(label, 0.0) for label in new_labels]
+    return out
+
+
 def _rebuilt(probe: Probe, spec: ProbeSpec, state: dict[str, Tensor]) -> Probe:
     out = Probe(spec)
     out.load_state_dict(state)
@@ -116,6 +129,7 @@ def add_head(
             "task": "multilabel",
             "heads": [h.model_dump() for h in [*heads, head]],
             "labels": new_labels,
+            "exit": _exit_for(spec, new_labels),
             "flag_labels": [*spec.flag_labels, *flags],
             "thresholds": {
                 **spec.thresholds,
@@ -149,6 +163,7 @@ def remove_head(probe: Probe, name: str) -> Probe:
             "task": "multilabel",
             "heads": [h.model_dump() for h in heads],
             "labels": new_labels,
+            "exit": _exit_for(spec, new_labels),
             "flag_labels": [x for x in spec.flag_labels if x not in gone.labels],
             "thresholds": {k: v for k, v in spec.thresholds.items() if k not in gone.labels},
             "calibration": {

@@ -17,7 +17,7 @@ from probes.exit import (
     fit_calibration,
     without_exit,
 )
-from probes.heads import add_head
+from probes.heads import add_head, remove_head
 from probes.learner import Learner
 from probes.probe import keep_layers
 from schemas import ExitSpec, HeadSpec, ProbeResult, ProbeSpec
@@ -120,3 +120,27 @@ def test_attach_keep_layers_add_head_and_without_exit() -> None:
     assert without_exit(probe).exit_head is None
     grown = add_head(probe, HeadSpec(name="extra", task="multilabel", labels=["insult"]))
     assert grown.exit_head is not None and grown.spec.exit == probe.spec.exit
+
+
+def test_a_calibrated_exit_survives_adding_and_removing_a_head() -> None:
+    """The exit's bias has one value per label: add_head refused any probe whose exit was
+    calibrated ("the exit head's bias has 3 values for 4 labels"). A new label's bias is 0
+    and its exit column scores 0.5 (zero rows), so a new flag label exits nothing early
+    until it has learned; removing the head gives back the original exit exactly."""
+    spec = exit_spec("mean")
+    assert spec.exit is not None
+    calibrated_exit = spec.exit.model_copy(update={"temperature": 1.5, "bias": [0.1, 0.2, -0.3]})
+    probe = build_probe(spec.model_copy(update={"exit": calibrated_exit}), seed=0)
+    grown = add_head(probe, HeadSpec(name="extra", task="multilabel", labels=["insult"]), flag=True)
+    assert grown.spec.exit is not None and grown.spec.exit.bias == [0.1, 0.2, -0.3, 0.0]
+    hidden, mask, _ = toy_task(3, "multiclass")
+    states = grown.exit_input(hidden)[0]
+    new = exit_probabilities(grown, states, mask)
+    torch.testing.assert_close(new[:, :3], exit_probabilities(probe, states, mask))
+    torch.testing.assert_close(new[:, 3], torch.full_like(new[:, 3], 0.5))
+    assert not exits(grown.spec, new).any()  # insult's 0.5 is above allow_below
+    back = remove_head(grown, "extra")
+    assert back.spec.exit == probe.spec.exit
+    torch.testing.assert_close(
+        exit_probabilities(back, states, mask), exit_probabilities(probe, states, mask)
+    )
