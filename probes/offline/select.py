@@ -147,6 +147,8 @@ class FoldReport:
     recall: float
     auprc: float
     seconds: float
+    recall_at_1pct_fpr: float = 0.0  # headline recall where 1 % of negatives are flagged
+    ece: float = 0.0  # calibration error of the fold's (uncalibrated) probabilities
 
 
 @dataclass
@@ -271,6 +273,8 @@ def cross_validate(
                 recall=float(recall),
                 auprc=float(report["auprc"]),
                 seconds=seconds,
+                recall_at_1pct_fpr=float(report["recall_at_1pct_fpr"]),
+                ece=float(report["ece"]),
             )
         )
 

@@ -202,6 +202,9 @@ def test_fit_prints_folds_and_refuses_a_bad_operating_point(capsys, caches, work
     assert "fold 1:" in out and "fold 2:" in out and "2-fold CV F1" in out
     report = json.loads((workspace / "cv-text" / "fit-report.json").read_text())
     assert len(report["folds"]) == 2 and report["summary"]["operating_point"] == "f1"
+    for fold in report["folds"]:  # the field's figures per fold too, not only pooled
+        assert 0 <= fold["recall_at_1pct_fpr"] <= 1 and 0 <= fold["ece"] <= 1
+    assert "recall at 1 % FPR" in out.split("fold 2:")[1].splitlines()[0]
     with pytest.raises(SystemExit, match="operating point"):
         main([*argv, "--out", str(workspace / "x"), "--operating-point", "precision>1"])
     with pytest.raises(SystemExit, match="pick one"):

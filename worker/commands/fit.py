@@ -415,7 +415,8 @@ def _print_result(
         for f in cv.folds:
             print(
                 f"fold {f.fold}: {f.rows} rows ({f.positives} positive), epoch {f.epoch}, "
-                f"F1 {f.f1:.3f} (P {f.precision:.3f} R {f.recall:.3f}), AUPRC {f.auprc:.3f}"
+                f"F1 {f.f1:.3f} (P {f.precision:.3f} R {f.recall:.3f}), AUPRC {f.auprc:.3f}, "
+                f"recall at 1 % FPR {f.recall_at_1pct_fpr:.3f}, ECE {f.ece:.3f}"
             )
         print(
             f"{summary['probe']}: {folds}-fold CV F1 {c['f1_mean']:.3f} ± {c['f1_std']:.3f}, "
