@@ -147,8 +147,8 @@ class FoldReport:
     recall: float
     auprc: float
     seconds: float
-    recall_at_1pct_fpr: float = 0.0  # headline recall where 1 % of negatives are flagged
-    ece: float = 0.0  # calibration error of the fold's (uncalibrated) probabilities
+    recall_at_1pct_fpr: float  # headline recall where 1 % of negatives are flagged
+    ece: float  # calibration error of the fold's (uncalibrated) probabilities
 
 
 @dataclass
