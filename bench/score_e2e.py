@@ -130,6 +130,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.005,
         help="the cascade's exit search: CV AUPRC it may give up (fit's default: %(default)s)",
     )
+    p.add_argument(
+        "--exit-pool",
+        choices=["mean", "mha"],
+        default="mean",
+        help="the exit head's token aggregation (fit --exit-pool; default: %(default)s)",
+    )
     p.add_argument("--epochs", type=int, default=40, help="max epochs per fit (%(default)s)")
     p.add_argument("--patience", type=int, default=6, help="early stopping (%(default)s)")
     p.add_argument(
@@ -213,7 +219,8 @@ def fit_probes(args: argparse.Namespace) -> dict[str, Path]:
         log(f"reusing the probes in {args.fit_dir}")
         return out
     oof_file = args.fit_dir / "full-oof-probs.pt"  # another exit search without the CV
-    if (out["full"] / "manifest.json").exists() and oof_file.exists():
+    epochs_file = args.fit_dir / "full-epochs.json"  # the CV's epochs (an MHA exit's)
+    if (out["full"] / "manifest.json").exists() and oof_file.exists() and epochs_file.exists():
         from quality import cache_for  # bench/quality.py, beside this script
 
         from probes import load_checkpoint, save_checkpoint
@@ -224,7 +231,8 @@ def fit_probes(args: argparse.Namespace) -> dict[str, Path]:
         probe, manifest = load_checkpoint(out["full"], None)
         config = FitConfig(max_epochs=args.epochs, patience=args.patience)
         oof = torch.load(oof_file, weights_only=True)
-        cascade, metrics = exit_search(args, probe, data, oof, config)
+        epochs = json.loads(epochs_file.read_text())
+        cascade, metrics = exit_search(args, probe, data, oof, config, epochs)
         metrics = {**manifest.metrics, **metrics}
         save_checkpoint(cascade, out["cascade"], llm=manifest.llm, metrics=metrics)
         return out
@@ -264,15 +272,18 @@ def fit_probes(args: argparse.Namespace) -> dict[str, Path]:
     # The cascade: the full-depth probe with the exit head `fit --exit auto` would attach
     # (chosen on the same folds' out-of-fold scores).
     torch.save(full_row.cv.oof_probs, oof_file)
+    epochs_file.write_text(json.dumps(full_row.cv.epochs))
     if not cascade:
         return out
-    full.probe, metrics = exit_search(args, full.probe, data, full_row.cv.oof_probs, config)
+    full.probe, metrics = exit_search(
+        args, full.probe, data, full_row.cv.oof_probs, config, full_row.cv.epochs
+    )
     save_fit(full, out["cascade"], cache, cv=full_row.cv, extra_metrics=metrics)
     return out
 
 
 def exit_search(
-    args: argparse.Namespace, probe: Any, data: Any, oof: Any, config: Any
+    args: argparse.Namespace, probe: Any, data: Any, oof: Any, config: Any, epochs: int
 ) -> tuple[Any, dict[str, float]]:
     """``fit --exit auto``'s search at ``--exit-epsilon``, its table printed: the probe with
     the chosen exit head attached, and the search's manifest metrics (exits if none
@@ -287,6 +298,8 @@ def exit_search(
         config,
         folds=args.folds,
         epsilon=args.exit_epsilon,
+        pool=args.exit_pool,
+        epochs=epochs if args.exit_pool != "mean" else None,
     )
     log(f"exit search (epsilon {args.exit_epsilon}): full-depth CV AUPRC {exits.full_auprc:.4f}")
     for r in exits.rows:

@@ -21,13 +21,14 @@ import torch
 from torch import Tensor
 
 from probes.calibration import calibrated, fit_calibration
+from probes.errors import ProbeError
 from probes.exit import attach_exit, flag_risk
 from probes.metrics import _flag_score, _truth, average_precision
 from probes.offline.dataset import ProbeDataset
 from probes.offline.fit import FitConfig, fit
 from probes.offline.select import stratified_folds
 from probes.probe import Probe, build_probe
-from schemas import ExitSpec, ProbeSpec
+from schemas import ExitSpec, ProbeSpec, TokenPool
 
 __all__ = ["THRESHOLDS", "ExitRow", "ExitSearch", "mean_summaries", "search_exit"]
 
@@ -53,6 +54,7 @@ class ExitSearch:
     probe: Probe | None = None  # the probe with its exit head attached (when chosen)
     epsilon: float = 0.005
     notes: list[str] = field(default_factory=list)
+    pool: str = "mean"  # the exit heads' token aggregation
 
     def table(self) -> list[dict[str, float]]:
         return [row.__dict__ for row in self.rows]
@@ -99,10 +101,16 @@ def search_exit(
     layers: list[int] | None = None,
     epochs: int | None = None,
     min_saving: float = 0.15,
+    pool: TokenPool = "mean",
 ) -> ExitSearch:
     """Search the exit layers of ``spec`` (or ``layers``) on ``data`` (the probe's training
     rows; ``oof_probs`` ``[N, C]``: the full probe's out-of-fold probabilities) and attach
-    the chosen exit head, trained on every row, to ``probe``."""
+    the chosen exit head, trained on every row, to ``probe``.
+
+    ``pool``: the exit head's token aggregation. ``"mean"`` trains a linear head on the
+    layer's masked means (cheap: one pass over the tokens); any other pool (``"mha"``: the
+    multi-head attention kind) trains on the layer's token states, which ``data`` must
+    hold, for ``epochs`` epochs (the full probe's, from its cross-validation)."""
     if not spec.flag_labels:
         return ExitSearch(float("nan"), [], None, notes=["no flag labels: nothing to exit on"])
     deepest = spec.deepest_layer
@@ -119,13 +127,14 @@ def search_exit(
         **{**config.__dict__, "max_epochs": epochs or config.max_epochs, "balance": "none"}
     )
     fold = stratified_folds(data, folds, seed=config.seed)
-    # Token-level rows are mean-pooled here; cached summaries are already pooled by the
-    # probe's own (separable) pool, which the exit head then uses too.
-    pool = "mean" if data.tokens is not None else spec.token_pool
+    if pool != "mean" and data.tokens is None:
+        raise ProbeError(f"a {pool!r} exit head trains on token states; the data holds summaries")
+    if pool == "mean" and data.tokens is None:
+        pool = spec.token_pool  # cached summaries: already pooled by the probe's own pool
     rows: list[ExitRow] = []
     for k in candidates:
         view = _exit_view(spec, ExitSpec(layer=k, token_pool=pool))
-        one = mean_summaries(data, k)
+        one = _exit_rows(data, k, pool)
         logits = torch.empty(len(data), len(spec.labels))
         for f in range(folds):
             held = (fold == f).nonzero().flatten()
@@ -133,9 +142,7 @@ def search_exit(
             trained = fit(
                 build_probe(view, seed=config.seed), one.subset(train), None, exit_config
             ).probe.eval()
-            hidden, _, _ = one.batch(held)
-            with torch.no_grad():
-                logits[held] = trained(hidden.float()).float()
+            logits[held] = _logits(trained, one, held)
         temperature, bias = fit_calibration(spec, logits, data.targets)
         probs = calibrated(spec, logits, temperature, bias)
         risk = flag_risk(spec, probs).double().numpy()
@@ -148,7 +155,7 @@ def search_exit(
             rows.append(ExitRow(k, t, temperature, share, auprc, cost, bias))
     ok = [r for r in rows if r.auprc >= full_auprc - epsilon and r.cost <= 1 - min_saving]
     chosen = min(ok, key=lambda r: (r.cost, -r.auprc)) if ok else None
-    search = ExitSearch(full_auprc, rows, chosen, epsilon=epsilon)
+    search = ExitSearch(full_auprc, rows, chosen, epsilon=epsilon, pool=pool)
     if chosen is None:
         search.notes.append("no exit layer saves enough within epsilon: no exit head")
         return search
@@ -159,11 +166,30 @@ def search_exit(
         bias=chosen.bias,
         allow_below=chosen.allow_below,
     )
-    one = mean_summaries(data, chosen.layer)
+    one = _exit_rows(data, chosen.layer, pool)
     view = _exit_view(spec, exit_spec)
     head = fit(build_probe(view, seed=config.seed), one, None, exit_config).probe.eval()
     search.probe = attach_exit(probe, head, exit_spec)
     return search
+
+
+def _exit_rows(data: ProbeDataset, layer: int, pool: str) -> ProbeDataset:
+    """What an exit head with ``pool`` trains on: ``layer``'s masked means for a linear
+    head over token states, else the layer as ``data`` holds it."""
+    if pool == "mean" and data.tokens is not None:
+        return mean_summaries(data, layer)
+    return data.select_layers([layer])
+
+
+@torch.no_grad()
+def _logits(probe: Probe, data: ProbeDataset, index: Tensor, chunk: int = 256) -> Tensor:
+    """``probe``'s logits ``[len(index), C]`` for rows ``index`` of ``data``, in chunks
+    (token-level rows pad to their longest)."""
+    parts = []
+    for part in index.split(chunk):
+        hidden, mask, _ = data.batch(part)
+        parts.append(probe(hidden, mask).float())
+    return torch.cat(parts)
 
 
 def _exit_view(spec: ProbeSpec, exit_spec: ExitSpec) -> ProbeSpec:

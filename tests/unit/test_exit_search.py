@@ -3,14 +3,16 @@ full probe's AUPRC, and the chosen head attached to the probe."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from probes.errors import ProbeError
 from probes.exit import exit_probabilities
 from probes.offline.dataset import ProbeDataset
-from probes.offline.exit import search_exit
+from probes.offline.exit import ExitSearch, search_exit
 from probes.offline.fit import FitConfig
 from probes.probe import build_probe
-from schemas import ProbeSpec
+from schemas import ProbeSpec, TokenPool
 
 
 def toxic_rows(n: int = 300, seed: int = 0) -> ProbeDataset:
@@ -98,3 +100,58 @@ def test_the_exit_head_keeps_the_base_rate_under_a_class_balanced_fit() -> None:
     assert search.probe is not None and data.summaries is not None
     risk = exit_probabilities(search.probe, data.summaries[0].float())[:, 1]
     assert abs(float(risk.mean()) - float(y.float().mean())) < 0.05, float(risk.mean())
+
+
+def needle_rows(n: int = 240, seed: int = 0) -> ProbeDataset:
+    """Token-level rows of 12 tokens; at layer 1 a toxic row has one loud token among
+    eleven quiet ones (an attention head finds it; the mean dilutes it twelvefold), and
+    layer 3 tells every row by its mean."""
+    g = torch.Generator().manual_seed(seed)
+    y = (torch.rand(n, generator=g) < 0.25).long()
+    t, d = 12, 8
+    tokens = torch.randn(n * t, 3, d, generator=g)
+    needle = torch.arange(n) * t + torch.randint(0, t, (n,), generator=g)
+    tokens[needle, 0, 0] += 5.0 * y
+    tokens[:, 2, 1] += (3.0 * y - 1.5).repeat_interleave(t)
+    offsets = torch.arange(n + 1) * t
+    ids = [str(i) for i in range(n)]
+    return ProbeDataset(
+        [1, 2, 3], ["ok", "toxic"], "multiclass", y, ids, tokens=tokens, offsets=offsets
+    )
+
+
+def test_an_mha_exit_head_finds_what_a_mean_misses_and_serves_on_tokens() -> None:
+    data = needle_rows()
+    spec = SPEC.model_copy(update={"token_pool": "mha", "d_inner": 16, "num_heads": 2})
+    oof = torch.nn.functional.one_hot(data.targets, 2).float() * 0.9 + 0.05
+
+    def run(pool: TokenPool) -> ExitSearch:
+        return search_exit(
+            spec,
+            build_probe(spec, seed=0),
+            data,
+            oof,
+            FitConfig(lr=0.01),
+            folds=3,
+            epsilon=0.02,
+            epochs=15,
+            layers=[1],
+            pool=pool,
+        )
+
+    mean, mha = run("mean"), run("mha")
+    mean_share = mean.chosen.share if mean.chosen else 0.0
+    assert mha.chosen is not None and mha.chosen.share > mean_share + 0.2, mha.table()
+    assert mha.probe is not None and mha.probe.spec.exit is not None
+    assert mha.probe.spec.exit.token_pool == "mha"
+    hidden, mask, _ = data.select_layers([1]).batch(torch.arange(len(data)))
+    risk = exit_probabilities(mha.probe, hidden[0], mask)[:, 1]
+    y = data.targets.bool()
+    assert float(risk[y].min()) > float(risk[~y].median()), "the exit head ranks the needles"
+
+
+def test_a_token_pool_exit_head_needs_token_states() -> None:
+    data = toxic_rows()
+    oof = torch.nn.functional.one_hot(data.targets, 2).float()
+    with pytest.raises(ProbeError, match="token states"):
+        search_exit(SPEC, build_probe(SPEC, seed=0), data, oof, FitConfig(), pool="mha")

@@ -420,7 +420,7 @@ def test_fit_exit_prints_its_table_and_a_large_epsilon_attaches_an_exit_head(
     fast = ["--epochs", "8", "--lr", "0.05", "--exit", "2", "--exit-epsilon", "1"]
     assert main([*argv, *fast, "--out", str(workspace / "ex")]) == 0
     out = capsys.readouterr().out
-    assert "exit search: full-depth out-of-fold AUPRC" in out and "<- chosen" in out
+    assert "exit search (mean exit heads): full-depth out-of-fold AUPRC" in out and "<- chosen" in out
     probe, manifest = load_checkpoint(workspace / "ex", None)
     assert probe.spec.exit is not None and probe.spec.exit.layer == 2
     assert probe.exit_head is not None
@@ -429,6 +429,18 @@ def test_fit_exit_prints_its_table_and_a_large_epsilon_attaches_an_exit_head(
     assert load_checkpoint(workspace / "no", None)[0].spec.exit is None
     with pytest.raises(SystemExit, match="--exit"):
         main([*argv, "--exit", "deep", "--out", str(workspace / "x")])
+
+
+def test_fit_exit_pool_mha_searches_attention_exit_heads(capsys, caches, workspace) -> None:
+    argv = ["fit", "--cache", str(caches[0]), "--folds", "2", "--epochs", "2"]
+    argv += ["--exit", "2", "--exit-epsilon", "1", "--exit-pool", "mha"]
+    assert main([*argv, "--out", str(workspace / "mha")]) == 0
+    out = capsys.readouterr().out
+    assert "exit search (mha exit heads): full-depth out-of-fold AUPRC" in out, out
+    # A mean probe's cache rows are pooled summaries: no tokens for an attention exit.
+    argv[argv.index("--folds") :] = ["--pool", "mean", "--folds", "2", "--exit-pool", "mha"]
+    assert main([*argv, "--out", str(workspace / "no")]) == 1
+    assert "trains on token states" in capsys.readouterr().err
 
 
 def test_fit_calibrates_with_cross_validation_and_eval_reports_recall_at_1pct_fpr_and_ece(

@@ -69,6 +69,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="with --exit: AUPRC the cascade may give up (%(default)s = 0.5 point)",
     )
     p.add_argument(
+        "--exit-pool",
+        choices=["mean", "mha"],
+        default="mean",
+        help="with --exit: the exit head's token aggregation: 'mean' (a linear head on the "
+        "exit layer's masked means: seconds to train) or 'mha' (the multi-head attention "
+        "kind over the exit layer's tokens, for the full probe's epochs: minutes, ranks "
+        "hard cases better) (default: %(default)s)",
+    )
+    p.add_argument(
         "--calibrate",
         choices=["auto", "off"],
         default="auto",
@@ -377,6 +386,8 @@ def _exit(
         folds=folds,
         epsilon=args.exit_epsilon,
         layers=layers,
+        pool=args.exit_pool,
+        epochs=cv.epochs if args.exit_pool != "mean" else None,
     )
     if search.probe is not None:
         result.probe = search.probe
@@ -384,7 +395,9 @@ def _exit(
 
 
 def _print_exit_table(search: ExitSearch) -> None:
-    print(f"exit search: full-depth out-of-fold AUPRC {search.full_auprc:.4f}")
+    print(
+        f"exit search ({search.pool} exit heads): full-depth out-of-fold AUPRC {search.full_auprc:.4f}"
+    )
     print("layer  allow_below  share  cascade_auprc  cost")
     for r in search.rows:
         mark = " <- chosen" if r == search.chosen else ""
