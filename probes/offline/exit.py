@@ -1,15 +1,19 @@
 """Choosing the cascade's exit head by cross-validation: which layer, which threshold.
 
-For each candidate layer ``k`` (a layer the probe reads, below its deepest): a masked-mean
-linear probe over layer ``k`` alone is trained on ``k - 1`` folds and scores the held-out
-fold (out-of-fold logits for every row), its calibration (temperature and per-label bias)
-is fitted on those logits, and for
+For each candidate layer ``k`` (a layer the probe reads, below its deepest): an exit head
+over layer ``k`` alone (a linear head on its masked means, or the attention kind on its
+tokens) is trained on ``k - 1`` folds and scores the held-out fold (out-of-fold logits for
+every row), its calibration (temperature and per-label bias) is fitted on those logits, and
+for
 each ``allow_below`` threshold the rows whose calibrated flag risk is below it take the exit
 score while the others keep the full probe's out-of-fold score. A threshold is acceptable
 when that cascade's AUPRC is within ``epsilon`` of the full probe's; the layer and threshold
 chosen minimize the forward pass's expected cost ``k / deepest + (1 - share) · (deepest -
 k) / deepest`` (blocks run per message). Nothing is chosen when no layer saves at least
-``min_saving`` of the forward pass.
+``min_saving`` of the forward pass. The head attached is the *soup* of the chosen layer's
+fold heads (the mean of their weights): its calibration and threshold were fitted on those
+heads' scores, while a head refit on every row is more confident than they were and exits
+more rows than the search measured (on ToxicChat, 61 % instead of 19 %).
 """
 
 from __future__ import annotations
@@ -132,21 +136,38 @@ def search_exit(
     if pool == "mean" and data.tokens is None:
         pool = spec.token_pool  # cached summaries: already pooled by the probe's own pool
     rows: list[ExitRow] = []
+    soups: dict[int, dict[str, Tensor]] = {}
+    alone: dict[int, float] = {}  # each layer's exit head alone, out of fold (AUPRC)
     for k in candidates:
         view = _exit_view(spec, ExitSpec(layer=k, token_pool=pool))
         one = _exit_rows(data, k, pool)
+        # Every fold standardizes by all rows' statistics and starts from one seed, so the
+        # fold heads average into one (the soup), as fit_cv's final probe does.
+        stats = one.input_stats() if config.standardize else None
         logits = torch.empty(len(data), len(spec.labels))
+        states: list[dict[str, Tensor]] = []
         for f in range(folds):
             held = (fold == f).nonzero().flatten()
             train = (fold != f).nonzero().flatten()
             trained = fit(
-                build_probe(view, seed=config.seed), one.subset(train), None, exit_config
+                build_probe(view, seed=config.seed),
+                one.subset(train),
+                None,
+                exit_config,
+                input_stats=stats,
+                reference=False,
             ).probe.eval()
             logits[held] = _logits(trained, one, held)
+            states.append(trained.state_dict())
+        soups[k] = {
+            key: torch.stack([s[key].double() for s in states]).mean(0).to(value.dtype)
+            for key, value in states[0].items()
+        }
         temperature, bias = fit_calibration(spec, logits, data.targets)
         probs = calibrated(spec, logits, temperature, bias)
         risk = flag_risk(spec, probs).double().numpy()
         early = _flag_score(spec, probs.double().numpy())
+        alone[k] = average_precision(y, early)
         for t in THRESHOLDS:
             exited = risk < t
             share = float(exited.mean())
@@ -168,7 +189,16 @@ def search_exit(
     )
     one = _exit_rows(data, chosen.layer, pool)
     view = _exit_view(spec, exit_spec)
-    head = fit(build_probe(view, seed=config.seed), one, None, exit_config).probe.eval()
+    head = build_probe(view, seed=config.seed)
+    head.load_state_dict(soups[chosen.layer])
+    head.eval()
+    # As fit_cv's soup: fold heads that left the shared basin average to weights that rank
+    # the rows they all trained on worse than each ranked rows it never saw.
+    soup_logits = _logits(head, one, torch.arange(len(data)))
+    seen = calibrated(spec, soup_logits, chosen.temperature, chosen.bias).double().numpy()
+    if not average_precision(y, _flag_score(spec, seen)) >= alone[chosen.layer]:
+        search.notes.append("the soup of the fold exit heads fell apart: refit on every row")
+        head = fit(build_probe(view, seed=config.seed), one, None, exit_config).probe.eval()
     search.probe = attach_exit(probe, head, exit_spec)
     return search
 

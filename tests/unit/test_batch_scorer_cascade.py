@@ -11,7 +11,7 @@ import torch
 from probes.checkpoint import checkpoint_to_bytes
 from probes.exit import exit_probabilities, flag_risk
 from probes.probe import build_probe
-from schemas import ChatMessage, CheckpointManifest, ExitSpec, ProbeSpec
+from schemas import ChatMessage, CheckpointManifest, ExitSpec, ProbeSpec, TokenPool
 from tests.tiny_llm import make_tiny_llm
 from worker.llm.extract import HiddenStateExtractor
 from worker.scoring.batch import BatchScorer, ExitPolicy, ProbeSlot, ServedProbe
@@ -29,7 +29,9 @@ def messages() -> list[ChatMessage]:
     ]
 
 
-def served(ex: HiddenStateExtractor, seed: int, allow_below: float = 0.0) -> ServedProbe:
+def served(
+    ex: HiddenStateExtractor, seed: int, allow_below: float = 0.0, exit_pool: TokenPool = "mean"
+) -> ServedProbe:
     spec = ProbeSpec(
         name="tox",
         token_pool="mean",
@@ -40,7 +42,9 @@ def served(ex: HiddenStateExtractor, seed: int, allow_below: float = 0.0) -> Ser
         labels=["ok", "bad"],
         flag_labels=["bad"],
         thresholds={"bad": 0.5},
-        exit=ExitSpec(layer=EXIT_LAYER, temperature=0.5, allow_below=allow_below),
+        exit=ExitSpec(
+            layer=EXIT_LAYER, token_pool=exit_pool, temperature=0.5, allow_below=allow_below
+        ),
     )
     probe = build_probe(spec, seed=seed).eval()
     _, manifest = checkpoint_to_bytes(probe, llm=ex.fingerprint, version=seed)
@@ -59,10 +63,11 @@ def ex() -> HiddenStateExtractor:
     return HiddenStateExtractor(make_tiny_llm(), max_tokens=64, batch_size=8)
 
 
+@pytest.mark.parametrize("exit_pool", ["mean", "mha"])
 def test_confident_messages_exit_and_the_others_score_as_without_a_cascade(
-    ex: HiddenStateExtractor,
+    ex: HiddenStateExtractor, exit_pool: TokenPool
 ) -> None:
-    probe = served(ex, seed=1)
+    probe = served(ex, seed=1, exit_pool=exit_pool)
     probs, risk = exit_risks(ex, probe)
     low = float(risk.median())  # about half the messages are confident enough
     slot = {"tox": ProbeSlot("tox", probe)}
