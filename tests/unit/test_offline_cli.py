@@ -432,13 +432,15 @@ def test_fit_exit_prints_its_table_and_a_large_epsilon_attaches_an_exit_head(
 
 
 def test_fit_exit_pool_mha_searches_attention_exit_heads(capsys, caches, workspace) -> None:
+    # --exit-pool auto (the default): an MHA probe reads tokens, so its exit heads do too.
     argv = ["fit", "--cache", str(caches[0]), "--folds", "2", "--epochs", "2"]
-    argv += ["--exit", "2", "--exit-epsilon", "1", "--exit-pool", "mha"]
+    argv += ["--exit", "2", "--exit-epsilon", "1"]
     assert main([*argv, "--out", str(workspace / "mha")]) == 0
     out = capsys.readouterr().out
     assert "exit search (mha exit heads): full-depth out-of-fold AUPRC" in out, out
     # A mean probe's cache rows are pooled summaries: no tokens for an attention exit.
     argv[argv.index("--folds") :] = ["--pool", "mean", "--folds", "2", "--exit-pool", "mha"]
+    argv += ["--exit", "2"]
     assert main([*argv, "--out", str(workspace / "no")]) == 1
     assert "trains on token states" in capsys.readouterr().err
 
