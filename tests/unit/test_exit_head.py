@@ -60,9 +60,11 @@ def test_checkpoint_round_trip_carries_the_exit_head() -> None:
     )
 
 
-def test_learner_steps_train_the_exit_head_on_the_same_labels() -> None:
+@pytest.mark.parametrize(("pool", "exit_pool"), [("mean", "mean"), ("mha", "mha")])
+def test_learner_steps_train_the_exit_head_on_the_same_labels(pool: str, exit_pool: str) -> None:
     torch.manual_seed(0)
-    probe = build_probe(exit_spec("mean"), seed=0)
+    exit = ExitSpec(layer=2, allow_below=0.2, token_pool=exit_pool)  # type: ignore[arg-type]
+    probe = build_probe(make_spec(pool, "scalar_mix", exit=exit), seed=0)
     hidden, mask, y = toy_task(3, "multiclass", n=96)
     assert probe.exit_head is not None
     before = probe.exit_head.head.weight.detach().clone()
