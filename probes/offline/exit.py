@@ -13,7 +13,7 @@ k) / deepest`` (blocks run per message). Nothing is chosen when no layer saves a
 ``min_saving`` of the forward pass. The head attached is the *soup* of the chosen layer's
 fold heads (the mean of their weights): its calibration and threshold were fitted on those
 heads' scores, while a head refit on every row is more confident than they were and exits
-more rows than the search measured (on ToxicChat, 61 % instead of 19 %).
+more rows than the search measured (on held-out ToxicChat rows at layer 8, 61 % instead of 19 %).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def search_exit(
 ) -> ExitSearch:
     """Search the exit layers of ``spec`` (or ``layers``) on ``data`` (the probe's training
     rows; ``oof_probs`` ``[N, C]``: the full probe's out-of-fold probabilities) and attach
-    the chosen exit head, trained on every row, to ``probe``.
+    the chosen exit head (the soup of its fold heads) to ``probe``.
 
     ``pool``: the exit head's token aggregation. ``"mean"`` trains a linear head on the
     layer's masked means (cheap: one pass over the tokens); any other pool (``"mha"``: the
