@@ -131,6 +131,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the cascade's exit search: CV AUPRC it may give up (fit's default: %(default)s)",
     )
     p.add_argument(
+        "--exit-max-missed",
+        type=float,
+        default=0.05,
+        help="the exit search's largest share of flagged rows allowed early (fit's default)",
+    )
+    p.add_argument(
         "--exit-pool",
         choices=["mean", "mha"],
         default="mean",
@@ -258,6 +264,7 @@ def fit_probes(args: argparse.Namespace) -> dict[str, Path]:
         folds=args.folds,
         epsilon=args.depth_epsilon,
         depths=depths,
+        calibrate=True,  # as fit's defaults: the exit search mixes calibrated scores
         progress=lambda row: log("  " + ", ".join(f"{k} {v:.4g}" for k, v in row.items())),
     )
     print_depth_table(search)
@@ -300,13 +307,14 @@ def exit_search(
         epsilon=args.exit_epsilon,
         pool=args.exit_pool,
         epochs=epochs if args.exit_pool != "mean" else None,
+        max_missed=args.exit_max_missed,
     )
     log(f"exit search (epsilon {args.exit_epsilon}): full-depth CV AUPRC {exits.full_auprc:.4f}")
     for r in exits.rows:
         mark = "  <- chosen" if r == exits.chosen else ""
         log(
-            f"  layer {r.layer:>2} < {r.allow_below:<5}: share {r.share:.2f}, AUPRC {r.auprc:.4f}"
-            f", cost {r.cost:.2f}{mark}"
+            f"  layer {r.layer:>2} < {r.allow_below:<5}: share {r.share:.2f}, missed "
+            f"{r.missed:.3f}, AUPRC {r.auprc:.4f}, cost {r.cost:.2f}{mark}"
         )
     if exits.probe is None:
         raise SystemExit(f"no exit head pays within --exit-epsilon: {exits.notes}")

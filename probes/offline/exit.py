@@ -4,16 +4,16 @@ For each candidate layer ``k`` (a layer the probe reads, below its deepest): an 
 over layer ``k`` alone (a linear head on its masked means, or the attention kind on its
 tokens) is trained on ``k - 1`` folds and scores the held-out fold (out-of-fold logits for
 every row), its calibration (temperature and per-label bias) is fitted on those logits, and
-for
-each ``allow_below`` threshold the rows whose calibrated flag risk is below it take the exit
-score while the others keep the full probe's out-of-fold score. A threshold is acceptable
-when that cascade's AUPRC is within ``epsilon`` of the full probe's; the layer and threshold
-chosen minimize the forward pass's expected cost ``k / deepest + (1 - share) · (deepest -
-k) / deepest`` (blocks run per message). Nothing is chosen when no layer saves at least
+for each ``allow_below`` threshold the rows whose calibrated flag risk is below it take the
+exit score while the others keep the full probe's out-of-fold score. A threshold is
+acceptable when that cascade's AUPRC is within ``epsilon`` of the full probe's and it
+allows at most ``max_missed`` of the flagged rows early; the layer and threshold chosen
+minimize the forward pass's expected cost ``k / deepest + (1 - share) · (deepest - k) /
+deepest`` (blocks run per message). Nothing is chosen when no layer saves at least
 ``min_saving`` of the forward pass. The head attached is the *soup* of the chosen layer's
 fold heads (the mean of their weights): its calibration and threshold were fitted on those
 heads' scores, while a head refit on every row is more confident than they were and exits
-more rows than the search measured (on held-out ToxicChat rows at layer 8, 61 % instead of 19 %).
+more rows than the search measured (held-out ToxicChat rows at layer 8: 61 %, not 19 %).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class ExitRow:
     auprc: float  # of the cascade (out of fold)
     cost: float  # expected share of the forward pass's blocks run per message
     bias: list[float] | None = None  # the calibration's per-label bias
+    missed: float = 0.0  # share of the flagged rows (any flag label true) it allows early
 
 
 @dataclass
@@ -72,6 +73,7 @@ class ExitSearch:
                 "exit_layer": float(c.layer),
                 "exit_allow_below": c.allow_below,
                 "exit_cv_share": c.share,
+                "exit_cv_missed": c.missed,
                 "exit_cv_auprc": c.auprc,
                 "exit_cv_cost": c.cost,
             }
@@ -106,6 +108,7 @@ def search_exit(
     epochs: int | None = None,
     min_saving: float = 0.15,
     pool: TokenPool = "mean",
+    max_missed: float = 0.05,
 ) -> ExitSearch:
     """Search the exit layers of ``spec`` (or ``layers``) on ``data`` (the probe's training
     rows; ``oof_probs`` ``[N, C]``: the full probe's out-of-fold probabilities) and attach
@@ -114,7 +117,14 @@ def search_exit(
     ``pool``: the exit head's token aggregation. ``"mean"`` trains a linear head on the
     layer's masked means (cheap: one pass over the tokens); any other pool (``"mha"``: the
     multi-head attention kind) trains on the layer's token states, which ``data`` must
-    hold, for ``epochs`` epochs (the full probe's, from its cross-validation)."""
+    hold, for ``epochs`` epochs (the full probe's, from its cross-validation).
+
+    ``max_missed``: the largest share of the flagged rows a threshold may allow early. The
+    cascade's out-of-fold AUPRC alone is optimistic: it is measured against the fold
+    models, which rank no better than a good exit head, while the probe served (their soup)
+    ranks better, so positives the exit lets through cost more held out (on ToxicChat, a
+    threshold within 0.5 point by CV lost 2.1 points held out, allowing 17 % of positives
+    early; at most 5 % kept the loss within 0.35 point)."""
     if not spec.flag_labels:
         return ExitSearch(float("nan"), [], None, notes=["no flag labels: nothing to exit on"])
     deepest = spec.deepest_layer
@@ -173,12 +183,19 @@ def search_exit(
             share = float(exited.mean())
             auprc = average_precision(y, np.where(exited, early, full))
             cost = k / deepest + (1 - share) * (deepest - k) / deepest
-            rows.append(ExitRow(k, t, temperature, share, auprc, cost, bias))
-    ok = [r for r in rows if r.auprc >= full_auprc - epsilon and r.cost <= 1 - min_saving]
+            missed = float(exited[y].mean()) if y.any() else 0.0
+            rows.append(ExitRow(k, t, temperature, share, auprc, cost, bias, missed))
+    ok = [
+        r
+        for r in rows
+        if r.auprc >= full_auprc - epsilon and r.missed <= max_missed and r.cost <= 1 - min_saving
+    ]
     chosen = min(ok, key=lambda r: (r.cost, -r.auprc)) if ok else None
     search = ExitSearch(full_auprc, rows, chosen, epsilon=epsilon, pool=pool)
     if chosen is None:
-        search.notes.append("no exit layer saves enough within epsilon: no exit head")
+        search.notes.append(
+            "no exit layer saves enough within epsilon and max_missed: no exit head"
+        )
         return search
     exit_spec = ExitSpec(
         layer=chosen.layer,

@@ -182,3 +182,31 @@ def test_the_served_exit_head_is_the_fold_heads_soup_so_its_calibration_holds() 
     risk = exit_probabilities(search.probe, hidden[0], mask)[:, 1]
     served = float((risk < search.chosen.allow_below).float().mean())
     assert abs(served - search.chosen.share) < 0.1, (served, search.chosen.share)
+
+
+def test_max_missed_refuses_thresholds_that_let_flagged_rows_through() -> None:
+    """Within epsilon by AUPRC is not enough: a threshold that allows more than max_missed
+    of the flagged rows early is refused (the served probe ranks better than the fold
+    models the AUPRC is measured against, so each missed positive costs more held out)."""
+    data = toxic_rows()
+    oof = torch.nn.functional.one_hot(data.targets, 2).float() * 0.9 + 0.05
+
+    def run(max_missed: float) -> ExitSearch:
+        return search_exit(
+            SPEC,
+            build_probe(SPEC, seed=0),
+            data,
+            oof,
+            FitConfig(lr=0.03),
+            folds=3,
+            epsilon=1.0,
+            epochs=20,
+            layers=[1],
+            max_missed=max_missed,
+        )
+
+    loose, strict = run(1.0), run(0.0)
+    assert any(r.missed > 0 for r in loose.rows) and all(0 <= r.missed <= 1 for r in loose.rows)
+    assert loose.chosen is not None and loose.chosen.missed > 0
+    assert strict.chosen is None or strict.chosen.missed == 0
+    assert strict.chosen is None or strict.chosen.share < loose.chosen.share

@@ -418,9 +418,11 @@ def test_fit_exit_prints_its_table_and_a_large_epsilon_attaches_an_exit_head(
 ) -> None:
     argv = ["fit", "--cache", str(caches[0]), "--pool", "mean", "--folds", "2", "--epochs", "2"]
     fast = ["--epochs", "8", "--lr", "0.05", "--exit", "2", "--exit-epsilon", "1"]
+    fast += ["--exit-max-missed", "1"]
     assert main([*argv, *fast, "--out", str(workspace / "ex")]) == 0
     out = capsys.readouterr().out
-    assert "exit search (mean exit heads): full-depth out-of-fold AUPRC" in out and "<- chosen" in out
+    assert "exit search (mean exit heads): full-depth out-of-fold AUPRC" in out
+    assert "<- chosen" in out
     probe, manifest = load_checkpoint(workspace / "ex", None)
     assert probe.spec.exit is not None and probe.spec.exit.layer == 2
     assert probe.exit_head is not None
@@ -429,12 +431,14 @@ def test_fit_exit_prints_its_table_and_a_large_epsilon_attaches_an_exit_head(
     assert load_checkpoint(workspace / "no", None)[0].spec.exit is None
     with pytest.raises(SystemExit, match="--exit"):
         main([*argv, "--exit", "deep", "--out", str(workspace / "x")])
+    with pytest.raises(SystemExit, match="--exit-max-missed is a share"):
+        main([*argv, "--exit-max-missed", "5", "--out", str(workspace / "x")])
 
 
 def test_fit_exit_pool_mha_searches_attention_exit_heads(capsys, caches, workspace) -> None:
     # --exit-pool auto (the default): an MHA probe reads tokens, so its exit heads do too.
     argv = ["fit", "--cache", str(caches[0]), "--folds", "2", "--epochs", "2"]
-    argv += ["--exit", "2", "--exit-epsilon", "1"]
+    argv += ["--exit", "2", "--exit-epsilon", "1", "--exit-max-missed", "1"]
     assert main([*argv, "--out", str(workspace / "mha")]) == 0
     out = capsys.readouterr().out
     assert "exit search (mha exit heads): full-depth out-of-fold AUPRC" in out, out

@@ -69,6 +69,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="with --exit: AUPRC the cascade may give up (%(default)s = 0.5 point)",
     )
     p.add_argument(
+        "--exit-max-missed",
+        type=float,
+        default=0.05,
+        help="with --exit: the largest share of the flagged training rows a threshold may "
+        "allow early, out of fold (%(default)s); the AUPRC alone is measured against the "
+        "fold models, weaker than the probe served, and understates what misses cost",
+    )
+    p.add_argument(
         "--exit-pool",
         choices=["auto", "mean", "mha"],
         default="auto",
@@ -371,6 +379,8 @@ def _exit(
         if args.exit != "auto":
             raise SystemExit("probeguard fit: --exit LAYER cross-validates; it needs --folds >= 2")
         return None
+    if not 0.0 <= args.exit_max_missed <= 1.0:
+        raise SystemExit(f"probeguard fit: --exit-max-missed is a share: {args.exit_max_missed}")
     try:
         layers = None if args.exit == "auto" else [int(args.exit)]
     except ValueError as exc:
@@ -392,6 +402,7 @@ def _exit(
         layers=layers,
         pool=pool,
         epochs=cv.epochs if pool != "mean" else None,
+        max_missed=args.exit_max_missed,
     )
     if search.probe is not None:
         result.probe = search.probe
@@ -401,12 +412,12 @@ def _exit(
 def _print_exit_table(search: ExitSearch) -> None:
     auprc = search.full_auprc
     print(f"exit search ({search.pool} exit heads): full-depth out-of-fold AUPRC {auprc:.4f}")
-    print("layer  allow_below  share  cascade_auprc  cost")
+    print("layer  allow_below  share  missed  cascade_auprc  cost")
     for r in search.rows:
         mark = " <- chosen" if r == search.chosen else ""
         print(
-            f"{r.layer:>5}  {r.allow_below:>11.3f}  {r.share:>5.2f}  {r.auprc:>13.4f}  "
-            f"{r.cost:>4.2f}{mark}"
+            f"{r.layer:>5}  {r.allow_below:>11.3f}  {r.share:>5.2f}  {r.missed:>6.3f}  "
+            f"{r.auprc:>13.4f}  {r.cost:>4.2f}{mark}"
         )
     for note in search.notes:
         print(f"exit search: {note}")
