@@ -95,7 +95,15 @@ def test_the_exit_head_keeps_the_base_rate_under_a_class_balanced_fit() -> None:
     oof = torch.nn.functional.one_hot(data.targets, 2).float() * 0.9 + 0.05
     config = FitConfig(lr=0.03, balance="weights")
     search = search_exit(
-        spec, build_probe(spec, seed=0), data, oof, config, folds=3, epsilon=1.0, epochs=20
+        spec,
+        build_probe(spec, seed=0),
+        data,
+        oof,
+        config,
+        folds=3,
+        epsilon=1.0,
+        epochs=20,
+        max_missed=1.0,
     )
     assert search.probe is not None and data.summaries is not None
     risk = exit_probabilities(search.probe, data.summaries[0].float())[:, 1]
