@@ -82,7 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="auto",
         help="with --exit: the exit head's token aggregation: 'mha' (the multi-head "
         "attention kind over the exit layer's tokens, for the full probe's epochs: about 20 s "
-        "per layer and fold on ToxicChat; ranks the hard cases a mean hides), 'mean' (a "
+        "per layer for 3 folds on ToxicChat; ranks the hard cases a mean hides), 'mean' (a "
         "linear head on the exit layer's masked means: seconds), 'auto' (mha when the "
         "probe reads tokens, else mean) (default: %(default)s)",
     )
