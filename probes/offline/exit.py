@@ -30,7 +30,7 @@ from probes.exit import attach_exit, flag_risk
 from probes.metrics import _flag_score, _truth, average_precision
 from probes.offline.dataset import ProbeDataset
 from probes.offline.fit import FitConfig, fit
-from probes.offline.select import stratified_folds
+from probes.offline.select import mean_state, stratified_folds
 from probes.probe import Probe, build_probe
 from schemas import ExitSpec, ProbeSpec, TokenPool
 
@@ -169,10 +169,7 @@ def search_exit(
             ).probe.eval()
             logits[held] = _logits(trained, one, held)
             states.append(trained.state_dict())
-        soups[k] = {
-            key: torch.stack([s[key].double() for s in states]).mean(0).to(value.dtype)
-            for key, value in states[0].items()
-        }
+        soups[k] = mean_state(states)
         temperature, bias = fit_calibration(spec, logits, data.targets)
         probs = calibrated(spec, logits, temperature, bias)
         risk = flag_risk(spec, probs).double().numpy()

@@ -84,6 +84,7 @@ __all__ = [
     "depth_candidates",
     "fit_cv",
     "held_out",
+    "mean_state",
     "refit",
     "select_depth",
     "stratified_folds",
@@ -397,6 +398,14 @@ def refit(
     return final
 
 
+def mean_state(states: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """The mean of several models' state dicts (same keys and shapes): a soup's weights."""
+    return {
+        key: torch.stack([s[key].double() for s in states]).mean(0).to(value.dtype)
+        for key, value in states[0].items()
+    }
+
+
 def _soup(
     spec: ProbeSpec, data: ProbeDataset, config: FitConfig, cv: CVResult, started: float
 ) -> FitResult | None:
@@ -405,11 +414,7 @@ def _soup(
     learning rate on little data) average to weights that score the rows they all trained
     on worse than each fold scored rows it never saw."""
     probe = build_probe(spec, seed=config.seed)
-    mean = {
-        key: torch.stack([s[key].double() for s in cv.fold_states]).mean(0).to(value.dtype)
-        for key, value in cv.fold_states[0].items()
-    }
-    probe.load_state_dict(mean)
+    probe.load_state_dict(mean_state(cv.fold_states))
     probe.eval()
     seen = float(epoch_score(spec, predict_dataset(probe, data), data.targets, "auprc")[0])
     unseen = statistics.fmean(f.auprc for f in cv.folds)

@@ -3,6 +3,8 @@ full probe's AUPRC, and the chosen head attached to the probe."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -128,24 +130,19 @@ def needle_rows(n: int = 240, seed: int = 0) -> ProbeDataset:
     )
 
 
+def one_layer_search(spec: ProbeSpec, data: ProbeDataset, lr: float, **kw: Any) -> ExitSearch:
+    """search_exit over layer 1 alone, 3 folds, against a perfect full probe."""
+    oof = torch.nn.functional.one_hot(data.targets, 2).float() * 0.9 + 0.05
+    probe = build_probe(spec, seed=0)
+    return search_exit(spec, probe, data, oof, FitConfig(lr=lr), folds=3, layers=[1], **kw)
+
+
 def test_an_mha_exit_head_finds_what_a_mean_misses_and_serves_on_tokens() -> None:
     data = needle_rows()
     spec = SPEC.model_copy(update={"token_pool": "mha", "d_inner": 16, "num_heads": 2})
-    oof = torch.nn.functional.one_hot(data.targets, 2).float() * 0.9 + 0.05
 
     def run(pool: TokenPool) -> ExitSearch:
-        return search_exit(
-            spec,
-            build_probe(spec, seed=0),
-            data,
-            oof,
-            FitConfig(lr=0.01),
-            folds=3,
-            epsilon=0.02,
-            epochs=15,
-            layers=[1],
-            pool=pool,
-        )
+        return one_layer_search(spec, data, 0.01, epsilon=0.02, epochs=15, pool=pool)
 
     mean, mha = run("mean"), run("mha")
     mean_share = mean.chosen.share if mean.chosen else 0.0
@@ -172,19 +169,7 @@ def test_the_served_exit_head_is_the_fold_heads_soup_so_its_calibration_holds() 
     about the share the search measured."""
     data = needle_rows(seed=1)
     spec = SPEC.model_copy(update={"token_pool": "mha", "d_inner": 16, "num_heads": 2})
-    oof = torch.nn.functional.one_hot(data.targets, 2).float() * 0.9 + 0.05
-    search = search_exit(
-        spec,
-        build_probe(spec, seed=0),
-        data,
-        oof,
-        FitConfig(lr=0.01),
-        folds=3,
-        epsilon=0.02,
-        epochs=15,
-        layers=[1],
-        pool="mha",
-    )
+    search = one_layer_search(spec, data, 0.01, epsilon=0.02, epochs=15, pool="mha")
     assert search.chosen is not None and search.probe is not None, search.table()
     hidden, mask, _ = data.select_layers([1]).batch(torch.arange(len(data)))
     risk = exit_probabilities(search.probe, hidden[0], mask)[:, 1]
@@ -197,21 +182,9 @@ def test_max_missed_refuses_thresholds_that_let_flagged_rows_through() -> None:
     of the flagged rows early is refused (the served probe ranks better than the fold
     models the AUPRC is measured against, so each missed positive costs more held out)."""
     data = toxic_rows()
-    oof = torch.nn.functional.one_hot(data.targets, 2).float() * 0.9 + 0.05
 
     def run(max_missed: float) -> ExitSearch:
-        return search_exit(
-            SPEC,
-            build_probe(SPEC, seed=0),
-            data,
-            oof,
-            FitConfig(lr=0.03),
-            folds=3,
-            epsilon=1.0,
-            epochs=20,
-            layers=[1],
-            max_missed=max_missed,
-        )
+        return one_layer_search(SPEC, data, 0.03, epsilon=1.0, epochs=20, max_missed=max_missed)
 
     loose, strict = run(1.0), run(0.0)
     assert any(r.missed > 0 for r in loose.rows) and all(0 <= r.missed <= 1 for r in loose.rows)
