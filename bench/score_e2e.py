@@ -139,8 +139,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--exit-pool",
         choices=["mean", "mha"],
-        default="mean",
-        help="the exit head's token aggregation (fit --exit-pool; default: %(default)s)",
+        default="mha",
+        help="the exit head's token aggregation (fit --exit-pool; its default, auto, is mha "
+        "for these MHA probes; default: %(default)s)",
     )
     p.add_argument("--epochs", type=int, default=40, help="max epochs per fit (%(default)s)")
     p.add_argument("--patience", type=int, default=6, help="early stopping (%(default)s)")
@@ -317,7 +318,7 @@ def exit_search(
             f"{r.missed:.3f}, AUPRC {r.auprc:.4f}, cost {r.cost:.2f}{mark}"
         )
     if exits.probe is None:
-        raise SystemExit(f"no exit head pays within --exit-epsilon: {exits.notes}")
+        raise SystemExit(f"no exit head pays within --exit-epsilon/--exit-max-missed: {exits.notes}")
     return exits.probe, exits.metrics()
 
 
