@@ -318,7 +318,7 @@ def exit_search(
             f"{r.missed:.3f}, AUPRC {r.auprc:.4f}, cost {r.cost:.2f}{mark}"
         )
     if exits.probe is None:
-        raise SystemExit(f"no exit head pays within --exit-epsilon/--exit-max-missed: {exits.notes}")
+        raise SystemExit(f"no exit head pays within the epsilon and max missed: {exits.notes}")
     return exits.probe, exits.metrics()
 
 
