@@ -14,7 +14,7 @@ processes hits every option alike:
 - ``eager``: float32 with transformers' eager attention instead of SDPA;
 - ``threads-1``: float32 on one intra-op thread (``torch.set_num_threads(1)``);
 - ``compile``: float32 with each decoder block under ``torch.compile(dynamic=True)``
-  (``--compile``: its first calls compile for minutes on 2 cores).
+  (``--compile``: its first calls compile, ~40 s on 2 cores).
 
 Per option: texts/s, tokens/s, ratio to float32, and how far its states are from
 float32's (the worst token's cosine similarity over the layers read; bf16 rounding is
@@ -69,7 +69,7 @@ def extractor_for(option: str, model: str) -> tuple[Any, Callable[[], None]]:
     if option == "eager":
         model_.config._attn_implementation = "eager"
     if option == "compile":
-        blocks = model_.model.layers
+        blocks = ex.llm.layer_stack  # the decoder blocks, whatever the architecture names them
         for i, block in enumerate(blocks):
             blocks[i] = torch.compile(block, dynamic=True)
     threads = torch.get_num_threads()

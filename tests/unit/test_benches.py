@@ -124,3 +124,15 @@ def test_text_form_bench_runs_on_a_tiny_llm(
         "toy-train-limit80-tiny-llama-0",
         "toy-train-limit80-tiny-llama-0-none-chat",
     ]
+
+
+def test_forward_options_bench_compiles_the_decoder_blocks(
+    capsys, texts: Path, tiny_model_dir: str
+) -> None:
+    bench = load_bench("forward_options")
+    argv = ["--data", str(texts), "--texts", "4", "--rounds", "1", "--options", "float32"]
+    assert bench.main([*argv, "--compile", "--model", tiny_model_dir]) == 0
+    out = last_json(capsys)
+    rows = {r["option"]: r for r in out["results"]}
+    assert set(rows) == {"float32", "compile"} and rows["compile"]["texts_s"] > 0
+    assert rows["compile"]["worst_cosine"] > 0.999  # compiling changes no state
