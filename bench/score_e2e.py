@@ -314,7 +314,8 @@ def exit_search(
     for r in exits.rows:
         mark = "  <- chosen" if r == exits.chosen else ""
         log(
-            f"  layer {r.layer:>2} < {r.allow_below:<5}: share {r.share:.2f}, missed "
+            f"  layer {r.layer:>2} < {r.allow_below:<5}: share {r.share:.2f} "
+            f"(tokens {r.tokens if r.tokens is None else round(r.tokens, 2)}), missed "
             f"{r.missed:.3f}, AUPRC {r.auprc:.4f}, cost {r.cost:.2f}{mark}"
         )
     if exits.probe is None:

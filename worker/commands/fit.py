@@ -412,11 +412,12 @@ def _exit(
 def _print_exit_table(search: ExitSearch) -> None:
     auprc = search.full_auprc
     print(f"exit search ({search.pool} exit heads): full-depth out-of-fold AUPRC {auprc:.4f}")
-    print("layer  allow_below  share  missed  cascade_auprc  cost")
+    print("layer  allow_below  share  tokens  missed  cascade_auprc  cost")
     for r in search.rows:
         mark = " <- chosen" if r == search.chosen else ""
+        tokens = "     -" if r.tokens is None else f"{r.tokens:>6.2f}"
         print(
-            f"{r.layer:>5}  {r.allow_below:>11.3f}  {r.share:>5.2f}  {r.missed:>6.3f}  "
+            f"{r.layer:>5}  {r.allow_below:>11.3f}  {r.share:>5.2f}  {tokens}  {r.missed:>6.3f}  "
             f"{r.auprc:>13.4f}  {r.cost:>4.2f}{mark}"
         )
     for note in search.notes:
