@@ -427,12 +427,18 @@ def verdict_quality(
     }
 
 
-def decided_early(keys: list[bytes], clock: VerdictClock) -> float:
-    """The share of these verdicts an exit head decided (``ProbeResult.depth`` set)."""
+def decided_early(keys: list[bytes], clock: VerdictClock, lengths: list[int]) -> dict[str, float]:
+    """The share of these verdicts an exit head decided (``ProbeResult.depth`` set), and
+    their share of the tokens (``lengths``: each key's text's): the work the exit saved
+    is the tokens', and the texts decided early are mostly short."""
     from schemas import Verdict
 
-    depths = [Verdict.decode(clock.payload[k]).results[0].depth for k in keys]
-    return round(sum(d is not None for d in depths) / max(1, len(depths)), 4)
+    early = [Verdict.decode(clock.payload[k]).results[0].depth is not None for k in keys]
+    tokens = sum(n for n, e in zip(lengths, early, strict=True) if e)
+    return {
+        "decided_early": round(sum(early) / max(1, len(early)), 4),
+        "decided_early_tokens": round(tokens / max(1, sum(lengths)), 4),
+    }
 
 
 def count_sum(histogram: Any) -> tuple[float, float]:
@@ -552,7 +558,7 @@ def run_config(
         "autocast": extractor.autocast,
         "layers": list(probe.layers),
         "backlog_msg_s": round(backlog_rate, 3),
-        "decided_early": decided_early([k for k, _ in records], clock),
+        **decided_early([k for k, _ in records], clock, extractor.token_counts(texts)),
         "paced": paced,
         "quality": verdict_quality(rows, first, clock, flag) if args.untrained is None else None,
         "probe_ms_per_message": round(1000 * m.probe_seconds._sum.get() / max(1.0, scored), 3),
@@ -683,12 +689,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     loads = [p["load"] for p in results[0]["paced"]]
     head = f"{'config':9}{'msg/s':>8}{'x':>7}" + "".join(f"{f'{x:.0%} p50/p99':>17}" for x in loads)
-    print(head + f"{'early':>7}{'F1':>7}{'AUPRC':>7}{'R@1%':>7}")
+    print(head + f"{'early':>7}{'tokens':>7}{'F1':>7}{'AUPRC':>7}{'R@1%':>7}")
     for r in results:
         cells = "".join(f"{p['p50_ms']:>9.0f} /{p['p99_ms']:>6.0f}" for p in r["paced"])
         print(
             f"{r['config']:9}{r['backlog_msg_s']:>8.2f}{r['backlog_vs_first']:>7.2f}{cells}"
-            + f"{r['decided_early']:>7.2f}"
+            + f"{r['decided_early']:>7.2f}{r['decided_early_tokens']:>7.2f}"
             + (
                 f"{q['f1']:>7.3f}{q['auprc']:>7.3f}{q['recall_at_1pct_fpr']:>7.3f}"
                 if (q := r["quality"])

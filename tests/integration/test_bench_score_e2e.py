@@ -57,7 +57,8 @@ def test_score_e2e_compares_configurations_with_real_probes(
             assert p["mean_micro_batch"] >= 1
     meets = out["meets"]
     assert set(meets) >= {"p99_at_50%", "p99_at_70%", "backlog_vs_poll", "backlog_within_5pct"}
-    assert rows["default"]["decided_early"] == 0  # no exit head: every verdict at full depth
+    # No exit head: every verdict at full depth.
+    assert rows["default"]["decided_early"] == rows["default"]["decided_early_tokens"] == 0
     assert meets["backlog_vs_poll"] == round(
         rows["default"]["backlog_msg_s"] / rows["poll"]["backlog_msg_s"], 3
     )
