@@ -71,7 +71,7 @@ def extractor_for(option: str, model: str) -> tuple[Any, Callable[[], None]]:
     if option == "compile":
         blocks = ex.llm.layer_stack  # the decoder blocks, whatever the architecture names them
         for i, block in enumerate(blocks):
-            blocks[i] = torch.compile(block, dynamic=True)
+            blocks[i] = torch.compile(block, dynamic=True)  # type: ignore[assignment]
     threads = torch.get_num_threads()
 
     def before() -> None:

@@ -5,6 +5,7 @@ that a bench still runs and reports what its docstring says, not its figures."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -136,3 +137,40 @@ def test_forward_options_bench_compiles_the_decoder_blocks(
     rows = {r["option"]: r for r in out["results"]}
     assert set(rows) == {"float32", "compile"} and rows["compile"]["texts_s"] > 0
     assert rows["compile"]["worst_cosine"] > 0.999  # compiling changes no state
+
+
+def test_exit_tokens_bench_weighs_the_early_messages_by_their_tokens(
+    capsys, tmp_path: Path, tiny_model_dir: str
+) -> None:
+    from probes import build_probe, save_checkpoint
+    from schemas import ExitSpec, ProbeSpec
+    from worker.llm.extract import HiddenStateExtractor
+    from worker.settings import Settings
+
+    ex = HiddenStateExtractor.from_settings(Settings(model=tiny_model_dir, metrics_port=0))
+    spec = ProbeSpec(
+        name="tox",
+        token_pool="mean",
+        layer_mix="scalar_mix",
+        layers=[1, 2, 4],
+        hidden_size=ex.hidden_size,
+        task="multiclass",
+        labels=["ok", "bad"],
+        flag_labels=["bad"],
+        exit=ExitSpec(layer=2, allow_below=0.5),
+    )
+    save_checkpoint(build_probe(spec, seed=0), tmp_path / "probe", llm=ex.fingerprint)
+    data = tmp_path / "texts.jsonl"
+    lines = ["hi", "hello there", "a much longer message " * 6, "ok " * 20]
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    argv = ["--probe", str(tmp_path / "probe"), "--data", str(data), "--model", tiny_model_dir]
+    assert load_bench("exit_tokens").main(argv) == 0
+    out = last_json(capsys)
+    assert out["bench"] == "exit_tokens" and out["texts"] == 4 and out["exit_layer"] == 2
+    rows = out["rows"]
+    assert [r["allow_below"] for r in rows] == sorted(r["allow_below"] for r in rows)
+    assert sum(r["chosen"] for r in rows) == 1  # the checkpoint's own threshold is a row
+    for r in rows:  # more allowed below, more decided; 1x when nothing exits
+        assert 0 <= r["messages"] <= 1 and 0 <= r["tokens"] <= 1
+        assert (r["ideal_x_tokens"] == 1.0) == (r["tokens"] == 0)
+    assert all(a["messages"] <= b["messages"] for a, b in itertools.pairwise(rows))
