@@ -6,8 +6,8 @@ the short ones, so the share of messages decided early overstates the saving. Fo
 checkpoint with an exit head (``fit --exit``) and a JSONL of texts: the exit layer's
 states of every text (one pass to that layer), the exit head's calibrated flag risk, and
 per ``allow_below`` threshold the share of messages and of tokens below it, with the ideal
-speedup each implies (``deepest / (k + (1 - share) · (deepest - k))``; the probe's deepest
-layer, exit layer ``k``). The last line printed is one JSON object.
+speedup each implies (``1 / probes.offline.exit.exit_cost``, the exit search's cost
+model). The last line printed is one JSON object.
 
     PYTHONPATH=. python bench/exit_tokens.py --probe runs/fit/cascade \\
         --data ../shared/data/toxicchat/validation.jsonl
@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from probes import load_checkpoint
     from probes.exit import exit_probabilities, flag_risk
+    from probes.offline.exit import exit_cost
     from worker.llm.extract import HiddenStateExtractor
     from worker.settings import Settings
 
@@ -68,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         risks += [row_risk.get(j, float("inf")) for j in range(len(chunk))]  # failed: never
     risk = torch.tensor(risks, dtype=torch.float64)
     tokens = torch.tensor(ex.token_counts(texts), dtype=torch.float64)
-    thresholds = sorted({float(t) for t in args.thresholds.split(",") if t.strip()})
-    thresholds = sorted({*thresholds, probe.spec.exit.allow_below})
+    given = {float(t) for t in args.thresholds.split(",") if t.strip()}
+    thresholds = sorted({*given, probe.spec.exit.allow_below})
     table = []
     print(f"exit layer {k} of {deepest}; {len(texts)} texts, {int(tokens.sum())} tokens")
     print(f"{'allow_below':>11}{'messages':>10}{'tokens':>8}{'x msgs':>8}{'x tokens':>9}")
@@ -82,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             "chosen": t == probe.spec.exit.allow_below,
             "messages": round(share, 4),
             "tokens": round(token_share, 4),
-            "ideal_x_messages": round(deepest / (k + (1 - share) * (deepest - k)), 3),
-            "ideal_x_tokens": round(deepest / (k + (1 - token_share) * (deepest - k)), 3),
+            "ideal_x_messages": round(1 / exit_cost(k, deepest, share), 3),
+            "ideal_x_tokens": round(1 / exit_cost(k, deepest, token_share), 3),
         }
         table.append(row)
         mark = "  <- checkpoint" if row["chosen"] else ""

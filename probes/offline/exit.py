@@ -38,9 +38,15 @@ from probes.offline.select import mean_state, stratified_folds
 from probes.probe import Probe, build_probe
 from schemas import ExitSpec, ProbeSpec, TokenPool
 
-__all__ = ["THRESHOLDS", "ExitRow", "ExitSearch", "mean_summaries", "search_exit"]
+__all__ = ["THRESHOLDS", "ExitRow", "ExitSearch", "exit_cost", "mean_summaries", "search_exit"]
 
 THRESHOLDS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2)
+
+
+def exit_cost(layer: int, deepest: int, decided: float) -> float:
+    """The share of the forward pass to ``deepest`` still run when an exit at ``layer``
+    decides ``decided`` of the work (a share of the tokens, or of the rows)."""
+    return layer / deepest + (1 - decided) * (deepest - layer) / deepest
 
 
 @dataclass(frozen=True)
@@ -189,9 +195,7 @@ def search_exit(
             share = float(exited.mean())
             tokens = None if lengths is None else float(lengths[exited].sum() / lengths.sum())
             auprc = average_precision(y, np.where(exited, early, full))
-            cost = (
-                k / deepest + (1 - (share if tokens is None else tokens)) * (deepest - k) / deepest
-            )
+            cost = exit_cost(k, deepest, share if tokens is None else tokens)
             missed = float(exited[y].mean()) if y.any() else 0.0
             rows.append(ExitRow(k, t, temperature, share, auprc, cost, bias, missed, tokens))
     ok = [
