@@ -74,13 +74,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def fit_runs(model: str, args: argparse.Namespace, labels: list[str] | None) -> dict[str, Any]:
-    """Every seed's fit over ``model``'s states: held-out and out-of-fold probabilities."""
+def fit_runs(model: str, args: argparse.Namespace, first: dict[str, Any] | None) -> dict[str, Any]:
+    """Every seed's fit over ``model``'s states: held-out and out-of-fold probabilities.
+    With ``first`` (the first model's fits) its rows must be the same, in the same order:
+    checked before any fit."""
     caches = [quality.cache_for(path, args.cache_root, model=model) for path in args.data]
     data = quality.load(caches, args.kind, "label")
     dev, held = quality.split(data, None, args.holdout_share)
-    if labels is not None:
-        dev, held = dev.relabel(labels), held.relabel(labels)
+    if first is not None:
+        if dev.ids != first["dev"].ids or held.ids != first["held"].ids:
+            raise SystemExit(f"{model}'s caches hold other rows than the first model's")
+        dev, held = dev.relabel(first["dev"].labels), held.relabel(first["dev"].labels)
     hidden = caches[0].manifest.llm.hidden_size
     spec = quality.spec_for(args.kind, dev, hidden, "label", name=f"two-models-{Path(model).name}")
     runs = {}
@@ -115,17 +119,12 @@ def ensemble(members: list[dict[str, Tensor]], spec, dev_y: Tensor, held_y: Tens
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     fits: dict[str, dict[str, Any]] = {}
-    labels = None
     for model in args.models:
         name = Path(model).name
         quality.log(f"{name}: {args.kind}, seeds {args.seeds}, {args.folds}-fold CV …")
-        fits[name] = fit_runs(model, args, labels)
-        labels = fits[name]["dev"].labels
+        fits[name] = fit_runs(model, args, next(iter(fits.values()), None))
     first = next(iter(fits.values()))
     spec, dev, held = first["spec"], first["dev"], first["held"]
-    for name, f in fits.items():  # one split: the same rows, in the same order
-        if f["dev"].ids != dev.ids or f["held"].ids != held.ids:
-            raise SystemExit(f"{name}'s caches hold other rows than {next(iter(fits))}'s")
 
     def members(pairs: list[tuple[str, int]]) -> dict:
         return ensemble([fits[m]["runs"][s] for m, s in pairs], spec, dev.targets, held.targets)

