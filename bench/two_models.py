@@ -130,9 +130,14 @@ def main(argv: list[str] | None = None) -> int:
         return ensemble([fits[m]["runs"][s] for m, s in pairs], spec, dev.targets, held.targets)
 
     names = list(fits)
+    runs = {
+        f"{name} seed {s}": {**r["figures"], "epochs": r["epochs"], "seconds": r["seconds"]}
+        for name in names
+        for s, r in fits[name]["runs"].items()
+    }
     ensembles: dict[str, dict] = {}
-    for name in names:
-        if len(args.seeds) > 1:
+    if len(args.seeds) > 1:
+        for name in names:
             ensembles[f"{name} seeds {args.seeds}"] = members([(name, s) for s in args.seeds])
     for a, b in itertools.combinations(names, 2):
         for s in args.seeds:
@@ -141,13 +146,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"held-out ({len(held)} rows), {args.kind}, `fit` defaults")
     print(f"{'':<44}{'F1':>7}{'AUPRC':>8}{'R@1%FPR':>9}{'OOF AUPRC':>11}")
-    for name in names:
-        for s, r in fits[name]["runs"].items():
-            fig = r["figures"]
-            print(
-                f"{name + ' seed ' + str(s):<44}{fig['f1']:>7.3f}{fig['auprc']:>8.3f}"
-                f"{fig['recall_at_1pct_fpr']:>9.3f}"
-            )
+    for label, fig in runs.items():
+        print(f"{label:<44}{fig['f1']:>7.3f}{fig['auprc']:>8.3f}{fig['recall_at_1pct_fpr']:>9.3f}")
     for label, fig in ensembles.items():
         print(
             f"{label:<44}{fig['f1']:>7.3f}{fig['auprc']:>8.3f}"
@@ -158,11 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         "kind": args.kind,
         "dev_rows": len(dev),
         "test_rows": len(held),
-        "runs": {
-            f"{name} seed {s}": {**r["figures"], "epochs": r["epochs"], "seconds": r["seconds"]}
-            for name in names
-            for s, r in fits[name]["runs"].items()
-        },
+        "runs": runs,
         "ensembles": ensembles,
     }
     print(json.dumps(out))
