@@ -32,6 +32,8 @@ from schemas.operating_point import OperatingPoint
 from schemas.probe import (
     CheckpointEvent,
     CheckpointManifest,
+    EnsembleManifest,
+    EnsembleMember,
     EventKind,
     ExitSpec,
     HeadCalibration,
@@ -60,6 +62,8 @@ __all__ = [
     "DecidedRecord",
     "DriftReference",
     "DriftSnapshot",
+    "EnsembleManifest",
+    "EnsembleMember",
     "EventKind",
     "ExitSpec",
     "HeadCalibration",

@@ -21,6 +21,8 @@ from schemas.messages import ProbeName
 __all__ = [
     "CheckpointEvent",
     "CheckpointManifest",
+    "EnsembleManifest",
+    "EnsembleMember",
     "EventKind",
     "ExitSpec",
     "HeadCalibration",
@@ -396,6 +398,42 @@ class CheckpointManifest(WireModel):
             raise ValueError("spec.layers reads beyond the LLM's last layer")
         if self.drift is not None and len(self.drift.layer_mean) != len(self.spec.layers):
             raise ValueError("drift statistics cover another number of layers than spec.layers")
+        return self
+
+
+class EnsembleMember(WireModel):
+    """One probe of an :class:`EnsembleManifest`: its checkpoint folder (beside the
+    ensemble's manifest), the LLM whose states it reads, and its manifest's sha256."""
+
+    path: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,95}$")]
+    llm: LLMFingerprint
+    manifest_sha256: Sha256Hex
+
+
+class EnsembleManifest(WireModel):
+    """Probes over several frozen LLMs' states, one per LLM, whose calibrated
+    probabilities are averaged (``combine``); ``thresholds`` apply to that mean.
+
+    The members are ordinary checkpoints (each verified against its own LLM); this file
+    pins each one's manifest by sha256, so a swapped member is refused before it loads.
+    """
+
+    schema_version: Literal[1] = 1
+    probe: ProbeName
+    created_at: AwareDatetime
+    combine: Literal["mean"] = "mean"
+    members: Annotated[list[EnsembleMember], Field(min_length=2, max_length=8)]
+    thresholds: dict[LabelName, float] = Field(default_factory=dict)
+    metrics: dict[Annotated[str, Field(max_length=128)], float] = Field(default_factory=dict)
+    # HMAC-SHA256 over this manifest without the field, when signing is on.
+    signature: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
+
+    @model_validator(mode="after")
+    def _distinct(self) -> EnsembleManifest:
+        if len({m.path for m in self.members}) != len(self.members):
+            raise ValueError("two members share a folder")
+        if len({m.llm.digest for m in self.members}) != len(self.members):
+            raise ValueError("two members read the same LLM; an ensemble holds one per LLM")
         return self
 
 

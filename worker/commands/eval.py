@@ -39,7 +39,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", type=Path, help="labeled JSONL file (runs the LLM of the settings)")
-    src.add_argument("--cache", type=Path, help="hidden-state cache of a labeled file")
+    src.add_argument(
+        "--cache",
+        type=Path,
+        action="append",
+        help="hidden-state cache of a labeled file; for an ensemble (fit with several "
+        "--cache), once per member LLM, each a cache of the same file",
+    )
     p.add_argument("--png", type=Path, help="write the layer weights as a PNG bar chart")
     science = p.add_argument_group(
         "what the probe knows and where (with --cache)",
@@ -90,11 +96,20 @@ def _open_cache(path: Path) -> HiddenStateCache:
 
 @offline_errors
 def _run(args: argparse.Namespace) -> int:
+    from probes.ensemble import is_ensemble
     from worker.offline.evaluate import evaluate_on_cache, evaluate_on_rows
 
     _check_science(args)
+    if is_ensemble(args.checkpoint):
+        return _run_ensemble(args)
+    if args.cache is not None and len(args.cache) > 1:
+        raise SystemExit(
+            f"probeguard eval: {args.checkpoint} is one probe over one LLM; give one --cache"
+        )
     if args.cache is not None:
-        probe, report = evaluate_on_cache(args.checkpoint, _open_cache(args.cache), head=args.head)
+        probe, report = evaluate_on_cache(
+            args.checkpoint, _open_cache(args.cache[0]), head=args.head
+        )
     else:
         from worker.llm.extract import HiddenStateExtractor
         from worker.offline.labeled import read_labeled
@@ -124,13 +139,36 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_ensemble(args: argparse.Namespace) -> int:
+    from worker.offline.evaluate import evaluate_ensemble_on_caches
+
+    if args.cache is None:
+        raise SystemExit(
+            f"probeguard eval: {args.checkpoint} is an ensemble; measure it on caches, one "
+            "--cache per member LLM (cache build with each PROBEGUARD_MODEL)"
+        )
+    asked = [f for f, v in (("--head", args.head), ("--png", args.png)) if v is not None]
+    asked += ["--per-layer"] * bool(args.per_layer) + ["--class-layers"] * bool(args.class_layers)
+    if asked:
+        raise SystemExit(
+            f"probeguard eval: {', '.join(asked)} read(s) one probe; measure an ensemble "
+            "member alone by pointing --checkpoint at its folder"
+        )
+    report = evaluate_ensemble_on_caches(args.checkpoint, [_open_cache(c) for c in args.cache])
+    if args.json:
+        print_json(report)
+    else:
+        _print(report)
+    return 0
+
+
 def _science(args: argparse.Namespace, probe: Any, report: dict[str, Any]) -> None:
     import logging
 
     from probes.offline.fit import FitConfig
     from worker.offline import probe_science as ps
 
-    cache = _open_cache(args.cache)
+    cache = _open_cache(args.cache[0])
     name = probe.spec.name
     if args.class_layers:
         report["class_layers"] = ps.class_layers(probe, cache)
@@ -252,7 +290,13 @@ def _print(r: dict[str, Any]) -> None:
         print("  confusion per label [[tn, fp], [fn, tp]]:")
         for label, m in conf["per_label"].items():
             print(f"    {label:<20} {m}")
-    weights = ", ".join(
-        f"{i}:{w:.3f}" for i, w in zip(r["layers"], r["layer_weights"], strict=True)
-    )
-    print(f"  layer weights {weights} (entropy {r['layer_entropy']:.3f} nats)")
+    for m in r.get("members", []):
+        print(
+            f"  member {m['llm']:<30} F1 {m['f1']:.4f}  AUPRC {m['auprc']:.4f}  recall at 1% "
+            f"FPR {m['recall_at_1pct_fpr']:.4f}  ECE {m['ece']:.4f}"
+        )
+    if "layers" in r:
+        weights = ", ".join(
+            f"{i}:{w:.3f}" for i, w in zip(r["layers"], r["layer_weights"], strict=True)
+        )
+        print(f"  layer weights {weights} (entropy {r['layer_entropy']:.3f} nats)")

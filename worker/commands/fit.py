@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,7 +42,16 @@ def register(sub: argparse._SubParsersAction) -> None:
             "so the worker loads it only with the same LLM."
         ),
     )
-    p.add_argument("--cache", type=Path, required=True, help="training cache (cache build)")
+    p.add_argument(
+        "--cache",
+        type=Path,
+        action="append",
+        required=True,
+        help="training cache (cache build). Give it once per LLM, each a cache of the same "
+        "labeled file, to fit an ensemble: one probe per LLM on the same folds, their "
+        "calibrated probabilities averaged, the thresholds chosen on that mean (--out then "
+        "holds ensemble.json and a checkpoint folder per member)",
+    )
     _selection_args(p)
     p.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
     _probe_args(p, o)
@@ -235,6 +245,7 @@ def _training_args(p: argparse.ArgumentParser, d: FitConfig) -> None:
 
 @offline_errors
 def _run(args: argparse.Namespace) -> int:
+    from probes.ensemble import is_ensemble
     from probes.offline.cache import HiddenStateCache
     from schemas import OperatingPoint
     from worker.offline.fit_eval import fit_summary, save_fit, write_fit_report
@@ -248,9 +259,17 @@ def _run(args: argparse.Namespace) -> int:
         raise SystemExit(f"probeguard fit: {exc}") from exc
     settings = load_settings()
     key = settings.cache_key_bytes
-    cache = HiddenStateCache(args.cache, key=key)
-    val_cache = HiddenStateCache(args.val_cache, key=key) if args.val_cache else None
+    caches = [HiddenStateCache(path, key=key) for path in args.cache]
     opts, config = _options(args, point)
+    if len(caches) > 1:
+        return _run_ensemble(args, caches, opts, config, folds, point, settings.signing_key)
+    if is_ensemble(args.out):
+        raise SystemExit(
+            f"probeguard fit: {args.out} holds an ensemble (ensemble.json); write the probe "
+            "to another --out"
+        )
+    cache = caches[0]
+    val_cache = HiddenStateCache(args.val_cache, key=key) if args.val_cache else None
     result, cv, depth = _fit(args, cache, val_cache, opts, config, folds)
     search = _exit(args, cache, opts, config, result, cv, folds)
     save_fit(
@@ -276,6 +295,103 @@ def _run(args: argparse.Namespace) -> int:
         print_json({**summary, "depth_table": depth.table()} if depth else summary)
     else:
         _print_result(summary, result, cv, depth, folds=folds, point=point, out=args.out)
+    return 0
+
+
+def _run_ensemble(
+    args: argparse.Namespace,
+    caches: list[HiddenStateCache],
+    opts: ProbeOptions,
+    config: FitConfig,
+    folds: int,
+    point: OperatingPoint,
+    signing_key: bytes | None,
+) -> int:
+    """``fit`` with several ``--cache``: one probe per LLM, averaged (``--out`` an ensemble)."""
+    from probes.checkpoint import MANIFEST_FILE
+    from probes.files import atomic_write
+    from worker.offline.fit_eval import fit_probe_ensemble, save_ensemble_fit
+
+    refused = [
+        ("--val-cache", args.val_cache is not None),
+        ("--folds 0", folds < 2),
+        ("--depth auto", args.depth == "auto"),
+        ("--exit LAYER", args.exit not in ("auto", "off")),
+    ]
+    for flag, given in refused:
+        if given:
+            raise SystemExit(
+                f"probeguard fit: {flag} selects one probe over one LLM; an ensemble (several "
+                "--cache) is selected by cross-validation on the same folds (--folds >= 2)"
+            )
+    if (args.out / MANIFEST_FILE).exists():
+        raise SystemExit(
+            f"probeguard fit: {args.out} holds a single probe's checkpoint; write the ensemble "
+            "to another --out"
+        )
+    fitted, specs = fit_probe_ensemble(
+        caches, opts, config, folds=folds, calibrate=args.calibrate == "auto"
+    )
+    folders = save_ensemble_fit(
+        fitted, args.out, caches, signing_key=signing_key, weights=args.weights
+    )
+    report = fitted.oof_report
+    members = []
+    for (result, cv), cache, folder in zip(fitted.members, caches, folders, strict=True):
+        c = cv.summary()
+        members.append(
+            {
+                "llm": cache.manifest.llm.model_id,
+                "checkpoint": str(args.out / folder),
+                "layers": list(result.probe.layers),
+                "epochs": cv.epochs,
+                "train_seconds": round(result.seconds, 2),
+                "val_f1": result.val_report["f1"],
+                "val_auprc": result.val_report["auprc"],
+                "val_recall_at_1pct_fpr": result.val_report["recall_at_1pct_fpr"],
+                **{f"cv_{k}": v for k, v in c.items()},
+            }
+        )
+    summary = {
+        "checkpoint": str(args.out),
+        "probe": specs[0].name,
+        "ensemble": len(members),
+        "combine": "mean",
+        "members": members,
+        "thresholds": fitted.thresholds,
+        "val_f1": report["f1"],
+        "val_auprc": report["auprc"],
+        "val_recall_at_1pct_fpr": report["recall_at_1pct_fpr"],
+        "val_ece": report["ece"],
+        "headline": report["headline"],
+        "train_seconds": round(fitted.seconds, 2),
+        "selection": f"{folds}-fold CV",
+        "operating_point": str(point),
+    }
+    atomic_write(args.out / "fit-report.json", json.dumps({"summary": summary}, indent=1))
+    if args.exit == "auto":
+        print(
+            "probeguard fit: no exit head for an ensemble's members (the cascade decides on "
+            "one LLM's early layer; an ensemble averages every member's full depth)",
+            file=sys.stderr,
+        )
+    if args.json:
+        print_json(summary)
+        return 0
+    for i, m in enumerate(members, start=1):
+        print(
+            f"member {i} ({m['llm']}): {folds}-fold CV AUPRC {m['cv_auprc_mean']:.3f} ± "
+            f"{m['cv_auprc_std']:.3f}, out of fold F1 {m['val_f1']:.3f} AUPRC "
+            f"{m['val_auprc']:.3f}, {m['epochs']} epochs, {m['train_seconds']:.0f} s -> "
+            f"{m['checkpoint']}"
+        )
+    print(
+        f"{summary['probe']}: ensemble of {len(members)} LLMs' probes (mean of their calibrated "
+        f"probabilities), out of fold F1 {report['f1']:.3f}, AUPRC {report['auprc']:.3f}, "
+        f"recall at 1 % FPR {report['recall_at_1pct_fpr']:.3f}, ECE {report['ece']:.3f} "
+        f"({report['headline']}, thresholds at {point}: {fitted.thresholds}); "
+        f"{summary['train_seconds']:.0f} s -> {args.out}"
+    )
     return 0
 
 

@@ -15,8 +15,10 @@ from typing import Any
 import torch
 
 from probes import Probe, ProbeError, encode_target, encode_targets, load_checkpoint
+from probes.ensemble import load_ensemble
 from probes.metrics import evaluate
 from probes.offline.cache import HiddenStateCache
+from probes.offline.ensemble import align_rows
 from probes.offline.fit import predict_dataset
 from schemas import CheckpointManifest, LabeledText, LLMFingerprint, ProbeSpec
 from worker.defaults import find_default
@@ -24,7 +26,14 @@ from worker.errors import OfflineError
 from worker.offline.build_cache import ExtractorLike
 from worker.offline.fit_eval import Target, load_split
 
-__all__ = ["HeadView", "evaluate_on_cache", "evaluate_on_rows", "for_head", "load_for_eval"]
+__all__ = [
+    "HeadView",
+    "evaluate_ensemble_on_caches",
+    "evaluate_on_cache",
+    "evaluate_on_rows",
+    "for_head",
+    "load_for_eval",
+]
 
 
 def load_for_eval(checkpoint: Path, llm: LLMFingerprint) -> tuple[Probe, CheckpointManifest]:
@@ -111,6 +120,47 @@ def evaluate_on_cache(
     report.update(_layer_summary(probe, weights / max(1, len(data))))
     report.update(checkpoint=str(checkpoint), probe=manifest.probe, version=manifest.version)
     return probe, report
+
+
+def evaluate_ensemble_on_caches(
+    checkpoint: Path, caches: Sequence[HiddenStateCache]
+) -> dict[str, Any]:
+    """Load the ensemble in ``checkpoint`` (each member verified against the cache of its
+    LLM; one cache per member, of the same labeled rows) and evaluate the mean of its
+    members' probabilities at its thresholds; ``members``: each member's own figures."""
+    by_llm = {cache.manifest.llm.digest: cache for cache in caches}
+    if len(by_llm) != len(caches):
+        raise OfflineError("two of the caches were built with the same LLM; give one per member")
+    ensemble = load_ensemble(checkpoint, [cache.manifest.llm for cache in caches])
+    members = {m.llm.digest for m in ensemble.manifest.members}
+    extra = [c.directory for d, c in by_llm.items() if d not in members]
+    if extra:
+        raise OfflineError(f"no member of the ensemble reads the LLM of cache(s) {extra}")
+    datas = []
+    for probe, member in zip(ensemble.probes, ensemble.manifest.members, strict=True):
+        target: Target = "label" if probe.spec.task == "multiclass" else "labels"
+        cache = by_llm[member.llm.digest]
+        data = load_split(cache, probe.spec.token_pool, list(probe.spec.layers), target)
+        datas.append(data.relabel(list(probe.spec.labels)))
+    try:
+        datas = align_rows(datas)
+    except ProbeError as exc:
+        raise OfflineError(str(exc)) from exc
+    targets = datas[0].targets
+    probs = [predict_dataset(p, d) for p, d in zip(ensemble.probes, datas, strict=True)]
+    report = evaluate(ensemble.spec, ensemble.predict_proba(probs), targets)
+    report["members"] = []
+    for probe, member, p in zip(ensemble.probes, ensemble.manifest.members, probs, strict=True):
+        own = evaluate(probe.spec, p, targets)
+        report["members"].append(
+            {
+                "llm": member.llm.model_id,
+                "path": member.path,
+                **{k: own[k] for k in ("f1", "auprc", "recall_at_1pct_fpr", "ece")},
+            }
+        )
+    report.update(checkpoint=str(checkpoint), probe=ensemble.manifest.probe, version=0)
+    return report
 
 
 def evaluate_on_rows(
