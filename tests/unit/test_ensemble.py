@@ -144,7 +144,7 @@ def ensemble_member(directory: Path, index: int) -> str:
     return json.loads((directory / ENSEMBLE_FILE).read_text())["members"][index]["path"]
 
 
-def test_signed_ensembles_verify_and_refuse_edits(caches, workspace: Path) -> None:
+def test_signed_ensembles_verify_and_refuse_edits(caches, workspace: Path, capsys) -> None:
     out = workspace / "ens-signed"
     argv = ["fit", "--cache", str(caches["train"][MODELS[0]])]
     argv += ["--cache", str(caches["train"][MODELS[1]]), "--out", str(out), *TRAIN, "--json"]
@@ -161,6 +161,11 @@ def test_signed_ensembles_verify_and_refuse_edits(caches, workspace: Path) -> No
     (out / ENSEMBLE_FILE).write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match="signature does not verify"):
         load_ensemble(out, llms, signing_key=key)
+    val = [str(caches["val"][m]) for m in MODELS]
+    with pytest.MonkeyPatch.context() as mp:  # eval with the key checks it
+        mp.setenv("PROBEGUARD_CHECKPOINT_HMAC_KEY", "k" * 32)
+        err = fails(capsys, "eval", "--checkpoint", str(out), "--cache", val[0], "--cache", val[1])
+    assert "signature does not verify" in err
     data.pop("signature")
     (out / ENSEMBLE_FILE).write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match="unsigned but a signing key is configured"):

@@ -154,7 +154,12 @@ def _run_ensemble(args: argparse.Namespace) -> int:
             f"probeguard eval: {', '.join(asked)} read(s) one probe; measure an ensemble "
             "member alone by pointing --checkpoint at its folder"
         )
-    report = evaluate_ensemble_on_caches(args.checkpoint, [_open_cache(c) for c in args.cache])
+    from worker.settings import load_settings
+
+    key = load_settings().signing_key  # keyed, an ensemble's signatures are checked too
+    report = evaluate_ensemble_on_caches(
+        args.checkpoint, [_open_cache(c) for c in args.cache], signing_key=key
+    )
     if args.json:
         print_json(report)
     else:

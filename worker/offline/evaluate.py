@@ -123,15 +123,17 @@ def evaluate_on_cache(
 
 
 def evaluate_ensemble_on_caches(
-    checkpoint: Path, caches: Sequence[HiddenStateCache]
+    checkpoint: Path, caches: Sequence[HiddenStateCache], *, signing_key: bytes | None = None
 ) -> dict[str, Any]:
     """Load the ensemble in ``checkpoint`` (each member verified against the cache of its
-    LLM; one cache per member, of the same labeled rows) and evaluate the mean of its
-    members' probabilities at its thresholds; ``members``: each member's own figures."""
+    LLM; one cache per member, of the same labeled rows; with ``signing_key``, its
+    signatures too) and evaluate the mean of its members' probabilities at its thresholds;
+    ``members``: each member's own figures."""
     by_llm = {cache.manifest.llm.digest: cache for cache in caches}
     if len(by_llm) != len(caches):
         raise OfflineError("two of the caches were built with the same LLM; give one per member")
-    ensemble = load_ensemble(checkpoint, [cache.manifest.llm for cache in caches])
+    llms = [cache.manifest.llm for cache in caches]
+    ensemble = load_ensemble(checkpoint, llms, signing_key=signing_key)
     members = {m.llm.digest for m in ensemble.manifest.members}
     extra = [c.directory for d, c in by_llm.items() if d not in members]
     if extra:
