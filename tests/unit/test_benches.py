@@ -235,3 +235,20 @@ def test_two_models_bench_refuses_other_rows_before_fitting(
     other = SimpleNamespace(ids=["someone-else"], labels=["non-toxic", "toxic"])
     with pytest.raises(SystemExit, match="other rows"):
         bench.fit_runs(tiny_model_dir, args, {"dev": other, "held": other})
+
+
+def test_fit_speed_bench_reports_the_constant_share_beside_the_configurations(
+    capsys, tmp_path: Path
+) -> None:
+    from tests.unit.offline_helpers import tiny_extractor, write_labeled
+    from worker.offline.build_cache import build_cache
+
+    data = write_labeled(tmp_path / "toy.jsonl", 48, seed=4, multilabel=False)
+    build_cache(data, tmp_path / "cache", tiny_extractor(), progress=False)
+    bench = load_bench("fit_speed")
+    assert bench.main(["--cache", str(tmp_path / "cache"), "--rounds", "1"]) == 0
+    out = last_json(capsys)
+    assert set(out["epoch_s"]) == {"before", "prepadded", "masked_mean", "both", "bf16"}
+    assert out["rows"] == 48 and out["constant_s"] >= 0
+    assert 0 < out["constant_share"] < 1  # a part of the step, timed in the same run
+    assert out["constant_once_bound"] == round(1 / (1 - out["constant_share"]), 2)
