@@ -73,11 +73,10 @@ def _sign(manifest: EnsembleManifest, key: bytes) -> str:
 
 @dataclass(frozen=True)
 class Ensemble:
-    """A verified ensemble: its manifest and each member's probe and manifest, in order."""
+    """A verified ensemble: its manifest and each member's probe, in order."""
 
     manifest: EnsembleManifest
     probes: list[Probe]
-    manifests: list[CheckpointManifest]
 
     @property
     def spec(self) -> ProbeSpec:
@@ -177,7 +176,7 @@ def load_ensemble(
             raise CheckpointError(
                 f"ensemble {manifest.probe!r}: signature does not verify (another key, or tampered)"
             )
-    probes, manifests = [], []
+    probes = []
     for member in manifest.members:
         if member.llm not in llms:
             raise IncompatibleCheckpoint(
@@ -197,8 +196,7 @@ def load_ensemble(
                 f"ensemble {manifest.probe!r}: member {member.path}'s manifest sha256 "
                 f"{digest[:16]}… is not the one the ensemble pins (swapped or edited)"
             )
-        probe, m = probe_from_bytes(blob, member_manifest, member.llm, signing_key=signing_key)
+        probe, _ = probe_from_bytes(blob, member_manifest, member.llm, signing_key=signing_key)
         probes.append(probe)
-        manifests.append(m)
     _check_agree([p.spec for p in probes])
-    return Ensemble(manifest, probes, manifests)
+    return Ensemble(manifest, probes)

@@ -310,7 +310,7 @@ def _run_ensemble(
     """``fit`` with several ``--cache``: one probe per LLM, averaged (``--out`` an ensemble)."""
     from probes.checkpoint import MANIFEST_FILE
     from probes.files import atomic_write
-    from worker.offline.fit_eval import fit_probe_ensemble, save_ensemble_fit
+    from worker.offline.fit_eval import fit_probe_ensemble, save_ensemble_fit, val_figures
 
     refused = [
         ("--val-cache", args.val_cache is not None),
@@ -346,9 +346,7 @@ def _run_ensemble(
                 "layers": list(result.probe.layers),
                 "epochs": cv.epochs,
                 "train_seconds": round(result.seconds, 2),
-                "val_f1": result.val_report["f1"],
-                "val_auprc": result.val_report["auprc"],
-                "val_recall_at_1pct_fpr": result.val_report["recall_at_1pct_fpr"],
+                **val_figures(result.val_report),
                 **{f"cv_{k}": v for k, v in c.items()},
             }
         )
@@ -359,10 +357,7 @@ def _run_ensemble(
         "combine": "mean",
         "members": members,
         "thresholds": fitted.thresholds,
-        "val_f1": report["f1"],
-        "val_auprc": report["auprc"],
-        "val_recall_at_1pct_fpr": report["recall_at_1pct_fpr"],
-        "val_ece": report["ece"],
+        **val_figures(report),
         "headline": report["headline"],
         "train_seconds": round(fitted.seconds, 2),
         "selection": f"{folds}-fold CV",

@@ -49,6 +49,7 @@ __all__ = [
     "print_depth_table",
     "save_ensemble_fit",
     "save_fit",
+    "val_figures",
     "write_fit_report",
 ]
 
@@ -118,6 +119,16 @@ def _split(data: ProbeDataset, fraction: float, seed: int) -> tuple[ProbeDataset
     keep = torch.ones(len(data), dtype=torch.bool)
     keep[val] = False
     return data.subset(keep.nonzero().flatten()), data.subset(val)
+
+
+def val_figures(report: dict[str, Any]) -> dict[str, float]:
+    """The headline figures of a validation (or out-of-fold) report, as ``fit`` names them."""
+    return {
+        "val_f1": report["f1"],
+        "val_auprc": report["auprc"],
+        "val_recall_at_1pct_fpr": report["recall_at_1pct_fpr"],
+        "val_ece": report["ece"],
+    }
 
 
 def fit_probe(
@@ -289,13 +300,7 @@ def save_ensemble_fit(
         fitted.members[0][0].probe.spec.name,
         folders,
         fitted.thresholds,
-        metrics={
-            "val_f1": report["f1"],
-            "val_auprc": report["auprc"],
-            "val_recall_at_1pct_fpr": report["recall_at_1pct_fpr"],
-            "val_ece": report["ece"],
-            "train_seconds": fitted.seconds,
-        },
+        metrics={**val_figures(report), "train_seconds": fitted.seconds},
         signing_key=signing_key,
     )
     return folders
@@ -348,10 +353,7 @@ def save_fit(
     cross-validated AUPRC."""
     report = result.val_report
     metrics = {
-        "val_f1": report["f1"],
-        "val_auprc": report["auprc"],
-        "val_recall_at_1pct_fpr": report["recall_at_1pct_fpr"],
-        "val_ece": report["ece"],
+        **val_figures(report),
         "val_accuracy": report["accuracy"],
         "val_macro_f1": report["macro_f1"],
         "best_epoch": float(result.best_epoch),
@@ -409,10 +411,7 @@ def fit_summary(
         "final": f"soup of {result.soup_of} folds" if result.soup_of else "trained",
         "train_seconds": round(result.seconds, 2),
         "thresholds": result.probe.spec.thresholds,
-        "val_f1": report["f1"],
-        "val_auprc": report["auprc"],
-        "val_recall_at_1pct_fpr": report["recall_at_1pct_fpr"],
-        "val_ece": report["ece"],
+        **val_figures(report),
         "val_accuracy": report["accuracy"],
         "val_macro_f1": report["macro_f1"],
         "headline": report["headline"],
