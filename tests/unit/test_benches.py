@@ -251,4 +251,5 @@ def test_fit_speed_bench_reports_the_constant_share_beside_the_configurations(
     assert set(out["epoch_s"]) == {"before", "prepadded", "masked_mean", "both", "bf16"}
     assert out["rows"] == 48 and out["constant_s"] >= 0
     assert 0 < out["constant_share"] < 1  # a part of the step, timed in the same run
-    assert out["constant_once_bound"] == round(1 / (1 - out["constant_share"]), 2)
+    # Both are rounded from the unrounded share: they agree to the rounding.
+    assert out["constant_once_bound"] == pytest.approx(1 / (1 - out["constant_share"]), abs=0.015)
