@@ -30,6 +30,7 @@ the evidence for it is strong.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ from lion_pytorch import Lion
 from torch import Tensor
 
 from probes.errors import ProbeError
-from probes.probe import Probe, multiclass_columns
+from probes.probe import Prepared, Probe, multiclass_columns
 
 __all__ = ["Learner"]
 
@@ -140,12 +141,14 @@ class Learner:
         total = (cells * known).sum()
         return total, logits.new_tensor(float(known.sum()))
 
-    def learn_many(self, hidden: Tensor, mask: Tensor | None, targets: Tensor) -> float:
+    def learn_many(self, hidden: Tensor | Prepared, mask: Tensor | None, targets: Tensor) -> float:
         """One Lion step on a mini-batch; returns the loss before the step (the task's
         loss, without the ``mix_entropy`` term)."""
         return self.learn_chunks([(hidden, mask, targets)])
 
-    def learn_chunks(self, chunks: list[tuple[Tensor, Tensor | None, Tensor]]) -> float:
+    def learn_chunks(
+        self, chunks: Sequence[tuple[Tensor | Prepared, Tensor | None, Tensor]]
+    ) -> float:
         """One Lion step on a mini-batch given in pieces ``(hidden, mask, targets)``: the
         same step as on the whole batch, but each piece is padded only to its own longest
         row (a batch of token-level rows sorted by length wastes little on padding)."""
@@ -162,6 +165,8 @@ class Learner:
             norms.append(norm)
             mix.append(weights)
             if exit_head is not None:  # the cascade's exit head learns the same labels
+                if isinstance(hidden, Prepared):  # Probe.prepare declines with an exit head
+                    raise ProbeError("a probe with an exit head learns from raw states")
                 total, norm = self._loss_parts(
                     exit_head(self.probe.exit_input(hidden), mask), targets, weighted=False
                 )

@@ -29,9 +29,11 @@ from probes.errors import ProbeError
 
 # Importing the kinds registers every one of them.
 from probes.kinds import LAYER_MIXES, TOKEN_POOLS, LayerMixModule, TokenPoolModule
+from probes.kinds.base import Prepared
 from schemas import HeadCalibration, ProbeSpec
 
 __all__ = [
+    "Prepared",
     "Probe",
     "build_probe",
     "keep_layers",
@@ -182,8 +184,38 @@ class Probe(nn.Module):
                 f"the probe reads {L} layers {list(self._spec.layers)} of size {D}"
             )
 
-    def summarize(self, hidden: Tensor, mask: Tensor | None = None) -> Tensor:
+    @torch.no_grad()
+    def prepare(
+        self, hidden: Tensor, mask: Tensor | None, *, dtype: torch.dtype | None = None
+    ) -> Prepared | None:
+        """A token-level batch with the pooling's parameter-free passes done under this
+        probe's current normalization, to pass wherever ``hidden`` goes (``mask`` then
+        unused) as long as the normalization stays; None when the pooling has no such
+        passes, the states are summaries, or the probe has an exit head (it reads the raw
+        states of its layer). Training prepares its batches once per fit (probes.offline.fit).
+        ``dtype``: keep the token-level parts in it (bfloat16: half the memory, and the
+        pooling's matrix products run in it); the rest stays in the probe's dtype."""
+        self._check(hidden, mask)
+        if mask is None or self.exit_head is not None:
+            return None
+        parts = self.pool.prepare(hidden.to(self.shift.dtype), mask, self.shift, self.scale)
+        if parts is None:
+            return None
+        if dtype is not None:
+            parts = tuple(p.to(dtype) if p.dim() == hidden.dim() else p for p in parts)
+        return Prepared(parts, mask, self.shift.clone(), self.scale.clone())
+
+    def summarize(self, hidden: Tensor | Prepared, mask: Tensor | None = None) -> Tensor:
         """Normalized per-layer summaries ``[L, B, D]`` (before the layer mix)."""
+        if isinstance(hidden, Prepared):
+            if not (
+                torch.equal(hidden.shift, self.shift) and torch.equal(hidden.scale, self.scale)
+            ):
+                raise ProbeError(
+                    "this batch was prepared under other input statistics than the probe's "
+                    "(set_input_stats or a state load since): prepare it again"
+                )
+            return self.pool.forward_prepared(hidden.parts, hidden.mask)
         self._check(hidden, mask)
         hidden = hidden.to(self.shift.dtype)
         shift, scale = self.shift[:, None], self.scale[:, None]  # [L, 1, D]
@@ -191,13 +223,13 @@ class Probe(nn.Module):
             return (hidden - shift) / scale
         return self.pool(hidden, mask, self.shift, self.scale)  # normalizes as it pools
 
-    def forward(self, hidden: Tensor, mask: Tensor | None = None) -> Tensor:
+    def forward(self, hidden: Tensor | Prepared, mask: Tensor | None = None) -> Tensor:
         """Logits ``[B, C]`` from ``[L, B, T, D]`` + ``[B, T]`` or from summaries ``[L, B, D]``."""
         mixed = self.mix(self.summarize(hidden, mask))  # [B, D]
         return self.head(self.drop(mixed))  # [B, C]
 
     def forward_with_layer_weights(
-        self, hidden: Tensor, mask: Tensor | None = None
+        self, hidden: Tensor | Prepared, mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         """Logits ``[B, C]`` and the layer weights the mix used ``[L, B]`` (with gradients),
         for a learner that regularizes the mix (see ``Learner(mix_entropy=...)``)."""
@@ -212,7 +244,7 @@ class Probe(nn.Module):
         return calibrated_probabilities(self._spec, logits)
 
     @torch.no_grad()
-    def predict_logits_many(self, hidden: Tensor, mask: Tensor | None = None) -> Tensor:
+    def predict_logits_many(self, hidden: Tensor | Prepared, mask: Tensor | None = None) -> Tensor:
         """Uncalibrated logits ``[B, C]``, in eval mode, without gradients
         (:meth:`probabilities` of them is :meth:`predict_proba_many`)."""
         was_training = self.training
@@ -223,13 +255,13 @@ class Probe(nn.Module):
             self.train(was_training)
 
     @torch.no_grad()
-    def predict_proba_many(self, hidden: Tensor, mask: Tensor | None = None) -> Tensor:
+    def predict_proba_many(self, hidden: Tensor | Prepared, mask: Tensor | None = None) -> Tensor:
         """Probabilities ``[B, C]`` in label order, in eval mode, without gradients."""
         return self.predict_proba_pooled(hidden, mask)[0]
 
     @torch.no_grad()
     def predict_proba_pooled(
-        self, hidden: Tensor, mask: Tensor | None = None
+        self, hidden: Tensor | Prepared, mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         """Probabilities ``[B, C]`` and the normalized per-layer summaries ``[L, B, D]`` they
         came from (one pooling pass: drift monitoring reads the summaries for free)."""

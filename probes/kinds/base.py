@@ -8,6 +8,7 @@ over every registered pair, so a new kind is tested the moment it registers.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
 from torch import Tensor, nn
@@ -16,11 +17,29 @@ __all__ = [
     "LAYER_MIXES",
     "TOKEN_POOLS",
     "LayerMixModule",
+    "Prepared",
     "TokenPoolModule",
     "probe_kinds",
     "register_layer_mix",
     "register_token_pool",
 ]
+
+
+@dataclass(frozen=True, eq=False)
+class Prepared:
+    """A padded token batch after its pooling's parameter-free passes (standardize, mask,
+    normalize, ...), made by :meth:`probes.Probe.prepare` under one normalization.
+
+    Training reads the same batches in every epoch and fold, with the normalization fixed
+    for the whole fit, so those passes are done once instead of at every step. ``shift``
+    and ``scale`` are the normalization they were done under: a probe refuses the batch
+    once its own differ.
+    """
+
+    parts: tuple[Tensor, ...]  # what the pooling's prepare() returned
+    mask: Tensor  # [B, T]
+    shift: Tensor  # [L, D]
+    scale: Tensor  # [L, D]
 
 
 class TokenPoolModule(nn.Module):
@@ -41,6 +60,18 @@ class TokenPoolModule(nn.Module):
     token_weights_kind: ClassVar[str] = "none"
 
     def forward(self, hidden: Tensor, mask: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def prepare(
+        self, hidden: Tensor, mask: Tensor, shift: Tensor, scale: Tensor
+    ) -> tuple[Tensor, ...] | None:
+        """The parameter-free first passes of :meth:`forward` (arguments as for it), for
+        :meth:`forward_prepared` to finish; None (the default) when the pooling has none
+        worth keeping."""
+        return None
+
+    def forward_prepared(self, parts: tuple[Tensor, ...], mask: Tensor) -> Tensor:
+        """:meth:`forward` from what :meth:`prepare` returned: ``[L, B, D]``."""
         raise NotImplementedError
 
     def token_weights(self, hidden: Tensor, mask: Tensor, shift: Tensor, scale: Tensor) -> Tensor:

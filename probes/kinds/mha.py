@@ -51,16 +51,18 @@ class DowncastMHA(TokenPoolModule):
         self.out_bias = nn.Parameter(torch.zeros(L, D))  # [L, D]
 
     def _heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Q, K, V split into heads: ``[L, B, T, D]`` -> 3 x ``[L*B, H, T, d/H]``."""
-        L, B, T, D = x.shape
+        """Q, K, V split into heads: ``[L, B, T, D]`` (normalized, see :meth:`prepare`)
+        -> 3 x ``[L*B, H, T, d/H]``."""
+        L, B, T, _ = x.shape
         weight: Tensor = self.qkv  # [L, D, 3d]
         bias: Tensor = self.qkv_bias  # [L, 3d]
         if self.layer_norm:
-            x = F.layer_norm(x, (D,))
             # (x̂ ⊙ g + b) W == x̂ (g ⊙ W) + b W: the per-layer affine folds into the projection.
             weight = self.norm_weight[:, :, None] * self.qkv
             bias = self.qkv_bias + torch.einsum("ld,lde->le", self.norm_bias, self.qkv)
-        qkv = torch.einsum("lbtd,lde->lbte", x, weight) + bias[:, None, None]
+        # States prepared in bfloat16 (probes.offline.fit) project in it; the float32 bias
+        # brings the product back to float32 for the attention.
+        qkv = torch.einsum("lbtd,lde->lbte", x, weight.to(x.dtype)) + bias[:, None, None]
         q, k, v = qkv.chunk(3, dim=-1)  # 3 x [L, B, T, d]
         d, H = q.shape[-1], self.num_heads
 
@@ -96,7 +98,8 @@ class DowncastMHA(TokenPoolModule):
         out.)
         """
         L, B, T, _ = hidden.shape
-        q, k, _ = self._heads(self._normalize(hidden, mask, shift, scale))  # [L*B, H, T, e]
+        x, _ = self.prepare(hidden, mask, shift, scale)
+        q, k, _ = self._heads(x)  # [L*B, H, T, e]
         keys = mask.repeat(L, 1)[:, None, None, :]  # [L*B, 1, 1, T]
         logits = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # [L*B, H, T, T]
         attn = logits.masked_fill(~keys, float("-inf")).softmax(dim=-1).mean(dim=1)  # [L*B,T,T]
@@ -104,12 +107,27 @@ class DowncastMHA(TokenPoolModule):
         per_key = torch.einsum("nq,nqt->nt", queries, attn) / queries.sum(1, keepdim=True)
         return per_key.reshape(L, B, T)
 
-    def forward(self, hidden: Tensor, mask: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
-        # [L, B, T, D], [B, T], [L, D], [L, D]
+    def prepare(
+        self, hidden: Tensor, mask: Tensor, shift: Tensor, scale: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """``(x, residual)``: the standardized states with padding zeroed and, with
+        ``layer_norm``, normalized over ``D`` (the LayerNorm's affine lives in the
+        projection) ``[L, B, T, D]``, and the plain masked mean of the standardized states
+        ``[L, B, D]``. Neither has a parameter, so a fit computes them once per batch."""
         x = self._normalize(hidden, mask, shift, scale)
         residual = masked_mean(x, mask)  # [L, B, D]
+        if self.layer_norm:
+            x = F.layer_norm(x, (x.shape[-1],))
+        return x, residual
+
+    def forward_prepared(self, parts: tuple[Tensor, ...], mask: Tensor) -> Tensor:
+        x, residual = parts
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             delta = checkpoint(self._attend, x, mask, use_reentrant=False)
         else:
             delta = self._attend(x, mask)
         return residual + delta  # [L, B, D]
+
+    def forward(self, hidden: Tensor, mask: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+        # [L, B, T, D], [B, T], [L, D], [L, D]
+        return self.forward_prepared(self.prepare(hidden, mask, shift, scale), mask)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from probes.checkpoint import checkpoint_to_bytes
-from probes.probe import build_probe
+from probes.probe import Prepared, build_probe
 from schemas import ChatMessage, CheckpointManifest, DecidedRecord, HeadSpec, ProbeSpec
 from tests.tiny_llm import make_tiny_llm
 from worker.llm.extract import HiddenStateExtractor
@@ -100,7 +100,7 @@ def test_a_nan_row_costs_that_row_only() -> None:
     original = a.probe.predict_proba_pooled
 
     def nan_in_row_1(
-        hidden: torch.Tensor, mask: torch.Tensor | None = None
+        hidden: torch.Tensor | Prepared, mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         probs, pooled = original(hidden, mask)
         probs = probs.clone()
@@ -153,7 +153,7 @@ def test_probes_pay_for_real_tokens_not_the_polls_longest_message(
     original = probe.probe.predict_proba_pooled
 
     def recording(
-        hidden: torch.Tensor, mask: torch.Tensor | None = None
+        hidden: torch.Tensor | Prepared, mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert mask is not None
         calls.append(tuple(mask.shape))  # type: ignore[arg-type]

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 import torch
+from torch import Tensor
 
 from probes import ProbeError, build_probe
 from probes.kinds.pooling import masked_mean
+from probes.learner import Learner
 from probes.offline.dataset import ProbeDataset
 from probes.offline.fit import FitConfig, class_weights, fit, predict_dataset
+from probes.probe import Prepared
 from schemas import ProbeSpec
 from tests.unit.synthetic import D, toy_task
 
@@ -141,7 +146,8 @@ def test_prepadded_batches_cover_every_row_once_per_epoch(monkeypatch: pytest.Mo
     for (hidden, mask, y), idx in zip(pre.items, pre.index, strict=True):
         h, m, t = data.batch(idx)
         assert mask is not None and m is not None
-        assert torch.equal(hidden, h) and torch.equal(mask, m) and torch.equal(y, t)
+        assert isinstance(hidden, torch.Tensor) and torch.equal(hidden, h)
+        assert torch.equal(mask, m) and torch.equal(y, t)
     assert sum(int(b[2].shape[0]) for b in pre.epoch(g)) == 70
     probe = build_probe(spec_for(data, "mha"), seed=0)
     probe.set_input_stats(*data.input_stats())
@@ -154,3 +160,76 @@ def test_prepadded_batches_cover_every_row_once_per_epoch(monkeypatch: pytest.Mo
     assert not fit_module._Prepadded.fits(data)
     res = fit(build_probe(spec_for(data, "mha"), seed=0), data, data, FitConfig(max_epochs=2))
     assert res.epochs == 2
+
+
+@pytest.mark.parametrize("layer_norm", [True, False])
+def test_prepared_batches_score_as_raw_states_and_refuse_other_statistics(
+    layer_norm: bool,
+) -> None:
+    data = token_dataset(n=24)
+    spec = spec_for(data, "mha").model_copy(update={"layer_norm": layer_norm})
+    probe = build_probe(spec, seed=0)
+    probe.set_input_stats(*data.input_stats())
+    hidden, mask, _ = data.batch(torch.arange(24))
+    prepared = probe.prepare(hidden, mask)
+    assert prepared is not None
+    torch.testing.assert_close(probe.summarize(prepared), probe.summarize(hidden, mask))
+    torch.testing.assert_close(
+        probe.predict_proba_many(prepared), probe.predict_proba_many(hidden, mask)
+    )
+    # Gradients reach every parameter the raw path trains.
+    probe(prepared).sum().backward()
+    assert all(p.grad is not None for p in probe.pool.parameters())
+    # Kept in bfloat16 (half the memory, bf16 projections): the same up to its rounding.
+    half = probe.prepare(hidden, mask, dtype=torch.bfloat16)
+    assert half is not None and half.parts[0].dtype == torch.bfloat16
+    assert half.parts[1].dtype == torch.float32  # the residual mean [L, B, D]
+    torch.testing.assert_close(probe(half), probe(prepared), rtol=0.02, atol=0.02)
+    # Other statistics (a new fit's, or a state loaded since): the batch is stale.
+    shift, scale = data.input_stats()
+    probe.set_input_stats(shift + 1, scale)
+    with pytest.raises(ProbeError, match="prepared under other input statistics"):
+        probe.summarize(prepared)
+    # Kinds without parameter-free passes, and summaries, are left as they are.
+    mean = build_probe(spec_for(data, "mean"), seed=0)
+    assert mean.prepare(hidden, mask) is None
+    assert mean.prepare(torch.zeros(3, 2, D), None) is None
+
+
+def test_fit_on_prepared_batches_trains_as_on_raw_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    import probes.offline.fit as fit_module
+
+    data = token_dataset(n=80)
+    train, val = data.subset(torch.arange(56)), data.subset(torch.arange(56, 80))
+    prepared_seen: list[bool] = []
+    original = fit_module.Learner.learn_many
+
+    def counting(self: Learner, hidden: Tensor | Prepared, mask: Tensor | None, y: Tensor) -> float:
+        prepared_seen.append(isinstance(hidden, fit_module.Prepared))
+        return original(self, hidden, mask, y)
+
+    monkeypatch.setattr(fit_module.Learner, "learn_many", counting)
+    config = FitConfig(max_epochs=3, patience=3, batch_size=16)
+    fast = fit(build_probe(spec_for(data, "mha"), seed=0), train, val, config)
+    assert prepared_seen and all(prepared_seen)
+    prepared_seen.clear()
+    monkeypatch.setattr(fit_module._Prepadded, "prepare", lambda self, probe, dtype=None: None)
+    slow = fit(build_probe(spec_for(data, "mha"), seed=0), train, val, config)
+    assert prepared_seen and not any(prepared_seen)
+    assert [r["train_loss"] for r in fast.history] == pytest.approx(
+        [r["train_loss"] for r in slow.history], rel=1e-4
+    )
+    for name, tensor in slow.probe.state_dict().items():
+        torch.testing.assert_close(fast.probe.state_dict()[name], tensor, rtol=1e-4, atol=1e-5)
+    assert fast.probe.spec.thresholds == pytest.approx(slow.probe.spec.thresholds, abs=1e-3)
+
+
+def test_fit_on_bfloat16_states_learns_as_on_float32_ones() -> None:
+    data = token_dataset(n=96)
+    train, val = data.subset(torch.arange(64)), data.subset(torch.arange(64, 96))
+
+    def report(dtype: Literal["float32", "bfloat16"]) -> dict:
+        config = FitConfig(max_epochs=4, patience=4, batch_size=16, token_dtype=dtype)
+        return fit(build_probe(spec_for(data, "mha"), seed=0), train, val, config).val_report
+
+    assert report("bfloat16")["auprc"] == pytest.approx(report("float32")["auprc"], abs=0.05)

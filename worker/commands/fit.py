@@ -237,6 +237,15 @@ def _training_args(p: argparse.ArgumentParser, d: FitConfig) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-standardize", action="store_true", help="skip input standardization")
     p.add_argument(
+        "--token-dtype",
+        choices=["float32", "bfloat16"],
+        default=d.token_dtype,
+        help="dtype the MHA kind's padded token states are kept and projected in while "
+        "training (%(default)s); bfloat16 halves their memory and, on a CPU with bf16 dot "
+        "products (AVX512-BF16, AMX), trains 1.4x faster at bf16's rounding (on ToxicChat "
+        "held out: the same AUPRC); elsewhere bf16 is emulated and slower",
+    )
+    p.add_argument(
         "--grad-checkpointing",
         action="store_true",
         help="recompute MHA attention in the backward pass (less memory, more compute)",
@@ -418,6 +427,7 @@ def _options(args: argparse.Namespace, point: OperatingPoint) -> tuple[ProbeOpti
         monitor=args.monitor,
         standardize=not args.no_standardize,
         gradient_checkpointing=args.grad_checkpointing,
+        token_dtype=args.token_dtype,
         seed=args.seed,
         layer_lr_scale=args.layer_lr_scale,
         mix_entropy=args.mix_entropy,

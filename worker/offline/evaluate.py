@@ -20,6 +20,7 @@ from probes.metrics import evaluate
 from probes.offline.cache import HiddenStateCache
 from probes.offline.ensemble import align_rows
 from probes.offline.fit import predict_dataset
+from probes.probe import Prepared
 from schemas import CheckpointManifest, LabeledText, LLMFingerprint, ProbeSpec
 from worker.defaults import find_default
 from worker.errors import OfflineError
@@ -69,12 +70,14 @@ class HeadView(Probe):
         self._spec = view
         self._cols = probe.spec.head_columns(head)
 
-    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor | Prepared, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return self.whole(hidden, mask)[:, self._cols]  # [B, C_head]
 
     @torch.no_grad()
     def predict_proba_pooled(
-        self, hidden: torch.Tensor, mask: torch.Tensor | None = None
+        self, hidden: torch.Tensor | Prepared, mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The whole probe's pass (its normalization and pooling); a head's columns form
         # whole softmax groups, so its probabilities are the whole probe's, sliced.
