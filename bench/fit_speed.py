@@ -19,8 +19,8 @@ changes of issue 23 switched off and on? Configurations run round-robin in one p
   mean-pools for its residual and LayerNorms every padded token state, with statistics
   fixed for the whole fit) done once per fit instead of at every step;
 - ``prepared_bf16``: prepared, the token states kept in bfloat16 so the token projection
-  runs in it, forward and backward (``FitConfig.token_dtype``; fit's default where the CPU
-  has bf16 dot products; elsewhere this row measures emulated bf16).
+  runs in it, forward and backward (``fit --token-dtype bfloat16``, opt-in: fast where the
+  CPU has bf16 dot products; elsewhere this row measures emulated bf16).
 
 Beside them: what preparing costs once (``prepare_s``; a cross-validated fit pays it once
 per fold and split), and the bound the share of those passes in a ``both`` epoch put on
