@@ -15,7 +15,9 @@ How a text becomes tokens:
 
 1. Cleaning (:func:`clean_text`): ``bytes`` are decoded as strict UTF-8; control
    characters (Unicode ``Cc`` except tab, LF, CR) are removed; a text that is then
-   empty or whitespace-only is rejected. Rejections go to ``Extraction.errors``.
+   empty or whitespace-only is rejected. Rejections go to ``Extraction.errors``. Then
+   the canonical form (:mod:`worker.llm.canonical`: NFKC, format characters removed,
+   spelled-out letters joined) is what is tokenized; callers keep the original.
 2. Huge texts are first clipped to ``32`` characters per token they can use (head, or
    head and tail), so a megabyte of text never reaches the tokenizer.
 3. Tokens beyond ``max_tokens`` (special tokens included) are dropped: ``"head"`` keeps
@@ -67,6 +69,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar, cast
 import torch
 
 from worker.errors import ConfigError, DeviceError, ExtractionError, ExtractionInputError
+from worker.llm.canonical import canonical_text
 from worker.llm.chat_form import ChatTurn, turn_ids
 from worker.llm.load import LoadedLLM, load_llm
 
@@ -409,7 +412,10 @@ class HiddenStateExtractor:
         cleaned: list[tuple[int, str]] = []
         for pos, item in enumerate(texts):
             try:
-                cleaned.append((pos, clean_text(item, max_chars=char_limit, keep=self.truncation)))
+                text = canonical_text(clean_text(item, max_chars=char_limit, keep=self.truncation))
+                if not text.strip():
+                    raise ExtractionInputError("empty", "text is only format characters")
+                cleaned.append((pos, text))
             except ExtractionInputError as exc:
                 errors[pos] = str(exc)
         if not cleaned:
