@@ -296,7 +296,10 @@ def _evaluate_heads(spec: ProbeSpec, probs: Tensor, targets: Tensor) -> dict[str
     per_class = {label: m for r in heads.values() for label, m in r["per_class"].items()}
 
     def macro(key: str) -> float:
-        return float(np.mean([r[key] for r in heads.values()])) if heads else float("nan")
+        # A head whose rows here are all of one class has no AUPRC (or F1): it says nothing
+        # of this split, and must not make the whole headline NaN (early stopping reads it).
+        values = [r[key] for r in heads.values() if r[key] == r[key]]
+        return float(np.mean(values)) if values else float("nan")
 
     return {
         "n": len(targets),
