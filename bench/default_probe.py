@@ -1,16 +1,28 @@
-"""How good is the packaged default with no user labels, beside a probe fitted on each
-dataset and all-MiniLM-L6-v2 + logistic regression, on the same held-out rows?
+"""How good is the packaged default with no labels of the deployment, beside the fair peer
+(all-MiniLM-L6-v2 + logistic regression trained on the same shippable data with the same
+operating-point rule), on rows no choice saw? And what does each training set add?
 
-Every dataset's rows are split by :func:`worker.offline.default_probe.split_of` (a hash
-of the id): the default trained on 70 % of the Apache-2.0 sources and never saw the
-held-out 20 % (nor any of ToxicChat); the per-dataset ``fit`` (the default's recipe on
-that dataset's heads alone) and MiniLM + LR train on the same 70 % and pick epochs and
-thresholds on the same 10 %. Reported per (dataset, head): F1 at the chosen thresholds,
-AUPRC and recall at 1 % false positives; for XSTest also the share of safe prompts the
-default flags (over-flagging). The caches are the ones ``probeguard default build``
-makes under ``--cache-root`` (ToxicChat's: ``probeguard cache build``)::
+Rows: every recipe source's ``train.jsonl`` is split by
+:func:`worker.offline.default_probe.split_of` (a hash of the id): the default and the peer
+develop on 80 % (train + validation) and are measured on the held-out 20 %. ToxicChat
+(non-commercial, in neither) is measured on all of its train + validation rows
+(``--toxicchat``: its cache, built with ``probeguard cache build``).
 
-    python bench/default_probe.py --cache-root runs/default-cache --data-root ../shared/data
+Per dataset: the flag policy's AUPRC (benign vs unsafe rows, ranked by how far the most
+flagging head is past its threshold: :func:`probes.budget.flag_margin`), the share of
+benign rows it flags and the share of unsafe rows it flags, and the AUPRC of the head that
+names the dataset's task. The peer: one balanced logistic regression per head on the
+development rows that annotate it; its thresholds by the default's rule
+(:func:`probes.budget.budget_thresholds` on 4-fold out-of-fold probabilities of the
+benign development rows, at the same budget).
+
+``--ablate``: the default's recipe fitted again without each source in turn (the same
+folds, seed and budget), every dataset measured again: what each set adds.
+
+Example (the caches ``probeguard default build --cache-root runs/default-cache`` made)::
+
+    python bench/default_probe.py --cache-root runs/default-cache \\
+        --data-root ../shared/data --toxicchat runs/cache/toxicchat-all [--ablate]
 
 The last line is one JSON object.
 """
@@ -21,32 +33,55 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from quality import peer_features
 
-from probes import build_probe
-from probes.metrics import average_precision, best_f1_threshold, recall_at_fpr
+from probes.budget import budget_thresholds, flag_margin
+from probes.metrics import average_precision
 from probes.offline.cache import HiddenStateCache
-from probes.offline.dataset import ProbeDataset
-from probes.offline.fit import FitConfig, fit, predict_dataset
-from probes.offline.multitask import as_multitask, multitask_targets
+from probes.offline.fit import FitConfig
+from probes.offline.select import stratified_folds
 from schemas import ProbeSpec
 from worker.defaults import find_default
-from worker.offline.default_probe import CATEGORIES, SOURCES, Source, default_spec, split_of
-from worker.offline.fit_eval import load_split
+from worker.offline.default_probe import (
+    BUDGET,
+    POOL,
+    SOURCES,
+    Loaded,
+    Source,
+    default_spec,
+    fit_default,
+    load_source,
+    measure,
+)
 
-# (dataset, head, the head's positive label) measured; ToxicChat is never in the default.
-MEASURED = [
-    ("toxicchat", "toxicity", "toxic"),
-    ("openai_moderation", "toxicity", "toxic"),
-    *(("openai_moderation", h, label) for h, label in CATEGORIES),
-    ("xstest", "unsafe", "unsafe"),
-    ("davidson_hate_offensive", "offensive", "offensive"),
-]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quality import peer_features  # bench/quality.py: all-MiniLM-L6-v2 embeddings
+
+# The head that names each dataset's own task (its AUPRC is reported beside the policy's).
+TASK_HEAD = {
+    "openai_moderation": "toxicity",
+    "xstest": "unsafe",
+    "convabuse": "toxicity",
+    "hatecheck": "hate",
+    "toxigen_demonstrations": "hate",
+    "ailuminate_demo": "unsafe",
+    "simplesafetytests": "unsafe",
+    "davidson_hate_offensive": "offensive",
+    "toxicchat": "toxicity",
+}
+TOXICCHAT = Source(
+    "toxicchat",
+    "CC-BY-NC-4.0",
+    "measured only: never trained on",
+    {"toxicity": {"toxic": ["toxic"], "non-toxic": ["non-toxic"]}},
+    benign=("non-toxic",),
+    unsafe=("toxic",),
+)
 
 
 def log(msg: str) -> None:
@@ -55,220 +90,160 @@ def log(msg: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cache-root", type=Path, required=True, help="caches named by dataset")
+    p.add_argument("--cache-root", type=Path, required=True, help="the recipe's caches")
     p.add_argument("--data-root", type=Path, required=True, help="<dataset>/train.jsonl texts")
-    p.add_argument("--epochs", type=int, default=25, help="per-dataset fit: most epochs")
-    p.add_argument("--patience", type=int, default=5)
+    p.add_argument("--toxicchat", type=Path, default=None, help="ToxicChat's cache (all rows)")
+    p.add_argument("--budget", type=float, default=BUDGET)
     p.add_argument("--no-minilm", action="store_true", help="skip the MiniLM + LR peer")
-    p.add_argument(
-        "--datasets", default=None, help="comma-separated subset of the measured datasets"
-    )
+    p.add_argument("--ablate", action="store_true", help="refit without each source in turn")
+    p.add_argument("--folds", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=25)
     return p.parse_args(argv)
 
 
-def source(name: str) -> Source:
-    return next(s for s in SOURCES if s.dataset == name)
+def _sources() -> list[Source]:
+    return [s for s in SOURCES if not s.noncommercial]
 
 
-def part(data: ProbeDataset, split: str) -> ProbeDataset:
-    return data.subset(torch.tensor([i for i, r in enumerate(data.ids) if split_of(r) == split]))
+def _summary(m: dict[str, Any], dataset: str) -> dict[str, Any]:
+    """The row of one (probe, dataset) in the table."""
+    head = m["heads"].get(TASK_HEAD.get(dataset, ""), {})
+    return {**m["policy"], "task_head_auprc": head.get("auprc")}
 
 
-def load(name: str, spec: ProbeSpec, root: Path) -> ProbeDataset:
-    cache = HiddenStateCache(root / name)
-    data = load_split(cache, spec.token_pool, list(spec.layers), "label")
-    return as_multitask(data, spec, multitask_targets(spec, source(name).source_heads,
-                                                      cache.row_labels()))  # fmt: skip
+def _texts(root: Path, cache_root: Path, loaded: Loaded) -> list[str]:
+    from worker.offline.default_probe import _source_file
+
+    name = loaded.source.dataset
+    if name == "toxicchat":
+        files = [root / name / "train.jsonl", root / name / "validation.jsonl"]
+    else:
+        files = [_source_file(loaded.source, root, cache_root)]
+    texts = {}
+    for path in files:
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            texts[row["id"]] = row["text"]
+    return [texts[i] for i in loaded.data.ids]
 
 
-def heads_only(full: ProbeSpec, heads: Any) -> ProbeSpec:
-    """``full`` with only ``heads`` (the per-dataset fit's spec)."""
-    own = [h for h in full.heads if h.name in heads]
-    labels = {x for h in own for x in h.labels}
-    base = full.model_dump(exclude={"labels", "heads", "flag_labels", "thresholds"})
-    return ProbeSpec.model_validate(
-        {
-            **base,
-            "heads": [h.model_dump() for h in own],
-            "flag_labels": [x for x in full.flag_labels if x in labels],
-        }
-    )
+class MiniLMPeer:
+    """One balanced logistic regression per head over MiniLM embeddings; flag thresholds by
+    the default's rule on out-of-fold benign probabilities."""
 
+    def __init__(self, spec: ProbeSpec, dev: list[Loaded], x: list[np.ndarray], budget: float):
+        from sklearn.linear_model import LogisticRegression
 
-def figures(y: np.ndarray, score: np.ndarray, threshold: float) -> dict[str, float]:
-    pred = score >= threshold
-    tp, fp, fn = (pred & y).sum(), (pred & ~y).sum(), (~pred & y).sum()
-    f1 = 2 * tp / max(1, 2 * tp + fp + fn)
-    return {
-        "f1": round(float(f1), 4),
-        "auprc": round(average_precision(y, score), 4),
-        "r_at_1pct_fpr": round(recall_at_fpr(y, score), 4),
-        "n": len(y),
-        "positives": int(y.sum()),
-    }
+        self.spec, self.models = spec, {}
+        X = np.concatenate(x)
+        data = [d.data for d in dev]
+        y = torch.cat([d.targets for d in data]).numpy()
+        folds = torch.cat([stratified_folds(d, 4, 0) for d in data]).numpy()
+        oof = np.full(y.shape, np.nan)
+        for j, label in enumerate(spec.labels):
+            known = ~np.isnan(y[:, j])
+            if y[known, j].sum() < 2:
+                continue
 
+            def model() -> Any:
+                return LogisticRegression(C=1.0, class_weight="balanced", max_iter=3000)
 
-def column(spec: ProbeSpec, data: ProbeDataset, label: str) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of ``data`` that annotate ``label``'s head: ``(row mask, truth)``."""
-    j = spec.labels.index(label)
-    known = ~data.targets[:, j].isnan()
-    return known.numpy(), (data.targets[known, j] > 0.5).numpy()
-
-
-def probe_rows(name: str, spec: ProbeSpec, probe: Any, held: ProbeDataset) -> dict[str, dict]:
-    """The (``name``, head) rows of MEASURED for ``probe`` on ``name``'s held-out rows."""
-    probs = predict_dataset(probe, held).numpy()
-    out = {}
-    for ds, head, label in MEASURED:
-        if ds != name or label not in spec.labels or head not in {h.name for h in spec.heads}:
-            continue
-        rows, y = column(spec, held, label)
-        if rows.any():
-            t = probe.spec.thresholds.get(label, 0.5)
-            out[f"{name}/{head}"] = figures(y, probs[rows, spec.labels.index(label)], t)
-    return out
-
-
-def minilm_rows(
-    name: str, spec: ProbeSpec, data: ProbeDataset, texts: dict[str, str]
-) -> dict[str, dict]:
-    from sklearn.linear_model import LogisticRegression
-
-    x = peer_features("minilm", [texts[i] for i in data.ids])
-    split = np.array([split_of(i) for i in data.ids])
-    out = {}
-    for ds, head, label in MEASURED:
-        if ds != name:
-            continue
-        j = spec.labels.index(label)
-        known = ~data.targets[:, j].isnan().numpy()
-        y = data.targets[:, j].nan_to_num(0).numpy() > 0.5
-        fit_rows, val_rows, held_rows = (known & (split == s) for s in _SPLITS)
-        if y[fit_rows].sum() == 0:
-            continue
-        lr = LogisticRegression(C=1.0, class_weight="balanced", max_iter=3000)
-        lr.fit(x[fit_rows], y[fit_rows])
-        threshold = best_f1_threshold(y[val_rows], lr.predict_proba(x[val_rows])[:, 1])[0]
-        out[f"{name}/{head}"] = figures(
-            y[held_rows], lr.predict_proba(x[held_rows])[:, 1], threshold
+            self.models[label] = model().fit(X[known], y[known, j] > 0.5)
+            for k in range(4):
+                fit_rows, out_rows = known & (folds != k), folds == k
+                oof[out_rows, j] = (
+                    model().fit(X[fit_rows], y[fit_rows, j] > 0.5).predict_proba(X[out_rows])[:, 1]
+                )
+        roles = [r for d in dev for r in d.roles]
+        groups = [d.source.dataset for d in dev for r in d.roles if r == "benign"]
+        benign = np.array([r == "benign" for r in roles])
+        flag = [x for x in spec.flag_labels if x in self.models]
+        cols = [spec.labels.index(x) for x in flag]
+        self.flag = flag
+        self.thresholds = budget_thresholds(
+            torch.from_numpy(oof[benign][:, cols]).float(), groups, flag, budget=budget
         )
-    return out
 
-
-_SPLITS = ("train", "validation", "held_out")
+    def measure(self, item: Loaded, x: np.ndarray, dataset: str) -> dict[str, Any]:
+        probs = np.column_stack([self.models[x_].predict_proba(x)[:, 1] for x_ in self.flag])
+        t = [self.thresholds[x_] for x_ in self.flag]
+        margin = flag_margin(torch.from_numpy(probs).float(), t).numpy()
+        roles = np.array(item.roles)
+        benign, unsafe = roles == "benign", roles == "unsafe"
+        flagged = margin >= 0
+        out: dict[str, Any] = {"benign": int(benign.sum()), "unsafe": int(unsafe.sum())}
+        if benign.any():
+            out["benign_flagged"] = round(float(flagged[benign].mean()), 4)
+        if unsafe.any():
+            out["unsafe_flagged"] = round(float(flagged[unsafe].mean()), 4)
+        if benign.any() and unsafe.any():
+            rows = benign | unsafe
+            out["auprc"] = round(average_precision(unsafe[rows], margin[rows]), 4)
+        head = TASK_HEAD.get(dataset)
+        label = next((h.labels[-1] for h in self.spec.heads if h.name == head), None)
+        if label in self.models:
+            j = self.spec.labels.index(label)
+            y = item.data.targets[:, j].numpy()
+            known = ~np.isnan(y)
+            if known.any() and 0 < y[known].sum() < known.sum():
+                p = self.models[label].predict_proba(x[known])[:, 1]
+                out["task_head_auprc"] = round(average_precision(y[known] > 0.5, p), 4)
+        return out
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.time()
-    default = None
-    datasets = sorted({ds for ds, _, _ in MEASURED})
-    if args.datasets:
-        datasets = [d for d in datasets if d in args.datasets.split(",")]
-    for name in datasets:
-        llm = HiddenStateCache(args.cache_root / name).manifest.llm
-        default = default or find_default(llm, "moderation")
+    llm = HiddenStateCache(args.cache_root / "convabuse").manifest.llm
+    default = find_default(llm, "moderation")
     if default is None:
         raise SystemExit("this release ships no packaged default for the caches' LLM")
-    full = default_spec(
-        default.probe.spec.hidden_size, list(default.probe.layers), noncommercial=True
-    )  # fmt: skip (every head, for the targets)
-    rows: dict[str, dict[str, dict]] = {"default": {}, "fit": {}, "minilm": {}}
-    over_flagging: dict[str, float] = {}
-    for name in datasets:
-        data = load(name, full, args.cache_root)
-        held = part(data, "held_out")
-        log(f"{name}: {len(data)} rows, {len(held)} held out")
-        # The default (no labels of this dataset, or of any user).
-        rows["default"] |= probe_rows(name, full, _aligned(default.probe, full), held)
-        if name == "xstest":
-            safe = (held.targets[:, full.labels.index("unsafe")] == 0).nonzero().flatten()
-            flagged = _flagged(default.probe, held.subset(safe))
-            over_flagging["default"] = round(float(flagged.float().mean()), 4)
-        # The default's recipe fitted on this dataset's heads alone.
-        spec = heads_only(full, source(name).heads)
-        mine = load(name, spec, args.cache_root)
-        config = FitConfig(max_epochs=args.epochs, patience=args.patience)
-        t0 = time.time()
-        result = fit(build_probe(spec, seed=0), part(mine, "train"), part(mine, "validation"),
-                     config)  # fmt: skip
-        log(f"{name}: fit {result.epochs} epochs in {time.time() - t0:.0f} s")
-        rows["fit"] |= probe_rows(name, spec, result.probe, part(mine, "held_out"))
-        if name == "xstest":
-            safe_rows = part(mine, "held_out")
-            safe = (safe_rows.targets[:, spec.labels.index("unsafe")] == 0).nonzero().flatten()
-            flagged = _flagged(result.probe, safe_rows.subset(safe))
-            over_flagging["fit"] = round(float(flagged.float().mean()), 4)
-        if not args.no_minilm:
-            texts = _texts(args.data_root, name, data.ids)
-            rows["minilm"] |= minilm_rows(name, full, data, texts)
-    _print(rows, over_flagging)
-    openai = [
-        k for k in rows["default"] if k.startswith("openai_moderation/") and "toxicity" not in k
-    ]
-    summary = {
-        "question": "packaged default vs per-dataset fit vs MiniLM+LR on held-out rows",
-        "rows": rows,
-        "xstest_safe_flagged": over_flagging,
-        "openai_macro_auprc": {
-            k: round(float(np.mean([v[x]["auprc"] for x in openai if x in v])), 4)
-            for k, v in rows.items()
-            if v
-        },
-        "seconds": round(time.time() - started, 1),
-    }
-    print(json.dumps(summary))
+    spec = default_spec(llm.hidden_size, list(default.probe.spec.layers), pool=POOL)
+    loaded = [load_source(s, spec, args.cache_root, args.data_root, None) for s in _sources()]
+    held = {x.source.dataset: x.part("held_out") for x in loaded}
+    if args.toxicchat is not None:
+        tc = load_source(replace(TOXICCHAT, dataset=args.toxicchat.name), spec,
+                         args.toxicchat.parent, args.data_root, None)  # fmt: skip
+        held["toxicchat"] = Loaded(TOXICCHAT, tc.data, tc.names)
+    table: dict[str, dict[str, Any]] = {"default": {}}
+    for name, item in held.items():
+        table["default"][name] = _summary(measure(default.probe, item), name)
+        log(f"default on {name}: {table['default'][name]}")
+    if not args.no_minilm:
+        dev = [Loaded.concat([x.part("train"), x.part("validation")]) for x in loaded]
+        log("MiniLM embeddings of the development rows ...")
+        x_dev = [peer_features("minilm", _texts(args.data_root, args.cache_root, d)) for d in dev]
+        peer = MiniLMPeer(spec, dev, x_dev, args.budget)
+        table["minilm_lr"] = {}
+        for name, item in held.items():
+            x = peer_features("minilm", _texts(args.data_root, args.cache_root, item))
+            table["minilm_lr"][name] = peer.measure(item, x, name)
+            log(f"MiniLM + LR on {name}: {table['minilm_lr'][name]}")
+    if args.ablate:
+        config = FitConfig(max_epochs=args.epochs, patience=4)
+        for left_out in [s.dataset for s in _sources()]:
+            t0 = time.time()
+            rest = [x for x in loaded if x.source.dataset != left_out]
+            fitted = fit_default(rest, spec, config, budget=args.budget, folds=args.folds)
+            key = f"without {left_out}"
+            table[key] = {n: _summary(measure(fitted.result.probe, i), n) for n, i in held.items()}
+            log(f"{key}: {time.time() - t0:.0f} s")
+    _print(table)
+    print(json.dumps({"question": "default vs MiniLM + LR vs ablations, held out",
+                      "budget": args.budget, "table": table,
+                      "seconds": round(time.time() - started, 1)}))  # fmt: skip
     return 0
 
 
-def _aligned(probe: Any, full: ProbeSpec) -> Any:
-    """The default's probabilities laid out over ``full``'s labels (it may lack heads)."""
-
-    class Aligned(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = probe
-            self.spec = full.model_copy(update={"thresholds": probe.spec.thresholds})
-
-        def predict_proba_many(self, hidden: torch.Tensor, mask: Any = None) -> torch.Tensor:
-            p = self.inner.predict_proba_many(hidden, mask)
-            out = torch.full((p.shape[0], len(full.labels)), float("nan"))
-            for j, label in enumerate(self.inner.spec.labels):
-                out[:, full.labels.index(label)] = p[:, j]
-            return out
-
-    return Aligned()
-
-
-def _flagged(probe: Any, data: ProbeDataset) -> torch.Tensor:
-    from probes.decision import decide
-
-    return decide(probe.spec, predict_dataset(probe, data)).flagged
-
-
-def _texts(root: Path, name: str, ids: list[str]) -> dict[str, str]:
-    want, out = set(ids), {}
-    files = [root / name / "train.jsonl", root / name / "validation.jsonl"]
-    for path in files:
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            if row["id"] in want:
-                out[row["id"]] = row["text"]
-    return out
-
-
-def _print(rows: dict[str, dict[str, dict]], over: dict[str, float]) -> None:
-    keys = list(rows["default"])
-    print(f"{'dataset/head':<36} {'default F1/AUPRC/R@1%':>24} {'fit':>24} {'MiniLM+LR':>24}")
-    for k in keys:
-        cells = []
-        for who in ("default", "fit", "minilm"):
-            m = rows[who].get(k)
-            cells.append(f"{m['f1']:.3f}/{m['auprc']:.3f}/{m['r_at_1pct_fpr']:.3f}" if m else "-")
-        n = rows["default"][k]
-        name = f"{k} ({n['n']}, {n['positives']}+)"
-        print(f"{name:<36} {cells[0]:>24} {cells[1]:>24} {cells[2]:>24}")
-    print(f"XSTest safe prompts flagged: {over}")
+def _print(table: dict[str, dict[str, Any]]) -> None:
+    names = list(next(iter(table.values())))
+    cols = ["auprc", "benign_flagged", "unsafe_flagged", "task_head_auprc"]
+    print(f"{'dataset':<24}{'probe':<32}" + "".join(f"{c:>18}" for c in cols))
+    for name in names:
+        for probe, rows in table.items():
+            r = rows.get(name, {})
+            cells = "".join(f"{'' if r.get(c) is None else r[c]:>18}" for c in cols)
+            print(f"{name:<24}{probe:<32}{cells}")
 
 
 if __name__ == "__main__":

@@ -19,14 +19,14 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from probes.errors import ProbeError
 
-__all__ = ["budget_thresholds", "flag_margin", "flag_rates"]
+__all__ = ["budget_thresholds", "flag_margin", "flag_rates", "recall_thresholds"]
 
 # Thresholds sit just above the benign score they must not flag.
 _ABOVE = 1e-6
@@ -106,3 +106,78 @@ def flag_margin(probs: Tensor, thresholds: Sequence[float]) -> Tensor:
     p = probs.double().clamp(eps, 1 - eps)
     t = torch.tensor(thresholds, dtype=torch.float64).clamp(eps, 1 - eps)
     return (torch.logit(p) - torch.logit(t)).amax(dim=1).float()
+
+
+def recall_thresholds(
+    benign: Tensor,
+    groups: Sequence[str],
+    unsafe: Tensor,
+    unsafe_groups: Sequence[str],
+    labels: Sequence[str],
+    *,
+    budget: float | Mapping[str, float],
+) -> dict[str, float]:
+    """Per label, the threshold that spends the benign ``budget`` where it buys the most:
+    the policy flags at most ``budget`` of every benign group (rows ``benign [N, C]``,
+    ``groups``; ``budget``: one share for all, or one per group), and among such
+    thresholds these maximize the recall on the unsafe rows (``unsafe [M, C]``, each of
+    ``unsafe_groups`` weighing the same, so a large source does not outvote a small one).
+
+    Greedy: every threshold starts just above its column's highest benign score (no
+    benign row flagged); each step lowers the one threshold, down to the next unsafe row
+    it does not flag yet, whose step gains the most weighted recall per benign row newly
+    flagged (a benign row another label already flags costs nothing), as long as every
+    group stays within the budget. Equal shares (:func:`budget_thresholds`) spend the
+    budget on labels that buy nothing: ten labels at a tenth each flagged few unsafe rows.
+    """
+    shares = {g: budget for g in set(groups)} if isinstance(budget, float | int) else budget
+    if set(groups) - set(shares) or not all(0.0 <= x < 1.0 for x in shares.values()):
+        raise ProbeError(f"budget must be in [0, 1) for every group, got {budget}")
+    C = len(labels)
+    if benign.dim() != 2 or benign.shape[1] != C or unsafe.dim() != 2 or unsafe.shape[1] != C:
+        raise ProbeError(
+            f"benign {tuple(benign.shape)} / unsafe {tuple(unsafe.shape)} vs {C} labels"
+        )
+    parts = _groups(groups, len(benign))
+    if not parts:
+        raise ProbeError("no benign rows to choose thresholds on")
+    b, u = benign.double(), unsafe.double()
+    size = torch.zeros(len(b), dtype=torch.float64)  # each benign row: 1 / its group's size
+    allowed = {g: int(shares[g] * int(rows.sum()) + 1e-9) for g, rows in parts.items()}
+    group_of = torch.zeros(len(b), dtype=torch.long)
+    names = list(parts)
+    for k, g in enumerate(names):
+        size[parts[g]] = 1.0 / float(parts[g].sum())
+        group_of[parts[g]] = k
+    limit = torch.tensor([allowed[g] for g in names], dtype=torch.long)
+    weight = torch.zeros(len(u), dtype=torch.float64)
+    for rows in _groups(unsafe_groups, len(u)).values():
+        weight[rows] = 1.0 / float(rows.sum())
+    # Start just above each column's highest benign score: no benign row flagged.
+    t = b.max(dim=0).values.add(_ABOVE).clamp(max=1.0)
+    hit_b = (b >= t).sum(dim=1)  # labels flagging each benign row
+    hit_u = (u >= t).sum(dim=1)
+    while True:
+        best: tuple[float, float, int, float] | None = None
+        flagged = torch.bincount(group_of[hit_b > 0], minlength=len(names))
+        for j in range(C):
+            # The step down to the next unsafe row not flagged yet.
+            open_u = (hit_u == 0) & (u[:, j] < t[j])
+            if not bool(open_u.any()):
+                continue
+            lower = float(u[open_u, j].max())
+            new_b = (b[:, j] >= lower) & (hit_b == 0)
+            extra = torch.bincount(group_of[new_b], minlength=len(names))
+            if bool((flagged + extra > limit).any()):
+                continue
+            gain = float(weight[open_u & (u[:, j] >= lower)].sum())
+            ratio = gain / (float(size[new_b].sum()) + 1e-12)
+            if best is None or (ratio, gain) > (best[0], best[1]):
+                best = (ratio, gain, j, lower)
+        if best is None:
+            break
+        _, _, j, lower = best
+        hit_b += ((b[:, j] >= lower) & (b[:, j] < t[j])).long()
+        hit_u += ((u[:, j] >= lower) & (u[:, j] < t[j])).long()
+        t[j] = lower
+    return dict(zip(labels, [min(1.0, float(x)) for x in t], strict=True))

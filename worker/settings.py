@@ -424,6 +424,13 @@ class Settings(BaseSettings):
         "head), updaters fine-tune from it. `false`: scorers wait for a published version, "
         "updaters start from `SEED_CHECKPOINT` or from zero.",
     )
+    default_flag_budget: Annotated[float, Field(gt=0, lt=1)] | None = Field(
+        None,
+        description="The share of ordinary (benign) text the packaged default may flag, any "
+        "head counted: its flag thresholds move to the operating point its card ships for "
+        "this budget (0.01, 0.02, 0.03, 0.05 or 0.1; chosen out of fold on the benign rows "
+        "of every training set; see docs/default-probe.md). Unset: as shipped (0.03).",
+    )
     bootstrap_checkpoint: Path | None = Field(
         None,
         description="Checkpoint directory a scorer serves until the registry has a live "

@@ -108,7 +108,8 @@ def held_out(ids: list[str], share: float, salt: str = "probeguard-holdout-v1") 
 
 
 def stratified_folds(data: ProbeDataset, k: int, seed: int = 0) -> Tensor:
-    """Fold index ``[N]`` in ``0..k-1``, each class spread evenly over the folds.
+    """Fold index ``[N]`` in ``0..k-1``, each class spread evenly over the folds; rows
+    with the same id in the same fold.
 
     >>> import torch
     >>> d = ProbeDataset([1], ["a", "b"], "multiclass", torch.tensor([0] * 6 + [1] * 3),
@@ -130,6 +131,11 @@ def stratified_folds(data: ProbeDataset, k: int, seed: int = 0) -> Tensor:
         # Continue the round-robin where the previous class stopped: folds stay equal-sized.
         fold[rows] = (torch.arange(len(rows)) + offset) % k
         offset += len(rows)
+    # Copies of one row (a recipe that repeats hard examples) share a fold: a copy on each
+    # side would score a row with a model that trained on it.
+    first: dict[str, int] = {}
+    for i, row_id in enumerate(data.ids):
+        fold[i] = fold[first.setdefault(row_id, i)]
     return fold
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,28 +13,39 @@ import torch
 from safetensors import safe_open
 
 from probes import load_checkpoint
+from probes.errors import CheckpointError
 from probes.offline.fit import FitConfig
 from tests.unit.offline_helpers import tiny_extractor
-from worker.offline.default_probe import SOURCES, build_default, split_of
+from worker.errors import ConfigError
+from worker.offline.default_probe import BUDGET, BUDGETS, SOURCES, build_default, split_of
 
 CATEGORIES = ["sexual", "hate", "harassment", "violence", "self-harm"]
+# Per dataset: (benign label, labels of an unsafe row, the unsafe row's `label`).
+SHAPES = {
+    "openai_moderation": ("not-flagged", None, "flagged"),
+    "xstest": ("safe", [], "unsafe"),
+    "convabuse": ("not-abusive", ["abusive", "harassment"], "abusive"),
+    "hatecheck": ("non-hateful", ["hate"], "hateful"),
+    "toxigen_demonstrations": ("neutral", ["hate"], "hate"),
+    "ailuminate_demo": ("specialized-advice", ["unsafe", "violence"], "unsafe"),
+    "simplesafetytests": (None, ["unsafe", "self-harm"], "unsafe"),
+    "davidson_hate_offensive": ("neither", None, "offensive_language"),
+    "toxicchat": ("non-toxic", ["toxic"], "toxic"),
+}
 
 
 def _rows(dataset: str, n: int, rng: random.Random) -> list[dict]:
+    benign, labels, unsafe = SHAPES[dataset]
     rows = []
     for i in range(n):
-        bad = rng.random() < 0.4
+        bad = benign is None or rng.random() < 0.4
         words = ["hello", "friend", "nice", "day"] if not bad else ["kill", "hate", "idiot"]
         row: dict = {"id": f"{dataset}-train-{i}", "text": " ".join(rng.choices(words, k=5))}
+        row["label"] = unsafe if bad else benign
         if dataset == "openai_moderation":
-            cats = rng.sample(CATEGORIES, 1) if bad else []
-            row |= {"label": "flagged" if bad else "not-flagged", "labels": cats}
-        elif dataset == "xstest":
-            row["label"] = "unsafe" if bad else "safe"
-        elif dataset == "davidson_hate_offensive":
-            row["label"] = rng.choice(["hate_speech", "offensive_language"]) if bad else "neither"
-        else:  # toxicchat
-            row |= {"label": "toxic" if bad else "non-toxic", "labels": ["toxic"] if bad else []}
+            row["labels"] = rng.sample(CATEGORIES, 1) if bad else []
+        elif labels is not None:
+            row["labels"] = labels if bad else []
         rows.append(row)
     return rows
 
@@ -42,48 +54,151 @@ def _rows(dataset: str, n: int, rng: random.Random) -> list[dict]:
 def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("data")
     rng = random.Random(0)
-    for source in SOURCES:
-        folder = root / source.dataset
+    for dataset in SHAPES:
+        folder = root / dataset
         folder.mkdir()
-        rows = _rows(source.dataset, 60, rng)
+        rows = _rows(dataset, 40, rng)
         (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root
 
 
-@pytest.mark.parametrize("noncommercial", [False, True])
-def test_the_default_is_built_measured_and_licensed_by_its_recipe(
-    data_root: Path, tmp_path: Path, noncommercial: bool
-) -> None:
-    extractor = tiny_extractor()
-    out = tmp_path / "default"
+def test_every_source_of_the_recipe_has_a_stand_in() -> None:
+    assert {s.dataset for s in SOURCES} - {"degenerate"} == set(SHAPES)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _few_degenerate_rows() -> Iterator[None]:
+    # The recipe's generated rows run up to 2,000 characters: a dozen short ones do here.
+    import worker.offline.default_probe as recipe
+
+    rows = recipe.degenerate_rows
+    recipe.degenerate_rows = lambda: [r for r in rows() if len(r["text"]) < 30][:24]  # type: ignore[assignment]
+    yield
+    recipe.degenerate_rows = rows  # type: ignore[assignment]
+
+
+@pytest.fixture(scope="module")
+def built(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("default") / "default"
     result = build_default(
         data_root,
         out,
-        extractor,
-        cache_root=tmp_path / "caches",
-        noncommercial=noncommercial,
+        tiny_extractor(),
+        cache_root=out.parent / "caches",
         config=FitConfig(max_epochs=2, patience=1, batch_size=16),
+        folds=2,
     )
+    return out, result.card
+
+
+@pytest.mark.parametrize("noncommercial", [False, True])
+def test_the_default_is_built_measured_and_licensed_by_its_recipe(
+    data_root: Path, tmp_path: Path, noncommercial: bool, built: tuple[Path, dict]
+) -> None:
+    extractor = tiny_extractor()
+    if noncommercial:
+        out = tmp_path / "default"
+        result = build_default(
+            data_root,
+            out,
+            extractor,
+            cache_root=tmp_path / "caches",
+            noncommercial=True,
+            config=FitConfig(max_epochs=2, patience=1, batch_size=16),
+            folds=2,
+        )
+        card = result.card
+    else:
+        out, card = built
     probe, manifest = load_checkpoint(out, extractor.fingerprint)
     heads = [h.name for h in probe.spec.heads]
     assert heads[:2] == ["toxicity", "sexual"] and ("jailbreak" in heads) == noncommercial
-    card = json.loads((out / "card.json").read_text())
-    assert card == result.card
+    assert card == json.loads((out / "card.json").read_text())
     used = {s["dataset"] for s in card["sources"]}
-    assert ("toxicchat" in used) == noncommercial
+    assert ("toxicchat" in used) == noncommercial and "degenerate" in used
     assert card["license"] == ("CC-BY-NC-4.0" if noncommercial else "Apache-2.0")
-    # Every source is measured on its held-out rows, on the heads it annotates.
+    # Every source is measured on its held-out rows: its heads, and the flag policy.
     assert set(card["held_out"]) == used
-    assert set(card["held_out"]["xstest"]) == {"toxicity", "unsafe"}
-    assert "self-harm" in card["held_out"]["openai_moderation"]
+    assert card["held_out"]["xstest"]["heads"]["unsafe"]["positives"] > 0
+    assert "self-harm" in card["held_out"]["openai_moderation"]["heads"]
+    policy = card["held_out"]["convabuse"]["policy"]
+    assert policy["benign"] > 0 and policy["unsafe"] > 0 and 0 <= policy["benign_flagged"] <= 1
     rows = {s["dataset"]: s["rows"] for s in card["sources"]}
-    held = sum(split_of(f"xstest-train-{i}") == "held_out" for i in range(60))
+    held = sum(split_of(f"xstest-train-{i}") == "held_out" for i in range(40))
     assert rows["xstest"]["held_out"] == held
-    assert manifest.counters.labels_seen == sum(r["train"] for r in rows.values())
+    dev = sum(r["train"] + r["validation"] for r in rows.values())
+    assert manifest.counters.labels_seen == dev
     # Shipped as int8 (a quarter of the size), and the card says so.
     assert card["weights"] == "int8"
     with safe_open(str(out / "tensors.safetensors"), "pt") as f:
         assert torch.int8 in {f.get_tensor(k).dtype for k in f.keys()}  # noqa: SIM118
+
+
+def test_thresholds_keep_every_benign_source_inside_the_budget(built: tuple[Path, dict]) -> None:
+    out, card = built
+    # Out of fold, per benign source, the whole policy (any head) flags within the budget.
+    assert card["budget"] == BUDGET
+    assert card["oof_benign_flagged"] and max(card["oof_benign_flagged"].values()) <= BUDGET
+    assert set(card["oof_benign_flagged"]) >= {"convabuse", "xstest", "degenerate"}
+    # Every shipped operating point; a larger budget never raises a threshold.
+    points = card["operating_points"]
+    assert set(points) == {f"{b:g}" for b in BUDGETS}
+    tight, loose = points["0.01"], points["0.1"]
+    assert set(tight) == set(card["flag_labels"]) and all(loose[k] <= tight[k] for k in tight)
+    probe, _ = load_checkpoint(out, tiny_extractor().fingerprint)
+    assert {k: probe.spec.thresholds[k] for k in tight} == pytest.approx(points["0.03"])
+
+
+def _pinned(monkeypatch: pytest.MonkeyPatch, folder: Path, card: bool = True) -> None:
+    import hashlib
+
+    import worker.defaults
+
+    pins = {folder.name: hashlib.sha256((folder / "manifest.json").read_bytes()).hexdigest()}
+    if card:
+        digest = hashlib.sha256((folder / "card.json").read_bytes()).hexdigest()
+        pins[f"{folder.name}/card.json"] = digest
+    monkeypatch.setattr(worker.defaults, "PINNED", pins)
+
+
+def test_a_deployment_picks_another_budget_from_the_pinned_card(
+    built: tuple[Path, dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from worker.defaults import find_default
+
+    out, card = built
+    fp = tiny_extractor().fingerprint
+    _pinned(monkeypatch, out)
+    shipped = find_default(fp, "moderation", out.parent)
+    loose = find_default(fp, "moderation", out.parent, budget=0.1)
+    assert shipped is not None and loose is not None
+    for label, t in card["operating_points"]["0.1"].items():
+        assert loose.probe.spec.thresholds[label] == pytest.approx(t)
+    assert shipped.probe.spec.thresholds != loose.probe.spec.thresholds
+    with pytest.raises(ConfigError, match=r"0\.07"):
+        find_default(fp, "moderation", out.parent, budget=0.07)
+
+
+def test_an_edited_or_unpinned_card_is_refused_for_its_operating_points(
+    built: tuple[Path, dict], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import shutil
+
+    from worker.defaults import find_default
+
+    out, _ = built
+    fp = tiny_extractor().fingerprint
+    copy = tmp_path / out.name
+    shutil.copytree(out, copy)
+    _pinned(monkeypatch, copy, card=False)
+    with pytest.raises(ConfigError, match="not pinned"):
+        find_default(fp, "moderation", tmp_path, budget=0.1)
+    _pinned(monkeypatch, copy)
+    card = json.loads((copy / "card.json").read_text())
+    card["operating_points"]["0.1"] = {k: 1.0 for k in card["operating_points"]["0.1"]}
+    (copy / "card.json").write_text(json.dumps(card))
+    with pytest.raises(CheckpointError, match=r"card\.json"):
+        find_default(fp, "moderation", tmp_path, budget=0.1)
 
 
 def test_a_capped_source_keeps_the_same_rows_every_build(data_root: Path, tmp_path: Path) -> None:

@@ -169,3 +169,17 @@ def test_a_soup_worse_in_sample_than_its_folds_out_of_fold_falls_back_to_a_refit
     test = token_dataset(n=60, seed=2)
     accuracy = (predict_dataset(result.probe, test).argmax(1) == test.targets).float().mean()
     assert accuracy > 0.7
+
+
+def test_copies_of_a_row_share_a_fold() -> None:
+    # A recipe that repeats hard examples must not score a copy with a model that trained
+    # on another copy of it.
+    n = 40
+    ids = [f"r{i % 13}" for i in range(n)]  # 13 rows, each repeated 3-4 times
+    data = ProbeDataset(
+        [1], ["a", "b"], "multiclass", torch.tensor([i % 2 for i in range(n)]), ids,
+        summaries=torch.zeros(1, n, 2),
+    )  # fmt: skip
+    fold = stratified_folds(data, 4)
+    for row in set(ids):
+        assert len({int(fold[i]) for i in range(n) if ids[i] == row}) == 1

@@ -23,10 +23,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     build = actions.add_parser(
         "build",
         help="rebuild the default from the datasets' train splits (fixed seed)",
-        description="Builds (or resumes) a hidden-state cache per dataset, fits the multi-head "
-        "default on 70% of each train split (by id hash), picks epochs and thresholds on "
-        "10% and measures it on the other 20%, then writes the checkpoint and its data card. "
-        "The LLM comes from PROBEGUARD_MODEL.",
+        description="Builds (or resumes) a hidden-state cache per dataset, cross-validates the "
+        "multi-head default on 80% of each train split (by id hash), calibrates each head "
+        "out of fold, sets the flag thresholds so the whole policy (any head) flags at most "
+        "the budget of every source's benign rows out of fold, measures it on the other "
+        "20%, then writes the checkpoint and its data card (with the thresholds for other "
+        "budgets). The LLM comes from PROBEGUARD_MODEL. Takes about half an hour on 2 CPU "
+        "cores once the caches exist.",
     )
     build.add_argument(
         "--data-root",
@@ -50,7 +53,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         "only be used non-commercially",
     )
     build.add_argument("--epochs", type=int, default=25, help="most epochs (default 25)")
-    build.add_argument("--patience", type=int, default=5, help="early-stopping patience")
+    build.add_argument("--patience", type=int, default=4, help="early-stopping patience (4)")
+    build.add_argument(
+        "--pool",
+        choices=["mean", "max", "gate", "mha"],
+        default=None,
+        help="token pooling (default: the recipe's, gate: a learned score per token)",
+    )
+    build.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="the share of each benign source the flag policy may flag out of fold "
+        "(default: the recipe's 0.03; contrastive test suites get a multiple of it)",
+    )
+    build.add_argument("--folds", type=int, default=4, help="cross-validation folds (4)")
     build.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     build.add_argument(
         "--pin", action="store_true", help="record the new manifest's sha256 in pins.json"
@@ -68,7 +85,7 @@ def _build(args: argparse.Namespace) -> int:
     from probes.offline.fit import FitConfig
     from worker.defaults import PINS, ROOT
     from worker.llm.extract import HiddenStateExtractor
-    from worker.offline.default_probe import build_default
+    from worker.offline.default_probe import BUDGET, POOL, build_default
     from worker.settings import load_settings
 
     settings = load_settings()
@@ -84,11 +101,16 @@ def _build(args: argparse.Namespace) -> int:
         cache_root=args.cache_root,
         noncommercial=args.noncommercial,
         config=config,
+        pool=args.pool or POOL,
+        budget=BUDGET if args.budget is None else args.budget,
+        folds=args.folds,
         key=settings.cache_key_bytes,
     )
     if args.pin:
         pins = json.loads(PINS.read_text()) if PINS.is_file() else {}
         pins[out.name] = hashlib.sha256((out / "manifest.json").read_bytes()).hexdigest()
+        # The card carries the operating points a deployment may switch to: pinned too.
+        pins[f"{out.name}/card.json"] = hashlib.sha256((out / "card.json").read_bytes()).hexdigest()
         PINS.write_text(json.dumps(pins, indent=1, sort_keys=True) + "\n")
     print(json.dumps({"out": str(out), **result.card}, indent=1))
     return 0

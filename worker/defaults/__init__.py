@@ -24,6 +24,7 @@ from typing import Any
 from probes import Probe, probe_from_bytes
 from probes.errors import CheckpointError, IncompatibleCheckpoint
 from schemas import CheckpointManifest, LLMFingerprint
+from worker.errors import ConfigError
 
 __all__ = ["PINNED", "ROOT", "PackagedDefault", "find_default", "load_default", "serving_default"]
 
@@ -55,39 +56,87 @@ def _verified(folder: Path, pinned: str | None) -> tuple[bytes, bytes]:
     return (folder / "tensors.safetensors").read_bytes(), manifest
 
 
+def _card(folder: Path, pinned: str | None) -> dict[str, Any]:
+    """The data card, verified against its pin when the release pins it (the card carries
+    the operating points a deployment may choose, so it is as trusted as the manifest)."""
+    path = folder / "card.json"
+    if not path.exists():
+        return {}
+    raw = path.read_bytes()
+    if pinned is not None and hashlib.sha256(raw).hexdigest() != pinned:
+        raise CheckpointError(
+            f"packaged default {folder.name}: card.json is not the one this release pins; "
+            "refusing it"
+        )
+    card: dict[str, Any] = json.loads(raw)
+    return card
+
+
+def _at_budget(probe: Probe, card: dict[str, Any], budget: float, folder: str) -> None:
+    """Move ``probe``'s flag thresholds to the card's operating point for ``budget``."""
+    points: dict[str, dict[str, float]] = card.get("operating_points", {})
+    key = f"{budget:g}"
+    if key not in points:
+        offered = ", ".join(points) or "none"
+        raise ConfigError(
+            f"PROBEGUARD_DEFAULT_FLAG_BUDGET={key}: packaged default {folder} has no "
+            f"operating point for that budget "
+            f"(it ships: {offered})"
+        )
+    probe.set_thresholds({**probe.spec.thresholds, **points[key]})
+
+
 def load_default(
-    folder: Path, llm: LLMFingerprint, name: str, *, pinned: str | None = None
+    folder: Path,
+    llm: LLMFingerprint,
+    name: str,
+    *,
+    pinned: str | None = None,
+    budget: float | None = None,
 ) -> PackagedDefault:
-    """Verify and load the default in ``folder`` for ``llm``, served as probe ``name``.
+    """Verify and load the default in ``folder`` for ``llm``, served as probe ``name``, its
+    flag thresholds at the card's operating point for ``budget`` (None: as shipped).
 
     Raises :class:`IncompatibleCheckpoint` when it was built on another LLM, and
-    :class:`CheckpointError` when a file is not the one pinned."""
+    :class:`CheckpointError` when a file is not the one pinned, :class:`ConfigError` when
+    the card has no (trusted) operating point for ``budget``."""
     blob, manifest_json = _verified(folder, PINNED.get(folder.name) if pinned is None else pinned)
     probe, manifest = probe_from_bytes(blob, manifest_json, llm)
+    card_pin = PINNED.get(f"{folder.name}/card.json")
+    card = _card(folder, card_pin)
+    if budget is not None and budget != card.get("budget"):
+        if card_pin is None:
+            raise ConfigError(
+                f"packaged default {folder.name}: its card is not pinned, so its operating "
+                "points cannot be trusted; unset PROBEGUARD_DEFAULT_FLAG_BUDGET"
+            )
+        _at_budget(probe, card, budget, folder.name)
     probe.rename(name)
     manifest = manifest.model_copy(update={"probe": name, "spec": probe.spec, "version": 0})
-    card = json.loads((folder / "card.json").read_text()) if (folder / "card.json").exists() else {}
     return PackagedDefault(probe, manifest, folder.name, card)
 
 
 def find_default(
-    llm: LLMFingerprint, name: str, root: Path | None = None
+    llm: LLMFingerprint, name: str, root: Path | None = None, *, budget: float | None = None
 ) -> PackagedDefault | None:
-    """The packaged default for ``llm`` (served as probe ``name``), or ``None`` when this
-    release ships none for that LLM."""
+    """The packaged default for ``llm`` (served as probe ``name``, at the flag ``budget``'s
+    operating point), or ``None`` when this release ships none for that LLM."""
     for folder in sorted(p for p in (root or ROOT).iterdir() if (p / "manifest.json").is_file()):
         try:
-            return load_default(folder, llm, name, pinned=PINNED.get(folder.name))
+            return load_default(folder, llm, name, pinned=PINNED.get(folder.name), budget=budget)
         except IncompatibleCheckpoint:
             continue  # built for another LLM
     return None
 
 
-def serving_default(llm: LLMFingerprint, name: str) -> PackagedDefault | None:
-    """:func:`find_default` for a role: a packaged default that fails verification is
-    logged and not served (the role waits, or starts from zero) rather than ending it."""
+def serving_default(
+    llm: LLMFingerprint, name: str, budget: float | None = None
+) -> PackagedDefault | None:
+    """:func:`find_default` for a role: a packaged default that fails verification (or
+    lacks the ``budget``'s operating point) is logged and not served (the role waits, or
+    starts from zero) rather than ending it."""
     try:
-        return find_default(llm, name)
+        return find_default(llm, name, budget=budget)
     except CheckpointError as exc:
         log.error("not using the packaged default for %s: %s", name, exc)
         return None

@@ -363,7 +363,7 @@ def run_demo(
     spec = demo_spec(
         "demo", demo.rows, opts.flag_labels, extractor.num_layers, extractor.hidden_size
     )
-    packaged = serving_default(extractor.fingerprint, "demo")
+    packaged = serving_default(extractor.fingerprint, "demo", settings.default_flag_budget)
     # Start from the packaged default when it knows every label of the replayed rows.
     from_default = (
         packaged is not None

@@ -153,7 +153,7 @@ def packaged_default(
     spec asked for): what scorers already serve while nothing is published."""
     if not settings.default_probe or settings.seed_spec is not None:
         return None
-    return serving_default(extractor.fingerprint, name)
+    return serving_default(extractor.fingerprint, name, settings.default_flag_budget)
 
 
 def seed_spec(settings: Settings, extractor: HiddenStateExtractor, name: str) -> ProbeSpec:

@@ -19,22 +19,26 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from probes import build_probe, load_checkpoint, save_checkpoint
+from probes import Probe, load_checkpoint, save_checkpoint
+from probes.budget import flag_margin, flag_rates, recall_thresholds
+from probes.decision import decide
 from probes.files import atomic_write
-from probes.metrics import evaluate
+from probes.metrics import average_precision, evaluate
 from probes.offline.cache import HiddenStateCache
 from probes.offline.dataset import ProbeDataset
-from probes.offline.fit import FitConfig, fit, predict_dataset
+from probes.offline.fit import FitConfig, FitResult, predict_dataset
 from probes.offline.multitask import SourceHeads, as_multitask, multitask_targets
-from schemas import HeadSpec, ProbeSpec, TrainingCounters
+from probes.offline.select import CVResult, fit_cv
+from schemas import HeadSpec, ProbeSpec, TokenPool, TrainingCounters
 from worker.errors import OfflineError
 from worker.offline.build_cache import ExtractorLike, build_cache, default_token_layers
 from worker.offline.fit_eval import load_split
@@ -92,15 +96,50 @@ class Source:
     dataset: str  # folder under the data root; its train.jsonl is read
     license: str
     why_shippable: str
+    # head -> the dataset's label -> the head's labels (``[]``: a negative for the head).
     heads: Mapping[str, Mapping[str, Sequence[str]]]
     noncommercial: bool = False
     # Keep at most this many rows of a label (the first by a hash of the id), e.g. to keep
     # one large, lopsided source from drowning the others.
     cap: Mapping[str, int] = field(default_factory=dict)
+    # Each training row of a label is seen this many times per epoch (hard negatives:
+    # short benign turns, safe questions about killing processes, counter-speech).
+    repeat: Mapping[str, int] = field(default_factory=dict)
+    # Labels whose rows are benign: the operating points keep the flag rate on them
+    # inside the budget, and the card reports how many of them the default flags.
+    benign: tuple[str, ...] = ()
+    # Labels whose rows should be flagged (the card reports the share flagged).
+    unsafe: tuple[str, ...] = ()
+    # The benign rows of a contrastive test suite (safe prompts written to look unsafe,
+    # neutral statements about the groups hate targets) may be flagged this many times the
+    # budget that ordinary chat is held to.
+    hard: float = 1.0
 
     @property
     def source_heads(self) -> SourceHeads:
         return SourceHeads(self.dataset, self.heads)
+
+
+# Every head of the taxonomy that a benign row can be a negative of (jailbreak: only the
+# non-commercial data knows what one is).
+_ALL_HEADS = [h.name for h in HEADS if h.name != "jailbreak"]
+
+
+def _negatives(benign: str, *, skip: Sequence[str] = ()) -> dict[str, dict[str, list[str]]]:
+    """Rows labeled ``benign`` are negatives of every head (but ``skip``): a turn that
+    annotators judged safe, neutral or not abusive is none of the categories."""
+    return {
+        h: {benign: ["non-toxic"] if h == "toxicity" else []} for h in _ALL_HEADS if h not in skip
+    }
+
+
+def _merge(*parts: Mapping[str, Mapping[str, Sequence[str]]]) -> dict[str, dict[str, list]]:
+    out: dict[str, dict[str, list]] = {}
+    for part in parts:
+        for head, mapping in part.items():
+            for label, names in mapping.items():
+                out.setdefault(head, {})[label] = list(names)
+    return out
 
 
 def _categories() -> dict[str, dict[str, list[str]]]:
@@ -110,40 +149,140 @@ def _categories() -> dict[str, dict[str, list[str]]]:
     return {h: {label: [label], "flagged": [], "not-flagged": []} for h, label in CATEGORIES}
 
 
+_CC_BY = "CC-BY-4.0 allows any use, commercial included, with attribution (this card)."
+_MIT = "MIT allows use, modification and distribution, weights included, with the notice."
+
 SOURCES: list[Source] = [
     Source(
         "openai_moderation",
         "MIT (Copyright (c) 2022 OpenAI)",
-        "MIT allows use, modification and distribution, weights included, with the notice.",
-        {"toxicity": {"flagged": ["toxic"], "not-flagged": ["non-toxic"]}, **_categories()},
+        _MIT,
+        _merge(
+            _negatives("not-flagged", skip=["offensive"]),
+            {"toxicity": {"flagged": ["toxic"]}},
+            _categories(),
+        ),
+        benign=("not-flagged",),
+        unsafe=("flagged",),
+        hard=2.0,
     ),
     Source(
         "xstest",
         "CC-BY-4.0",
-        "CC-BY-4.0 allows any use, commercial included, with attribution (this card).",
+        _CC_BY,
+        _merge(
+            _negatives("safe"),
+            {"unsafe": {"unsafe": ["unsafe"]}, "toxicity": {"unsafe": ["toxic"]}},
+        ),
+        repeat={"safe": 3},
+        benign=("safe",),
+        unsafe=("unsafe",),
+        hard=3.0,
+    ),
+    Source(
+        "convabuse",
+        "CC-BY-4.0",
+        _CC_BY,
+        _merge(
+            _negatives("not-abusive"),
+            {
+                "toxicity": {"abusive": ["toxic"]},
+                "harassment": {"harassment": ["harassment"]},
+                "hate": {"hate": ["hate"]},
+                "sexual": {"sexual": ["sexual"]},
+                "offensive": {"abusive": ["offensive"]},
+            },
+        ),
+        benign=("not-abusive",),
+        unsafe=("abusive",),
+    ),
+    Source(
+        "hatecheck",
+        "CC-BY-4.0",
+        _CC_BY,
         {
-            "unsafe": {"unsafe": ["unsafe"], "safe": []},
-            "toxicity": {"unsafe": ["toxic"], "safe": ["non-toxic"]},
+            # Non-hateful cases (counter-speech, negated hate, abuse of non-protected
+            # targets, reclaimed slurs) are negatives of hate only: some are abusive.
+            "hate": {"hateful": ["hate"], "non-hateful": []},
+            "hate-threatening": {
+                "hate/threatening": ["hate/threatening"],
+                "hateful": [],
+                "non-hateful": [],
+            },
+            "violence": {"hate/threatening": ["violence"]},
+            "toxicity": {"hateful": ["toxic"]},
         },
+        repeat={"non-hateful": 2},
+        unsafe=("hateful",),
+    ),
+    Source(
+        "toxigen_demonstrations",
+        "MIT + CDLA-Permissive-2.0 (Microsoft)",
+        "MIT and CDLA-Permissive-2.0 put no condition on trained weights (notice kept).",
+        _merge(
+            _negatives("neutral"),
+            {"hate": {"hate": ["hate"]}, "toxicity": {"hate": ["toxic"]}},
+        ),
+        repeat={"neutral": 2},
+        benign=("neutral",),
+        unsafe=("hate",),
+        hard=3.0,
+    ),
+    Source(
+        "ailuminate_demo",
+        "CC-BY-4.0 (MLCommons)",
+        _CC_BY,
+        # Unsafe prompts only (plus ordinary advice questions): each trains only the heads
+        # its hazard names; never a negative of the others.
+        _merge(
+            _negatives("specialized-advice"),
+            {
+                "unsafe": {"unsafe": ["unsafe"]},
+                "toxicity": {"unsafe": ["toxic"]},
+                "violence": {"violence": ["violence"], "indiscriminate_weapons": ["violence"]},
+                "self-harm": {"self-harm": ["self-harm"]},
+                "sexual-minors": {"sexual/minors": ["sexual/minors"]},
+                "hate": {"hate": ["hate"]},
+                "sexual": {"sexual": ["sexual"], "sex_related_crimes": ["sexual"]},
+            },
+        ),
+        benign=("specialized-advice",),
+        unsafe=("unsafe",),
+        hard=3.0,
+    ),
+    Source(
+        "simplesafetytests",
+        "CC-BY-4.0",
+        _CC_BY,
+        {
+            "unsafe": {"unsafe": ["unsafe"]},
+            "toxicity": {"unsafe": ["toxic"]},
+            "violence": {"violence": ["violence"]},
+            "self-harm": {"self-harm": ["self-harm"]},
+            "sexual-minors": {"sexual/minors": ["sexual/minors"]},
+        },
+        unsafe=("unsafe",),
     ),
     Source(
         "davidson_hate_offensive",
         "MIT (Copyright (c) 2017 Tom Davidson)",
-        "MIT allows use, modification and distribution, weights included, with the notice.",
+        _MIT,
         {
             "offensive": {
                 "hate_speech": ["offensive"],
                 "offensive_language": ["offensive"],
                 "neither": [],
             },
-            "toxicity": {
-                "hate_speech": ["toxic"],
-                "offensive_language": ["toxic"],
-                "neither": ["non-toxic"],
-            },
         },
         # 77.6 % of its rows are offensive_language: keep every other row and 1,800 of those.
         cap={"offensive_language": 1800},
+    ),
+    Source(
+        "degenerate",
+        "generated by probeguard (Apache-2.0)",
+        "Written by this recipe (worker/offline/default_probe.py): no third-party text.",
+        _negatives("degenerate"),
+        benign=("degenerate",),
     ),
     Source(
         "toxicchat",
@@ -154,20 +293,27 @@ SOURCES: list[Source] = [
             "jailbreak": {"jailbreaking": ["jailbreaking"], "toxic": [], "non-toxic": []},
         },
         noncommercial=True,
+        benign=("non-toxic",),
+        unsafe=("toxic",),
     ),
 ]
 
 
 def default_spec(
-    hidden_size: int, layers: list[int], *, noncommercial: bool = False, name: str = NAME
+    hidden_size: int,
+    layers: list[int],
+    *,
+    noncommercial: bool = False,
+    name: str = NAME,
+    pool: TokenPool = "mha",
 ) -> ProbeSpec:
-    """The default's spec: MHA pooling, scalar mix over ``layers``, the heads the chosen
-    sources annotate (``jailbreak`` only with the non-commercial data)."""
+    """The default's spec: ``pool`` over each of ``layers``, a scalar mix, the heads the
+    chosen sources annotate (``jailbreak`` only with the non-commercial data)."""
     heads = [h for h in HEADS if noncommercial or h.name != "jailbreak"]
     labels = [x for h in heads for x in h.labels]
     return ProbeSpec(
         name=name,
-        token_pool="mha",
+        token_pool=pool,
         layer_mix="scalar_mix",
         layers=layers,
         hidden_size=hidden_size,
@@ -183,6 +329,12 @@ def default_spec(
 # 4.8 MB), held-out AUPRC within 0.0013 and F1 within 0.0007 of fp32 on every head
 # (docs/default-probe.md); the card measures the int8 probe, exactly what ships.
 SHIPPED_WEIGHTS = "int8"
+# How the default pools tokens, and the share of benign text its flag policy may flag
+# (out of fold, per benign source): see docs/default-probe.md for the measurements.
+POOL: TokenPool = "gate"
+BUDGET = 0.03
+# The budgets whose thresholds the card also ships (PROBEGUARD_DEFAULT_FLAG_BUDGET).
+BUDGETS = (0.01, 0.02, 0.03, 0.05, 0.1)
 
 
 def split_of(row_id: str) -> str:
@@ -191,7 +343,34 @@ def split_of(row_id: str) -> str:
     return "held_out" if b < 2 else "validation" if b == 2 else "train"
 
 
+def degenerate_rows() -> list[dict[str, Any]]:
+    """Benign rows no dataset has: one character or one short token repeated (up to
+    2,000 characters), punctuation, digits, emoji and keyboard mashing. Without them a
+    probe meets such texts nowhere and scores them anywhere (32,000 ``x`` once read hate
+    1.00). Deterministic: the same rows every build."""
+    rng = random.Random(SALT)
+    units = [*"xXaAzZmk0719.!?-_*#@~=+/|<>()", "…", "😀", "👍", "🙂", "😂", "❤", "ha", "lo", "hm"]
+    texts = [u * n for u in units for n in (1, 2, 3, 5, 8, 20, 60, 200, 700, 2000)]
+    texts += [" ".join([u] * n) for u in units[:12] for n in (4, 30)]
+    punct, letters = ".,;:!?-_*#@~=+/|<>()[]{}'\"", "abcdefghijklmnopqrstuvwxyz"
+    for n in (3, 6, 12, 40, 150):
+        texts += ["".join(rng.choices(punct, k=n)) for _ in range(6)]
+        texts += ["".join(rng.choices("0123456789 .,:-", k=n)) for _ in range(6)]
+        texts += ["".join(rng.choices(letters + "    ", k=n)) for _ in range(6)]
+    unique = [t for t in dict.fromkeys(texts) if t.strip()]
+    return [
+        {"id": f"degenerate-train-{i}", "text": t, "label": "degenerate", "labels": []}
+        for i, t in enumerate(unique)
+    ]
+
+
 def _source_file(source: Source, data_root: Path, cache_root: Path) -> Path:
+    if source.dataset == "degenerate":
+        out = cache_root / "sources" / "degenerate.jsonl"
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in degenerate_rows())
+        if not out.exists() or out.read_text() != text:
+            atomic_write(out, text)
+        return out
     path = data_root / source.dataset / "train.jsonl"
     if not path.is_file():
         raise OfflineError(f"{path} not found: --data-root must hold {source.dataset}/train.jsonl")
@@ -213,24 +392,144 @@ def _source_file(source: Source, data_root: Path, cache_root: Path) -> Path:
     return out
 
 
-def _load(
+@dataclass
+class Loaded:
+    """One source's rows as the probe trains on them, each row's label names, and its
+    role: ``benign`` (the operating points keep the flag rate on these inside the budget),
+    ``unsafe`` (should be flagged) or ``""`` (neither, e.g. a hateful row of a hate-only
+    set)."""
+
+    source: Source
+    data: ProbeDataset
+    names: list[frozenset[str]]
+    roles: list[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        benign, unsafe = set(self.source.benign), set(self.source.unsafe)
+        self.roles = [
+            "benign" if n & benign else "unsafe" if n & unsafe else "" for n in self.names
+        ]
+
+    def rows(self, index: Sequence[int]) -> Loaded:
+        picked = self.data.subset(torch.tensor(list(index), dtype=torch.long))
+        return Loaded(self.source, picked, [self.names[i] for i in index])
+
+    def part(self, split: str) -> Loaded:
+        return self.rows([i for i, r in enumerate(self.data.ids) if split_of(r) == split])
+
+    def repeated(self) -> Loaded:
+        """Each row as many times as the source's ``repeat`` says for its labels."""
+        times = [max((self.source.repeat.get(x, 1) for x in n), default=1) for n in self.names]
+        return self.rows([i for i, t in enumerate(times) for _ in range(t)])
+
+    @staticmethod
+    def concat(parts: Sequence[Loaded]) -> Loaded:
+        """Rows of one source's ``parts``, in order."""
+        data = ProbeDataset.concat([p.data for p in parts])
+        return Loaded(parts[0].source, data, [n for p in parts for n in p.names])
+
+
+def load_source(
     source: Source,
     spec: ProbeSpec,
     cache_root: Path,
     data_root: Path,
-    extractor: ExtractorLike,
-    key: bytes | None,
-) -> ProbeDataset:
+    extractor: ExtractorLike | None,
+    key: bytes | None = None,
+) -> Loaded:
+    """``source``'s cache under ``cache_root`` (built first, or resumed, when an
+    ``extractor`` is given) as targets over ``spec``'s heads."""
     directory = cache_root / source.dataset
-    build_cache(_source_file(source, data_root, cache_root), directory, extractor, key=key)
+    if extractor is not None:
+        build_cache(_source_file(source, data_root, cache_root), directory, extractor, key=key)
     cache = HiddenStateCache(directory, key=key)
     data = load_split(cache, spec.token_pool, list(spec.layers), "label")
-    targets = multitask_targets(spec, source.source_heads, cache.row_labels())
-    return as_multitask(data, spec, targets)
+    names = cache.row_labels()
+    targets = multitask_targets(spec, source.source_heads, names)
+    return Loaded(source, as_multitask(data, spec, targets), names)
 
 
-def _part(data: ProbeDataset, split: str) -> ProbeDataset:
-    return data.subset(torch.tensor([i for i, r in enumerate(data.ids) if split_of(r) == split]))
+@dataclass
+class DefaultFit:
+    """The fitted default (calibrated per head, thresholds at the benign budget) and the
+    out-of-fold evidence its thresholds were chosen on."""
+
+    result: FitResult
+    cv: CVResult
+    thresholds: dict[str, float]
+    oof_benign_rates: dict[str, float]  # per source: share of its benign rows flagged
+    # budget ("0.03") -> the flagging labels' thresholds at that budget (the card ships
+    # them, so a deployment picks another budget without a rebuild)
+    operating_points: dict[str, dict[str, float]]
+
+
+def fit_default(
+    loaded: Sequence[Loaded],
+    spec: ProbeSpec,
+    config: FitConfig,
+    *,
+    budget: float,
+    folds: int = 4,
+    progress: Callable[[dict[str, float]], None] | None = None,
+) -> DefaultFit:
+    """Cross-validate the default on the development rows (train + validation) of every
+    source, calibrate each head on the out-of-fold logits, and set every flagging label's
+    threshold so that the policy flags at most ``budget`` of each source's out-of-fold
+    benign rows (:func:`probes.budget.budget_thresholds`); labels that do not flag keep
+    the F1-best threshold. The probe is the fold models' soup (``fit_cv``)."""
+    dev = [Loaded.concat([x.part("train"), x.part("validation")]).repeated() for x in loaded]
+    data = ProbeDataset.concat([d.data for d in dev])
+    result, cv = fit_cv(spec, data, config, folds=folds, calibrate=True, progress=progress)
+    groups = [d.source.dataset for d in dev for r in d.roles if r == "benign"]
+    unsafe_groups = [d.source.dataset for d in dev for r in d.roles if r == "unsafe"]
+    roles = [r for d in dev for r in d.roles]
+    flag = list(spec.flag_labels)
+    cols = [spec.labels.index(x) for x in flag]
+    oof = cv.oof_probs[torch.tensor([r == "benign" for r in roles])][:, cols]
+    oof_unsafe = cv.oof_probs[torch.tensor([r == "unsafe" for r in roles])][:, cols]
+    hard = {d.source.dataset: d.source.hard for d in dev}
+    points = {
+        f"{b:g}": recall_thresholds(
+            oof,
+            groups,
+            oof_unsafe,
+            unsafe_groups,
+            flag,
+            budget={g: min(0.5, b * hard[g]) for g in hard},
+        )
+        for b in sorted({*BUDGETS, budget})
+    }
+    chosen = points[f"{budget:g}"]
+    thresholds = {**cv.thresholds, **chosen}
+    result.probe.set_thresholds(thresholds)
+    rates = flag_rates(oof, groups, [chosen[x] for x in flag])
+    return DefaultFit(result, cv, thresholds, rates, points)
+
+
+def measure(probe: Probe, item: Loaded) -> dict[str, Any]:
+    """``probe`` on ``item``'s rows: per head (the heads the source annotates), and for
+    the flag policy (any flagging head): AUPRC of its margin over benign vs unsafe rows,
+    the share of benign rows it flags and the share of unsafe rows it flags."""
+    spec = probe.spec
+    probs = predict_dataset(probe, item.data)
+    out: dict[str, Any] = {"heads": _held_out_report(spec, probs, item.data.targets)}
+    flagged = decide(spec, probs).flagged
+    margin = flag_margin(
+        probs[:, [spec.labels.index(x) for x in spec.flag_labels]],
+        [spec.thresholds.get(x, 0.5) for x in spec.flag_labels],
+    )
+    benign = torch.tensor([r == "benign" for r in item.roles], dtype=torch.bool)
+    unsafe = torch.tensor([r == "unsafe" for r in item.roles], dtype=torch.bool)
+    policy: dict[str, Any] = {"benign": int(benign.sum()), "unsafe": int(unsafe.sum())}
+    if benign.any():
+        policy["benign_flagged"] = _rounded(float(flagged[benign].float().mean()))
+    if unsafe.any():
+        policy["unsafe_flagged"] = _rounded(float(flagged[unsafe].float().mean()))
+    if benign.any() and unsafe.any():
+        rows = benign | unsafe
+        policy["auprc"] = _rounded(average_precision(unsafe[rows].numpy(), margin[rows].numpy()))
+    out["policy"] = policy
+    return out
 
 
 @dataclass
@@ -270,33 +569,41 @@ def build_default(
     *,
     cache_root: Path,
     noncommercial: bool = False,
-    config: FitConfig = FitConfig(max_epochs=25, patience=5),
+    config: FitConfig = FitConfig(max_epochs=25, patience=4),
+    pool: TokenPool = POOL,
+    budget: float = BUDGET,
+    folds: int = 4,
     key: bytes | None = None,
+    evaluate_on: Sequence[Source] = (),
 ) -> BuildResult:
     """Build caches for the recipe's sources (resuming; encrypted with ``key`` when given),
-    fit the multi-head default with a fixed seed, measure it per source on the held-out
-    rows, and write it to ``out`` (``manifest.json``, ``tensors.safetensors``,
+    fit the multi-head default with a fixed seed (:func:`fit_default`), measure it per
+    source on the held-out rows (and on every row of ``evaluate_on``: sources it never
+    trains on), and write it to ``out`` (``manifest.json``, ``tensors.safetensors``,
     ``card.json``)."""
     started = time.time()
     sources = [s for s in SOURCES if noncommercial or not s.noncommercial]
     layers = default_token_layers(extractor.num_layers)
-    hidden_size = extractor.fingerprint.hidden_size
-    spec = default_spec(hidden_size, layers, noncommercial=noncommercial)
-    loaded = {s.dataset: _load(s, spec, cache_root, data_root, extractor, key) for s in sources}
-    train = ProbeDataset.concat([_part(d, "train") for d in loaded.values()])
-    val = ProbeDataset.concat([_part(d, "validation") for d in loaded.values()])
-    log.info("default: %d train rows, %d validation rows", len(train), len(val))
-    result = fit(build_probe(spec, seed=config.seed), train, val, config, _progress)
-    counters = TrainingCounters(labels_seen=len(train), steps=result.steps)
+    spec = default_spec(
+        extractor.fingerprint.hidden_size, layers, noncommercial=noncommercial, pool=pool
+    )
+    loaded = [load_source(s, spec, cache_root, data_root, extractor, key) for s in sources]
+    log.info("default: %d rows in %d sources", sum(len(x.data) for x in loaded), len(loaded))
+    fitted = fit_default(loaded, spec, config, budget=budget, folds=folds, progress=_progress)
+    dev_rows = sum(len(x.data) - len(x.part("held_out").data) for x in loaded)
+    counters = TrainingCounters(labels_seen=dev_rows, steps=fitted.result.steps)
     save_checkpoint(
-        result.probe, out, llm=extractor.fingerprint, counters=counters, weights=SHIPPED_WEIGHTS
+        fitted.result.probe,
+        out,
+        llm=extractor.fingerprint,
+        counters=counters,
+        weights=SHIPPED_WEIGHTS,
     )
     probe, _ = load_checkpoint(out, extractor.fingerprint)  # what ships is what is measured
-    measured = {}
-    for s in sources:
-        held = _part(loaded[s.dataset], "held_out")
-        measured[s.dataset] = _held_out_report(
-            probe.spec, predict_dataset(probe, held), held.targets
+    measured = {x.source.dataset: measure(probe, x.part("held_out")) for x in loaded}
+    for s in evaluate_on:
+        measured[s.dataset] = measure(
+            probe, load_source(s, spec, cache_root, data_root, extractor, key)
         )
     card = {
         "name": spec.name,
@@ -306,20 +613,24 @@ def build_default(
         "heads": [h.model_dump() for h in spec.heads],
         "flag_labels": probe.spec.flag_labels,
         "weights": SHIPPED_WEIGHTS,
+        "budget": budget,
+        "oof_benign_flagged": {k: _rounded(v) for k, v in fitted.oof_benign_rates.items()},
+        "operating_points": fitted.operating_points,
         "sources": [
             {
-                "dataset": s.dataset,
-                "license": s.license,
-                "why": s.why_shippable,
-                "heads": sorted(s.heads),
-                "rows": {split: len(_part(loaded[s.dataset], split)) for split in _SPLITS},
+                "dataset": x.source.dataset,
+                "license": x.source.license,
+                "why": x.source.why_shippable,
+                "heads": sorted(x.source.heads),
+                "rows": {split: len(x.part(split).data) for split in _SPLITS},
             }
-            for s in sources
+            for x in loaded
         ],
         "fit": {
-            "best_epoch": result.best_epoch,
-            "epochs": result.epochs,
-            "seconds": round(result.seconds, 1),
+            "pool": pool,
+            "folds": folds,
+            "epochs": fitted.cv.epochs,
+            "seconds": round(fitted.result.seconds, 1),
             "seed": config.seed,
         },
         "held_out": measured,

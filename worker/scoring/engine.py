@@ -446,7 +446,9 @@ class ScoringEngine:
         for name, slot in self.watcher.slots.items():
             if slot.live is not None or name in self.defaults:
                 continue
-            found = serving_default(self.extractor.fingerprint, name)
+            found = serving_default(
+                self.extractor.fingerprint, name, self.settings.default_flag_budget
+            )
             self.defaults[name] = found.folder if found is not None else None
             if found is None:
                 log.info("no packaged default for probe %s on this LLM; waiting for one", name)
