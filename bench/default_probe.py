@@ -49,7 +49,6 @@ from schemas import ProbeSpec
 from worker.defaults import find_default
 from worker.offline.default_probe import (
     BUDGET,
-    POOL,
     SOURCES,
     Loaded,
     Source,
@@ -96,6 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=BUDGET)
     p.add_argument("--no-minilm", action="store_true", help="skip the MiniLM + LR peer")
     p.add_argument("--ablate", action="store_true", help="refit without each source in turn")
+    p.add_argument("--ablate-pool", default="mean", help="the ablation's probe kind (mean)")
     p.add_argument("--folds", type=int, default=4)
     p.add_argument("--epochs", type=int, default=25)
     return p.parse_args(argv)
@@ -198,13 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     default = find_default(llm, "moderation")
     if default is None:
         raise SystemExit("this release ships no packaged default for the caches' LLM")
-    spec = default_spec(llm.hidden_size, list(default.probe.spec.layers), pool=POOL)
-    loaded = [load_source(s, spec, args.cache_root, args.data_root, None) for s in _sources()]
-    held = {x.source.dataset: x.part("held_out") for x in loaded}
-    if args.toxicchat is not None:
-        tc = load_source(replace(TOXICCHAT, dataset=args.toxicchat.name), spec,
-                         args.toxicchat.parent, args.data_root, None)  # fmt: skip
-        held["toxicchat"] = Loaded(TOXICCHAT, tc.data, tc.names)
+    spec = default_spec(
+        llm.hidden_size, list(default.probe.spec.layers), pool=default.probe.spec.token_pool
+    )
+    loaded, held = _load(spec, args)
     table: dict[str, dict[str, Any]] = {"default": {}}
     for name, item in held.items():
         table["default"][name] = _summary(measure(default.probe, item), name)
@@ -220,19 +217,44 @@ def main(argv: list[str] | None = None) -> int:
             table["minilm_lr"][name] = peer.measure(item, x, name)
             log(f"MiniLM + LR on {name}: {table['minilm_lr'][name]}")
     if args.ablate:
-        config = FitConfig(max_epochs=args.epochs, patience=4)
-        for left_out in [s.dataset for s in _sources()]:
-            t0 = time.time()
-            rest = [x for x in loaded if x.source.dataset != left_out]
-            fitted = fit_default(rest, spec, config, budget=args.budget, folds=args.folds)
-            key = f"without {left_out}"
-            table[key] = {n: _summary(measure(fitted.result.probe, i), n) for n, i in held.items()}
-            log(f"{key}: {time.time() - t0:.0f} s")
+        table |= ablation(args, llm.hidden_size, llm.num_layers)
     _print(table)
     print(json.dumps({"question": "default vs MiniLM + LR vs ablations, held out",
                       "budget": args.budget, "table": table,
                       "seconds": round(time.time() - started, 1)}))  # fmt: skip
     return 0
+
+
+def _load(spec: ProbeSpec, args: argparse.Namespace) -> tuple[list[Loaded], dict[str, Loaded]]:
+    """Every shippable source's rows for ``spec``, and the rows each probe is measured on:
+    the held-out part of each, and all of ToxicChat's."""
+    loaded = [load_source(s, spec, args.cache_root, args.data_root, None) for s in _sources()]
+    held = {x.source.dataset: x.part("held_out") for x in loaded}
+    if args.toxicchat is not None:
+        tc = load_source(replace(TOXICCHAT, dataset=args.toxicchat.name), spec,
+                         args.toxicchat.parent, args.data_root, None)  # fmt: skip
+        held["toxicchat"] = Loaded(TOXICCHAT, tc.data, tc.names)
+    return loaded, held
+
+
+def ablation(args: argparse.Namespace, hidden_size: int, num_layers: int) -> dict[str, Any]:
+    """The recipe fitted on every source, then without each in turn: the probe kind is
+    ``--ablate-pool`` over every layer (a mean pool fits in a minute or two where the
+    shipped gate takes twenty: ten fits), the rule, folds and budget the default's."""
+    spec = default_spec(hidden_size, list(range(num_layers + 1)), pool=args.ablate_pool)
+    loaded, held = _load(spec, args)
+    config = FitConfig(max_epochs=args.epochs, patience=4)
+    out = {}
+    for left_out in [None, *(s.dataset for s in _sources())]:
+        t0 = time.time()
+        rest = [x for x in loaded if x.source.dataset != left_out]
+        fitted = fit_default(rest, spec, config, budget=args.budget, folds=args.folds)
+        key = f"{args.ablate_pool}: " + (
+            "every source" if left_out is None else f"without {left_out}"
+        )
+        out[key] = {n: _summary(measure(fitted.result.probe, i), n) for n, i in held.items()}
+        log(f"{key}: {time.time() - t0:.0f} s")
+    return out
 
 
 def _print(table: dict[str, dict[str, Any]]) -> None:

@@ -126,8 +126,7 @@ def test_the_default_is_built_measured_and_licensed_by_its_recipe(
     rows = {s["dataset"]: s["rows"] for s in card["sources"]}
     held = sum(split_of(f"xstest-train-{i}") == "held_out" for i in range(40))
     assert rows["xstest"]["held_out"] == held
-    dev = sum(r["train"] + r["validation"] for r in rows.values())
-    assert manifest.counters.labels_seen == dev
+    assert manifest.counters.labels_seen == sum(r["train"] for r in rows.values())
     # Shipped as int8 (a quarter of the size), and the card says so.
     assert card["weights"] == "int8"
     with safe_open(str(out / "tensors.safetensors"), "pt") as f:
@@ -136,10 +135,13 @@ def test_the_default_is_built_measured_and_licensed_by_its_recipe(
 
 def test_thresholds_keep_every_benign_source_inside_the_budget(built: tuple[Path, dict]) -> None:
     out, card = built
-    # Out of fold, per benign source, the whole policy (any head) flags within the budget.
+    # On validation rows, per benign source, the whole policy (any head) flags within the
+    # budget (contrastive suites: a multiple of it).
     assert card["budget"] == BUDGET
-    assert card["oof_benign_flagged"] and max(card["oof_benign_flagged"].values()) <= BUDGET
-    assert set(card["oof_benign_flagged"]) >= {"convabuse", "xstest", "degenerate"}
+    rates = card["validation_benign_flagged"]
+    hard = {s.dataset: s.hard for s in SOURCES}
+    assert rates and all(rate <= BUDGET * hard[g] + 1e-9 for g, rate in rates.items())
+    assert set(rates) >= {"convabuse", "xstest", "degenerate"}
     # Every shipped operating point; a larger budget never raises a threshold.
     points = card["operating_points"]
     assert set(points) == {f"{b:g}" for b in BUDGETS}

@@ -30,9 +30,10 @@ import torch
 
 from probes import Probe, load_checkpoint, save_checkpoint
 from probes.budget import flag_margin, flag_rates, recall_thresholds
+from probes.calibration import calibrated_probabilities, fit_heads, raw_logits
 from probes.decision import decide
 from probes.files import atomic_write
-from probes.metrics import average_precision, evaluate
+from probes.metrics import average_precision, choose_thresholds, evaluate
 from probes.offline.cache import HiddenStateCache
 from probes.offline.dataset import ProbeDataset
 from probes.offline.fit import FitConfig, FitResult, predict_dataset
@@ -164,7 +165,7 @@ SOURCES: list[Source] = [
         ),
         benign=("not-flagged",),
         unsafe=("flagged",),
-        hard=2.0,
+        hard=3.0,
     ),
     Source(
         "xstest",
@@ -332,7 +333,7 @@ SHIPPED_WEIGHTS = "int8"
 # How the default pools tokens, and the share of benign text its flag policy may flag
 # (out of fold, per benign source): see docs/default-probe.md for the measurements.
 POOL: TokenPool = "gate"
-BUDGET = 0.03
+BUDGET = 0.02
 # The budgets whose thresholds the card also ships (PROBEGUARD_DEFAULT_FLAG_BUDGET).
 BUDGETS = (0.01, 0.02, 0.03, 0.05, 0.1)
 
@@ -451,13 +452,13 @@ def load_source(
 
 @dataclass
 class DefaultFit:
-    """The fitted default (calibrated per head, thresholds at the benign budget) and the
-    out-of-fold evidence its thresholds were chosen on."""
+    """The fitted default (calibrated per head, thresholds at the benign budget), its
+    cross-validation, and the validation evidence its thresholds were chosen on."""
 
     result: FitResult
     cv: CVResult
     thresholds: dict[str, float]
-    oof_benign_rates: dict[str, float]  # per source: share of its benign rows flagged
+    val_benign_rates: dict[str, float]  # per source: share of its benign rows flagged
     # budget ("0.03") -> the flagging labels' thresholds at that budget (the card ships
     # them, so a deployment picks another budget without a rebuild)
     operating_points: dict[str, dict[str, float]]
@@ -472,27 +473,38 @@ def fit_default(
     folds: int = 4,
     progress: Callable[[dict[str, float]], None] | None = None,
 ) -> DefaultFit:
-    """Cross-validate the default on the development rows (train + validation) of every
-    source, calibrate each head on the out-of-fold logits, and set every flagging label's
-    threshold so that the policy flags at most ``budget`` of each source's out-of-fold
-    benign rows (:func:`probes.budget.budget_thresholds`); labels that do not flag keep
-    the F1-best threshold. The probe is the fold models' soup (``fit_cv``)."""
-    dev = [Loaded.concat([x.part("train"), x.part("validation")]).repeated() for x in loaded]
-    data = ProbeDataset.concat([d.data for d in dev])
-    result, cv = fit_cv(spec, data, config, folds=folds, calibrate=True, progress=progress)
-    groups = [d.source.dataset for d in dev for r in d.roles if r == "benign"]
-    unsafe_groups = [d.source.dataset for d in dev for r in d.roles if r == "unsafe"]
-    roles = [r for d in dev for r in d.roles]
+    """The default from every source's rows: cross-validation on the ``train`` split
+    (epochs; the probe is the fold models' soup, or a refit), then, on the ``validation``
+    split that no fit saw, scored by that very probe: each head's calibration, and every
+    flagging label's threshold so that the policy flags the most unsafe rows while it
+    flags at most ``budget`` of each source's benign rows (``hard`` sources: a multiple;
+    :func:`probes.budget.recall_thresholds`). Labels that do not flag keep their F1-best
+    threshold there.
+
+    Thresholds are chosen on the shipped probe's own scores: the fold models' out-of-fold
+    scores do not transfer to their soup (with the gate pool a 3 % out-of-fold budget
+    flagged a third of held-out ConvAbuse turns)."""
+    train = ProbeDataset.concat([x.part("train").repeated().data for x in loaded])
+    result, cv = fit_cv(spec, train, config, folds=folds, calibrate=False, progress=progress)
+    probe = result.probe
+    val = [x.part("validation") for x in loaded]
+    data = ProbeDataset.concat([v.data for v in val])
+    logits = raw_logits(probe.spec, predict_dataset(probe, data))
+    probe.set_calibration(fit_heads(spec, logits, data.targets, labels_seen=len(train)))
+    probs = calibrated_probabilities(probe.spec, logits)
+    groups = [v.source.dataset for v in val for r in v.roles if r == "benign"]
+    unsafe_groups = [v.source.dataset for v in val for r in v.roles if r == "unsafe"]
+    roles = [r for v in val for r in v.roles]
     flag = list(spec.flag_labels)
     cols = [spec.labels.index(x) for x in flag]
-    oof = cv.oof_probs[torch.tensor([r == "benign" for r in roles])][:, cols]
-    oof_unsafe = cv.oof_probs[torch.tensor([r == "unsafe" for r in roles])][:, cols]
-    hard = {d.source.dataset: d.source.hard for d in dev}
+    benign = probs[torch.tensor([r == "benign" for r in roles])][:, cols]
+    unsafe = probs[torch.tensor([r == "unsafe" for r in roles])][:, cols]
+    hard = {v.source.dataset: v.source.hard for v in val}
     points = {
         f"{b:g}": recall_thresholds(
-            oof,
+            benign,
             groups,
-            oof_unsafe,
+            unsafe,
             unsafe_groups,
             flag,
             budget={g: min(0.5, b * hard[g]) for g in hard},
@@ -500,9 +512,9 @@ def fit_default(
         for b in sorted({*BUDGETS, budget})
     }
     chosen = points[f"{budget:g}"]
-    thresholds = {**cv.thresholds, **chosen}
-    result.probe.set_thresholds(thresholds)
-    rates = flag_rates(oof, groups, [chosen[x] for x in flag])
+    thresholds = {**choose_thresholds(probe.spec, probs, data.targets), **chosen}
+    probe.set_thresholds(thresholds)
+    rates = flag_rates(benign, groups, [chosen[x] for x in flag])
     return DefaultFit(result, cv, thresholds, rates, points)
 
 
@@ -590,8 +602,8 @@ def build_default(
     loaded = [load_source(s, spec, cache_root, data_root, extractor, key) for s in sources]
     log.info("default: %d rows in %d sources", sum(len(x.data) for x in loaded), len(loaded))
     fitted = fit_default(loaded, spec, config, budget=budget, folds=folds, progress=_progress)
-    dev_rows = sum(len(x.data) - len(x.part("held_out").data) for x in loaded)
-    counters = TrainingCounters(labels_seen=dev_rows, steps=fitted.result.steps)
+    seen = sum(len(x.part("train").data) for x in loaded)
+    counters = TrainingCounters(labels_seen=seen, steps=fitted.result.steps)
     save_checkpoint(
         fitted.result.probe,
         out,
@@ -614,7 +626,7 @@ def build_default(
         "flag_labels": probe.spec.flag_labels,
         "weights": SHIPPED_WEIGHTS,
         "budget": budget,
-        "oof_benign_flagged": {k: _rounded(v) for k, v in fitted.oof_benign_rates.items()},
+        "validation_benign_flagged": {k: _rounded(v) for k, v in fitted.val_benign_rates.items()},
         "operating_points": fitted.operating_points,
         "sources": [
             {
