@@ -29,16 +29,18 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from probes.decision import decide
+from probes.decision import decide, flagging_heads
 from probes.targets import annotated, head_targets
 from schemas import OperatingPoint, ProbeSpec
 
 __all__ = [
     "average_precision",
+    "benign_rows",
     "best_f1_threshold",
     "best_threshold",
     "choose_thresholds",
     "evaluate",
+    "evaluate_policy",
     "expected_calibration_error",
     "percentile",
     "precision_recall_f1",
@@ -314,6 +316,72 @@ def _evaluate_heads(spec: ProbeSpec, probs: Tensor, targets: Tensor) -> dict[str
         "recall_at_1pct_fpr": macro("recall_at_1pct_fpr"),
         "ece": macro("ece"),
         "headline": f"macro over {len(heads)} heads",
+    }
+
+
+def benign_rows(spec: ProbeSpec, targets: Tensor) -> Tensor:
+    """``[N]`` bool: the rows of a multi-head probe's ``targets`` that annotate some head
+    and are negative for every head they annotate (a multilabel head: none of its labels;
+    a multiclass head: not one of its flag labels). A row unknown for every head is not
+    benign: nothing is known of it."""
+    ann = annotated(spec, targets)
+    some = torch.zeros(len(targets), dtype=torch.bool)
+    positive = torch.zeros(len(targets), dtype=torch.bool)
+    for h in spec.head_specs:
+        cols = spec.head_columns(h.name)
+        part = targets[:, cols].nan_to_num(0.0) > 0.5  # [N, C_h]
+        if h.task == "multiclass":
+            counts = torch.tensor([x in spec.flag_labels for x in h.labels])
+            part = part & counts[None]
+        positive |= ann[h.name] & part.any(dim=1)
+        some |= ann[h.name]
+    return some & ~positive
+
+
+def evaluate_policy(
+    spec: ProbeSpec, probs: Tensor, targets: Tensor, flag_heads: frozenset[str] | None = None
+) -> dict[str, Any]:
+    """A multi-head probe's verdict ``flagged`` (any head of ``flag_heads``, ``None``: every
+    head with flag labels, as :func:`probes.decision.flagging_heads`) measured like one
+    more head: on the rows that annotate at least one flagging head, positive when one of
+    their flag labels is, scored by the verdict's flag score (the flag labels' highest
+    probability). ``benign``: of the rows negative for every head they annotate
+    (:func:`benign_rows`), how many the policy flags and their share, the benign flag rate.
+    """
+    policy = flagging_heads(spec, flag_heads)
+    heads = [h.name for h in policy.head_specs if any(x in policy.flag_labels for x in h.labels)]
+    flagged = decide(policy, probs).flagged.numpy()  # [N]
+    benign = benign_rows(spec, targets).numpy()
+    n_benign = int(benign.sum())
+    out: dict[str, Any] = {
+        "heads": heads,
+        "flag_labels": list(policy.flag_labels),
+        "benign": {
+            "n": n_benign,
+            "flagged": int(flagged[benign].sum()),
+            "rate": float(flagged[benign].mean()) if n_benign else float("nan"),
+        },
+    }
+    idx = [spec.labels.index(x) for x in policy.flag_labels]
+    if not idx:
+        return out | {"n": 0, "positives": 0}
+    flag_cols = targets[:, idx]  # [N, F]
+    judged = (~flag_cols.isnan()).any(dim=1).numpy()
+    y = (flag_cols.nan_to_num(0.0) > 0.5).any(dim=1).numpy()[judged]
+    score = probs[:, idx].double().max(dim=1).values.numpy()[judged]
+    fl = flagged[judged]
+    prec, rec, f1 = precision_recall_f1(
+        float((fl & y).sum()), float((fl & ~y).sum()), float((~fl & y).sum())
+    )
+    return out | {
+        "n": int(judged.sum()),
+        "positives": int(y.sum()),
+        "precision": prec,
+        "recall": rec,
+        "f1": f1,
+        "auprc": average_precision(y, score),
+        "recall_at_1pct_fpr": recall_at_fpr(y, score),
+        "flag_rate": float(fl.mean()) if len(fl) else float("nan"),
     }
 
 

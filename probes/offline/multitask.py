@@ -40,25 +40,35 @@ class SourceHeads:
 
 
 def multitask_targets(
-    spec: ProbeSpec, source: SourceHeads, row_labels: Sequence[frozenset[str]]
+    spec: ProbeSpec,
+    source: SourceHeads,
+    row_labels: Sequence[frozenset[str]],
+    *,
+    row_ids: Sequence[str] | None = None,
 ) -> torch.Tensor:
     """``[N, C]`` targets over ``spec.labels`` for rows labeled ``row_labels``.
 
-    A multiclass head needs exactly one class per row; a row none of whose labels the
-    mapping names leaves that head unknown.
+    A multiclass head needs exactly one class per row; a row whose named labels all map
+    to ``[]`` there takes the head's one class that does not flag (a negative, as ``[]``
+    is for a multilabel head). A row none of whose labels the mapping names leaves that
+    head unknown. Errors name a row by its id in ``row_ids`` (else its index).
     """
     source.check(spec)
     out = torch.full((len(row_labels), len(spec.labels)), float("nan"))
     for head, mapping in source.heads.items():
         h, cols = spec.head(head), spec.head_columns(head)
+        calm = [x for x in h.labels if x not in spec.flag_labels]
         for i, names in enumerate(row_labels):
             named = [n for n in names if n in mapping]
             if not named:
                 continue
             positives = {x for n in named for x in mapping[n]}
+            if h.task == "multiclass" and not positives and len(calm) == 1:
+                positives = set(calm)
             if h.task == "multiclass" and len(positives) != 1:
+                row = f"row {row_ids[i]!r}" if row_ids is not None else f"row {i}"
                 raise ProbeError(
-                    f"{source.name}: row {i} ({sorted(names)}) maps to {sorted(positives)} "
+                    f"{source.name}: {row} ({sorted(names)}) maps to {sorted(positives)} "
                     f"in multiclass head {head!r}: exactly one class is needed"
                 )
             out[i, cols] = torch.tensor([float(x in positives) for x in h.labels])

@@ -10,12 +10,20 @@ from pydantic import ValidationError
 from probes import ProbeError, build_probe, decide, encode_target, encode_targets
 from probes.learner import Learner
 from probes.metrics import choose_thresholds, evaluate, recall_at_fpr
+from probes.offline.multitask import SourceHeads, multitask_targets
 from probes.targets import annotated, head_targets
 from schemas import HeadSpec, HumanLabel, ProbeSpec, utcnow
 from tests.unit.synthetic import make_spec, toy_task
 from worker.learning.labels import flag_truths
+from worker.offline.default_probe import default_spec
 
 NAN = float("nan")
+DEFAULT = default_spec(8, [1], noncommercial=True)  # the packaged default's heads
+
+
+def _default_cols(targets: torch.Tensor, *labels: str) -> list[list[float]]:
+    idx = [DEFAULT.labels.index(x) for x in labels]
+    return targets[:, idx].nan_to_num(-1.0).tolist()
 
 
 def heads_spec(**extra: object) -> ProbeSpec:
@@ -205,3 +213,12 @@ def test_the_layer_breakdown_of_a_multi_head_probe_keeps_each_heads_own_softmax(
     parts = layer_breakdown(probe, hidden, mask)
     torch.testing.assert_close(parts.probs[..., 1:].sum(dim=-1), torch.ones(len(spec.layers), 4))
     assert not torch.allclose(parts.probs[..., 0] + parts.probs[..., 1], torch.ones(1))
+
+
+def test_multitask_targets_reads_an_empty_map_as_a_multiclass_heads_calm_class() -> None:
+    source = SourceHeads("s", {"toxicity": {"a": ["toxic"], "b": []}})
+    t = multitask_targets(DEFAULT, source, [frozenset({"a"}), frozenset({"b"}), frozenset({"c"})])
+    assert _default_cols(t, "non-toxic", "toxic") == [[0, 1], [1, 0], [-1, -1]]
+    both = SourceHeads("s", {"toxicity": {"a": ["toxic"], "b": ["non-toxic"]}})
+    with pytest.raises(ProbeError, match=r"s: row 'id-7' \(\['a', 'b'\]\)"):
+        multitask_targets(DEFAULT, both, [frozenset({"a", "b"})], row_ids=["id-7"])

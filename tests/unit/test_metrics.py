@@ -12,13 +12,15 @@ from hypothesis import strategies as st
 
 from probes.metrics import (
     average_precision,
+    benign_rows,
     best_f1_threshold,
     best_threshold,
     choose_thresholds,
     evaluate,
+    evaluate_policy,
     expected_calibration_error,
 )
-from schemas import OperatingPoint, ProbeSpec
+from schemas import HeadSpec, OperatingPoint, ProbeSpec
 from tests.unit.synthetic import NUM_LAYERS, D, make_spec, toy_task
 
 
@@ -176,3 +178,73 @@ def test_evaluate_reports_recall_at_1pct_fpr_and_ece_beside_f1_and_auprc() -> No
     for key in ("ece", "recall_at_1pct_fpr"):
         heads = [h[key] for h in rep3["heads"].values()]
         assert rep3[key] == pytest.approx(float(np.mean(heads)))
+
+
+NAN = float("nan")
+# A multi-head probe's verdict policy, hand-computed: heads toxicity (ok/toxic), hate (flag
+# labels) and offensive (scores, never flags); NaN = the row does not annotate that head.
+POLICY_SPEC = ProbeSpec(
+    name="m",
+    token_pool="mean",
+    layer_mix="scalar_mix",
+    layers=[1],
+    hidden_size=8,
+    task="multilabel",
+    labels=["ok", "toxic", "hate", "offensive"],
+    heads=[
+        HeadSpec(name="toxicity", task="multiclass", labels=["ok", "toxic"]),
+        HeadSpec(name="hate", task="multilabel", labels=["hate"]),
+        HeadSpec(name="offensive", task="multilabel", labels=["offensive"]),
+    ],
+    flag_labels=["toxic", "hate"],
+    thresholds={"toxic": 0.5, "hate": 0.5, "offensive": 0.5},
+)
+TARGETS = torch.tensor(
+    [
+        [0, 1, 0, NAN],  # r0 toxic: positive
+        [1, 0, 1, NAN],  # r1 hate: positive
+        [1, 0, 0, 0],  # r2 benign
+        [1, 0, NAN, 1],  # r3 offensive only: a policy negative, not benign
+        [NAN, NAN, NAN, 0],  # r4 benign, annotates no flagging head: not judged
+        [1, 0, 0, NAN],  # r5 benign
+    ]
+)
+PROBS = torch.tensor(  # P(toxic), P(hate), P(offensive) of r0..r5; P(ok) = 1 - P(toxic)
+    [
+        [0.9, 0.1, 0.2],
+        [0.3, 0.4, 0.1],
+        [0.2, 0.6, 0.1],
+        [0.1, 0.2, 0.9],
+        [0.7, 0.1, 0.1],
+        [0.05, 0.3, 0.1],
+    ]
+)
+PROBS = torch.cat([1 - PROBS[:, :1], PROBS], dim=1)
+
+
+def test_benign_rows_are_negative_for_every_head_they_annotate() -> None:
+    assert benign_rows(POLICY_SPEC, TARGETS).tolist() == [False, False, True, False, True, True]
+
+
+def test_the_policy_is_measured_like_one_more_head() -> None:
+    p = evaluate_policy(POLICY_SPEC, PROBS, TARGETS)
+    # Judged: r0 r1 r2 r3 r5 (r4 annotates no flagging head); positives r0, r1.
+    # Flagged: r0 (toxic .9), r2 (hate .6), r4 (toxic .7): TP r0, FP r2, FN r1.
+    assert (p["n"], p["positives"], p["heads"]) == (5, 2, ["toxicity", "hate"])
+    assert (p["precision"], p["recall"], p["f1"], p["flag_rate"]) == (0.5, 0.5, 0.5, 0.4)
+    # Scores (highest flag label): r0 .9+, r2 .6-, r1 .4+, r5 .3-, r3 .2-: AP = .5*1 + .5*2/3.
+    assert p["auprc"] == pytest.approx(0.5 + 0.5 * 2 / 3)
+    assert p["recall_at_1pct_fpr"] == 0.5  # above the first negative: r0 alone
+    # Benign r2, r4, r5: r2 and r4 flagged.
+    assert p["benign"] == {"n": 3, "flagged": 2, "rate": pytest.approx(2 / 3)}
+
+
+def test_the_policy_follows_the_flag_heads() -> None:
+    p = evaluate_policy(POLICY_SPEC, PROBS, TARGETS, frozenset({"hate"}))
+    # Judged: the rows annotating hate, r0 r1 r2 r5; positive r1; flagged r2 (hate .6) only.
+    assert (p["heads"], p["n"], p["positives"], p["f1"]) == (["hate"], 4, 1, 0.0)
+    assert p["auprc"] == pytest.approx(0.5)  # r2 .6-, r1 .4+
+    # Benign is the same rows (toxic is still a positive of toxicity): r2 flagged of 3.
+    assert p["benign"] == {"n": 3, "flagged": 1, "rate": pytest.approx(1 / 3)}
+    none = evaluate_policy(POLICY_SPEC, PROBS, TARGETS, frozenset({"offensive"}))
+    assert none["heads"] == [] and none["n"] == 0 and none["benign"]["flagged"] == 0

@@ -13,6 +13,18 @@ if TYPE_CHECKING:
 
 __all__ = ["register"]
 
+# worker.offline.label_map has the rules.
+HEADS_MAP_HELP = (
+    "what the file's labels mean for heads: 'HEAD=[LABEL:]NAME,...' entries joined by ';' "
+    "(rows naming a NAME are positives of the head's LABEL, by default its only label or "
+    "only flag label; every other row a negative), e.g. 'toxicity=toxic:flagged,unsafe;"
+    "hate=hate'; or a JSON file (PATH.json or @PATH) {head: {file label: [head labels]}} "
+    "as the default's recipe writes them ([] a negative; rows naming none of a head's file "
+    "labels leave it unknown); or 'recipe:DATASET', the default's recipe's map of that "
+    "dataset. Heads not named keep the defaults: a head whose labels the file names is "
+    "measured on every row (rows naming none of them are negatives), the others not at all"
+)
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -22,7 +34,11 @@ def register(sub: argparse._SubParsersAction) -> None:
             "F1 at the checkpoint's thresholds, AUPRC, recall at 1% false positives, expected "
             "calibration error (ECE: 15 equal-width bins of the flag score), accuracy, "
             "per-class precision/recall, confusion matrix, and the layer weights the probe used "
-            "(optionally as a PNG)."
+            "(optionally as a PNG). A row's label names are its 'label' and its 'labels' "
+            "together. A multi-head probe is measured head by head on the rows that annotate "
+            "each head, and its verdict's 'flagged' policy (any head of "
+            "PROBEGUARD_FLAG_HEADS, unset: any flagging head) as one more row, with the "
+            "share of benign rows (negative for every head they annotate) it flags."
         ),
     )
     p.add_argument(
@@ -33,10 +49,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--head",
-        help="measure this head of a multi-head probe: the file's label names in the head's "
-        "label space are its positives, the rest negatives (e.g. --head sexual on a file "
-        'with labels: ["sexual", ...])',
+        help="measure this head of a multi-head probe alone: the file's label names in the "
+        "head's label space (and those --heads-map gives it) are its positives, every other "
+        'row a negative (e.g. --head sexual on a file with labels: ["sexual", ...])',
     )
+    p.add_argument("--heads-map", metavar="MAP", help=HEADS_MAP_HELP)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", type=Path, help="labeled JSONL file (runs the LLM of the settings)")
     src.add_argument(
@@ -106,21 +123,23 @@ def _run(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"probeguard eval: {args.checkpoint} is one probe over one LLM; give one --cache"
         )
+    from worker.offline.label_map import parse_heads_map
+    from worker.settings import load_settings
+
+    heads_map = parse_heads_map(args.heads_map) if args.heads_map is not None else None
+    overrides = {} if args.batch_size is None else {"batch_size": args.batch_size}
+    settings = load_settings(**overrides)
+    read = {"head": args.head, "heads_map": heads_map, "flag_heads": settings.flag_head_names}
     if args.cache is not None:
-        probe, report = evaluate_on_cache(
-            args.checkpoint, _open_cache(args.cache[0]), head=args.head
-        )
+        probe, report = evaluate_on_cache(args.checkpoint, _open_cache(args.cache[0]), **read)
     else:
         from worker.llm.extract import HiddenStateExtractor
         from worker.offline.labeled import read_labeled
-        from worker.settings import load_settings
 
-        overrides = {} if args.batch_size is None else {"batch_size": args.batch_size}
-        settings = load_settings(**overrides)
         rows = read_labeled(args.data)
         extractor = HiddenStateExtractor.from_settings(settings)
         probe, report = evaluate_on_rows(
-            args.checkpoint, rows, extractor, settings.batch_size, head=args.head
+            args.checkpoint, rows, extractor, settings.batch_size, name=str(args.data), **read
         )
     if args.png is not None:
         from worker.plots import plot_layer_weights
@@ -147,7 +166,8 @@ def _run_ensemble(args: argparse.Namespace) -> int:
             f"probeguard eval: {args.checkpoint} is an ensemble; measure it on caches, one "
             "--cache per member LLM (cache build with each PROBEGUARD_MODEL)"
         )
-    asked = [f for f, v in (("--head", args.head), ("--png", args.png)) if v is not None]
+    given = (("--head", args.head), ("--heads-map", args.heads_map), ("--png", args.png))
+    asked = [f for f, v in given if v is not None]
     asked += ["--per-layer"] * bool(args.per_layer) + ["--class-layers"] * bool(args.class_layers)
     if asked:
         raise SystemExit(
@@ -265,6 +285,25 @@ def _print_science(r: dict[str, Any]) -> None:
             print(f"  wrote {r[key]}")
 
 
+def _print_policy(p: dict[str, Any]) -> None:
+    if p["n"]:
+        print(
+            f"  policy {'flagged':<16} F1 {p['f1']:.4f}  AUPRC {p['auprc']:.4f}  recall at 1% "
+            f"FPR {p['recall_at_1pct_fpr']:.4f}  flags {p['flag_rate']:.1%}  rows {p['n']} "
+            f"({p['positives']} positive)"
+        )
+    b = p["benign"]
+    heads = ", ".join(p["heads"]) or "none"
+    if b["n"]:
+        names = ", ".join(f"{k} {v}" for k, v in b["labels"].items())
+        print(
+            f"  benign rows (negative for every head they annotate): {b['n']} ({names}); the "
+            f"policy (any of {heads}) flags {b['flagged']}: benign flag rate {b['rate']:.1%}"
+        )
+    else:
+        print(f"  no benign rows (negative for every head they annotate); policy: any of {heads}")
+
+
 def _print(r: dict[str, Any]) -> None:
     print(f"{r['probe']} on {r['n']} rows: {r['headline']}")
     print(
@@ -276,6 +315,12 @@ def _print(r: dict[str, Any]) -> None:
             f"  head {head:<18} F1 {h['f1']:.4f}  AUPRC {h['auprc']:.4f}  recall at 1% FPR "
             f"{h['recall_at_1pct_fpr']:.4f}  ECE {h['ece']:.4f}  rows {h['n']}"
         )
+    if "policy" in r:
+        _print_policy(r["policy"])
+    if r.get("unannotated"):
+        print(f"  {r['unannotated']} row(s) annotate no head: not measured")
+    if r.get("unread_labels"):
+        print(f"  labels no head reads: {', '.join(r['unread_labels'])} (see --heads-map)")
     print(
         f"  {'label':<20} {'prec':>6} {'recall':>6} {'f1':>6} {'auprc':>6} {'r@1%':>6} "
         f"{'ece':>6} {'support':>7}"

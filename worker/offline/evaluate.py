@@ -7,33 +7,44 @@ The CLI command ``eval`` is a thin wrapper over these functions; training is in
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from probes import Probe, ProbeError, encode_target, encode_targets, load_checkpoint
+from probes import Probe, ProbeError, encode_targets, load_checkpoint
 from probes.ensemble import load_ensemble
-from probes.metrics import evaluate
+from probes.metrics import benign_rows, evaluate, evaluate_policy
 from probes.offline.cache import HiddenStateCache
 from probes.offline.ensemble import align_rows
 from probes.offline.fit import predict_dataset
 from probes.probe import Prepared
+from probes.targets import annotated, head_targets
 from schemas import CheckpointManifest, LabeledText, LLMFingerprint, ProbeSpec
 from worker.defaults import find_default
 from worker.errors import OfflineError
 from worker.offline.build_cache import ExtractorLike
 from worker.offline.fit_eval import Target, load_split
+from worker.offline.label_map import (
+    HeadsMap,
+    file_source_heads,
+    row_names,
+    source_targets,
+    unread_labels,
+)
 
 __all__ = [
+    "FileLabels",
     "HeadView",
     "evaluate_ensemble_on_caches",
     "evaluate_on_cache",
     "evaluate_on_rows",
     "for_head",
     "load_for_eval",
+    "read_file_labels",
 ]
 
 
@@ -99,17 +110,29 @@ class HeadView(Probe):
 
 
 def evaluate_on_cache(
-    checkpoint: Path, cache: HiddenStateCache, head: str | None = None
+    checkpoint: Path,
+    cache: HiddenStateCache,
+    head: str | None = None,
+    *,
+    heads_map: HeadsMap | None = None,
+    flag_heads: frozenset[str] | None = None,
 ) -> tuple[Probe, dict[str, Any]]:
     """Load ``checkpoint`` (verified against the cache's LLM) and evaluate it on ``cache``
-    (on one head's columns with ``head``, the file's labels read as that head's)."""
+    (on one head's columns with ``head``). A multi-head probe, one head, or any probe with
+    ``heads_map``: each row's ``label`` and ``labels`` read as :mod:`worker.offline.label_map`
+    says; a multi-head probe's report adds ``policy`` (:func:`probes.metrics.evaluate_policy`
+    with ``flag_heads``)."""
     probe, manifest = load_for_eval(checkpoint, cache.manifest.llm)
     probe = for_head(probe, head)
-    if isinstance(probe, HeadView) or probe.spec.heads:
+    if isinstance(probe, HeadView) or probe.spec.heads or heads_map is not None:
         data = load_split(cache, probe.spec.token_pool, list(probe.spec.layers), "label")
-        targets = _targets_of_names(probe, [list(names) for names in cache.row_labels()])
-        data = replace(data, labels=list(probe.spec.labels), task=probe.spec.task, targets=targets)
+        names = cache.row_labels()
+        labels = read_file_labels(probe, names, data.ids, heads_map, str(cache.directory))
+        data = replace(
+            data, labels=list(probe.spec.labels), task=probe.spec.task, targets=labels.targets
+        ).subset(labels.rows)
     else:
+        labels = None
         target: Target = "label" if probe.spec.task == "multiclass" else "labels"
         data = load_split(cache, probe.spec.token_pool, list(probe.spec.layers), target)
         data = data.relabel(list(probe.spec.labels))
@@ -120,6 +143,8 @@ def evaluate_on_cache(
         hidden, mask, _ = data.batch(idx)
         weights += probe.layer_weights(hidden, mask) * len(idx)
     report = evaluate(probe.spec, probs, data.targets)
+    if labels is not None:
+        report.update(labels.report(probe, probs, torch.arange(len(data)), flag_heads))
     report.update(_layer_summary(probe, weights / max(1, len(data))))
     report.update(checkpoint=str(checkpoint), probe=manifest.probe, version=manifest.version)
     return probe, report
@@ -174,16 +199,32 @@ def evaluate_on_rows(
     extractor: ExtractorLike,
     batch_size: int = 16,
     head: str | None = None,
+    *,
+    heads_map: HeadsMap | None = None,
+    flag_heads: frozenset[str] | None = None,
+    name: str = "the file",
 ) -> tuple[Probe, dict[str, Any]]:
     """Extract ``rows`` with ``extractor`` (only the probe's layers) and evaluate ``checkpoint``
-    (``default``: the packaged default; with ``head``, that head on the file's labels)."""
+    (``default``: the packaged default; with ``head``, that head alone). A multi-head probe,
+    one head, or any probe with ``heads_map``: each row's ``label`` and ``labels`` read as
+    :mod:`worker.offline.label_map` says, and rows that annotate no head are not extracted
+    (``unannotated``); a multi-head probe's report adds ``policy``
+    (:func:`probes.metrics.evaluate_policy` with ``flag_heads``). ``name``: the file, in
+    error messages."""
     probe, manifest = load_for_eval(checkpoint, extractor.fingerprint)
     probe = for_head(probe, head)
-    targets = _targets(probe, rows)
+    labels: FileLabels | None = None
+    if isinstance(probe, HeadView) or probe.spec.heads or heads_map is not None:
+        labels = read_file_labels(probe, row_names(rows), [r.id for r in rows], heads_map, name)
+        targets = labels.targets
+        order = labels.rows.tolist()  # the rows measured, in file order
+    else:
+        targets = _targets(probe, rows)
+        order = list(range(len(rows)))
     probs, kept, skipped = [], [], {}
     weights = torch.zeros(len(probe.layers))
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start : start + batch_size]
+    for start in range(0, len(order), batch_size):
+        chunk = [rows[i] for i in order[start : start + batch_size]]
         out = extractor.extract([r.text for r in chunk], list(probe.layers))
         skipped.update({chunk[p].id: reason for p, reason in out.errors.items()})
         if out.index:
@@ -193,18 +234,109 @@ def evaluate_on_rows(
             kept += [start + p for p in out.index]
     if not kept:
         raise OfflineError("no row could be extracted")
-    report = evaluate(probe.spec, torch.cat(probs), targets[torch.tensor(kept)])
+    at = torch.tensor(kept)  # positions in ``order``
+    all_probs = torch.cat(probs)
+    report = evaluate(probe.spec, all_probs, targets[at])
+    if labels is not None:
+        report.update(labels.report(probe, all_probs, at, flag_heads))
     report.update(_layer_summary(probe, weights / len(kept)))
     report.update(checkpoint=str(checkpoint), probe=manifest.probe, version=manifest.version)
     report["skipped"] = skipped
     return probe, report
 
 
+@dataclass(frozen=True)
+class FileLabels:
+    """A labeled file read for one probe (:func:`read_file_labels`).
+
+    ``rows``: the file's rows that annotate what is measured (``[M]`` indices, file order);
+    ``targets``: theirs in the measured probe's encoding (one head or a single-head probe:
+    class indices or multi-hot; a multi-head probe: ``[M, C]`` with ``NaN`` for unknown);
+    ``full``: theirs over the whole probe's labels; ``names``: their label names;
+    ``total``: the file's rows; ``unread``: the file's label names no head reads."""
+
+    rows: torch.Tensor
+    targets: torch.Tensor
+    full: torch.Tensor
+    names: list[frozenset[str]]
+    total: int
+    unread: list[str]
+
+    def report(
+        self,
+        probe: Probe,
+        probs: torch.Tensor,
+        at: torch.Tensor,
+        flag_heads: frozenset[str] | None = None,
+    ) -> dict[str, Any]:
+        """What eval adds for the measured rows ``at`` (positions in ``rows``) with
+        probabilities ``probs``: ``unannotated`` (the file's rows that annotate nothing),
+        ``unread_labels``, and for a multi-head probe ``policy``
+        (:func:`probes.metrics.evaluate_policy`), its benign rows' label names counted."""
+        out: dict[str, Any] = {
+            "unannotated": self.total - len(self.rows),
+            "unread_labels": self.unread,
+        }
+        if isinstance(probe, HeadView) or not probe.spec.heads:
+            return out
+        full = self.full[at]
+        policy = evaluate_policy(probe.spec, probs, full, flag_heads)
+        where = benign_rows(probe.spec, full).nonzero().flatten().tolist()
+        counts = Counter(n for i in where for n in self.names[int(at[i])])
+        policy["benign"]["labels"] = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+        out["policy"] = policy
+        return out
+
+
+def read_file_labels(
+    probe: Probe,
+    names: Sequence[frozenset[str]],
+    ids: Sequence[str] | None = None,
+    heads_map: HeadsMap | None = None,
+    name: str = "the file",
+) -> FileLabels:
+    """The rows of a file (label names ``names``, see :func:`worker.offline.label_map.row_names`)
+    that annotate ``probe`` and their targets, read as :mod:`worker.offline.label_map` says:
+    a multi-head probe's rows that annotate some head; a :class:`HeadView`'s that annotate its
+    head; a single-head probe (with ``heads_map``) is its one head."""
+    whole = probe.whole if isinstance(probe, HeadView) else probe
+    spec = whole.spec
+    head = probe.head_name if isinstance(probe, HeadView) else None if spec.heads else spec.name
+    vocab: set[str] = set().union(*names) if names else set()
+    source = file_source_heads(spec, vocab, heads_map, head=head, name=name)
+    full = source_targets(spec, source, names, ids)
+    if head is not None:  # (``annotated`` takes every row of a single-head probe)
+        keep = ~full[:, spec.head_columns(head)].isnan().any(dim=1)
+    else:
+        keep = torch.stack(list(annotated(spec, full).values())).any(dim=0)
+    rows = keep.nonzero().flatten()
+    if len(rows) == 0:
+        mapped = sorted({n for m in source.heads.values() for n in m})
+        raise OfflineError(
+            f"no row of {name} annotates {f'head {head!r}' if head else 'any head'}: its "
+            f"labels {sorted(vocab)} are none of those the map reads ({mapped})"
+        )
+    full = full[rows]
+    if isinstance(probe, HeadView):
+        targets = head_targets(spec, full, probe.head_name)
+    elif not spec.heads and spec.task == "multiclass":
+        targets = full.argmax(dim=1)
+    else:
+        targets = full
+    return FileLabels(
+        rows=rows,
+        targets=targets,
+        full=full,
+        names=[names[i] for i in rows.tolist()],
+        total=len(names),
+        unread=unread_labels(source, vocab),
+    )
+
+
 def _targets(probe: Probe, rows: Sequence[LabeledText]) -> torch.Tensor:
+    """A single-head probe's targets without a heads map: ``label`` for a multiclass probe,
+    ``labels`` for a multilabel one."""
     multiclass = probe.spec.task == "multiclass"
-    if isinstance(probe, HeadView) or probe.spec.heads:
-        names = [([r.label] if r.label else []) + (r.labels or []) for r in rows]
-        return _targets_of_names(probe, names)
     if any((r.label if multiclass else r.labels) is None for r in rows):
         field = "label" if multiclass else "labels"
         raise OfflineError(f"a {probe.spec.task} probe needs {field!r} on every row")
@@ -212,29 +344,8 @@ def _targets(probe: Probe, rows: Sequence[LabeledText]) -> torch.Tensor:
     try:
         return encode_targets(probe.spec, label_sets)
     except ProbeError as exc:
-        raise OfflineError(str(exc)) from exc
-
-
-def _targets_of_names(probe: Probe, names: Sequence[Sequence[str]]) -> torch.Tensor:
-    """Each row's label names read as the probe's: the names outside its label space say
-    nothing. One head (:class:`HeadView`): the names in its space are its positives (a
-    multiclass head needs exactly one per row). A multi-head probe: each row annotates the
-    heads it names a label of (the others unknown; a row naming none counts for none)."""
-    space = set(probe.spec.labels)
-    label_sets = [[n for n in row if n in space] for row in names]
-    if isinstance(probe, HeadView):
-        if probe.spec.task == "multiclass" and any(len(x) != 1 for x in label_sets):
-            raise OfflineError(
-                f"multiclass head {probe.head_name!r} needs exactly one of {probe.spec.labels} "
-                "per row"
-            )
-        return encode_targets(probe.spec, label_sets)
-    unknown = torch.full((len(probe.spec.labels),), float("nan"))
-    return (
-        torch.stack([encode_target(probe.spec, x)[0] if x else unknown for x in label_sets])
-        if label_sets
-        else unknown[None][:0]
-    )
+        hint = f"; say what they mean with --heads-map '{probe.spec.name}=LABEL:NAME,...'"
+        raise OfflineError(f"{exc}{hint}") from exc
 
 
 def _layer_summary(probe: Probe, weights: torch.Tensor) -> dict[str, Any]:
