@@ -429,7 +429,7 @@ class Settings(BaseSettings):
         description="The share of ordinary (benign) text the packaged default may flag, any "
         "head counted: its flag thresholds move to the operating point its card ships for "
         "this budget (0.01, 0.02, 0.03, 0.05 or 0.1; chosen out of fold on the benign rows "
-        "of every training set; see docs/default-probe.md). Unset: as shipped (0.02).",
+        "of every training set; see docs/default-probe.md). Unset: as shipped (0.03).",
     )
     bootstrap_checkpoint: Path | None = Field(
         None,

@@ -126,7 +126,7 @@ def test_the_default_is_built_measured_and_licensed_by_its_recipe(
     rows = {s["dataset"]: s["rows"] for s in card["sources"]}
     held = sum(split_of(f"xstest-train-{i}") == "held_out" for i in range(40))
     assert rows["xstest"]["held_out"] == held
-    assert manifest.counters.labels_seen == sum(r["train"] for r in rows.values())
+    assert manifest.counters.labels_seen == sum(r["train"] + r["validation"] for r in rows.values())
     # Shipped as int8 (a quarter of the size), and the card says so.
     assert card["weights"] == "int8"
     with safe_open(str(out / "tensors.safetensors"), "pt") as f:
@@ -135,10 +135,10 @@ def test_the_default_is_built_measured_and_licensed_by_its_recipe(
 
 def test_thresholds_keep_every_benign_source_inside_the_budget(built: tuple[Path, dict]) -> None:
     out, card = built
-    # On validation rows, per benign source, the whole policy (any head) flags within the
+    # Out of fold, per benign source, the whole policy (any head) flags within the
     # budget (contrastive suites: a multiple of it).
     assert card["budget"] == BUDGET
-    rates = card["validation_benign_flagged"]
+    rates = card["oof_benign_flagged"]
     hard = {s.dataset: s.hard for s in SOURCES}
     assert rates and all(rate <= BUDGET * hard[g] + 1e-9 for g, rate in rates.items())
     assert set(rates) >= {"convabuse", "xstest", "degenerate"}
@@ -174,9 +174,9 @@ def test_a_deployment_picks_another_budget_from_the_pinned_card(
     shipped = find_default(fp, "moderation", out.parent)
     loose = find_default(fp, "moderation", out.parent, budget=0.1)
     assert shipped is not None and loose is not None
-    for label, t in card["operating_points"]["0.1"].items():
-        assert loose.probe.spec.thresholds[label] == pytest.approx(t)
-    assert shipped.probe.spec.thresholds != loose.probe.spec.thresholds
+    for budget, found in ((f"{BUDGET:g}", shipped), ("0.1", loose)):
+        for label, t in card["operating_points"][budget].items():
+            assert found.probe.spec.thresholds[label] == pytest.approx(t)
     with pytest.raises(ConfigError, match=r"0\.07"):
         find_default(fp, "moderation", out.parent, budget=0.07)
 

@@ -23,15 +23,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     build = actions.add_parser(
         "build",
         help="rebuild the default from the datasets' train splits (fixed seed)",
-        description="Builds (or resumes) a hidden-state cache per dataset; splits each train "
-        "split by id hash into train (70%), validation (10%) and held-out (20%) rows; "
-        "cross-validates the multi-head default on the train rows; on the validation rows, "
-        "scored by the probe it ships, calibrates each head and sets the flag thresholds so "
-        "that the whole policy (any head) flags the most unsafe rows while flagging at most "
-        "the budget of every source's benign rows; measures it on the held-out rows; then "
-        "writes the checkpoint and its data card (with the thresholds for other budgets). "
-        "The LLM comes from PROBEGUARD_MODEL. About 10 minutes on 2 CPU cores once the "
-        "caches exist (building them: about 40).",
+        description="Builds (or resumes) a hidden-state cache per dataset; holds out 20% of "
+        "each train split by id hash; cross-validates the multi-head default on the other "
+        "80%, calibrates each head out of fold and sets the flag thresholds so that the "
+        "whole policy (any head) flags the most out-of-fold unsafe rows while flagging at "
+        "most the budget of every source's benign rows; measures it on the held-out rows; "
+        "then writes the checkpoint and its data card (with the thresholds for other "
+        "budgets). The LLM comes from PROBEGUARD_MODEL. About 2 minutes on 2 CPU cores once "
+        "the caches exist (building them: about 40).",
     )
     build.add_argument(
         "--data-root",
@@ -60,14 +59,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--pool",
         choices=["mean", "max", "gate", "mha"],
         default=None,
-        help="token pooling (default: the recipe's, gate: a learned score per token)",
+        help="token pooling (default: the recipe's mean over every layer)",
     )
     build.add_argument(
         "--budget",
         type=float,
         default=None,
-        help="the share of each benign source the flag policy may flag on validation rows "
-        "(default: the recipe's 0.02; contrastive test suites get 3 times it)",
+        help="the share of each benign source the flag policy may flag out of fold "
+        "(default: the recipe's 0.03; contrastive test suites get 3 times it)",
     )
     build.add_argument("--folds", type=int, default=4, help="cross-validation folds (4)")
     build.add_argument("--seed", type=int, default=0, help="random seed (default 0)")

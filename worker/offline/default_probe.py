@@ -8,10 +8,13 @@ deployment moderates on day one and learns from its own moderators from there.
 
 The recipe is data: :data:`HEADS` (the taxonomy, named after OpenAI's moderation
 categories where the data has them) and :data:`SOURCES` (which dataset annotates which
-heads, under which license). Every source's ``train.jsonl`` is split by a hash of the row
-id into train (70 %), validation (10 %: early stopping and thresholds) and held-out (20 %:
-the numbers in the data card, which no choice saw). The shipped probe is exactly the one
-measured. Sources under a non-commercial license go in only with ``--noncommercial``.
+heads, under which license, which of its rows are benign and which unsafe). Every source's
+``train.jsonl`` is split by a hash of the row id into development rows (80 %: the
+cross-validated fit, its calibration and flag thresholds out of fold) and held-out rows
+(20 %: the numbers in the data card, which no choice saw). The flag policy
+spends a false-positive budget on benign text where it buys the most unsafe rows
+(:func:`fit_default`, :mod:`probes.budget`). The shipped probe is exactly the one measured.
+Sources under a non-commercial license go in only with ``--noncommercial``.
 """
 
 from __future__ import annotations
@@ -30,10 +33,9 @@ import torch
 
 from probes import Probe, load_checkpoint, save_checkpoint
 from probes.budget import flag_margin, flag_rates, recall_thresholds
-from probes.calibration import calibrated_probabilities, fit_heads, raw_logits
 from probes.decision import decide
 from probes.files import atomic_write
-from probes.metrics import average_precision, choose_thresholds, evaluate
+from probes.metrics import average_precision, evaluate
 from probes.offline.cache import HiddenStateCache
 from probes.offline.dataset import ProbeDataset
 from probes.offline.fit import FitConfig, FitResult, predict_dataset
@@ -165,7 +167,7 @@ SOURCES: list[Source] = [
         ),
         benign=("not-flagged",),
         unsafe=("flagged",),
-        hard=3.0,
+        hard=2.0,
     ),
     Source(
         "xstest",
@@ -332,8 +334,8 @@ def default_spec(
 SHIPPED_WEIGHTS = "int8"
 # How the default pools tokens, and the share of benign text its flag policy may flag
 # (out of fold, per benign source): see docs/default-probe.md for the measurements.
-POOL: TokenPool = "gate"
-BUDGET = 0.02
+POOL: TokenPool = "mean"
+BUDGET = 0.03
 # The budgets whose thresholds the card also ships (PROBEGUARD_DEFAULT_FLAG_BUDGET).
 BUDGETS = (0.01, 0.02, 0.03, 0.05, 0.1)
 
@@ -452,13 +454,13 @@ def load_source(
 
 @dataclass
 class DefaultFit:
-    """The fitted default (calibrated per head, thresholds at the benign budget), its
-    cross-validation, and the validation evidence its thresholds were chosen on."""
+    """The fitted default (calibrated per head, thresholds at the benign budget) and the
+    out-of-fold evidence its thresholds were chosen on."""
 
     result: FitResult
     cv: CVResult
     thresholds: dict[str, float]
-    val_benign_rates: dict[str, float]  # per source: share of its benign rows flagged
+    oof_benign_rates: dict[str, float]  # per source: share of its benign rows flagged
     # budget ("0.03") -> the flagging labels' thresholds at that budget (the card ships
     # them, so a deployment picks another budget without a rebuild)
     operating_points: dict[str, dict[str, float]]
@@ -473,33 +475,29 @@ def fit_default(
     folds: int = 4,
     progress: Callable[[dict[str, float]], None] | None = None,
 ) -> DefaultFit:
-    """The default from every source's rows: cross-validation on the ``train`` split
-    (epochs; the probe is the fold models' soup, or a refit), then, on the ``validation``
-    split that no fit saw, scored by that very probe: each head's calibration, and every
-    flagging label's threshold so that the policy flags the most unsafe rows while it
-    flags at most ``budget`` of each source's benign rows (``hard`` sources: a multiple;
-    :func:`probes.budget.recall_thresholds`). Labels that do not flag keep their F1-best
-    threshold there.
+    """Cross-validate the default on the development rows (train + validation) of every
+    source, calibrate each head on the out-of-fold logits, and set every flagging label's
+    threshold so that the policy flags the most out-of-fold unsafe rows while it flags at
+    most ``budget`` of each source's out-of-fold benign rows (``hard`` sources: a
+    multiple; :func:`probes.budget.recall_thresholds`). Labels that do not flag keep their
+    F1-best threshold. The probe is the fold models' soup (``fit_cv``).
 
-    Thresholds are chosen on the shipped probe's own scores: the fold models' out-of-fold
-    scores do not transfer to their soup (with the gate pool a 3 % out-of-fold budget
-    flagged a third of held-out ConvAbuse turns)."""
-    train = ProbeDataset.concat([x.part("train").repeated().data for x in loaded])
-    result, cv = fit_cv(spec, train, config, folds=folds, calibrate=False, progress=progress)
-    probe = result.probe
-    val = [x.part("validation") for x in loaded]
-    data = ProbeDataset.concat([v.data for v in val])
-    logits = raw_logits(probe.spec, predict_dataset(probe, data))
-    probe.set_calibration(fit_heads(spec, logits, data.targets, labels_seen=len(train)))
-    probs = calibrated_probabilities(probe.spec, logits)
-    groups = [v.source.dataset for v in val for r in v.roles if r == "benign"]
-    unsafe_groups = [v.source.dataset for v in val for r in v.roles if r == "unsafe"]
-    roles = [r for v in val for r in v.roles]
+    Out-of-fold scores stand for the soup's because the pool is linear in its features
+    (mean): the soup's logits are then near the mean of the fold models'. With the gate
+    pool they were not: a 3 % out-of-fold budget flagged a third of held-out ConvAbuse
+    turns; thresholds on the soup's own scores of the 10 % validation rows read 1.5 %
+    there and 6.1 % held out (too few benign rows for a tail quantile)."""
+    dev = [Loaded.concat([x.part("train"), x.part("validation")]).repeated() for x in loaded]
+    data = ProbeDataset.concat([d.data for d in dev])
+    result, cv = fit_cv(spec, data, config, folds=folds, calibrate=True, progress=progress)
+    groups = [d.source.dataset for d in dev for r in d.roles if r == "benign"]
+    unsafe_groups = [d.source.dataset for d in dev for r in d.roles if r == "unsafe"]
+    roles = [r for d in dev for r in d.roles]
     flag = list(spec.flag_labels)
     cols = [spec.labels.index(x) for x in flag]
-    benign = probs[torch.tensor([r == "benign" for r in roles])][:, cols]
-    unsafe = probs[torch.tensor([r == "unsafe" for r in roles])][:, cols]
-    hard = {v.source.dataset: v.source.hard for v in val}
+    benign = cv.oof_probs[torch.tensor([r == "benign" for r in roles])][:, cols]
+    unsafe = cv.oof_probs[torch.tensor([r == "unsafe" for r in roles])][:, cols]
+    hard = {d.source.dataset: d.source.hard for d in dev}
     points = {
         f"{b:g}": recall_thresholds(
             benign,
@@ -512,8 +510,8 @@ def fit_default(
         for b in sorted({*BUDGETS, budget})
     }
     chosen = points[f"{budget:g}"]
-    thresholds = {**choose_thresholds(probe.spec, probs, data.targets), **chosen}
-    probe.set_thresholds(thresholds)
+    thresholds = {**cv.thresholds, **chosen}
+    result.probe.set_thresholds(thresholds)
     rates = flag_rates(benign, groups, [chosen[x] for x in flag])
     return DefaultFit(result, cv, thresholds, rates, points)
 
@@ -595,14 +593,17 @@ def build_default(
     ``card.json``)."""
     started = time.time()
     sources = [s for s in SOURCES if noncommercial or not s.noncommercial]
-    layers = default_token_layers(extractor.num_layers)
+    # A mean reads every layer's summary (the cache stores them all); token-level pools
+    # read the layers the cache stores token by token.
+    top = extractor.num_layers
+    layers = list(range(top + 1)) if pool in ("mean", "max") else default_token_layers(top)
     spec = default_spec(
         extractor.fingerprint.hidden_size, layers, noncommercial=noncommercial, pool=pool
     )
     loaded = [load_source(s, spec, cache_root, data_root, extractor, key) for s in sources]
     log.info("default: %d rows in %d sources", sum(len(x.data) for x in loaded), len(loaded))
     fitted = fit_default(loaded, spec, config, budget=budget, folds=folds, progress=_progress)
-    seen = sum(len(x.part("train").data) for x in loaded)
+    seen = sum(len(x.data) - len(x.part("held_out").data) for x in loaded)
     counters = TrainingCounters(labels_seen=seen, steps=fitted.result.steps)
     save_checkpoint(
         fitted.result.probe,
@@ -626,7 +627,7 @@ def build_default(
         "flag_labels": probe.spec.flag_labels,
         "weights": SHIPPED_WEIGHTS,
         "budget": budget,
-        "validation_benign_flagged": {k: _rounded(v) for k, v in fitted.val_benign_rates.items()},
+        "oof_benign_flagged": {k: _rounded(v) for k, v in fitted.oof_benign_rates.items()},
         "operating_points": fitted.operating_points,
         "sources": [
             {
