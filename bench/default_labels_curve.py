@@ -29,7 +29,6 @@ import copy
 import json
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +43,12 @@ from probes.offline.dataset import ProbeDataset
 from probes.offline.fit import predict_dataset
 from probes.offline.select import held_out
 from probes.targets import encode_target
+from schemas import ProbeSpec
 from worker.defaults import find_default
 from worker.learning.online_learner import LearningConfig, OnlineLearner
 from worker.learning.resume import default_spec
 from worker.offline.default_probe import SOURCES, load_source
+from worker.offline.default_probe import default_spec as default_probe_spec
 from worker.offline.fit_eval import load_split
 
 POINTS = (0, 100, 300, 1000)
@@ -88,6 +89,17 @@ def _figures(probe: Probe, tc: ProbeDataset, benign_chat: ProbeDataset) -> dict[
     }
 
 
+def _states(data: ProbeDataset, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hidden [L, B, T, D], mask [B, T])`` of rows ``idx``, as the updater's extractor
+    gives them. Per-layer mean summaries come as one token each: a mean over one token is
+    the summary itself, so a mean-pool probe learns exactly what it would from the tokens
+    (the cache stores every layer's summary, and tokens of eight layers only)."""
+    hidden, mask, _ = data.batch(idx)
+    if mask is None:  # summaries [L, B, D]
+        return hidden[:, :, None, :], torch.ones(hidden.shape[1], 1, dtype=torch.bool)
+    return hidden, mask
+
+
 def run(
     name: str,
     probe: Probe,
@@ -108,7 +120,7 @@ def run(
     for stop in points:
         while seen < stop:
             idx = torch.arange(seen, min(stop, seen + batch))
-            hidden, mask, _ = stream.batch(idx)
+            hidden, mask = _states(stream, idx)
             targets = torch.stack([encoded[i][0] for i in idx.tolist()])
             learner.learn(hidden, mask, targets, [encoded[i][1] for i in idx.tolist()])
             seen += len(idx)
@@ -121,6 +133,12 @@ def run(
     return rows
 
 
+def replace_spec(spec: ProbeSpec) -> ProbeSpec:
+    """The default's heads over ``spec``'s pool and layers (ConvAbuse's rows are read
+    through the recipe, whose targets name the default's heads)."""
+    return default_probe_spec(spec.hidden_size, list(spec.layers), pool=spec.token_pool)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.time()
@@ -130,32 +148,29 @@ def main(argv: list[str] | None = None) -> int:
     if default is None:
         raise SystemExit("this release ships no packaged default for the cache's LLM")
     zero = default_spec("toxicity", llm.num_layers, llm.hidden_size)
-    layers = sorted(set(default.probe.spec.layers) | set(zero.layers))
-    data = load_split(cache, "tokens", layers, "label").relabel(["non-toxic", "toxic"])
-    test_rows = held_out(data.ids, 0.3)
-    order = torch.randperm(
-        int((~test_rows).sum()), generator=torch.Generator().manual_seed(args.seed)
-    )
-    stream = data.subset((~test_rows).nonzero().flatten()[order])
-    test = data.subset(test_rows.nonzero().flatten())
     convabuse = next(s for s in SOURCES if s.dataset == "convabuse")
-    chat_all = load_source(convabuse, replace(default.probe.spec, token_pool="mha"),
-                           args.cache_root, args.data_root, None)  # fmt: skip
-    benign = [i for i, r in enumerate(chat_all.part("held_out").roles) if r == "benign"]
-    chat = chat_all.part("held_out").data.subset(torch.tensor(benign))
-    log(f"{len(stream)} labels to learn, {len(test)} held-out ToxicChat rows, "
-        f"{len(chat)} held-out ConvAbuse benign turns")  # fmt: skip
-
-    def view(d: ProbeDataset, probe: Probe) -> ProbeDataset:
-        return d.select_layers(list(probe.spec.layers))
-
     curves = {}
-    start = default.probe
-    curves["from the default"] = run("default", start, False, view(stream, start),
-                                     view(test, start), view(chat, start), args.batch)  # fmt: skip
-    scratch = build_probe(zero, seed=0)
-    curves["from zero"] = run("zero", scratch, True, view(stream, scratch),
-                              view(test, scratch), view(chat, scratch), args.batch)  # fmt: skip
+    for name, probe, fresh in (
+        ("from the default", default.probe, False),
+        ("from zero", build_probe(zero, seed=0), True),
+    ):
+        spec = probe.spec
+        data = load_split(cache, spec.token_pool, list(spec.layers), "label")
+        data = data.relabel(["non-toxic", "toxic"])
+        test_rows = held_out(data.ids, 0.3)
+        g = torch.Generator().manual_seed(args.seed)
+        order = torch.randperm(int((~test_rows).sum()), generator=g)
+        stream = data.subset((~test_rows).nonzero().flatten()[order])
+        test = data.subset(test_rows.nonzero().flatten())
+        chat_spec = replace_spec(spec)
+        held = load_source(convabuse, chat_spec, args.cache_root, args.data_root, None)
+        held = held.part("held_out")
+        chat = held.data.subset(
+            torch.tensor([i for i, r in enumerate(held.roles) if r == "benign"])
+        )
+        log(f"{name}: {len(stream)} labels to learn, {len(test)} held-out ToxicChat rows, "
+            f"{len(chat)} held-out ConvAbuse benign turns")  # fmt: skip
+        curves[name] = run(name, probe, fresh, stream, test, chat, args.batch)
     cols = [
         "toxicity_auprc",
         "policy_auprc",

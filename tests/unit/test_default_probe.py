@@ -72,9 +72,9 @@ def _few_degenerate_rows() -> Iterator[None]:
     import worker.offline.default_probe as recipe
 
     rows = recipe.degenerate_rows
-    recipe.degenerate_rows = lambda: [r for r in rows() if len(r["text"]) < 30][:24]  # type: ignore[assignment]
+    recipe.degenerate_rows = lambda: [r for r in rows() if len(r["text"]) < 30][:24]
     yield
-    recipe.degenerate_rows = rows  # type: ignore[assignment]
+    recipe.degenerate_rows = rows
 
 
 @pytest.fixture(scope="module")
