@@ -146,9 +146,9 @@ def test_the_quickstart_snippets_run(stack: Stack) -> None:
     assert answer["model"] == f"{probe}@v1"
     perspective = json.loads(run_snippet("curl-perspective", stack))
     assert "TOXICITY" in perspective["attributeScores"], perspective
-    out = run_snippet("openai", stack).splitlines()
-    assert [line.split()[0].rsplit("-", 1)[1] for line in out] == ["0", "1"], out
-    assert all(line.startswith("modr-") for line in out), out
+    lines = run_snippet("openai", stack).splitlines()
+    assert [line.split()[0].rsplit("-", 1)[1] for line in lines] == ["0", "1"], lines
+    assert all(line.startswith("modr-") for line in lines), lines
 
     # Three labels (two chat messages, one `serve` input, none carrying its text) reach the
     # updater, which joins each with the text the scorer or `serve` kept, and learns it.
