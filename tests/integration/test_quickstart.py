@@ -138,12 +138,14 @@ def test_the_quickstart_snippets_run(stack: Stack) -> None:
     for name in ("kafka-python", "confluent-kafka"):
         out = run_snippet(name, stack)
         decision, served, version, *_ = out.split()
-        assert decision in ("allow", "flag") and (served, version) == (probe, "v1"), out
+        # v1 is the probe published at the start; the first label may already have made v2.
+        assert decision in ("allow", "flag") and served == probe, out
+        assert re.fullmatch(r"v[1-9]\d*", version), out
 
     # Over HTTP: OpenAI's answer, and Perspective's with the caller's own message id.
     answer = json.loads(run_snippet("curl", stack))
     assert answer["id"].startswith("modr-") and len(answer["results"]) == 1, answer
-    assert answer["model"] == f"{probe}@v1"
+    assert re.fullmatch(rf"{probe}@v[1-9]\d*", answer["model"]), answer
     perspective = json.loads(run_snippet("curl-perspective", stack))
     assert "TOXICITY" in perspective["attributeScores"], perspective
     lines = run_snippet("openai", stack).splitlines()
