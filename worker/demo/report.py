@@ -72,8 +72,13 @@ def _version_ticks(ax: Any, fig_data: dict[str, Any]) -> None:
         if row["version"] > last:
             ticks.append((i, f"v{row['version']}"))
             last = row["version"]
+    span = max(1, len(fig_data["served"]))
+    names, last_x = [], -span
+    for x, name in ticks:  # a name only where it does not run into the previous one
+        names.append(name if x - last_x >= span / 25 else "")
+        last_x = x if names[-1] else last_x
     top = ax.secondary_xaxis("top")
-    top.set_xticks([x for x, _ in ticks], [name for _, name in ticks], fontsize=7)
+    top.set_xticks([x for x, _ in ticks], names, fontsize=7)
     top.tick_params(length=3, pad=1)
     for x, _ in ticks[1:]:
         ax.axvline(x, color="#ccc", linewidth=0.6, zorder=0)
