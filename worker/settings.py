@@ -735,7 +735,14 @@ class Settings(BaseSettings):
         32, description="Most inputs in one request (more: 413)."
     )
     serve_max_body_bytes: Annotated[int, Field(ge=1024, le=64 * 1024 * 1024)] = Field(
-        1024 * 1024, description="Largest request body, bytes (larger: 413)."
+        1024 * 1024,
+        description="Largest request body, bytes (larger: 413; up to 4× this, or 8 MiB, is "
+        "read and dropped first, so clients that send before reading get the 413).",
+    )
+    serve_body_timeout_s: Annotated[float, Field(gt=0.0, le=600.0)] = Field(
+        30.0,
+        description="Longest a request body may take to arrive, seconds (then 408 and the "
+        "connection is closed).",
     )
     serve_rate_per_key: Annotated[float, Field(gt=0.0)] = Field(
         50.0,

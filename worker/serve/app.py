@@ -40,6 +40,7 @@ from schemas.moderation_api import (
 )
 from worker.scoring.engine import Retain
 from worker.serve.batcher import Scored
+from worker.serve.bodies import BodyReader, parse
 from worker.serve.mapping import attribute_labels, category_labels
 from worker.serve.service import ApiError
 
@@ -91,7 +92,7 @@ PERSPECTIVE = Dialect("perspective", 403, 400, _perspective_error)
 
 
 def _error_response(dialect: Dialect, e: ApiError) -> JSONResponse:
-    headers = {}
+    headers = {"Connection": "close"} if e.close else {}
     if e.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))
     return JSONResponse(dialect.render(e), status_code=e.status, headers=headers)
@@ -128,6 +129,12 @@ def create_app(service: Service) -> FastAPI:
         registry=service.collector,
     )
 
+    reader = BodyReader(
+        s.serve_max_body_bytes,
+        s.serve_body_timeout_s,
+        drain_bytes=max(4 * s.serve_max_body_bytes, 8 * 1024 * 1024),
+    )
+
     async def handle(
         request: Request, dialect: Dialect, work: Callable[[bytes, str], Awaitable[Response]]
     ) -> Response:
@@ -143,7 +150,7 @@ def create_app(service: Service) -> FastAPI:
                     code="rate_limit_exceeded",
                     retry_after_s=wait,
                 )
-            body = await _read_body(request, s.serve_max_body_bytes)
+            body = await reader.read(request)
             response = await work(body, caller)
         except ApiError as e:
             response = _error_response(dialect, e)
@@ -159,7 +166,7 @@ def create_app(service: Service) -> FastAPI:
     )
     async def moderations(request: Request) -> Response:
         async def work(body: bytes, caller: str) -> Response:
-            req = _parse(ModerationRequest, body)
+            req = await parse(ModerationRequest, body, max_inputs=s.serve_max_inputs)
             texts = _openai_texts(req)
             if len(texts) > s.serve_max_inputs:
                 raise ApiError(
@@ -198,7 +205,7 @@ def create_app(service: Service) -> FastAPI:
     )
     async def analyze(request: Request) -> Response:
         async def work(body: bytes, caller: str) -> Response:
-            req = _parse(PerspectiveRequest, body)
+            req = await parse(PerspectiveRequest, body, max_inputs=s.serve_max_inputs)
             languages = _languages(req.languages)
             text = req.comment.text
             if not text.strip():
@@ -278,32 +285,6 @@ async def _authenticate(service: Service, request: Request, dialect: Dialect) ->
     if name is None:
         raise ApiError(dialect.invalid_key_status, "API key not valid.", code="invalid_api_key")
     return f"key:{name}"
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    too_large = ApiError(
-        413,
-        f"request body over {limit} bytes (PROBEGUARD_SERVE_MAX_BODY_BYTES)",
-        code="request_too_large",
-    )
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise too_large
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_large
-    return bytes(body)
-
-
-def _parse(model: type[Any], body: bytes) -> Any:
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        kind, why = describe_error(exc)
-        message = f"the body is not JSON: {why}" if kind == "invalid_json" else why
-        raise ApiError(400, message, code=kind) from None
 
 
 def _openai_texts(req: ModerationRequest) -> list[str]:

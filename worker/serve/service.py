@@ -45,6 +45,7 @@ class ApiError(Exception):
         code: str | None = None,
         param: str | None = None,
         retry_after_s: float | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -52,6 +53,7 @@ class ApiError(Exception):
         self.code = code
         self.param = param
         self.retry_after_s = retry_after_s
+        self.close = close  # answer with `Connection: close` (the body was not all read)
 
 
 class Service:
