@@ -752,6 +752,15 @@ class Settings(BaseSettings):
     serve_rate_burst: Annotated[int, Field(ge=1)] = Field(
         100, description="Requests an API key may send at once above its rate."
     )
+    serve_new_keys_per_address: Annotated[float, Field(gt=0.0)] = Field(
+        2.0,
+        description="Unseen API keys (not yet checked) one client address may present per "
+        "second, per server process (over it: 429); an IPv6 address counts by its /64. "
+        "Keys checked before cost nothing and do not count.",
+    )
+    serve_new_keys_burst: Annotated[int, Field(ge=1)] = Field(
+        20, description="Unseen API keys one client address may present at once."
+    )
     serve_timeout_s: Annotated[float, Field(gt=0.0, le=600.0)] = Field(
         30.0, description="Longest a request waits for its scores, seconds (then 503)."
     )

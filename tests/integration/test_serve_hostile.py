@@ -5,6 +5,7 @@ OpenAI's own client; what is measured in seconds is in ``bench/serve_abuse.py``.
 from __future__ import annotations
 
 import json
+import threading
 import urllib.error
 import urllib.request
 
@@ -53,3 +54,57 @@ def test_urllib_reads_the_413_of_a_body_over_the_limit(serve, redis_ns: RedisNam
         urllib.request.urlopen(req, timeout=60)
     assert got.value.code == 413
     assert json.loads(got.value.read())["error"]["code"] == "request_too_large"
+
+
+def test_junk_keys_from_one_address_cost_another_address_nothing(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """Issue 45: every unseen key, from anyone, drew from one shared bucket, so a keyless
+    flood made a fresh valid key answer 429 ten times out of ten."""
+    publish(redis_ns)
+    served = serve(
+        names=("alpha", "beta"),
+        serve_rate_per_key=0.01,  # the old shared bucket of unseen keys used these
+        serve_rate_burst=5,
+        serve_new_keys_per_address=0.01,
+        serve_new_keys_burst=5,
+    )
+    codes = []
+    for i in range(40):
+        junk = f"pg.nobody{i}.{'0' * 48}" if i % 2 else f"junk-{i}"
+        with served.client(junk, local_address="127.0.0.2") as attacker:
+            codes.append(attacker.post("/v1/moderations", json={"input": "x"}).status_code)
+    with served.client(served.keys["beta"]) as fresh:  # from 127.0.0.1, never seen before
+        r = fresh.post("/v1/moderations", json={"input": "hello"})
+    assert r.status_code == 200, r.text
+    assert set(codes) == {401, 429} and codes.count(401) >= 20  # malformed ones: never 429
+    assert served.metric('probeguard_serve_key_checks_total{result="limited"}') >= 1
+    assert served.metric('probeguard_serve_key_checks_total{result="malformed"}') == 20
+
+
+def test_wrong_keys_on_a_real_name_run_at_most_two_scrypts_at_once(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """Issue 45: scrypt calls (16 MiB each) ran on up to 40 threads: 32 threads of wrong
+    keys on a real key name grew RSS by 0.36 GB and held a valid request ~22 s."""
+    publish(redis_ns)
+    served = serve(names=("alpha",))
+    ok = served.http.post("/v1/moderations", json={"input": "hello"})
+    assert ok.status_code == 200  # alpha's key is verified and remembered
+    codes: list[int] = []
+
+    def wrong(i: int) -> None:
+        key = f"pg.alpha.{i:048x}"
+        with served.client(key, local_address=f"127.0.1.{i + 1}") as c:
+            codes.append(c.post("/v1/moderations", json={"input": "x"}).status_code)
+
+    threads = [threading.Thread(target=wrong, args=(i,)) for i in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(codes) == [401] * 24
+    ring = served.server.service.keys
+    assert ring is not None and 1 <= ring.peak <= 2
+    assert served.http.post("/v1/moderations", json={"input": "hello"}).status_code == 200
+    assert served.metric('probeguard_serve_key_checks_total{result="scrypt_wrong"}') == 24

@@ -19,7 +19,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
@@ -39,10 +38,11 @@ from schemas.moderation_api import (
     TextInput,
 )
 from worker.scoring.engine import Retain
+from worker.serve.auth import Caller
 from worker.serve.batcher import Scored
 from worker.serve.bodies import BodyReader, parse
+from worker.serve.errors import ApiError
 from worker.serve.mapping import attribute_labels, category_labels
-from worker.serve.service import ApiError
 
 if TYPE_CHECKING:
     from worker.serve.service import Service
@@ -136,12 +136,14 @@ def create_app(service: Service) -> FastAPI:
     )
 
     async def handle(
-        request: Request, dialect: Dialect, work: Callable[[bytes, str], Awaitable[Response]]
+        request: Request, dialect: Dialect, work: Callable[[bytes, Caller], Awaitable[Response]]
     ) -> Response:
         t0 = time.perf_counter()
         try:
-            caller = await _authenticate(service, request, dialect)
-            wait = service.limiter.take(caller)
+            caller = await service.auth.caller(
+                request, _presented_key(request), lambda code: _key_refusal(dialect, code)
+            )
+            wait = service.limiter.take(caller.limit_key)
             if wait > 0:
                 raise ApiError(
                     429,
@@ -165,7 +167,7 @@ def create_app(service: Service) -> FastAPI:
         summary="Classify text (OpenAI's moderation API)",
     )
     async def moderations(request: Request) -> Response:
-        async def work(body: bytes, caller: str) -> Response:
+        async def work(body: bytes, caller: Caller) -> Response:
             req = await parse(ModerationRequest, body, max_inputs=s.serve_max_inputs)
             texts = _openai_texts(req)
             if len(texts) > s.serve_max_inputs:
@@ -204,7 +206,7 @@ def create_app(service: Service) -> FastAPI:
         summary="Score a comment (Perspective's comments:analyze)",
     )
     async def analyze(request: Request) -> Response:
-        async def work(body: bytes, caller: str) -> Response:
+        async def work(body: bytes, caller: Caller) -> Response:
             req = await parse(PerspectiveRequest, body, max_inputs=s.serve_max_inputs)
             languages = _languages(req.languages)
             text = req.comment.text
@@ -262,29 +264,22 @@ def create_app(service: Service) -> FastAPI:
 # --- request handling ----------------------------------------------------------
 
 
-async def _authenticate(service: Service, request: Request, dialect: Dialect) -> str:
-    """The caller's rate-limit identity: its key's name, or its address without keys."""
-    if service.keys is None:
-        return f"addr:{request.client.host if request.client else '?'}"
+def _presented_key(request: Request) -> str:
+    """The API key a request carries: ``Authorization: Bearer``, ``?key=`` or
+    ``x-goog-api-key`` ('' when none)."""
     auth = request.headers.get("authorization", "")
     key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-    key = key or request.query_params.get("key", "") or request.headers.get("x-goog-api-key", "")
-    if not key:
-        raise ApiError(
+    return key or request.query_params.get("key", "") or request.headers.get("x-goog-api-key", "")
+
+
+def _key_refusal(dialect: Dialect, code: str) -> ApiError:
+    if code == "missing_api_key":
+        return ApiError(
             dialect.missing_key_status,
             "The request is missing an API key (Authorization: Bearer KEY, or ?key=KEY).",
-            code="missing_api_key",
+            code=code,
         )
-    known, name = service.keys.lookup(key)
-    if not known:
-        # An unseen key costs one scrypt: bound how many run, whoever sends them.
-        wait = service.limiter.take("\x00unverified")
-        if wait > 0:
-            raise ApiError(429, "too many new API keys tried", retry_after_s=wait)
-        name = await anyio.to_thread.run_sync(service.keys.verify, key)
-    if name is None:
-        raise ApiError(dialect.invalid_key_status, "API key not valid.", code="invalid_api_key")
-    return f"key:{name}"
+    return ApiError(dialect.invalid_key_status, "API key not valid.", code=code)
 
 
 def _openai_texts(req: ModerationRequest) -> list[str]:

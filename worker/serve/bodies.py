@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect, Request
 
 from schemas import describe_error
-from worker.serve.service import ApiError
+from worker.serve.errors import ApiError
 
 __all__ = ["PARSE_THREADS", "BodyReader", "parse"]
 

@@ -22,7 +22,9 @@ from schemas import ChatMessage, ProbeSpec
 from worker.llm.extract import HiddenStateExtractor
 from worker.scoring.engine import Retain, ScoringEngine
 from worker.scoring.metrics import ScorerMetrics
+from worker.serve.auth import Authenticator
 from worker.serve.batcher import MicroBatcher, Scored
+from worker.serve.errors import ApiError
 from worker.serve.keys import KeyRing, RateLimiter
 from worker.serve.outbox import Outbox
 from worker.settings import Settings
@@ -32,28 +34,6 @@ __all__ = ["ApiError", "Service"]
 # OpenAI's model names a client may send: they mean the default probe.
 OPENAI_MODELS = ("omni-moderation", "text-moderation")
 STALE_AFTER_S = 120.0  # the scoring thread's longest silence before /healthz fails
-
-
-class ApiError(Exception):
-    """A refusal: its HTTP status, a message for the caller, and what the dialects need."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        code: str | None = None,
-        param: str | None = None,
-        retry_after_s: float | None = None,
-        close: bool = False,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-        self.retry_after_s = retry_after_s
-        self.close = close  # answer with `Connection: close` (the body was not all read)
 
 
 class Service:
@@ -90,6 +70,11 @@ class Service:
             after=self.outbox.put,
         )
         self.limiter = RateLimiter(settings.serve_rate_per_key, settings.serve_rate_burst)
+        self.auth = Authenticator(
+            keys,
+            RateLimiter(settings.serve_new_keys_per_address, settings.serve_new_keys_burst),
+            self.collector,
+        )
         self.stop_event = threading.Event()
         self._stack = contextlib.ExitStack()
 
