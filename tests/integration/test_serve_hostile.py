@@ -108,3 +108,52 @@ def test_wrong_keys_on_a_real_name_run_at_most_two_scrypts_at_once(
     assert ring is not None and 1 <= ring.peak <= 2
     assert served.http.post("/v1/moderations", json={"input": "hello"}).status_code == 200
     assert served.metric('probeguard_serve_key_checks_total{result="scrypt_wrong"}') == 24
+
+
+def _analyze_with_token(served, name: str, text: str, token: str = "comment-1") -> str:
+    """Perspective's call from key ``name`` with ``clientToken``; the message id it got."""
+    with served.client(served.keys[name]) as c:
+        r = c.post(
+            "/v1alpha1/comments:analyze",
+            json={
+                "comment": {"text": text},
+                "requestedAttributes": {"TOXICITY": {}},
+                "clientToken": token,
+            },
+        )
+    assert r.status_code == 200, r.text
+    assert r.json()["clientToken"] == token  # echoed as sent
+    return r.headers["X-Probeguard-Message-Id"]
+
+
+def test_a_client_token_names_a_message_only_within_its_key(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """Issue 45: Perspective's clientToken was the message id itself, so key beta sending
+    alpha's token wrote its text under alpha's message (and alpha's decision): a label
+    then trained on the wrong text. Two tenants both sending `comment-1` collided so."""
+    publish(redis_ns)
+    served = serve(names=("alpha", "beta"))
+    alpha = _analyze_with_token(served, "alpha", "I will hurt you")
+    beta = _analyze_with_token(served, "beta", "have a nice day")
+    assert alpha != beta and alpha.endswith(":comment-1") and beta.endswith(":comment-1")
+    client, keys = redis_ns.client, redis_ns.keys
+    assert client.get(keys.text(alpha)) == b"I will hurt you"
+    assert client.get(keys.text(beta)) == b"have a nice day"
+    assert client.get(keys.decided(alpha)) and client.get(keys.decided(beta))
+
+
+def test_a_reused_message_id_keeps_its_first_text_beside_its_first_decision(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """Issue 45: the cached text was a plain SET and the decision a SET NX, so a message id
+    used twice held the second text beside the first text's decision."""
+    publish(redis_ns)
+    served = serve(names=("alpha",))
+    mid = _analyze_with_token(served, "alpha", "I will hurt you")
+    client, keys = redis_ns.client, redis_ns.keys
+    decided = client.get(keys.decided(mid))
+    assert decided is not None
+    assert _analyze_with_token(served, "alpha", "a different text") == mid
+    assert client.get(keys.text(mid)) == b"I will hurt you"
+    assert client.get(keys.decided(mid)) == decided

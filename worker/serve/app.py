@@ -214,7 +214,7 @@ def create_app(service: Service) -> FastAPI:
                 raise ApiError(400, "Comment must be non-empty.", param="comment.text")
             probe = service.probe_for(None)
             attributes = _attributes(req, service.spec(probe, None), probe)
-            mid = req.clientToken if req.clientToken and _ID.fullmatch(req.clientToken) else None
+            mid = _client_message_id(caller, req.clientToken, s.limits)
             mid = mid or f"pc-{uuid.uuid4().hex}"
             conversation = _conversation(
                 req.sessionId or request.headers.get(CONVERSATION_HEADER), mid
@@ -301,6 +301,18 @@ def _openai_texts(req: ModerationRequest) -> list[str]:
     if not texts:
         raise ApiError(400, "input must hold at least one text", param="input")
     return texts
+
+
+def _client_message_id(caller: Caller, token: str | None, limits: Limits) -> str | None:
+    """The message id of a Perspective call's ``clientToken``: ``pc:NAME:TOKEN``, in the
+    namespace of the caller's key (``pc::TOKEN`` without keys), so two keys sending the
+    same token never name one message; None when that is no valid id (the call gets a
+    random one, and the token is only echoed). Key names hold no ``:`` and, written here
+    with ``_`` as ``.`` (no name holds a ``.``), no two names share a namespace."""
+    if not token:
+        return None
+    mid = f"pc:{(caller.name or '').replace('_', '.')}:{token}"
+    return mid if limits.id_re.fullmatch(mid) else None
 
 
 def _conversation(value: str | None, fallback: str) -> str:
