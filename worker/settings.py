@@ -752,6 +752,17 @@ class Settings(BaseSettings):
     serve_rate_burst: Annotated[int, Field(ge=1)] = Field(
         100, description="Requests an API key may send at once above its rate."
     )
+    serve_tokens_per_key: Annotated[float, Field(gt=0.0)] = Field(
+        20_000.0,
+        description="LLM tokens per second each API key may have scored, per server process "
+        "(each request is tokenized and charged before it is queued; over it: 429 with "
+        "`Retry-After`). Set it to a share of what the server scores per second.",
+    )
+    serve_tokens_burst: Annotated[int, Field(ge=1)] = Field(
+        100_000,
+        description="LLM tokens an API key may have scored at once above its rate; a single "
+        "request costing more is a 413.",
+    )
     serve_new_keys_per_address: Annotated[float, Field(gt=0.0)] = Field(
         2.0,
         description="Unseen API keys (not yet checked) one client address may present per "

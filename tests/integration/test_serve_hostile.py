@@ -9,6 +9,7 @@ import threading
 import urllib.error
 import urllib.request
 
+import openai
 import pytest
 
 from tests.conftest import RedisNamespace
@@ -157,3 +158,54 @@ def test_a_reused_message_id_keeps_its_first_text_beside_its_first_decision(
     assert _analyze_with_token(served, "alpha", "a different text") == mid
     assert client.get(keys.text(mid)) == b"I will hurt you"
     assert client.get(keys.decided(mid)) == decided
+
+
+def test_an_unreadable_input_is_a_400_naming_it_before_anything_is_scored(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """Issue 45: an input of control characters only answered 500 for the whole call after
+    the valid inputs were scored, cached and counted, and OpenAI's SDK retries a 500, so
+    each retry counted them again."""
+    publish(redis_ns)
+    served = serve()
+    client = served.openai(max_retries=2)
+    with pytest.raises(openai.BadRequestError) as got:
+        client.moderations.create(input=["hello there", "\x01\x02\x03", "goodbye"])
+    err = got.value.body
+    assert isinstance(err, dict) and err["param"] == "input[1]", err
+    assert err["code"] == "unreadable_input" and "control characters" in err["message"]
+    assert served.metric("probeguard_scorer_messages_total") == 0
+    assert not list(redis_ns.client.scan_iter(match=f"{redis_ns.prefix}:text:*"))
+    # Perspective: the comment is a 400; a sentence of control characters is no span.
+    bad = served.analyze({"comment": {"text": "\x07\x07"}, "requestedAttributes": {"TOXICITY": {}}})
+    assert bad.status_code == 400 and bad.json()["error"]["status"] == "INVALID_ARGUMENT"
+    text = "You are awful.\n\x01\x02\nHave a good day."
+    ok = served.analyze(
+        {
+            "comment": {"text": text},
+            "requestedAttributes": {"TOXICITY": {}},
+            "spanAnnotations": True,
+        }
+    )
+    assert ok.status_code == 200, ok.text
+    spans = ok.json()["attributeScores"]["TOXICITY"]["spanScores"]
+    assert [text[s["begin"] : s["end"]] for s in spans] == ["You are awful.", "Have a good day."]
+
+
+def test_token_rate_limits_charge_what_a_request_costs(serve, redis_ns: RedisNamespace) -> None:
+    """Issue 45: limits counted requests, so one key's 32 long inputs cost it what one
+    short input did."""
+    publish(redis_ns)
+    served = serve(names=("alpha", "beta"), serve_tokens_per_key=0.001, serve_tokens_burst=1000)
+    long = ["word " * 100] * 10  # 60-70 tokens each: the tiny LLM keeps 64 of a text
+    cost = sum(served.server.service.engine.extractor.token_counts(long))
+    assert 600 <= cost <= 700
+    with served.client(served.keys["alpha"]) as alpha:
+        assert alpha.post("/v1/moderations", json={"input": long}).status_code == 200
+        r = alpha.post("/v1/moderations", json={"input": long})
+        assert r.status_code == 429 and "PROBEGUARD_SERVE_TOKENS_PER_KEY" in r.text
+        assert int(r.headers["Retry-After"]) >= 1
+    with served.client(served.keys["beta"]) as beta:  # another key's budget is its own
+        assert beta.post("/v1/moderations", json={"input": long}).status_code == 200
+        big = beta.post("/v1/moderations", json={"input": long * 2})  # over the whole burst
+        assert big.status_code == 413 and "PROBEGUARD_SERVE_TOKENS_BURST" in big.text

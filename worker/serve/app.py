@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
@@ -40,9 +41,10 @@ from schemas.moderation_api import (
 from worker.scoring.engine import Retain
 from worker.serve.auth import Caller
 from worker.serve.batcher import Scored
-from worker.serve.bodies import BodyReader, parse
+from worker.serve.bodies import PARSE_THREADS, BodyReader, parse
 from worker.serve.errors import ApiError
 from worker.serve.mapping import attribute_labels, category_labels
+from worker.serve.service import unreadable
 
 if TYPE_CHECKING:
     from worker.serve.service import Service
@@ -129,6 +131,7 @@ def create_app(service: Service) -> FastAPI:
         registry=service.collector,
     )
 
+    parsing = anyio.CapacityLimiter(PARSE_THREADS)
     reader = BodyReader(
         s.serve_max_body_bytes,
         s.serve_body_timeout_s,
@@ -168,7 +171,9 @@ def create_app(service: Service) -> FastAPI:
     )
     async def moderations(request: Request) -> Response:
         async def work(body: bytes, caller: Caller) -> Response:
-            req = await parse(ModerationRequest, body, max_inputs=s.serve_max_inputs)
+            req = await parse(
+                ModerationRequest, body, max_inputs=s.serve_max_inputs, threads=parsing
+            )
             texts = _openai_texts(req)
             if len(texts) > s.serve_max_inputs:
                 raise ApiError(
@@ -186,6 +191,11 @@ def create_app(service: Service) -> FastAPI:
                 _message(f"{rid}-{i}", conversation, text, f"input[{i}]", s.limits)
                 for i, text in enumerate(texts)
             ]
+            counts = await service.measure(texts)
+            for i, n in enumerate(counts):
+                if n == 0:
+                    raise _unreadable(f"input[{i}]", texts[i])
+            service.charge(caller.limit_key, sum(counts))
             scored = await service.score(messages, [retain] * len(messages))
             results = [_result(scored, i, probe) for i in range(len(texts))]
             spec = service.spec(probe, results[0].version)
@@ -207,7 +217,9 @@ def create_app(service: Service) -> FastAPI:
     )
     async def analyze(request: Request) -> Response:
         async def work(body: bytes, caller: Caller) -> Response:
-            req = await parse(PerspectiveRequest, body, max_inputs=s.serve_max_inputs)
+            req = await parse(
+                PerspectiveRequest, body, max_inputs=s.serve_max_inputs, threads=parsing
+            )
             languages = _languages(req.languages)
             text = req.comment.text
             if not text.strip():
@@ -223,6 +235,12 @@ def create_app(service: Service) -> FastAPI:
             messages = [_message(mid, conversation, text, "comment.text", s.limits)]
             retain = [Retain.COUNT if private else Retain.ALL]
             spans = _spans(text) if req.spanAnnotations else []
+            counts = await service.measure([text] + [text[b:e] for b, e in spans])
+            if counts[0] == 0:
+                raise _unreadable("comment.text", text)
+            # A sentence the model cannot read (control characters only) gets no span.
+            spans = [span for span, n in zip(spans, counts[1:], strict=True) if n > 0]
+            service.charge(caller.limit_key, sum(counts))
             for i, (b, e) in enumerate(spans):
                 span = _message(f"{mid}.s{i}", conversation, text[b:e], "comment.text", s.limits)
                 messages.append(span)
@@ -344,6 +362,15 @@ def _message(
         )
     except ValidationError as exc:
         raise ApiError(400, describe_error(exc)[1], param=param) from None
+
+
+def _unreadable(param: str, text: str) -> ApiError:
+    return ApiError(
+        400,
+        f"{param} has nothing the model can read: {unreadable(text)}",
+        param=param,
+        code="unreadable_input",
+    )
 
 
 def _result(scored: Scored, pos: int, probe: str) -> ProbeResult:

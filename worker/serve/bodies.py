@@ -22,7 +22,6 @@ from worker.serve.errors import ApiError
 __all__ = ["PARSE_THREADS", "BodyReader", "parse"]
 
 PARSE_THREADS = 2  # bodies validated at once (a third waits; the event loop never does)
-_PARSE = anyio.CapacityLimiter(PARSE_THREADS)
 
 
 class BodyReader:
@@ -76,11 +75,13 @@ class BodyReader:
         return bytes(body)
 
 
-async def parse(model: type[Any], body: bytes, *, max_inputs: int) -> Any:
-    """``model`` validated from ``body`` on a worker thread; a 400 naming the first few
-    offending fields, or a 413 when the body holds more inputs or longer texts than the
-    schema's ceilings."""
-    return await anyio.to_thread.run_sync(_validate, model, body, max_inputs, limiter=_PARSE)
+async def parse(
+    model: type[Any], body: bytes, *, max_inputs: int, threads: anyio.CapacityLimiter
+) -> Any:
+    """``model`` validated from ``body`` on one of ``threads`` (one limiter per server:
+    at most :data:`PARSE_THREADS`); a 400 naming the first few offending fields, or a 413
+    when the body holds more inputs or longer texts than the schema's ceilings."""
+    return await anyio.to_thread.run_sync(_validate, model, body, max_inputs, limiter=threads)
 
 
 def _validate(model: type[Any], body: bytes, max_inputs: int) -> Any:
