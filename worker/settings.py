@@ -773,7 +773,9 @@ class Settings(BaseSettings):
         20, description="Unseen API keys one client address may present at once."
     )
     serve_timeout_s: Annotated[float, Field(gt=0.0, le=600.0)] = Field(
-        30.0, description="Longest a request waits for its scores, seconds (then 503)."
+        30.0,
+        description="Longest a request waits for its batch to start, seconds (then 503, and "
+        "it is never scored; a started batch is waited for).",
     )
     serve_do_not_store: bool = Field(
         False,

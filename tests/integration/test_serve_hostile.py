@@ -209,3 +209,21 @@ def test_token_rate_limits_charge_what_a_request_costs(serve, redis_ns: RedisNam
         assert beta.post("/v1/moderations", json={"input": long}).status_code == 200
         big = beta.post("/v1/moderations", json={"input": long * 2})  # over the whole burst
         assert big.status_code == 413 and "PROBEGUARD_SERVE_TOKENS_BURST" in big.text
+
+
+def test_a_request_answered_503_for_its_timeout_left_nothing_behind(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """Issue 45: a request that timed out was still scored, its texts cached and counted
+    though its caller got a 503 (and would send them again). Now a 503 means nothing was
+    scored, and a request whose batch had started is answered when the batch ends."""
+    publish(redis_ns)
+    served = serve(max_tokens=512, serve_timeout_s=0.05, serve_max_wait_ms=0.0)
+    texts = [f"text {i} " + "word " * 600 for i in range(32)]
+    answered = []
+    for _ in range(4):
+        answered.append(served.http.post("/v1/moderations", json={"input": texts}).status_code)
+    assert set(answered) <= {200, 503}, answered
+    cached = list(redis_ns.client.scan_iter(match=f"{redis_ns.prefix}:text:*"))
+    assert len(cached) == 32 * answered.count(200), answered
+    assert served.metric("probeguard_scorer_messages_total") == 32 * answered.count(200)

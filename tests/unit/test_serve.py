@@ -13,7 +13,7 @@ from schemas import ChatMessage, HeadSpec, ProbeResult, ProbeSpec, Verdict, utcn
 from worker.errors import ConfigError
 from worker.scoring.engine import Judged, Retain
 from worker.serve.app import _spans
-from worker.serve.batcher import MicroBatcher
+from worker.serve.batcher import Expired, MicroBatcher
 from worker.serve.keys import KeyRing, RateLimiter, Seen, new_key
 from worker.serve.mapping import attribute_labels, category_labels
 from worker.serve.server import is_loopback
@@ -278,6 +278,20 @@ def test_requests_queued_while_a_batch_is_scored_join_the_next_without_waiting()
     finally:
         b.stop()
     assert judge.batches == [["m0"], ["m1", "m2", "m3"]]
+
+
+def test_a_request_past_its_deadline_when_its_batch_starts_is_never_scored() -> None:
+    """Issue 45: a request that had timed out was still scored (cached and counted)."""
+    judge = RecordingJudge()
+    b = batcher(judge, max_wait_s=0.0)
+    try:
+        late = b.submit([msg(0)], [Retain.ALL], deadline=time.monotonic() - 1.0)
+        with pytest.raises(Expired):
+            late.result(5)
+        assert b.submit([msg(1)], [Retain.ALL]).result(5).verdicts[0].message_id == "m1"
+    finally:
+        b.stop()
+    assert judge.batches == [["m1"]]
 
 
 def test_serve_key_prints_a_key_then_its_entry(capsys: pytest.CaptureFixture[str]) -> None:

@@ -25,7 +25,7 @@ from worker.llm.extract import HiddenStateExtractor, clean_text
 from worker.scoring.engine import Retain, ScoringEngine
 from worker.scoring.metrics import ScorerMetrics
 from worker.serve.auth import Authenticator
-from worker.serve.batcher import MicroBatcher, Scored
+from worker.serve.batcher import Expired, MicroBatcher, Scored
 from worker.serve.errors import ApiError
 from worker.serve.keys import KeyRing, RateLimiter
 from worker.serve.outbox import Outbox
@@ -156,18 +156,27 @@ class Service:
             )
 
     async def score(self, messages: Sequence[ChatMessage], retain: Sequence[Retain]) -> Scored:
+        """The request's share of a batch. A request whose batch has not started within
+        ``PROBEGUARD_SERVE_TIMEOUT_S`` is a 503 and is never scored; one whose batch has
+        started is answered when the batch ends (its inputs are cached and counted by
+        then: a 503 would make the caller send them again)."""
         if not self.engine.batch_scorer.ready():
             raise ApiError(503, "no probe is loaded yet", code="not_ready", retry_after_s=1.0)
-        future = self.batcher.submit(messages, retain)
+        timeout_s = self.settings.serve_timeout_s
+        future = self.batcher.submit(messages, retain, time.monotonic() + timeout_s)
+        waiting = asyncio.wrap_future(future)
         try:
-            return await asyncio.wait_for(
-                asyncio.wrap_future(future), self.settings.serve_timeout_s
-            )
-        except TimeoutError:
+            try:
+                return await asyncio.wait_for(asyncio.shield(waiting), timeout_s)
+            except TimeoutError:
+                if future.cancel():  # not started: now it never will be
+                    raise Expired() from None
+                return await waiting  # being scored: wait for the batch to end
+        except Expired:
             raise ApiError(
                 503,
-                f"scoring took longer than {self.settings.serve_timeout_s:g}s "
-                "(PROBEGUARD_SERVE_TIMEOUT_S)",
+                f"scoring did not start within {timeout_s:g}s (PROBEGUARD_SERVE_TIMEOUT_S); "
+                "nothing of the request was scored",
                 code="timeout",
                 retry_after_s=1.0,
             ) from None
