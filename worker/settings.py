@@ -739,6 +739,21 @@ class Settings(BaseSettings):
         description="Largest request body, bytes (larger: 413; up to 4× this, or 8 MiB, is "
         "read and dropped first, so clients that send before reading get the 413).",
     )
+    serve_header_timeout_s: Annotated[float, Field(gt=0.0, le=600.0)] = Field(
+        10.0,
+        description="Longest a request's headers may take to arrive, from the connection "
+        "opening or the first byte after a keep-alive pause, seconds (then the connection "
+        "is closed).",
+    )
+    serve_max_connections: Annotated[int, Field(ge=1)] = Field(
+        1000,
+        description="Open connections one `serve` process accepts (more: 503 and closed; "
+        "keep it under the process's descriptor limit).",
+    )
+    serve_max_connections_per_address: Annotated[int, Field(ge=1)] = Field(
+        64,
+        description="Open connections one client address may hold (more: 503 and closed).",
+    )
     serve_body_timeout_s: Annotated[float, Field(gt=0.0, le=600.0)] = Field(
         30.0,
         description="Longest a request body may take to arrive, seconds (then 408 and the "

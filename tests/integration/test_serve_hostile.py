@@ -5,6 +5,7 @@ OpenAI's own client; what is measured in seconds is in ``bench/serve_abuse.py``.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import urllib.error
 import urllib.request
@@ -227,3 +228,53 @@ def test_a_request_answered_503_for_its_timeout_left_nothing_behind(
     cached = list(redis_ns.client.scan_iter(match=f"{redis_ns.prefix}:text:*"))
     assert len(cached) == 32 * answered.count(200), answered
     assert served.metric("probeguard_scorer_messages_total") == 32 * answered.count(200)
+
+
+def _connect(served, source: str) -> socket.socket:
+    host, port = served.url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=20, source_address=(source, 0))
+    return sock
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    """What the server sends until it closes the connection (``recv`` waits at most 20 s)."""
+    out = b""
+    while chunk := sock.recv(65536):
+        out += chunk
+    return out
+
+
+def test_stalled_connections_are_closed_and_capped_per_address(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """Issue 45: no header or body deadline and no connection cap: 50 half-sent requests
+    stayed open for a minute, and at 50 new ones a second the descriptor limit is ~7 min
+    away."""
+    publish(redis_ns)
+    served = serve(
+        serve_header_timeout_s=0.5,
+        serve_body_timeout_s=0.5,
+        serve_max_connections_per_address=4,
+    )
+    half = b"POST /v1/moderations HTTP/1.1\r\nHost: x\r\nAuthori"
+    stalled = [_connect(served, "127.0.0.3") for _ in range(4)]
+    for sock in stalled:
+        sock.sendall(half)
+    extra = _connect(served, "127.0.0.3")  # a fifth from the same address: refused at once
+    assert _read_all(extra).startswith(b"HTTP/1.1 503")
+    extra.close()
+    ok = served.http.post("/v1/moderations", json={"input": "hello"})  # another address
+    assert ok.status_code == 200
+    for sock in stalled:  # closed by the server: the headers never came
+        assert _read_all(sock) == b""
+        sock.close()
+    body = _connect(served, "127.0.0.3")  # the slots are free again
+    body.sendall(
+        b"POST /v1/moderations HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        + (served.key or "").encode()
+        + b'\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"input"'
+    )
+    answer = _read_all(body)  # the body never completes: 408, then closed
+    body.close()
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"PROBEGUARD_SERVE_BODY_TIMEOUT_S" in answer
