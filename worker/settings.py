@@ -605,6 +605,16 @@ class Settings(BaseSettings):
     labeler_window_s: Annotated[int, Field(ge=1, le=7 * 86_400)] = Field(
         3600, description="Length of that per-labeler window, seconds."
     )
+    labeler_keys: SecretStr | None = Field(
+        None,
+        description="Who a label is from, by signature (secret): `NAME:SECRET` entries "
+        "(labels of `labeler_id` NAME signed with SECRET are NAME's) and `NAME/*:SECRET` "
+        "(a signer that authenticates its users, as the console does with `console/*`: its "
+        "labels are `NAME/<labeler_id>`), comma-separated; secrets of at least 16 bytes. "
+        "Set, every unsigned or wrongly signed label counts as the one labeler `anonymous` "
+        "for the per-labeler limit and `PROMOTE_MIN_LABELERS`. Unset: `labeler_id` is "
+        "trusted as written.",
+    )
 
     # --- Rollout (worker/rollout/policy.py; evaluated by the active updater) ------
     rollout: Literal["auto_live", "canary", "manual"] | None = Field(
