@@ -278,3 +278,18 @@ def test_stalled_connections_are_closed_and_capped_per_address(
     body.close()
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert b"PROBEGUARD_SERVE_BODY_TIMEOUT_S" in answer
+
+
+def test_large_bodies_count_against_their_keys_request_rate(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """Issue 45: a 1 MB body cost one request of the key's 50/s however long it took to
+    read and validate, so one key's stream of them took the CPU from every other key."""
+    publish(redis_ns)
+    served = serve(names=("alpha", "beta"), serve_rate_per_key=0.001, serve_rate_burst=40)
+    body = b'{"input": [' + b",".join([b"1"] * 450_000) + b"]}"  # ~0.9 MB: 1 + 13 requests
+    with served.client(served.keys["alpha"]) as alpha:
+        codes = [alpha.post("/v1/moderations", content=body).status_code for _ in range(4)]
+    assert codes[:2] == [413, 413] and codes[2:] == [429, 429], codes
+    with served.client(served.keys["beta"]) as beta:
+        assert beta.post("/v1/moderations", json={"input": "hello"}).status_code == 200

@@ -55,6 +55,7 @@ CONVERSATION_HEADER = "x-probeguard-conversation"
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+=\-]{0,127}")
 _SPAN = re.compile(r"[^.!?\n]*(?:[.!?]+|\n|$)")
 MAX_SPANS = 16
+BODY_UNIT = 64 * 1024  # each this many bytes of a body count as one more request
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,18 @@ def create_app(service: Service) -> FastAPI:
                     retry_after_s=wait,
                 )
             body = await reader.read(request)
+            # A large body costs more to parse: one more request per BODY_UNIT bytes.
+            extra = len(body) // BODY_UNIT
+            wait = service.limiter.take(caller.limit_key, cost=extra) if extra else 0.0
+            if wait > 0:
+                raise ApiError(
+                    429,
+                    f"rate limit of {s.serve_rate_per_key:g} requests/s for this key reached "
+                    f"(PROBEGUARD_SERVE_RATE_PER_KEY; each {BODY_UNIT // 1024} KiB of body "
+                    "counts as one more request)",
+                    code="rate_limit_exceeded",
+                    retry_after_s=wait,
+                )
             response = await work(body, caller)
         except ApiError as e:
             response = _error_response(dialect, e)
