@@ -293,3 +293,26 @@ def test_large_bodies_count_against_their_keys_request_rate(
     assert codes[:2] == [413, 413] and codes[2:] == [429, 429], codes
     with served.client(served.keys["beta"]) as beta:
         assert beta.post("/v1/moderations", json={"input": "hello"}).status_code == 200
+
+
+def test_unknown_paths_methods_and_long_comments_answer_in_each_apis_shape(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """Issue 45: 404 and 405 answered FastAPI's {"detail": ...}, in neither API's shape, and
+    Perspective's 413 said code 413 with status INVALID_ARGUMENT (Google's is a 400)."""
+    publish(redis_ns)
+    served = serve(max_text_chars=50)
+    for method, path in (("GET", "/v1/nope"), ("GET", "/v1/moderations")):
+        r = served.http.request(method, path)
+        assert r.status_code in (404, 405) and set(r.json()) == {"error"}, r.text
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.NotFoundError):  # OpenAI's client reads it as its own
+        served.openai().get("/nope", cast_to=object)
+    r = served.http.post("/v1alpha1/comments:nope", json={})
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == 404 and r.json()["error"]["status"] == "NOT_FOUND"
+    long = served.analyze({"comment": {"text": "x" * 51}, "requestedAttributes": {"TOXICITY": {}}})
+    assert long.status_code == 400, long.text
+    err = long.json()["error"]
+    assert err["code"] == 400 and err["status"] == "INVALID_ARGUMENT"
+    assert "PROBEGUARD_MAX_TEXT_CHARS" in err["message"]

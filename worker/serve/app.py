@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schemas import ChatMessage, Limits, ProbeResult, ProbeSpec, describe_error, utcnow
 from schemas.moderation_api import (
@@ -66,6 +67,7 @@ class Dialect:
     missing_key_status: int
     invalid_key_status: int
     render: Callable[[ApiError], dict[str, Any]]
+    http_status: Callable[[int], int] = lambda status: status
 
 
 def _openai_error(e: ApiError) -> dict[str, Any]:
@@ -79,26 +81,35 @@ _GOOGLE_STATUS = {
     401: "UNAUTHENTICATED",
     403: "PERMISSION_DENIED",
     404: "NOT_FOUND",
-    413: "INVALID_ARGUMENT",
+    405: "UNIMPLEMENTED",
+    408: "DEADLINE_EXCEEDED",
     429: "RESOURCE_EXHAUSTED",
     503: "UNAVAILABLE",
 }
 
 
+def _perspective_status(status: int) -> int:
+    """The HTTP status Perspective answers with: a body or text too large is Google's
+    400 ``INVALID_ARGUMENT`` (its ``code`` is always the HTTP status)."""
+    return 400 if status == 413 else status
+
+
 def _perspective_error(e: ApiError) -> dict[str, Any]:
-    status = _GOOGLE_STATUS.get(e.status, "INTERNAL")
-    return {"error": {"code": e.status, "message": e.message, "status": status}}
+    code = _perspective_status(e.status)
+    status = _GOOGLE_STATUS.get(code, "INTERNAL")
+    return {"error": {"code": code, "message": e.message, "status": status}}
 
 
 OPENAI = Dialect("openai", 401, 401, _openai_error)
-PERSPECTIVE = Dialect("perspective", 403, 400, _perspective_error)
+PERSPECTIVE = Dialect("perspective", 403, 400, _perspective_error, _perspective_status)
 
 
 def _error_response(dialect: Dialect, e: ApiError) -> JSONResponse:
     headers = {"Connection": "close"} if e.close else {}
     if e.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))
-    return JSONResponse(dialect.render(e), status_code=e.status, headers=headers)
+    status = dialect.http_status(e.status)
+    return JSONResponse(dialect.render(e), status_code=status, headers=headers)
 
 
 def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
@@ -274,6 +285,18 @@ def create_app(service: Service) -> FastAPI:
             )
 
         return await handle(request, PERSPECTIVE, work)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """404, 405 and the like in the shape of the API the path belongs to, not
+        FastAPI's ``{"detail": ...}``."""
+        dialect = PERSPECTIVE if request.url.path.startswith("/v1alpha1/") else OPENAI
+        why = {404: "no such endpoint", 405: "method not allowed"}.get(exc.status_code)
+        message = f"{request.method} {request.url.path[:200]}: {why or exc.detail}"
+        e = ApiError(exc.status_code, message, code=(why or "error").replace(" ", "_"))
+        response = _error_response(dialect, e)
+        response.headers.update(dict(exc.headers or {}))
+        return response
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
