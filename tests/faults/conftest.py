@@ -33,6 +33,9 @@ def stack() -> Iterator[Stack]:
             topic_partitions=4,
             stage_check_interval_s=0.5,
             metrics_port=0,
+            # The fault tests serve a single-head probe under the name `toxicity` (the
+            # default name before the packaged multi-head `moderation`; still accepted).
+            probes="toxicity",
         )
         ensure_topics(settings)
         yield Stack(broker, server, settings)
