@@ -12,9 +12,14 @@ import urllib.request
 
 import openai
 import pytest
+from prometheus_client import CollectorRegistry
 
+from schemas import ProbeResult, Verdict, utcnow
 from tests.conftest import RedisNamespace
 from tests.serve_helpers import publish
+from worker.embedded import EmbeddedBroker
+from worker.scoring.engine import Judged
+from worker.serve.outbox import QUEUE_RECORDS, Outbox
 
 pytestmark = pytest.mark.integration
 
@@ -316,3 +321,48 @@ def test_unknown_paths_methods_and_long_comments_answer_in_each_apis_shape(
     err = long.json()["error"]
     assert err["code"] == 400 and err["status"] == "INVALID_ARGUMENT"
     assert "PROBEGUARD_MAX_TEXT_CHARS" in err["message"]
+
+
+def test_stopping_with_the_broker_away_is_bounded(settings) -> None:
+    """Issue 45: the outbox's shutdown put its stop marker with a blocking put on a full
+    queue, behind sends that each blocked 60 s on a broker that was away: SIGTERM took
+    ~90 s. Now it drops what is queued (counted) and returns within its timeout."""
+    with EmbeddedBroker() as broker:
+        s = settings.model_copy(
+            update={"kafka_bootstrap": broker.bootstrap, "serve_verdicts": True}
+        )
+        outbox = Outbox(s, CollectorRegistry()).start()
+    # The broker is gone before the first record: each send waits for metadata.
+    result = ProbeResult(probe="p", version=1, scores={"ok": 1.0}, predicted=["ok"], flagged=False)
+    n = QUEUE_RECORDS + 50
+    verdicts = {
+        i: Verdict(
+            verdict_id=Verdict.make_id(f"m-{i}", [result]),
+            message_id=f"m-{i}",
+            conversation_id="c",
+            decision="allow",
+            results=[result],
+            latency_ms=1.0,
+            worker_id="w",
+            scored_at=utcnow(),
+        )
+        for i in range(n)
+    }
+    outbox.put(Judged(verdicts=verdicts, errors={}), [])
+    errors: list[BaseException] = []
+
+    def stop() -> None:
+        try:
+            outbox.stop(timeout_s=5.0)
+        except BaseException as exc:  # the old stop raised the producer's flush timeout
+            errors.append(exc)
+
+    stopper = threading.Thread(target=stop, daemon=True)
+    stopper.start()
+    stopper.join(45)  # its timeout and a margin; the old stop could wait out 60 s sends
+    assert not stopper.is_alive() and not errors, errors
+    left = []
+    while not outbox._queue.empty():
+        left.append(outbox._queue.get_nowait())
+    assert left in ([], [None])  # every record was dropped and counted, not left behind
+    assert outbox.dropped.labels(s.topic_verdicts)._value.get() >= n - QUEUE_RECORDS // 10
