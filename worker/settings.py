@@ -773,6 +773,12 @@ class Settings(BaseSettings):
         64,
         description="Open connections one client address may hold (more: 503 and closed).",
     )
+    serve_new_connections_per_address: Annotated[float, Field(gt=0.0)] = Field(
+        20.0,
+        description="New connections one client address may open per second, in bursts of "
+        "`SERVE_MAX_CONNECTIONS_PER_ADDRESS` (more: 503 and closed before any HTTP is "
+        "read). Keep-alive clients open few.",
+    )
     serve_body_timeout_s: Annotated[float, Field(gt=0.0, le=600.0)] = Field(
         30.0,
         description="Longest a request body may take to arrive, seconds (then 408 and the "

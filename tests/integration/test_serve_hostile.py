@@ -366,3 +366,25 @@ def test_stopping_with_the_broker_away_is_bounded(settings) -> None:
         left.append(outbox._queue.get_nowait())
     assert left in ([], [None])  # every record was dropped and counted, not left behind
     assert outbox.dropped.labels(s.topic_verdicts)._value.get() >= n - QUEUE_RECORDS // 10
+
+
+def test_an_address_reconnecting_without_pause_is_refused_before_any_http(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """Issue 45: a client that ignores its 429s and reconnects at once (a refused body
+    closes the connection) cost the event loop a parsed request each time; past its
+    address's connection rate it now costs an accept and a write."""
+    publish(redis_ns)
+    served = serve(serve_max_connections_per_address=5, serve_new_connections_per_address=0.01)
+    answers = []
+    for _ in range(7):
+        sock = _connect(served, "127.0.0.6")
+        try:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            answers.append(_read_all(sock).split(b"\r\n", 1)[0])
+        except ConnectionResetError:  # closed at once: the request was never read
+            answers.append(b"reset")
+        sock.close()
+    assert answers[:5] == [b"HTTP/1.1 200 OK"] * 5
+    assert set(answers[5:]) <= {b"HTTP/1.1 503 Service Unavailable", b"reset"}, answers
+    assert served.http.get("/healthz").status_code == 200  # another address: unaffected
