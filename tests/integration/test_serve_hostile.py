@@ -388,3 +388,22 @@ def test_an_address_reconnecting_without_pause_is_refused_before_any_http(
     assert answers[:5] == [b"HTTP/1.1 200 OK"] * 5
     assert set(answers[5:]) <= {b"HTTP/1.1 503 Service Unavailable", b"reset"}, answers
     assert served.http.get("/healthz").status_code == 200  # another address: unaffected
+
+
+def test_an_unknown_key_name_is_refused_like_a_known_one_without_a_scrypt(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """Issue 45: a real key name took 55-150 ms to refuse (one scrypt), an unknown one 1-13
+    ms: names were enumerable. An unknown name is refused without scrypt, after as long
+    as a check takes here (measured once, on a throwaway key); the time itself is in
+    bench/serve_abuse.py, not here."""
+    publish(redis_ns)
+    served = serve(names=("alpha",))
+    ring = served.server.service.keys
+    assert ring is not None and ring.check_s is None
+    with served.client(f"pg.nobody.{'1' * 48}") as c:
+        assert c.post("/v1/moderations", json={"input": "x"}).status_code == 401
+    assert ring.check_s is not None and ring.check_s > 0  # the delay it answered after
+    assert ring.peak == 0  # no check ran for the unknown name (the calibration is apart)
+    assert served.metric('probeguard_serve_key_checks_total{result="unknown_name"}') == 1
+    assert served.metric('probeguard_serve_key_checks_total{result="scrypt_wrong"}') == 0
