@@ -154,7 +154,7 @@ def create_app(service: Service) -> FastAPI:
         request: Request, dialect: Dialect, work: Callable[[bytes, Caller], Awaitable[Response]]
     ) -> Response:
         t0 = time.perf_counter()
-        body_read = False
+        reading = False  # the body is being (or was) read: nothing left to drop
         try:
             caller = await service.auth.caller(
                 request, _presented_key(request), lambda code: _key_refusal(dialect, code)
@@ -168,8 +168,8 @@ def create_app(service: Service) -> FastAPI:
                     code="rate_limit_exceeded",
                     retry_after_s=wait,
                 )
+            reading = True
             body = await reader.read(request)
-            body_read = True
             # A large body costs more to parse: one more request per BODY_UNIT bytes.
             extra = len(body) // BODY_UNIT
             wait = service.limiter.take(caller.limit_key, cost=extra) if extra else 0.0
@@ -187,7 +187,7 @@ def create_app(service: Service) -> FastAPI:
             # Refused before its body was read: drop a small body to keep the connection;
             # a large one is not worth reading (the connection closes: a client that sends
             # it again reconnects, within its address's connection rate).
-            if not body_read and not await reader.discard(request, BODY_UNIT):
+            if not reading and not await reader.discard(request, BODY_UNIT):
                 e.close = True
             response = _error_response(dialect, e)
         requests_total.labels(dialect.name, str(response.status_code)).inc()
