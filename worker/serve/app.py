@@ -171,7 +171,8 @@ def create_app(service: Service) -> FastAPI:
             reading = True
             body = await reader.read(request)
             # A large body costs more to parse: one more request per BODY_UNIT bytes.
-            extra = len(body) // BODY_UNIT
+            # (never more than the burst: a configured burst below it must still admit it)
+            extra = min(len(body) // BODY_UNIT, s.serve_rate_burst)
             wait = service.limiter.take(caller.limit_key, cost=extra) if extra else 0.0
             if wait > 0:
                 raise ApiError(
