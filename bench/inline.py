@@ -157,7 +157,7 @@ def random_probe(bench: Bench, seed: int, folder: Path) -> None:
     from probes.probe import build_probe
     from worker.defaults import find_default
 
-    found = find_default(bench.llm.fingerprint, "toxicity")
+    found = find_default(bench.llm.fingerprint, bench.settings.probe_names[0])
     if found is None:
         raise SystemExit("--random-probe copies the packaged default's spec: none for this LLM")
     name = bench.settings.probe_names[0]
@@ -503,9 +503,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     prefix = f"bench-inline-{uuid.uuid4().hex[:8]}"
     random_dir = Path(tempfile.mkdtemp(prefix="bench-inline-")) / "probe"
+    probes = {}
     if args.random_probe is not None:
         args.probe = random_dir  # written once the LLM is loaded, read when the guards start
+    elif args.probe is not None:  # serve the checkpoint under its own name
+        manifest = json.loads((Path(args.probe) / "manifest.json").read_text())
+        probes = {"probes": manifest["probe"]}
     settings = Settings(
+        **probes,
         model=args.model,
         redis_url=args.redis_url,
         redis_prefix=prefix,

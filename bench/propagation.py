@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model if args.model != "tiny" else "x",
             review_audit_share=0.0,
             batch_size=8,
+            probes="toxicity",  # the probe published below
         )
         if args.model == "tiny":
             try:

@@ -16,6 +16,7 @@ import pytest
 from worker.settings import Settings
 
 _PASS_THROUGH = (
+    "probes",
     "kafka_bootstrap",
     "redis_prefix",
     "topic_chat",

@@ -33,6 +33,7 @@ def stack() -> Iterator[Stack]:
             topic_partitions=4,
             stage_check_interval_s=0.5,
             metrics_port=0,
+            probes="toxicity",  # the single-head test probe's name (tests/conftest.py)
         )
         ensure_topics(settings)
         yield Stack(broker, server, settings)

@@ -56,6 +56,7 @@ def _settings(url: str, prefix: str, **extra: Any) -> Settings:
         redis_prefix=prefix,
         topic_chat=TOPIC,
         review_audit_share=1.0,  # every message asks for review (uncertain or audit)
+        probes="toxicity",
         **extra,
     )
 
