@@ -216,3 +216,12 @@ def test_a_capped_source_keeps_the_same_rows_every_build(data_root: Path, tmp_pa
         json.loads(line)["label"] == "neither"
         for line in (data_root / davidson.dataset / "train.jsonl").read_text().splitlines()
     )
+
+
+def test_default_show_prints_the_shipped_card(capsys: pytest.CaptureFixture[str]) -> None:
+    from worker.cli import main
+
+    assert main(["default", "show"]) == 0
+    out = capsys.readouterr().out
+    assert "flag budget: 0.03 of ordinary chat" in out
+    assert "held-out convabuse" in out and "policy: benign_flagged" in out

@@ -137,8 +137,18 @@ def _show(args: argparse.Namespace) -> int:
         print(f"  flags: {', '.join(card['flag_labels'])}")
         for source in card["sources"]:
             print(f"  trained on {source['dataset']} ({source['license']}): {source['rows']}")
-        for dataset, heads in card["held_out"].items():
-            for head, m in heads.items():
+        if "budget" in card:
+            print(f"  flag budget: {card['budget']:g} of ordinary chat (card ships "
+                  f"{', '.join(card.get('operating_points', {}))})")  # fmt: skip
+        for dataset, measured in card["held_out"].items():
+            policy = measured.get("policy", {})
+            shares = [f"{k} {policy[k]:.1%}" for k in ("benign_flagged", "unsafe_flagged")
+                      if policy.get(k) is not None]  # fmt: skip
+            if shares:
+                print(f"  held-out {dataset:<24} policy: " + ", ".join(shares))
+            for head, m in measured.get("heads", measured).items():
+                if None in (m.get("f1"), m.get("auprc"), m.get("recall_at_1pct_fpr")):
+                    continue  # no positives held out (e.g. a set of benign rows only)
                 print(
                     f"  held-out {dataset:<24} {head:<17} F1 {m['f1']:.3f}  AUPRC "
                     f"{m['auprc']:.3f}  R@1%FPR {m['recall_at_1pct_fpr']:.3f}  (n={m['rows']})"
