@@ -28,20 +28,7 @@ RESERVED_PROBE_NAMES: Final = frozenset(
     {"text", "decided", "review_budget", "review", "counted", "once", "console"}
 )
 
-__all__ = [
-    "DEFAULTS",
-    "DEFAULT_PROBE_NAME",
-    "LEGACY_PROBE_NAME",
-    "Settings",
-    "StateDtypeSetting",
-    "load_settings",
-]
-
-# The probe a deployment serves unless PROBEGUARD_PROBES names others: the packaged
-# multi-head default serves under it. It was `toxicity` (LEGACY_PROBE_NAME) while the
-# default was one head; registries from then keep their versions under that name.
-DEFAULT_PROBE_NAME: Final = "moderation"
-LEGACY_PROBE_NAME: Final = "toxicity"
+__all__ = ["DEFAULTS", "Settings", "StateDtypeSetting", "load_settings"]
 
 PositiveInt = Annotated[int, Field(ge=1)]
 # ``Settings.state_dtype``: a storage dtype, or ``auto`` (resolved per model by
@@ -380,14 +367,11 @@ class Settings(BaseSettings):
 
     # --- Scorer --------------------------------------------------------------
     probes: str = Field(
-        DEFAULT_PROBE_NAME,
+        "toxicity",
         description="Comma-separated probe names every scorer serves (lowercase letters, "
         "digits, `_` and `-`, as on the wire; not `text`, `decided`, `review`, "
         "`review_budget`, `counted`, `once` or `console`, which deployment-wide Redis keys "
-        "use). The default, `moderation`, is what the packaged multi-head default serves "
-        "as; before it was `toxicity`, still a fine name for a single-head probe: a "
-        "registry that holds versions of `toxicity` and none of `moderation` makes the "
-        "roles refuse to start until this is set.",
+        "use).",
     )
     flag_heads: str | None = Field(
         None,
