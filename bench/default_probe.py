@@ -12,9 +12,11 @@ Per dataset: the flag policy's AUPRC (benign vs unsafe rows, ranked by how far t
 flagging head is past its threshold: :func:`probes.budget.flag_margin`), the share of
 benign rows it flags and the share of unsafe rows it flags, and the AUPRC of the head that
 names the dataset's task. The peer: one balanced logistic regression per head on the
-development rows that annotate it; its thresholds by the default's rule
+development rows that annotate it; its thresholds by equal shares
 (:func:`probes.budget.budget_thresholds` on 4-fold out-of-fold probabilities of the
-benign development rows, at the same budget).
+benign development rows, the budget for every source: not the default's greedy
+``recall_thresholds`` with its multiples for contrastive suites, so its flag rates are
+not at the default's operating rule; AUPRC does not depend on thresholds).
 
 ``--ablate``: the default's recipe fitted again without each source in turn (the same
 folds, seed and budget), every dataset measured again: what each set adds.
@@ -129,7 +131,7 @@ def _texts(root: Path, cache_root: Path, loaded: Loaded) -> list[str]:
 
 class MiniLMPeer:
     """One balanced logistic regression per head over MiniLM embeddings; flag thresholds by
-    the default's rule on out-of-fold benign probabilities."""
+    equal shares of the budget on out-of-fold benign probabilities."""
 
     def __init__(self, spec: ProbeSpec, dev: list[Loaded], x: list[np.ndarray], budget: float):
         from sklearn.linear_model import LogisticRegression
