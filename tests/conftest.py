@@ -116,6 +116,9 @@ def settings(kafka_bootstrap: str, redis_ns: RedisNamespace) -> Settings:
         group_scorer=f"scorer-{suffix}",
         group_updater=f"updater-{suffix}",
         topic_partitions=4,
+        # Most tests serve a single-head probe under the name `toxicity` (the default
+        # name before the packaged multi-head `moderation`; still accepted).
+        probes="toxicity",
     )
 
 

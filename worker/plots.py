@@ -161,8 +161,13 @@ def plot_class_layers(
     title: str = "",
 ) -> Path:
     """Heat map, one row per class, one column per layer: each layer's share of how much
-    the class's logit rises on that class's rows (rows sum to 1 in absolute value)."""
-    size = (max(5.0, 0.25 * len(layers) + 3), max(2.4, 0.32 * len(labels) + 1.6))
+    the class's logit rises on that class's rows (rows sum to 1 in absolute value). The
+    title is wrapped to the figure's width, so it is never cut at the edges."""
+    import textwrap
+
+    width = max(5.0, 0.25 * len(layers) + 3)
+    lines = textwrap.wrap(title, max(30, int(width * 11)))  # ~11 characters an inch at 9 pt
+    size = (width, max(2.4, 0.32 * len(labels) + 1.6) + 0.18 * max(0, len(lines) - 1))
     with figure(path, size) as (fig, ax):
         flat = [abs(v) for row in shares for v in row if v == v]
         top = max(flat) if flat else 1.0
@@ -173,5 +178,5 @@ def plot_class_layers(
         ax.set_xticks(range(len(layers)), [str(i) for i in layers], fontsize=7)
         ax.set_xlabel("hidden-state index (0 = embeddings)")
         fig.colorbar(image, ax=ax, fraction=0.03, pad=0.01, label="share of the logit gap")
-        ax.set_title(title, fontsize=9)
+        ax.set_title("\n".join(lines), fontsize=9)
     return path

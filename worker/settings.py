@@ -28,7 +28,20 @@ RESERVED_PROBE_NAMES: Final = frozenset(
     {"text", "decided", "review_budget", "review", "counted", "once", "console"}
 )
 
-__all__ = ["DEFAULTS", "Settings", "StateDtypeSetting", "load_settings"]
+__all__ = [
+    "DEFAULTS",
+    "DEFAULT_PROBE_NAME",
+    "LEGACY_PROBE_NAME",
+    "Settings",
+    "StateDtypeSetting",
+    "load_settings",
+]
+
+# The probe a deployment serves unless PROBEGUARD_PROBES names others: the packaged
+# multi-head default serves under it. It was `toxicity` (LEGACY_PROBE_NAME) while the
+# default was one head; registries from then keep their versions under that name.
+DEFAULT_PROBE_NAME: Final = "moderation"
+LEGACY_PROBE_NAME: Final = "toxicity"
 
 PositiveInt = Annotated[int, Field(ge=1)]
 # ``Settings.state_dtype``: a storage dtype, or ``auto`` (resolved per model by
@@ -367,11 +380,14 @@ class Settings(BaseSettings):
 
     # --- Scorer --------------------------------------------------------------
     probes: str = Field(
-        "toxicity",
+        DEFAULT_PROBE_NAME,
         description="Comma-separated probe names every scorer serves (lowercase letters, "
         "digits, `_` and `-`, as on the wire; not `text`, `decided`, `review`, "
         "`review_budget`, `counted`, `once` or `console`, which deployment-wide Redis keys "
-        "use).",
+        "use). The default, `moderation`, is what the packaged multi-head default serves "
+        "as; before it was `toxicity`, still a fine name for a single-head probe: a "
+        "registry that holds versions of `toxicity` and none of `moderation` makes the "
+        "roles refuse to start until this is set.",
     )
     flag_heads: str | None = Field(
         None,

@@ -210,3 +210,33 @@ def test_the_live_versions_drift_per_layer_is_plotted_from_every_scorers_window(
     page.set_viewport_size({"width": 1280, "height": 900})
     figure.scroll_into_view_if_needed()
     page.screenshot(path=str(tmp_path / "console-drift.png"), full_page=True)
+
+
+def test_before_any_version_the_page_shows_the_packaged_default_as_v0(
+    console_settings: Any,
+    redis_ns: Any,
+    users: Any,
+    tiny_extractor: HiddenStateExtractor,
+    new_page: Callable[[], Any],
+) -> None:
+    """Before: ``live none`` while every scorer served the packaged default as v0."""
+    from worker.console.server import ConsoleServer
+    from worker.rollout.status import before_live
+
+    settings = console_settings.model_copy(update={"probes": "moderation"})
+    server = ConsoleServer(
+        settings, extractor=tiny_extractor, users=users, secret_key=b"k" * 32
+    ).start()
+    try:
+        page = new_page()
+        sign_in(page, server.url, "otto", "/probes")
+        before = before_live(settings)
+        assert before.version == 0
+        assert page.locator("#live").inner_text() == "v0"
+        shown = page.locator("#before-live").inner_text()
+        assert shown == (
+            f"({before.source}, {len(before.heads)} heads, until a version is published)"
+        ), shown
+        assert page.locator("h1").inner_text() == "moderation"
+    finally:
+        server.stop()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import RedisNamespace
+from tests.report_checks import check_report_agrees
 from tests.tiny_llm import make_tiny_llm
 from worker.demo.run import DemoOptions, default_data, run_demo
 from worker.llm.extract import HiddenStateExtractor
@@ -45,7 +46,7 @@ def test_short_demo_writes_a_report(
 
     assert page == out / "index.html" and page.exists()
     for name in (
-        "prequential.png",
+        "learning.png",
         "latency.png",
         "throughput.png",
         "confusion.png",
@@ -59,11 +60,13 @@ def test_short_demo_writes_a_report(
     assert figures["labels"] == 36 and figures["dead_letters"] == 0
     assert figures["versions"], "the updater published no version"
     assert figures["versions"][-1]["labels_seen"] >= 36 - 1
-    saved = json.loads((out / "figures.json").read_text())
-    assert saved["verdicts"] == 48 and saved["served_f1_all"] == figures["served_f1_all"]
-    assert sum(map(sum, saved["confusion"])) == len(figures["served"])
-    html = page.read_text()
-    assert "served F1, all labeled" in html and "prequential.png" in html
+    saved = check_report_agrees(out)  # the headline's served F1 is what the plots draw
+    assert saved["verdicts"] == 48 and saved["served_f1"] == figures["served_f1"]
+    assert saved["judged"] == len(figures["served"]) == 36
+    assert saved["origin"] == {"version": 1, "source": "trained from zero", "labels_seen": 0}
+    # The learning plot's x-axis counts this run's labels (no default before it here).
+    assert [p["labels"] for p in saved["versions"]] == [p["labels_seen"] for p in saved["versions"]]
+    assert "learning.png" in page.read_text()
     use = saved["class_layers"]  # per-class layer use over the replay buffer
     assert use["labels"] == ["non-toxic", "toxic"] and sum(use["rows"]) > 0
     assert all(len(row) == len(use["layers"]) for row in use["shares"])

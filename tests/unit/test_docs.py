@@ -119,6 +119,64 @@ def test_the_checker_can_fail(tmp_path_factory: pytest.TempPathFactory) -> None:
     ]
 
 
+# A repository path in a code span (`docs/x.md`, `worker/a/b.py`, ...), optionally with
+# line numbers; the prefixes are output folders the page names, not repository files.
+_PATH_SPAN = re.compile(
+    r"`([A-Za-z0-9_.\-]+(?:/[A-Za-z0-9_.\-]+)+\.(?:md|py|png|ya?ml|json|toml))(?::[\d-]+)?`"
+)
+_OUTPUTS = ("P/", "probeguard-report/", "runs/")
+
+
+def stale_paths(page: Path, root: Path = ROOT) -> list[str]:
+    """Files a page names in code spans that exist neither from the repository root nor
+    from the page (a moved or renamed file the prose still points at)."""
+    found = []
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        for m in _PATH_SPAN.finditer(line):
+            path = m.group(1)
+            if path.startswith(_OUTPUTS) or (root / path).exists():
+                continue
+            if not (page.parent / path).exists():
+                found.append(f"{page.relative_to(root)}:{number}: {path}")
+    return found
+
+
+@pytest.mark.parametrize(
+    "page",
+    [p for p in PAGES if p.name != "CHANGELOG.md"],  # history names files as they were
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_files_named_in_code_spans_exist(page: Path) -> None:
+    stale = stale_paths(page)
+    assert not stale, "files named but not in the repository:\n" + "\n".join(stale)
+
+
+def test_the_path_checker_can_fail(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "here.md").write_text("")
+    page = tmp_path / "docs" / "page.md"
+    page.write_text(
+        "`docs/here.md` `here.md` `P/out.png` `docs/gone.md:12` `worker/old.py` `a.md`\n"
+    )
+    assert [s.split(": ", 1)[1] for s in stale_paths(page, tmp_path)] == [
+        "docs/gone.md",
+        "worker/old.py",
+    ]
+
+
+def test_no_page_sends_readers_to_a_section_by_name_alone() -> None:
+    """ "See Rollout in the top-level README" outlived the section it named; a link to the
+    page (and its anchor) is checked above, a section's name in prose is not."""
+    found = [
+        f"{page.relative_to(ROOT)}:{n}"
+        for page in PAGES
+        if page.name != "CHANGELOG.md"
+        for n, line in _prose(page.read_text())
+        if re.search(r"(top-level|the) README\b(?!\.md)", line)
+    ]
+    assert not found, found
+
+
 def test_slugs_follow_github() -> None:
     assert slug("Scorer (`probeguard score`)") == "scorer-probeguard-score"
     assert slug("Kafka: connection and security") == "kafka-connection-and-security"

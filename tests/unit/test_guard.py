@@ -71,6 +71,7 @@ def run(
     settings = Settings(
         redis_url=redis_ns.url,
         redis_prefix=redis_ns.prefix,
+        probes="toxicity",
         default_probe=False,
         guard_verdicts=False,
         guard_review=False,

@@ -17,6 +17,7 @@ __all__ = [
     "layer_list",
     "offline_errors",
     "print_json",
+    "registry_redis",
     "serve",
     "settings_with",
     "until_signalled",
@@ -83,6 +84,42 @@ def settings_with(**overrides: Any) -> Any:
     from worker.settings import load_settings
 
     return load_settings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def registry_redis(settings: Any, *, probe_given: bool = False) -> Any:
+    """``make_redis(settings)`` for a command that serves, trains or operates probes.
+
+    Refuses (:class:`~worker.errors.ConfigError`) a registry that holds versions of
+    ``toxicity``, the default probe name before ``moderation``, and none of ``moderation``,
+    while neither ``PROBEGUARD_PROBES`` nor ``PROBEGUARD_TRAIN_PROBE`` (nor ``probe_given``:
+    a name on the command line) says which: the roles would set those versions aside and
+    serve the packaged default again. An unreachable Redis is left to the command (its
+    roles retry)."""
+    import redis
+
+    from worker.errors import ConfigError
+    from worker.settings import DEFAULT_PROBE_NAME, LEGACY_PROBE_NAME
+    from worker.store.redis import Keys, make_redis
+
+    client = make_redis(settings)
+    chosen = probe_given or {"probes", "train_probe"} & settings.model_fields_set
+    if chosen or settings.probe_names != [DEFAULT_PROBE_NAME]:
+        return client
+    keys = Keys(settings.redis_prefix)
+    try:
+        legacy = client.exists(keys.next_version(LEGACY_PROBE_NAME))
+        legacy = legacy and not client.exists(keys.next_version(DEFAULT_PROBE_NAME))
+    except (redis.RedisError, OSError):
+        return client
+    if legacy:
+        raise ConfigError(
+            f"this registry (prefix {settings.redis_prefix!r}) holds versions of probe "
+            f"{LEGACY_PROBE_NAME!r}, the default name before {DEFAULT_PROBE_NAME!r}, and none "
+            f"of {DEFAULT_PROBE_NAME!r}: set PROBEGUARD_PROBES={LEGACY_PROBE_NAME} to keep "
+            f"serving and training them, or PROBEGUARD_PROBES={DEFAULT_PROBE_NAME} to start "
+            "that probe afresh from the packaged default"
+        )
+    return client
 
 
 def serve(role: Any, what: str) -> int:

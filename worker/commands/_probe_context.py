@@ -20,14 +20,15 @@ class ProbeContext:
 
 
 def probe_context(args: argparse.Namespace) -> ProbeContext:
+    from worker.commands._common import registry_redis
     from worker.rollout.operator import Operator
     from worker.settings import load_settings
     from worker.store.checkpoints import CheckpointRegistry
     from worker.store.evidence import EvidenceStore
-    from worker.store.redis import Keys, make_redis
+    from worker.store.redis import Keys
 
     settings = load_settings()
-    client = make_redis(settings)
+    client = registry_redis(settings, probe_given=bool(args.probe))
     keys = Keys(settings.redis_prefix)
     registry = CheckpointRegistry(
         client, keys, args.probe or settings.probe_to_train, signing_key=settings.signing_key

@@ -73,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from worker.commands._common import settings_with, until_signalled
+    from worker.commands._common import registry_redis, settings_with, until_signalled
     from worker.console.server import ConsoleServer
 
     settings = settings_with(
@@ -81,6 +81,7 @@ def _serve(args: argparse.Namespace) -> int:
         console_port=args.port,
         console_explain=False if args.no_explain else None,
     )
+    registry_redis(settings).close()  # refuses a registry under the old default name
     server = ConsoleServer(settings).start()
     print(f"console: {server.url} (Ctrl-C stops)", flush=True)
     try:

@@ -7,8 +7,9 @@ import logging
 import signal
 import threading
 from pathlib import Path
+from typing import Any
 
-__all__ = ["register"]
+__all__ = ["register", "summary"]
 
 log = logging.getLogger(__name__)
 
@@ -135,15 +136,30 @@ def _run(args: argparse.Namespace) -> int:
     extractor = HiddenStateExtractor.from_settings(settings)
     figures, page = run_demo(settings, opts, extractor, interrupted=interrupted)
     print(f"report: {page}")
-    print(
-        f"messages {figures['messages']}  verdicts {figures['verdicts']}  "
-        f"dead letters {figures['dead_letters']}  served F1 {figures['served_f1_all']:.3f} "
-        f"(second half {figures['served_f1_second_half']:.3f})  "
-        f"p50 {figures['p50_ms']} ms  p99 {figures['p99_ms']} ms"
-    )
+    print(summary(figures))
     if args.console and figures.get("replay_complete"):
         return 0  # with the console, Ctrl-C after the replay is the normal end
     return 130 if interrupted.is_set() else 0
+
+
+def summary(figures: dict[str, Any]) -> str:
+    """The run in two lines: traffic, then served F1 (worker.demo.quality) of the flag
+    policy and of each head the labels judged, over all labeled messages and per half."""
+
+    def f1(v: float | None) -> str:
+        return "–" if v is None else f"{v:.3f}"
+
+    from worker.demo.report import headline_rows
+
+    served = "; ".join(
+        f"{what.split(' (')[0]} {f1(a)} (first half {f1(b)}, second half {f1(c)})"
+        for what, _, a, b, c in headline_rows(figures)
+    )
+    return (
+        f"messages {figures['messages']}  verdicts {figures['verdicts']}  "
+        f"dead letters {figures['dead_letters']}  p50 {figures['p50_ms']} ms  "
+        f"p99 {figures['p99_ms']} ms\nserved F1: {served}"
+    )
 
 
 def _chat(args: argparse.Namespace) -> int:

@@ -164,10 +164,11 @@ def _source(args: argparse.Namespace, settings: Settings) -> ProbeSource:
 
     if args.checkpoint is not None:
         return source_from_checkpoint(args.checkpoint)
+    from worker.commands._common import registry_redis
     from worker.store.checkpoints import CheckpointRegistry
-    from worker.store.redis import Keys, make_redis
+    from worker.store.redis import Keys
 
-    with make_redis(settings) as client:
+    with registry_redis(settings, probe_given=bool(args.probe)) as client:
         name = args.probe or settings.probe_to_train
         registry = CheckpointRegistry(
             client, Keys(settings.redis_prefix), name, signing_key=settings.signing_key

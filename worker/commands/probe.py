@@ -161,7 +161,7 @@ def _status(args: argparse.Namespace) -> int:
     from worker.rollout.status import gather, render_status
 
     ctx = probe_context(args)
-    report = gather(ctx.registry, ctx.evidence, limit=max(1, args.versions))
+    report = gather(ctx.registry, ctx.evidence, limit=max(1, args.versions), settings=ctx.settings)
     if args.json:
         _emit(report.as_dict())
     else:

@@ -28,7 +28,7 @@ def register_add_head(
             '(`"head": NAME` in a HumanLabel) train it.'
         ),
     )
-    a.add_argument("probe", help="the probe (e.g. toxicity)")
+    a.add_argument("probe", help="the probe (e.g. moderation)")
     a.add_argument("name", help="the new head's name (e.g. jailbreak)")
     a.add_argument(
         "--labels", required=True, help="its labels, comma-separated (e.g. jailbreaking)"

@@ -39,8 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from worker.commands._common import registry_redis
     from worker.kafka.early_join import EarlyJoin
-    from worker.store.redis import make_redis
 
     settings = settings_with(
         probes=args.probes,
@@ -49,7 +49,7 @@ def _run(args: argparse.Namespace) -> int:
         bootstrap_checkpoint=args.bootstrap_checkpoint,
         shadow=args.shadow,
     )
-    client = make_redis(settings)  # a missing Redis is said before the LLM loads
+    client = registry_redis(settings)  # a missing Redis is said before the LLM loads
     # The consumer group forms (~3 s) while torch imports and the LLM loads (~5 s), not
     # after them: started before anything imports torch.
     early = EarlyJoin.start(settings, settings.group_scorer, settings.topic_chat)

@@ -59,12 +59,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from worker.commands._common import settings_with, until_signalled
+    from worker.commands._common import registry_redis, settings_with, until_signalled
     from worker.errors import ConfigError
     from worker.llm.extract import HiddenStateExtractor
     from worker.serve.keys import KeyRing
     from worker.serve.server import ModerationServer
-    from worker.store.redis import make_redis
 
     settings = settings_with(serve_host=args.host, serve_port=args.port, probes=args.probes)
     raw = settings.serve_api_keys
@@ -74,7 +73,7 @@ def _run(args: argparse.Namespace) -> int:
             "no API keys: set PROBEGUARD_SERVE_API_KEYS (`probeguard serve key NAME` prints "
             "an entry), or pass --no-auth to serve without keys on loopback"
         )
-    client = make_redis(settings)  # a missing Redis is said before the LLM loads
+    client = registry_redis(settings)  # a missing Redis is said before the LLM loads
     extractor = HiddenStateExtractor.from_settings(settings)
     server = ModerationServer(
         settings, extractor, client, keys=None if args.no_auth else keys

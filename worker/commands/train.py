@@ -35,9 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from worker.commands._common import registry_redis
     from worker.learning.updater import Updater
     from worker.llm.extract import HiddenStateExtractor
-    from worker.store.redis import make_redis
 
     settings = settings_with(
         train_probe=args.probe,
@@ -45,5 +45,6 @@ def _run(args: argparse.Namespace) -> int:
         seed_spec=args.seed_spec,
         metrics_port=args.metrics_port,
     )
-    updater = Updater(settings, HiddenStateExtractor.from_settings(settings), make_redis(settings))
+    client = registry_redis(settings)  # a missing Redis is said before the LLM loads
+    updater = Updater(settings, HiddenStateExtractor.from_settings(settings), client)
     return serve(updater, "publishing what was learned, then leaving")

@@ -141,7 +141,7 @@ def probe_page(
     *,
     limit: int = 12,
 ) -> ProbePage:
-    status = gather(registry, evidence, limit=limit)
+    status = gather(registry, evidence, limit=limit, settings=settings)
     policy = Policy.from_settings(settings)
     decision = next_action(policy, Rollout(registry, evidence, actor="console").situation())
     canary = next((r for r in status.rows if r.stage == "canary"), None)

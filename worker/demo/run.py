@@ -165,6 +165,12 @@ class DemoRun:
         self.settings: Settings | None = None
         self.replay_done = threading.Event()
         self.total = len(self.rows) * opts.repeat
+        # Where the first served version came from; its labels are not this run's.
+        self.origin: dict[str, Any] = {
+            "version": 1,
+            "source": "trained from zero",
+            "labels_seen": 0,
+        }
 
     # --- orchestration -------------------------------------------------------
 
@@ -229,6 +235,9 @@ class DemoRun:
             total=self.total,
             learning=learner.snapshot() if learner else {},
             versions=scorer.watcher.versions().get("demo", {}) if scorer else {},
+            spec=learner.probe.spec if learner else None,
+            policy=self.settings.flag_head_names if self.settings else None,
+            base_labels=self.origin["labels_seen"],
         )
 
     def final_figures(self) -> dict[str, Any]:
@@ -240,6 +249,8 @@ class DemoRun:
             total=self.total,
             learner=self.updater.learner if self.updater else None,
             registry=self.registry,
+            policy=self.settings.flag_head_names if self.settings else None,
+            origin=self.origin,
         )
 
     def shutdown(self, threads: list[threading.Thread]) -> None:
@@ -372,11 +383,22 @@ def run_demo(
     )
     with demo.stack() as stack:
         configured = demo.configure(stack)
+        if from_default and "learn_freeze_shared" not in settings.model_fields_set:
+            # The replayed labels judge one head of the default's eleven: stepping the pooling
+            # and layer mix that every head shares would move the other heads' scores with no
+            # label to hold them (in one run, `sexual` then flagged 91 of 242 chat messages).
+            # The linear heads learn; PROBEGUARD_LEARN_FREEZE_SHARED=false fine-tunes it all.
+            configured = configured.model_copy(update={"learn_freeze_shared": True})
         private_dir(opts.out)
         spec_path: Path | None = opts.out / "probe-spec.json"
         if from_default and packaged is not None:
             log.info("starting from the packaged default %s (no labels needed)", packaged.folder)
             spec_path = None
+            demo.origin = {
+                "version": 0,
+                "source": f"the packaged default probe ({packaged.folder})",
+                "labels_seen": packaged.manifest.counters.labels_seen,
+            }
         else:
             assert spec_path is not None
             atomic_write(spec_path, spec.model_dump_json(indent=1))
@@ -395,7 +417,7 @@ def run_demo(
         console = start_console(demo, opts) if opts.console else None
         deadline = time.monotonic() + opts.timeout_s
         try:
-            with LiveView(demo.snapshot, tty=tty) as view:
+            with LiveView(demo.snapshot, tty=tty, log_file=opts.out / "demo.log") as view:
                 while not (demo.finished() or interrupted.is_set() or time.monotonic() > deadline):
                     view.update()
                     time.sleep(0.5)

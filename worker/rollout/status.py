@@ -8,6 +8,10 @@ superseded candidates).
 
 A multi-head version's evidence is also shown per head (flag rate, labels and F1 of each
 head it judges): every head in ``--json``, live's and the canary's below the table.
+
+While the registry has no live version, scorers configured like the command serve a
+version 0 of their own (the packaged default probe of their LLM, or the bootstrap
+checkpoint): :func:`before_live` says which, and the status shows it as live v0.
 """
 
 from __future__ import annotations
@@ -18,18 +22,22 @@ import textwrap
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from schemas import CheckpointEvent, CheckpointManifest
 from worker.errors import UnknownVersion
+from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry, Stages
 from worker.store.evidence import Counts, Evidence, EvidenceStore
 from worker.store.lease import Lease
 
 __all__ = [
+    "BeforeLive",
     "StatusReport",
     "VersionDetail",
     "VersionRow",
+    "before_live",
     "gather",
     "gather_version",
     "head_columns",
@@ -110,6 +118,44 @@ def head_columns(report: StatusReport) -> tuple[list[VersionRow], list[str]]:
 
 
 @dataclass(frozen=True)
+class BeforeLive:
+    """What scorers serve while the registry has no live version."""
+
+    version: int | None  # 0 while they serve one of their own; None: they wait
+    source: str  # what it is, in words
+    heads: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "source": self.source, "heads": list(self.heads)}
+
+
+def before_live(settings: Settings, root: Path | None = None) -> BeforeLive:
+    """What a scorer with ``settings`` serves until a version is live (see
+    :meth:`worker.scoring.engine.ScoringEngine.wait_for_probes`): the bootstrap checkpoint,
+    else the packaged default probe shipped for its LLM (``root``: the packaged defaults'
+    folder), else nothing. Read from the packaged manifests and the settings alone: no
+    LLM is loaded (a scorer still refuses a default whose fingerprint does not match)."""
+    if settings.bootstrap_checkpoint is not None:
+        return BeforeLive(0, f"the bootstrap checkpoint {settings.bootstrap_checkpoint}")
+    if not settings.default_probe:
+        return BeforeLive(
+            None, "nothing until a version is published (PROBEGUARD_DEFAULT_PROBE=false)"
+        )
+    from worker.defaults import ROOT
+
+    for folder in sorted((root or ROOT).glob("*/manifest.json")):
+        manifest = CheckpointManifest.model_validate_json(folder.read_bytes())
+        # A packaged LLM's model id is "<PROBEGUARD_MODEL>/<its GGUF file>".
+        name, _, gguf = manifest.llm.model_id.partition("/")
+        if name == settings.model and settings.model_gguf_file in (None, gguf):
+            heads = tuple(h.name for h in manifest.spec.head_specs)
+            return BeforeLive(0, f"the packaged default probe {folder.parent.name}", heads)
+    return BeforeLive(
+        None, f"nothing until a version is published (no packaged default for {settings.model})"
+    )
+
+
+@dataclass(frozen=True)
 class StatusReport:
     probe: str
     stages: Stages
@@ -119,12 +165,14 @@ class StatusReport:
     rolled_back: dict[int, str] = field(default_factory=dict)
     last_change: CheckpointEvent | None = None
     total_versions: int = 0
+    before_live: BeforeLive | None = None  # while nothing is live (None: not asked)
 
     def as_dict(self) -> dict[str, Any]:
         st = self.stages
         return {
             "probe": self.probe,
             "live": st.live,
+            "serving_before_live": self.before_live.as_dict() if self.before_live else None,
             "canary": st.canary,
             "canary_share": st.canary_share if st.canary is not None else None,
             "pinned": st.pinned,
@@ -149,9 +197,15 @@ def stage_of(version: int, st: Stages, rolled_back: set[int], tried: set[int]) -
 
 
 def gather(
-    registry: CheckpointRegistry, evidence: EvidenceStore, *, limit: int = 8, auprc: bool = True
+    registry: CheckpointRegistry,
+    evidence: EvidenceStore,
+    *,
+    limit: int = 8,
+    auprc: bool = True,
+    settings: Settings | None = None,
 ) -> StatusReport:
-    """The newest ``limit`` versions, plus live and canary wherever they are."""
+    """The newest ``limit`` versions, plus live and canary wherever they are; with
+    ``settings`` and nothing live, what scorers serve meanwhile (:func:`before_live`)."""
     st = registry.stages()
     versions = registry.versions()
     shown = set(versions[-limit:]) | {v for v in (st.live, st.canary) if v is not None}
@@ -191,6 +245,7 @@ def gather(
         rolled_back=bad,
         last_change=changes[-1] if changes else None,
         total_versions=len(versions),
+        before_live=before_live(settings) if settings is not None and st.live is None else None,
     )
 
 
@@ -328,6 +383,14 @@ def render_status(report: StatusReport, *, now: float | None = None) -> str:
     st = report.stages
     lines = []
     head = f"probe {report.probe}: live " + (f"v{st.live}" if st.live is not None else "none")
+    before = report.before_live
+    if st.live is None and before is not None:
+        if before.version is None:
+            head += f"; scorers serve {before.source}"
+        else:
+            head = f"probe {report.probe}: live v{before.version}, {before.source}"
+            head += f" ({len(before.heads)} heads)" if len(before.heads) > 1 else ""
+            head += ", until a version is published"
     if st.canary is not None:
         head += f", canary v{st.canary} ({st.canary_share:.0%} of conversations)"
     head += ", PINNED (no automatic changes)" if st.pinned else ""
