@@ -9,7 +9,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.limits import HARD_MAX_ID_CHARS, HARD_MAX_TEXT_CHARS
+
 __all__ = [
+    "HARD_MAX_INPUTS",
     "OPENAI_CATEGORIES",
     "AttributeScores",
     "ImageInput",
@@ -43,6 +46,16 @@ OPENAI_CATEGORIES: tuple[str, ...] = (
 )
 
 
+# Ceilings checked while the body is validated, so a hostile body costs at most this many
+# items (and errors) whatever its size: a list of a million wrong items stops at the
+# ceiling instead of yielding a million errors. The configured limits (inputs per call,
+# characters per input) are tighter and are checked after, with errors naming the setting.
+HARD_MAX_INPUTS = 1024  # PROBEGUARD_SERVE_MAX_INPUTS cannot exceed it
+_Text = Annotated[str, Field(max_length=HARD_MAX_TEXT_CHARS)]
+_Token = Annotated[str, Field(max_length=HARD_MAX_ID_CHARS)]  # ids, names, tokens
+_Short = Annotated[str, Field(max_length=64)]  # attribute names, language codes
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
@@ -52,19 +65,26 @@ class _Request(BaseModel):
 
 class TextInput(_Request):
     type: Literal["text"]
-    text: str
+    text: _Text
 
 
 class ImageInput(_Request):
     type: Literal["image_url"]
-    image_url: dict[str, object]
+    image_url: Annotated[dict[_Short, object], Field(max_length=8)]
+
+
+_Part = Annotated[TextInput | ImageInput, Field(discriminator="type")]
 
 
 class ModerationRequest(_Request):
     """``POST /v1/moderations``: one text, a list of texts, or a list of typed parts."""
 
-    input: str | list[str] | list[Annotated[TextInput | ImageInput, Field(discriminator="type")]]
-    model: str | None = Field(
+    input: (
+        _Text
+        | Annotated[list[_Text], Field(max_length=HARD_MAX_INPUTS)]
+        | Annotated[list[_Part], Field(max_length=HARD_MAX_INPUTS)]
+    )
+    model: _Token | None = Field(
         None, description="A probe name; OpenAI's model names mean the default probe."
     )
 
@@ -86,7 +106,7 @@ class ModerationResponse(BaseModel):
 
 
 class PerspectiveComment(_Request):
-    text: str
+    text: _Text
     type: Literal["PLAIN_TEXT"] = "PLAIN_TEXT"
 
 
@@ -100,14 +120,14 @@ class PerspectiveRequest(_Request):
 
     comment: PerspectiveComment
     requestedAttributes: Annotated[
-        dict[str, RequestedAttribute], Field(min_length=1, max_length=64)
+        dict[_Short, RequestedAttribute], Field(min_length=1, max_length=64)
     ]
-    languages: Annotated[list[str], Field(max_length=16)] | None = None
+    languages: Annotated[list[_Short], Field(max_length=16)] | None = None
     doNotStore: bool = False
     spanAnnotations: bool = False
-    clientToken: str | None = None
-    sessionId: str | None = None
-    communityId: str | None = None
+    clientToken: _Token | None = None
+    sessionId: _Token | None = None
+    communityId: _Token | None = None
 
 
 class Score(BaseModel):

@@ -13,12 +13,19 @@ from worker.settings import Settings
 
 
 def produce_raw(
-    settings: Settings, topic: str, records: Iterable[tuple[bytes | None, bytes]]
+    settings: Settings,
+    topic: str,
+    records: Iterable[tuple[bytes | None, bytes]],
+    headers: Callable[[bytes], list[tuple[str, bytes]] | None] | None = None,
 ) -> int:
-    """Produce ``(key, value)`` pairs and wait for every acknowledgement."""
+    """Produce ``(key, value)`` pairs and wait for every acknowledgement; ``headers``: each
+    record's headers, from its value."""
     producer = make_producer(settings)
     try:
-        futures = [producer.send(topic, key=k, value=v) for k, v in records]
+        futures = [
+            producer.send(topic, key=k, value=v, headers=headers(v) if headers else None)
+            for k, v in records
+        ]
         producer.flush(30)
         for f in futures:
             f.get(timeout=30)

@@ -19,8 +19,19 @@ __all__ = ["HttpThread"]
 
 
 class HttpThread:
-    def __init__(self, app: Any, host: str, port: int, *, name: str, port_setting: str) -> None:
+    def __init__(
+        self,
+        app: Any,
+        host: str,
+        port: int,
+        *,
+        name: str,
+        port_setting: str,
+        http: Any = "auto",
+    ) -> None:
+        """``http``: uvicorn's protocol (a class: e.g. ``serve``'s guarded one)."""
         self.app = app
+        self.http = http
         self.host = host
         self.port = port
         self.name = name
@@ -38,6 +49,7 @@ class HttpThread:
             access_log=False,
             lifespan="off",
             server_header=False,
+            http=self.http,
         )
         server = self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=server.run, name=f"{self.name}-http", daemon=True)

@@ -628,6 +628,16 @@ class Settings(BaseSettings):
     labeler_window_s: Annotated[int, Field(ge=1, le=7 * 86_400)] = Field(
         3600, description="Length of that per-labeler window, seconds."
     )
+    labeler_keys: SecretStr | None = Field(
+        None,
+        description="Who a label is from, by signature (secret): `NAME:SECRET` entries "
+        "(labels of `labeler_id` NAME signed with SECRET are NAME's) and `NAME/*:SECRET` "
+        "(a signer that authenticates its users, as the console does with `console/*`: its "
+        "labels are `NAME/<labeler_id>`), comma-separated; secrets of at least 16 bytes. "
+        "Set, every unsigned or wrongly signed label counts as the one labeler `anonymous` "
+        "for the per-labeler limit and `PROMOTE_MIN_LABELERS`. Unset: `labeler_id` is "
+        "trusted as written.",
+    )
 
     # --- Rollout (worker/rollout/policy.py; evaluated by the active updater) ------
     rollout: Literal["auto_live", "canary", "manual"] | None = Field(
@@ -758,18 +768,62 @@ class Settings(BaseSettings):
         32, description="Most inputs in one request (more: 413)."
     )
     serve_max_body_bytes: Annotated[int, Field(ge=1024, le=64 * 1024 * 1024)] = Field(
-        1024 * 1024, description="Largest request body, bytes (larger: 413)."
+        1024 * 1024,
+        description="Largest request body, bytes (larger: 413; up to 4× this, or 8 MiB, is "
+        "read and dropped first, so clients that send before reading get the 413).",
+    )
+    serve_header_timeout_s: Annotated[float, Field(gt=0.0, le=600.0)] = Field(
+        10.0,
+        description="Longest a request's headers may take to arrive, from the connection "
+        "opening or the first byte after a keep-alive pause, seconds (then the connection "
+        "is closed).",
+    )
+    serve_max_connections: Annotated[int, Field(ge=1)] = Field(
+        1000,
+        description="Open connections one `serve` process accepts (more: 503 and closed; "
+        "keep it under the process's descriptor limit).",
+    )
+    serve_max_connections_per_address: Annotated[int, Field(ge=1)] = Field(
+        64,
+        description="Open connections one client address may hold (more: 503 and closed).",
+    )
+    serve_body_timeout_s: Annotated[float, Field(gt=0.0, le=600.0)] = Field(
+        30.0,
+        description="Longest a request body may take to arrive, seconds (then 408 and the "
+        "connection is closed).",
     )
     serve_rate_per_key: Annotated[float, Field(gt=0.0)] = Field(
         50.0,
         description="Requests per second each API key may send, per server process "
-        "(over it: 429 with `Retry-After`).",
+        "(over it: 429 with `Retry-After`); each 64 KiB of a body counts as one more.",
     )
     serve_rate_burst: Annotated[int, Field(ge=1)] = Field(
         100, description="Requests an API key may send at once above its rate."
     )
+    serve_tokens_per_key: Annotated[float, Field(gt=0.0)] = Field(
+        20_000.0,
+        description="LLM tokens per second each API key may have scored, per server process "
+        "(each request is tokenized and charged before it is queued; over it: 429 with "
+        "`Retry-After`). Set it to a share of what the server scores per second.",
+    )
+    serve_tokens_burst: Annotated[int, Field(ge=1)] = Field(
+        100_000,
+        description="LLM tokens an API key may have scored at once above its rate; a single "
+        "request costing more is a 413.",
+    )
+    serve_new_keys_per_address: Annotated[float, Field(gt=0.0)] = Field(
+        2.0,
+        description="Unseen API keys (not yet checked) one client address may present per "
+        "second, per server process (over it: 429); an IPv6 address counts by its /64. "
+        "Keys checked before cost nothing and do not count.",
+    )
+    serve_new_keys_burst: Annotated[int, Field(ge=1)] = Field(
+        20, description="Unseen API keys one client address may present at once."
+    )
     serve_timeout_s: Annotated[float, Field(gt=0.0, le=600.0)] = Field(
-        30.0, description="Longest a request waits for its scores, seconds (then 503)."
+        30.0,
+        description="Longest a request waits for its batch to start, seconds (then 503, and "
+        "it is never scored; a started batch is waited for).",
     )
     serve_do_not_store: bool = Field(
         False,

@@ -12,6 +12,7 @@ import pytest
 import redis
 from kafka import TopicPartition
 from kafka.errors import KafkaTimeoutError
+from pydantic import SecretStr
 
 from schemas import DeadLetter, HumanLabel, ReviewRequest, utcnow
 from tests.conftest import RedisNamespace
@@ -20,6 +21,7 @@ from tests.process_helpers import wait_until
 from worker.embedded import EmbeddedRedis, free_port
 from worker.errors import ReviewError
 from worker.kafka.clients import ensure_topics
+from worker.learning.labelers import LabelerKeys
 from worker.review.queue import ReviewItem, ReviewQueue
 from worker.settings import Settings
 
@@ -306,7 +308,13 @@ class _FlakyProducer:
         self.failures = failures
         self.sent: list[tuple[str, bytes]] = []
 
-    def send(self, topic: str, key: bytes | None = None, value: bytes = b"") -> Any:
+    def send(
+        self,
+        topic: str,
+        key: bytes | None = None,
+        value: bytes = b"",
+        headers: list[tuple[str, bytes]] | None = None,
+    ) -> Any:
         if self.failures:
             self.failures -= 1
             raise KafkaTimeoutError("Failed to update metadata after 60.0 secs.")
@@ -472,3 +480,23 @@ def test_a_redis_failure_in_the_rebalance_callback_still_forgets_the_revoked_par
         assert all(keys <= q.items.keys() for keys in q.skipped.values()), q.skipped
     # The callback itself no longer fails (kafka-python re-raised its error into poll).
     assert not [r for r in caplog.records if "failed on_partitions_revoked" in r.getMessage()]
+
+
+def test_with_labeler_keys_the_console_signs_its_reviewers_labels(
+    qsettings: Settings, redis_ns: RedisNamespace, queues: list[ReviewQueue]
+) -> None:
+    """Issue 45: a label carries the identity the console authenticated (its reviewer),
+    signed, so the updater counts each reviewer as a labeler and no producer can forge
+    one."""
+    secret = "console-" + "k" * 24
+    s = qsettings.model_copy(update={"labeler_keys": SecretStr(f"console/*:{secret}")})
+    put(s, 1)
+    q = start(s, redis_ns, queues)
+    item = offer(q, "ann", "the item to arrive", 30)
+    q.answer("ann", item.key, ["toxic"])
+    (record,) = drain(s, s.topic_labels, lambda rs: len(rs) >= 1, timeout_s=20)
+    label = HumanLabel.decode(record.value)
+    keys = LabelerKeys.parse(f"console/*:{secret}")
+    assert keys.labeler(label, record.value, list(record.headers)) == "console/ann"
+    forged = label.model_copy(update={"labeler_id": "bob"}).encode()  # same headers
+    assert keys.labeler(label, forged, list(record.headers)) == "anonymous"

@@ -125,6 +125,25 @@ def test_a_redelivered_batch_counts_each_message_once_and_charges_the_budget_onc
     assert _charged(redis_ns.client, redis_ns.keys) == 5  # the window's budget is spent
 
 
+def test_a_second_scorer_group_counts_its_own_evidence(
+    redis_ns: RedisNamespace, ex: HiddenStateExtractor
+) -> None:
+    """Issue 45: the exact-count marker was per topic and partition, so a second scorer
+    group reading the same topic (another deployment of scorers) recorded no evidence."""
+    batch = _items(12)
+    first = _settings(redis_ns.url, redis_ns.prefix)
+    _scorer(first, ex).handle(batch)
+    assert _messages(redis_ns.client, redis_ns.keys) == 12
+    other = _settings(redis_ns.url, redis_ns.prefix, group_scorer="other-scorers")
+    _scorer(other, ex, version=VERSION + 1).handle(batch)
+    later = int(redis_ns.client.hget(redis_ns.keys.evidence("toxicity", VERSION + 1), "n") or 0)
+    assert later == 12
+    _scorer(other, ex, version=VERSION + 1).handle(batch)  # still once per group
+    assert (
+        int(redis_ns.client.hget(redis_ns.keys.evidence("toxicity", VERSION + 1), "n") or 0) == 12
+    )
+
+
 def test_a_batch_redelivered_after_a_hot_swap_stays_with_the_version_that_counted_it(
     redis_ns: RedisNamespace, ex: HiddenStateExtractor
 ) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from pydantic import SecretStr
 
 from schemas import DeadLetter, DecidedRecord, HumanLabel, ProbeDecision, utcnow
 from tests.conftest import RedisNamespace
@@ -16,6 +17,7 @@ from tests.kafka_helpers import drain, produce_raw
 from tests.process_helpers import Threaded, wait_until
 from tests.registry_helpers import publish_probe, toxicity_spec
 from worker.kafka.clients import ensure_topics
+from worker.learning.labelers import LabelerKeys
 from worker.learning.updater import Updater
 from worker.rollout.changes import Rollout
 from worker.rollout.policy import Policy
@@ -136,3 +138,42 @@ def test_one_labelers_labels_alone_do_not_promote_a_canary(redis_ns: RedisNamesp
     decision = rollout.evaluate(policy)
     assert decision.action == "promote", decision.reason
     assert registry.stages().live == canary
+
+
+def test_with_labeler_keys_unsigned_labels_are_one_anonymous_labeler(
+    settings: Settings, redis_ns: RedisNamespace, threads: list[Threaded]
+) -> None:
+    """Issue 45: the per-labeler limit and the two-labeler promotion rule trusted the
+    labeler_id a producer wrote, so a new id per label defeated both. With
+    PROBEGUARD_LABELER_KEYS set, only a signed label is its labeler's."""
+    secret = "alice-" + "s" * 26
+    settings = fast(settings, labeler_max_labels=10, labeler_keys=SecretStr(f"alice:{secret}"))
+    ensure_topics(settings)
+    updater = Updater(settings, extractor(), redis_ns.client, worker_id="u-signed")
+    threads.append(Threaded(updater.run, updater.stop))
+    keys = LabelerKeys.parse(f"alice:{secret}")
+    socks = [
+        json.dumps(
+            {
+                "message_id": f"sock-{i}",
+                "labeler_id": f"sock-{i}",  # a new id per label
+                "label": "toxic",
+                "text": "have a nice day",
+                "created_at": "2026-11-30T12:00:00Z",
+            }
+        ).encode()
+        for i in range(30)
+    ]
+    produce_raw(settings, settings.topic_labels, [(None, v) for v in socks])
+    signed = [(None, label(i)) for i in range(12)]  # alice's, signed: her own limit of 10
+    produce_raw(settings, settings.topic_labels, signed, headers=lambda v: keys.sign("alice", v))
+    dead = drain(settings, settings.topic_dead_letter, lambda rs: len(rs) >= 22, 90)
+    letters = [DeadLetter.decode(r.value) for r in dead]
+    assert [d.error_kind for d in letters] == ["quarantined"] * 22
+    assert sum("'anonymous'" in d.error_message for d in letters) == 20
+    assert sum("'alice'" in d.error_message for d in letters) == 2
+    group = settings.updater_group("toxicity")
+    wait_until(lambda: committed(settings, group) == 42, "every label committed", 120)
+    assert updater.labels_seen == 10 + 10
+    assert dropped(updater, "anonymous", "quarantined") == 20
+    assert updater.metrics.labels_unsigned._value.get() == 30

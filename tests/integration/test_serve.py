@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx2 as httpx
@@ -14,100 +13,22 @@ import openai
 import pytest
 
 from probes.probe import build_probe
-from schemas import DecidedRecord, HeadSpec, ProbeSpec, Verdict
+from schemas import DecidedRecord, Verdict
 from schemas.moderation_api import OPENAI_CATEGORIES
 from tests.conftest import RedisNamespace
 from tests.kafka_helpers import drain, produce_raw
 from tests.registry_helpers import publish_probe
-from tests.tiny_llm import make_tiny_llm
+from tests.serve_helpers import PROBE, extractor, moderation_spec, publish
 from worker.errors import ConfigError
 from worker.kafka.clients import ensure_topics
-from worker.llm.extract import HiddenStateExtractor
 from worker.scoring.scorer import Scorer
-from worker.serve.keys import KeyRing, new_key
 from worker.serve.server import ModerationServer
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 
 pytestmark = pytest.mark.integration
 
-PROBE = "moderation"
 TEXTS = ["you are an idiot", "have a nice day", "I will hurt you. Then laugh!", "hello there"]
-
-
-def extractor() -> HiddenStateExtractor:
-    return HiddenStateExtractor(make_tiny_llm(), max_tokens=64, batch_size=8)
-
-
-def moderation_spec(hidden_size: int) -> ProbeSpec:
-    """A multi-head probe whose labels are OpenAI categories, as the packaged default's."""
-    return ProbeSpec(
-        name=PROBE,
-        token_pool="mean",
-        layer_mix="scalar_mix",
-        layers=[1, 2],
-        hidden_size=hidden_size,
-        task="multilabel",
-        labels=["non-toxic", "toxic", "hate", "violence", "self-harm"],
-        heads=[
-            HeadSpec(name="toxicity", task="multiclass", labels=["non-toxic", "toxic"]),
-            HeadSpec(name="hate", task="multilabel", labels=["hate"]),
-            HeadSpec(name="violence", task="multilabel", labels=["violence"]),
-            HeadSpec(name="self-harm", task="multilabel", labels=["self-harm"]),
-        ],
-        flag_labels=["toxic", "hate", "violence", "self-harm"],
-    )
-
-
-def publish(redis_ns: RedisNamespace, seed: int = 0) -> int:
-    fp = extractor().fingerprint
-    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, PROBE)
-    return publish_probe(
-        registry, fp, probe=build_probe(moderation_spec(fp.hidden_size), seed=seed)
-    )
-
-
-class Served:
-    def __init__(self, server: ModerationServer, key: str | None) -> None:
-        self.server = server
-        self.key = key
-        self.url = server.url
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=60)
-
-    def openai(self, **kw: object) -> openai.OpenAI:
-        kw.setdefault("api_key", self.key or "none")
-        return openai.OpenAI(base_url=f"{self.url}/v1", **kw)  # type: ignore[arg-type]
-
-    def analyze(self, body: object) -> httpx.Response:
-        return self.http.post("/v1alpha1/comments:analyze", json=body)
-
-
-def ready(served: Served, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while served.http.get("/readyz").status_code != 200:
-        assert time.monotonic() < deadline, served.http.get("/readyz").text
-        time.sleep(0.1)
-
-
-@pytest.fixture
-def serve(settings: Settings, redis_ns: RedisNamespace) -> Iterator:
-    started: list[Served] = []
-
-    def start(*, auth: bool = True, **overrides: object) -> Served:
-        key, entry = new_key("tests") if auth else (None, "")
-        s = settings.model_copy(update={"probes": PROBE, "serve_port": 0, **overrides})
-        keys = KeyRing.parse(entry) if auth else None
-        server = ModerationServer(s, extractor(), redis_ns.client, keys=keys).start()
-        served = Served(server, key)
-        started.append(served)
-        ready(served)
-        return served
-
-    yield start
-    for served in started:
-        served.http.close()
-        served.server.stop()
 
 
 def test_openai_client_gets_every_category(serve, redis_ns: RedisNamespace) -> None:

@@ -13,8 +13,8 @@ from schemas import ChatMessage, HeadSpec, ProbeResult, ProbeSpec, Verdict, utcn
 from worker.errors import ConfigError
 from worker.scoring.engine import Judged, Retain
 from worker.serve.app import _spans
-from worker.serve.batcher import MicroBatcher
-from worker.serve.keys import KeyRing, RateLimiter, new_key
+from worker.serve.batcher import Expired, MicroBatcher
+from worker.serve.keys import KeyRing, RateLimiter, Seen, new_key
 from worker.serve.mapping import attribute_labels, category_labels
 from worker.serve.server import is_loopback
 
@@ -36,11 +36,36 @@ def test_a_new_key_verifies_against_its_entry_only() -> None:
 def test_a_checked_key_is_remembered() -> None:
     key, entry = new_key("a")
     ring = KeyRing.parse(entry)
-    assert ring.lookup(key) == (False, None)
+    assert ring.lookup(key) == (Seen.UNSEEN, None)
     assert ring.verify(key) == "a"
-    assert ring.lookup(key) == (True, "a")
+    assert ring.lookup(key) == (Seen.VERIFIED, "a")
     assert ring.verify("pg.a." + "0" * 48) is None
-    assert ring.lookup("pg.a." + "0" * 48) == (True, None)
+    assert ring.lookup("pg.a." + "0" * 48) == (Seen.REFUSED, None)
+    assert ring.lookup("not a key") == (Seen.MALFORMED, None)
+    assert ring.peak == 1  # two checks, one at a time
+
+
+def test_refused_keys_cannot_evict_a_verified_key() -> None:
+    """Issue 45: verified and refused keys shared one 4,096-entry memory, so ~5,000 junk
+    keys pushed a good one out and it had to queue for a scrypt (and a rate limit) again."""
+    key, entry = new_key("a")
+    ring = KeyRing.parse(entry)
+    assert ring.check(key) == "a"
+    for i in range(5000):
+        assert ring.check(f"pg.x{i}.{'0' * 48}") is None
+    assert ring.lookup(key) == (Seen.VERIFIED, "a")
+    assert ring.lookup(f"pg.x4999.{'0' * 48}") == (Seen.REFUSED, None)  # the newest kept
+    assert ring.lookup(f"pg.x0.{'0' * 48}") == (Seen.UNSEEN, None)  # the oldest dropped
+
+
+def test_malformed_keys_and_unknown_names_cost_no_scrypt() -> None:
+    _, entry = new_key("a")
+    ring = KeyRing.parse(entry)
+    for junk in ("", "Bearer x", "pg.a.0", "pg.a." + "0" * 47 + "g", f"pg.b.{'0' * 48}"):
+        assert ring.check(junk) is None
+    assert ring.peak == 0 and ring.check_s is None
+    assert ring.names_an_entry(f"pg.a.{'1' * 48}") and not ring.names_an_entry("pg.a.1")
+    assert ring.calibrate() > 0.0  # one scrypt on a throwaway key: what a check costs here
 
 
 @pytest.mark.parametrize(
@@ -76,6 +101,15 @@ def test_rate_limiter_allows_the_burst_then_says_when() -> None:
     assert wait == pytest.approx(0.5)
     assert limiter.take("other", now=10.0) == 0.0  # buckets are per key
     assert limiter.take("k", now=10.5) == 0.0  # refilled one token
+
+
+def test_rate_limiter_charges_a_cost_and_keeps_a_bounded_number_of_buckets() -> None:
+    limiter = RateLimiter(rate=10.0, burst=100, max_keys=3)
+    assert limiter.take("k", now=0.0, cost=60) == 0.0
+    assert limiter.take("k", now=0.0, cost=60) == pytest.approx(2.0)  # 20 more needed
+    for other in ("a", "b", "c"):
+        limiter.take(other, now=0.0)
+    assert len(limiter._buckets) == 3 and "k" not in limiter._buckets  # the oldest forgot
 
 
 def test_loopback_addresses() -> None:
@@ -244,6 +278,20 @@ def test_requests_queued_while_a_batch_is_scored_join_the_next_without_waiting()
     finally:
         b.stop()
     assert judge.batches == [["m0"], ["m1", "m2", "m3"]]
+
+
+def test_a_request_past_its_deadline_when_its_batch_starts_is_never_scored() -> None:
+    """Issue 45: a request that had timed out was still scored (cached and counted)."""
+    judge = RecordingJudge()
+    b = batcher(judge, max_wait_s=0.0)
+    try:
+        late = b.submit([msg(0)], [Retain.ALL], deadline=time.monotonic() - 1.0)
+        with pytest.raises(Expired):
+            late.result(5)
+        assert b.submit([msg(1)], [Retain.ALL]).result(5).verdicts[0].message_id == "m1"
+    finally:
+        b.stop()
+    assert judge.batches == [["m1"]]
 
 
 def test_serve_key_prints_a_key_then_its_entry(capsys: pytest.CaptureFixture[str]) -> None:

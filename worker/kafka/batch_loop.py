@@ -266,8 +266,18 @@ class BatchLoop(Generic[T]):
                 kind, message = describe_error(exc)
                 dead.append(self._dead_record(r, kind, message))  # type: ignore[arg-type]
                 continue
+            headers = tuple(getattr(r, "headers", None) or ())
             items.append(
-                Item(value, r.topic, r.partition, r.offset, r.key, r.timestamp, raw=r.value)
+                Item(
+                    value,
+                    r.topic,
+                    r.partition,
+                    r.offset,
+                    r.key,
+                    r.timestamp,
+                    raw=r.value,
+                    headers=headers,
+                )
             )
         return items, dead
 

@@ -52,6 +52,7 @@ class Item(Generic[T]):
     key: bytes | None
     timestamp_ms: int
     raw: bytes = field(default=b"", repr=False)  # the payload as it arrived
+    headers: tuple[tuple[str, bytes], ...] = field(default=(), repr=False)  # record headers
 
     @property
     def payload(self) -> bytes:

@@ -22,6 +22,12 @@ class UpdaterMetrics:
         r = self.collector = CollectorRegistry()
         self.labels = Counter("probeguard_updater_labels", "Labels learned from", registry=r)
         self.steps = Counter("probeguard_updater_steps", "Lion steps", registry=r)
+        self.labels_unsigned = Counter(
+            "probeguard_updater_labels_unsigned",
+            "Labels counted as the one labeler 'anonymous': PROBEGUARD_LABELER_KEYS is set and "
+            "their record carries no valid signature",
+            registry=r,
+        )
         self.loss = Gauge("probeguard_updater_loss", "Loss of the last step", registry=r)
         self.dead_letters = Counter(
             "probeguard_updater_dead_letters", "Labels dead-lettered", ["kind"], registry=r

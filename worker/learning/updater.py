@@ -29,6 +29,7 @@ cannot read go to the dead-letter topic. A fresh probe first collects
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -45,6 +46,7 @@ from worker.kafka.batch_loop import BatchLoop, Between, Item, Outgoing, Reject
 from worker.kafka.clients import ensure_topics
 from worker.kafka.runtime import RoleRuntime
 from worker.learning.gate import LabelGate
+from worker.learning.labelers import ANONYMOUS, LabelerKeys
 from worker.learning.labels import label_truths, skip_reason
 from worker.learning.metrics import UpdaterMetrics
 from worker.learning.online_learner import Labeled, LearningConfig, OnlineLearner
@@ -96,6 +98,8 @@ class Updater:
         )
         self.evidence = EvidenceStore.from_settings(redis_client, settings, cache=self.text_redis)
         self.gate = LabelGate.from_settings(self.text_redis, settings, self.name)
+        raw_keys = settings.labeler_keys
+        self.labelers = LabelerKeys.parse(raw_keys.get_secret_value() if raw_keys else None)
         self.rollout = Rollout(self.registry, self.evidence, actor=self.worker_id)
         self.policy = Policy.from_settings(settings)
         self._next_rollout = 0.0
@@ -294,7 +298,7 @@ class Updater:
         learner = self._learner()
         spec = learner.probe.spec
         rejects: list[Reject] = []
-        items = [i for i in items if self._is_ours(i.value, spec)]
+        items = [self._attributed(i) for i in items if self._is_ours(i.value, spec)]
         items = self._admitted(items, rejects)
         texts = join_texts(self.text_redis, self.keys, [i.value for i in items])
         sources: list[Item[HumanLabel]] = []
@@ -335,6 +339,16 @@ class Updater:
         if reason is not None:
             self.metrics.skipped.labels(reason).inc()
         return reason is None
+
+    def _attributed(self, item: Item[HumanLabel]) -> Item[HumanLabel]:
+        """``item`` with its labeler as quotas and the promotion rule count it: from its
+        signature when ``PROBEGUARD_LABELER_KEYS`` is set (:mod:`worker.learning.labelers`)."""
+        who = self.labelers.labeler(item.value, item.payload, item.headers)
+        if who == item.value.labeler_id:
+            return item
+        if who == ANONYMOUS:
+            self.metrics.labels_unsigned.inc()
+        return dataclasses.replace(item, value=item.value.model_copy(update={"labeler_id": who}))
 
     def _admitted(
         self, items: list[Item[HumanLabel]], rejects: list[Reject]

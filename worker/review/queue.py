@@ -59,6 +59,7 @@ from schemas import ProbeSpec, ReviewRequest
 from worker.errors import TransientError
 from worker.kafka.batch_loop import BatchLoop, Item, Outgoing
 from worker.kafka.clients import consumer_lag, make_consumer, make_producer
+from worker.learning.labelers import CONSOLE_SIGNER, LabelerKeys
 from worker.review.claims import is_done
 from worker.review.desk import HeadChoice, Held, ReviewDesk, ReviewItem
 from worker.settings import Settings
@@ -117,6 +118,8 @@ class ReviewQueue(ReviewDesk):
         self._threads: list[threading.Thread] = []
         self.producer: Any = None
         self.consumer: Any = None
+        raw_keys = settings.labeler_keys
+        self.labelers = LabelerKeys.parse(raw_keys.get_secret_value() if raw_keys else None)
         self.loop: BatchLoop[ReviewRequest] | None = None
         self.ready = threading.Event()  # the consumer has joined its group
         # Since when the consumer thread's iterations have failed (a broker or Redis that
@@ -417,9 +420,17 @@ class ReviewQueue(ReviewDesk):
         futures = []
         for i, h in enumerate(due):
             mid = h.label.message_id
+            value = h.label.encode()
+            # Signed as the console's (its reviewers are signed in): the updater then counts
+            # each reviewer as a labeler of its own (console/<reviewer>).
+            signs = self.labelers.signs_for(CONSOLE_SIGNER)
+            headers = self.labelers.sign(CONSOLE_SIGNER, value) if signs else None
             try:
                 futures.append(
-                    (h, self.producer.send(topic, key=mid.encode(), value=h.label.encode()))
+                    (
+                        h,
+                        self.producer.send(topic, key=mid.encode(), value=value, headers=headers),
+                    )
                 )
             except Exception as exc:  # e.g. KafkaTimeoutError: no metadata within max_block_ms
                 for rest in due[i:]:  # the next sends would block as long: all wait a round

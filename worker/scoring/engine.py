@@ -341,12 +341,15 @@ class ScoringEngine:
                     continue
                 msg = messages[pos]
                 text = msg.text.encode()
+                # Both are written once (NX): the first text and the first judgement of a
+                # message id stay together. A redelivery scored after a hot swap must not
+                # move a label's credit to a version whose evidence never counted the
+                # message (the first delivery's script counted it), and a reused id must
+                # not put another text beside the first one's decision: a label joined to
+                # it would train on a text that was never judged so.
                 if len(text) <= cap:
-                    pipe.set(self.keys.text(msg.message_id), text, ex=ttl)
+                    pipe.set(self.keys.text(msg.message_id), text, ex=ttl, nx=True)
                 if by_pos.get(pos):
-                    # The first judgement stays (NX): a redelivery scored after a hot swap
-                    # must not move a label's credit to a version whose evidence never
-                    # counted the message (the first delivery's script counted it).
                     record = DecidedRecord(p=by_pos[pos]).encode()
                     pipe.set(self.keys.decided(msg.message_id), record, ex=ttl, nx=True)
             pipe.execute()

@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schemas import ChatMessage, Limits, ProbeResult, ProbeSpec, describe_error, utcnow
 from schemas.moderation_api import (
@@ -39,9 +40,12 @@ from schemas.moderation_api import (
     TextInput,
 )
 from worker.scoring.engine import Retain
+from worker.serve.auth import Caller
 from worker.serve.batcher import Scored
+from worker.serve.bodies import PARSE_THREADS, BodyReader, parse
+from worker.serve.errors import ApiError
 from worker.serve.mapping import attribute_labels, category_labels
-from worker.serve.service import ApiError
+from worker.serve.service import unreadable
 
 if TYPE_CHECKING:
     from worker.serve.service import Service
@@ -52,6 +56,7 @@ CONVERSATION_HEADER = "x-probeguard-conversation"
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+=\-]{0,127}")
 _SPAN = re.compile(r"[^.!?\n]*(?:[.!?]+|\n|$)")
 MAX_SPANS = 16
+BODY_UNIT = 64 * 1024  # each this many bytes of a body count as one more request
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ class Dialect:
     missing_key_status: int
     invalid_key_status: int
     render: Callable[[ApiError], dict[str, Any]]
+    http_status: Callable[[int], int] = lambda status: status
 
 
 def _openai_error(e: ApiError) -> dict[str, Any]:
@@ -75,26 +81,35 @@ _GOOGLE_STATUS = {
     401: "UNAUTHENTICATED",
     403: "PERMISSION_DENIED",
     404: "NOT_FOUND",
-    413: "INVALID_ARGUMENT",
+    405: "UNIMPLEMENTED",
+    408: "DEADLINE_EXCEEDED",
     429: "RESOURCE_EXHAUSTED",
     503: "UNAVAILABLE",
 }
 
 
+def _perspective_status(status: int) -> int:
+    """The HTTP status Perspective answers with: a body or text too large is Google's
+    400 ``INVALID_ARGUMENT`` (its ``code`` is always the HTTP status)."""
+    return 400 if status == 413 else status
+
+
 def _perspective_error(e: ApiError) -> dict[str, Any]:
-    status = _GOOGLE_STATUS.get(e.status, "INTERNAL")
-    return {"error": {"code": e.status, "message": e.message, "status": status}}
+    code = _perspective_status(e.status)
+    status = _GOOGLE_STATUS.get(code, "INTERNAL")
+    return {"error": {"code": code, "message": e.message, "status": status}}
 
 
 OPENAI = Dialect("openai", 401, 401, _openai_error)
-PERSPECTIVE = Dialect("perspective", 403, 400, _perspective_error)
+PERSPECTIVE = Dialect("perspective", 403, 400, _perspective_error, _perspective_status)
 
 
 def _error_response(dialect: Dialect, e: ApiError) -> JSONResponse:
-    headers = {}
+    headers = {"Connection": "close"} if e.close else {}
     if e.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))
-    return JSONResponse(dialect.render(e), status_code=e.status, headers=headers)
+    status = dialect.http_status(e.status)
+    return JSONResponse(dialect.render(e), status_code=status, headers=headers)
 
 
 def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
@@ -128,13 +143,22 @@ def create_app(service: Service) -> FastAPI:
         registry=service.collector,
     )
 
+    parsing = anyio.CapacityLimiter(PARSE_THREADS)
+    reader = BodyReader(
+        s.serve_max_body_bytes,
+        s.serve_body_timeout_s,
+        drain_bytes=max(4 * s.serve_max_body_bytes, 8 * 1024 * 1024),
+    )
+
     async def handle(
-        request: Request, dialect: Dialect, work: Callable[[bytes, str], Awaitable[Response]]
+        request: Request, dialect: Dialect, work: Callable[[bytes, Caller], Awaitable[Response]]
     ) -> Response:
         t0 = time.perf_counter()
         try:
-            caller = await _authenticate(service, request, dialect)
-            wait = service.limiter.take(caller)
+            caller = await service.auth.caller(
+                request, _presented_key(request), lambda code: _key_refusal(dialect, code)
+            )
+            wait = service.limiter.take(caller.limit_key)
             if wait > 0:
                 raise ApiError(
                     429,
@@ -143,7 +167,19 @@ def create_app(service: Service) -> FastAPI:
                     code="rate_limit_exceeded",
                     retry_after_s=wait,
                 )
-            body = await _read_body(request, s.serve_max_body_bytes)
+            body = await reader.read(request)
+            # A large body costs more to parse: one more request per BODY_UNIT bytes.
+            extra = len(body) // BODY_UNIT
+            wait = service.limiter.take(caller.limit_key, cost=extra) if extra else 0.0
+            if wait > 0:
+                raise ApiError(
+                    429,
+                    f"rate limit of {s.serve_rate_per_key:g} requests/s for this key reached "
+                    f"(PROBEGUARD_SERVE_RATE_PER_KEY; each {BODY_UNIT // 1024} KiB of body "
+                    "counts as one more request)",
+                    code="rate_limit_exceeded",
+                    retry_after_s=wait,
+                )
             response = await work(body, caller)
         except ApiError as e:
             response = _error_response(dialect, e)
@@ -158,8 +194,10 @@ def create_app(service: Service) -> FastAPI:
         summary="Classify text (OpenAI's moderation API)",
     )
     async def moderations(request: Request) -> Response:
-        async def work(body: bytes, caller: str) -> Response:
-            req = _parse(ModerationRequest, body)
+        async def work(body: bytes, caller: Caller) -> Response:
+            req = await parse(
+                ModerationRequest, body, max_inputs=s.serve_max_inputs, threads=parsing
+            )
             texts = _openai_texts(req)
             if len(texts) > s.serve_max_inputs:
                 raise ApiError(
@@ -177,6 +215,11 @@ def create_app(service: Service) -> FastAPI:
                 _message(f"{rid}-{i}", conversation, text, f"input[{i}]", s.limits)
                 for i, text in enumerate(texts)
             ]
+            counts = await service.measure(texts)
+            for i, n in enumerate(counts):
+                if n == 0:
+                    raise _unreadable(f"input[{i}]", texts[i])
+            service.charge(caller.limit_key, sum(counts))
             scored = await service.score(messages, [retain] * len(messages))
             results = [_result(scored, i, probe) for i in range(len(texts))]
             spec = service.spec(probe, results[0].version)
@@ -197,15 +240,17 @@ def create_app(service: Service) -> FastAPI:
         summary="Score a comment (Perspective's comments:analyze)",
     )
     async def analyze(request: Request) -> Response:
-        async def work(body: bytes, caller: str) -> Response:
-            req = _parse(PerspectiveRequest, body)
+        async def work(body: bytes, caller: Caller) -> Response:
+            req = await parse(
+                PerspectiveRequest, body, max_inputs=s.serve_max_inputs, threads=parsing
+            )
             languages = _languages(req.languages)
             text = req.comment.text
             if not text.strip():
                 raise ApiError(400, "Comment must be non-empty.", param="comment.text")
             probe = service.probe_for(None)
             attributes = _attributes(req, service.spec(probe, None), probe)
-            mid = req.clientToken if req.clientToken and _ID.fullmatch(req.clientToken) else None
+            mid = _client_message_id(caller, req.clientToken, s.limits)
             mid = mid or f"pc-{uuid.uuid4().hex}"
             conversation = _conversation(
                 req.sessionId or request.headers.get(CONVERSATION_HEADER), mid
@@ -214,6 +259,12 @@ def create_app(service: Service) -> FastAPI:
             messages = [_message(mid, conversation, text, "comment.text", s.limits)]
             retain = [Retain.COUNT if private else Retain.ALL]
             spans = _spans(text) if req.spanAnnotations else []
+            counts = await service.measure([text] + [text[b:e] for b, e in spans])
+            if counts[0] == 0:
+                raise _unreadable("comment.text", text)
+            # A sentence the model cannot read (control characters only) gets no span.
+            spans = [span for span, n in zip(spans, counts[1:], strict=True) if n > 0]
+            service.charge(caller.limit_key, sum(counts))
             for i, (b, e) in enumerate(spans):
                 span = _message(f"{mid}.s{i}", conversation, text[b:e], "comment.text", s.limits)
                 messages.append(span)
@@ -235,6 +286,18 @@ def create_app(service: Service) -> FastAPI:
 
         return await handle(request, PERSPECTIVE, work)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """404, 405 and the like in the shape of the API the path belongs to, not
+        FastAPI's ``{"detail": ...}``."""
+        dialect = PERSPECTIVE if request.url.path.startswith("/v1alpha1/") else OPENAI
+        why = {404: "no such endpoint", 405: "method not allowed"}.get(exc.status_code)
+        message = f"{request.method} {request.url.path[:200]}: {why or exc.detail}"
+        e = ApiError(exc.status_code, message, code=(why or "error").replace(" ", "_"))
+        response = _error_response(dialect, e)
+        response.headers.update(dict(exc.headers or {}))
+        return response
+
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
         return Response(generate_latest(service.collector), media_type=CONTENT_TYPE_LATEST)
@@ -255,55 +318,22 @@ def create_app(service: Service) -> FastAPI:
 # --- request handling ----------------------------------------------------------
 
 
-async def _authenticate(service: Service, request: Request, dialect: Dialect) -> str:
-    """The caller's rate-limit identity: its key's name, or its address without keys."""
-    if service.keys is None:
-        return f"addr:{request.client.host if request.client else '?'}"
+def _presented_key(request: Request) -> str:
+    """The API key a request carries: ``Authorization: Bearer``, ``?key=`` or
+    ``x-goog-api-key`` ('' when none)."""
     auth = request.headers.get("authorization", "")
     key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-    key = key or request.query_params.get("key", "") or request.headers.get("x-goog-api-key", "")
-    if not key:
-        raise ApiError(
+    return key or request.query_params.get("key", "") or request.headers.get("x-goog-api-key", "")
+
+
+def _key_refusal(dialect: Dialect, code: str) -> ApiError:
+    if code == "missing_api_key":
+        return ApiError(
             dialect.missing_key_status,
             "The request is missing an API key (Authorization: Bearer KEY, or ?key=KEY).",
-            code="missing_api_key",
+            code=code,
         )
-    known, name = service.keys.lookup(key)
-    if not known:
-        # An unseen key costs one scrypt: bound how many run, whoever sends them.
-        wait = service.limiter.take("\x00unverified")
-        if wait > 0:
-            raise ApiError(429, "too many new API keys tried", retry_after_s=wait)
-        name = await anyio.to_thread.run_sync(service.keys.verify, key)
-    if name is None:
-        raise ApiError(dialect.invalid_key_status, "API key not valid.", code="invalid_api_key")
-    return f"key:{name}"
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    too_large = ApiError(
-        413,
-        f"request body over {limit} bytes (PROBEGUARD_SERVE_MAX_BODY_BYTES)",
-        code="request_too_large",
-    )
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise too_large
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_large
-    return bytes(body)
-
-
-def _parse(model: type[Any], body: bytes) -> Any:
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        kind, why = describe_error(exc)
-        message = f"the body is not JSON: {why}" if kind == "invalid_json" else why
-        raise ApiError(400, message, code=kind) from None
+    return ApiError(dialect.invalid_key_status, "API key not valid.", code=code)
 
 
 def _openai_texts(req: ModerationRequest) -> list[str]:
@@ -325,6 +355,18 @@ def _openai_texts(req: ModerationRequest) -> list[str]:
     if not texts:
         raise ApiError(400, "input must hold at least one text", param="input")
     return texts
+
+
+def _client_message_id(caller: Caller, token: str | None, limits: Limits) -> str | None:
+    """The message id of a Perspective call's ``clientToken``: ``pc:NAME:TOKEN``, in the
+    namespace of the caller's key (``pc::TOKEN`` without keys), so two keys sending the
+    same token never name one message; None when that is no valid id (the call gets a
+    random one, and the token is only echoed). Key names hold no ``:`` and, written here
+    with ``_`` as ``.`` (no name holds a ``.``), no two names share a namespace."""
+    if not token:
+        return None
+    mid = f"pc:{(caller.name or '').replace('_', '.')}:{token}"
+    return mid if limits.id_re.fullmatch(mid) else None
 
 
 def _conversation(value: str | None, fallback: str) -> str:
@@ -356,6 +398,15 @@ def _message(
         )
     except ValidationError as exc:
         raise ApiError(400, describe_error(exc)[1], param=param) from None
+
+
+def _unreadable(param: str, text: str) -> ApiError:
+    return ApiError(
+        400,
+        f"{param} has nothing the model can read: {unreadable(text)}",
+        param=param,
+        code="unreadable_input",
+    )
 
 
 def _result(scored: Scored, pos: int, probe: str) -> ProbeResult:

@@ -8,6 +8,10 @@ inputs in arrival order and scores it with one pass of the LLM
 (:meth:`~worker.scoring.engine.ScoringEngine.judge`; the extractor sorts by length and
 splits by token budget inside). A request never splits across batches: one larger than
 ``max_batch`` is scored alone. A failing batch fails its requests (a 503), not the thread.
+
+A request past its deadline when its batch starts is failed with :class:`Expired`, never
+scored: its caller has been answered 503, and scoring it anyway would cache and count
+inputs the caller will send again.
 """
 
 from __future__ import annotations
@@ -25,9 +29,13 @@ from prometheus_client import CollectorRegistry, Histogram
 from schemas import ChatMessage, ReviewRequest, Verdict
 from worker.scoring.engine import Judged, Retain
 
-__all__ = ["MicroBatcher", "Scored"]
+__all__ = ["Expired", "MicroBatcher", "Scored"]
 
 log = logging.getLogger(__name__)
+
+
+class Expired(Exception):
+    """The request's deadline passed before its batch started: it was not scored."""
 
 
 @dataclass
@@ -44,6 +52,7 @@ class _Pending:
     messages: Sequence[ChatMessage]
     retain: Sequence[Retain]
     future: concurrent.futures.Future[Scored]
+    deadline: float = float("inf")  # time.monotonic() after which it must not be scored
     at: float = field(default_factory=time.monotonic)
 
 
@@ -81,9 +90,14 @@ class MicroBatcher:
         self.beat = time.monotonic()  # the thread's last iteration (liveness)
 
     def submit(
-        self, messages: Sequence[ChatMessage], retain: Sequence[Retain]
+        self,
+        messages: Sequence[ChatMessage],
+        retain: Sequence[Retain],
+        deadline: float = float("inf"),
     ) -> concurrent.futures.Future[Scored]:
-        pending = _Pending(messages, retain, concurrent.futures.Future())
+        """Queue a request; its future fails with :class:`Expired` if its batch starts after
+        ``deadline`` (``time.monotonic()``), and is skipped if cancelled before."""
+        pending = _Pending(messages, retain, concurrent.futures.Future(), deadline)
         self._queue.put(pending)
         return pending.future
 
@@ -149,10 +163,14 @@ class MicroBatcher:
                 return out
 
     def _score(self, batch: list[_Pending]) -> None:
+        now = time.monotonic()
         batch = [p for p in batch if p.future.set_running_or_notify_cancel()]
+        for p in batch:
+            if now > p.deadline:
+                p.future.set_exception(Expired())
+        batch = [p for p in batch if not p.future.done()]
         if not batch:
             return
-        now = time.monotonic()
         messages = [m for p in batch for m in p.messages]
         retain = [r for p in batch for r in p.retain]
         for p in batch:

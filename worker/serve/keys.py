@@ -3,9 +3,12 @@
 A key is ``pg.<name>.<48 hex digits>``; only its scrypt hash is configured, one
 ``name:scrypt$N$r$p$salt$hash`` entry per key in ``PROBEGUARD_SERVE_API_KEYS``
 (``probeguard serve key NAME`` prints a new key and its entry). The name inside the key
-says which entry to check, so a wrong key costs one scrypt, not one per entry; a key that
-verified is remembered (by its SHA-256) so later requests cost a dictionary lookup, and so
-is one that failed, so retrying a wrong key costs nothing either.
+says which entry to check, so a wrong key costs one scrypt, not one per entry; a string
+that is not a key at all, or names no entry, costs none. A key that verified is kept (by
+its SHA-256) for as long as the server runs, apart from the keys that failed, so later
+requests cost a dictionary lookup and no flood of wrong keys can push a good one out; a
+key that failed is kept too (a bounded, least-recently-used set), so retrying it costs
+nothing either. How unseen keys are rationed is :mod:`worker.serve.auth`'s job.
 
 Example::
 
@@ -17,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import re
 import secrets
@@ -28,11 +32,20 @@ from dataclasses import dataclass, field
 from worker import scrypt
 from worker.errors import ConfigError
 
-__all__ = ["KeyRing", "RateLimiter", "new_key"]
+__all__ = ["KeyRing", "RateLimiter", "Seen", "new_key"]
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]{0,63}")
 _KEY = re.compile(r"pg\.([A-Za-z0-9][A-Za-z0-9_\-]{0,63})\.[0-9a-f]{48}")
-_REMEMBERED = 4096  # verified and refused keys kept (by digest)
+_REFUSED = 4096  # refused keys remembered (by digest), least recently seen dropped first
+
+
+class Seen(enum.Enum):
+    """What a key lookup found, before any scrypt."""
+
+    VERIFIED = "verified"  # checked before and good: its name comes with it
+    REFUSED = "refused"  # checked before and wrong
+    MALFORMED = "malformed"  # not ``pg.NAME.<48 hex>``: wrong without a check
+    UNSEEN = "unseen"  # well-formed, not checked yet
 
 
 def new_key(name: str) -> tuple[str, str]:
@@ -48,8 +61,13 @@ class KeyRing:
 
     def __init__(self, entries: dict[str, str]) -> None:
         self._hashes = entries  # name -> scrypt hash
-        self._known: OrderedDict[bytes, str | None] = OrderedDict()
+        # Good keys: at most one per entry (a hash matches one key), so never evicted.
+        self._verified: dict[bytes, str] = {}
+        self._refused: OrderedDict[bytes, None] = OrderedDict()
         self._lock = threading.Lock()
+        self.check_s: float | None = None  # how long a scrypt check takes (moving average)
+        self.running = 0  # scrypt checks running now
+        self.peak = 0  # the most that ever ran at once (`serve` caps it; tests read it)
 
     def __len__(self) -> int:
         return len(self._hashes)
@@ -78,30 +96,81 @@ class KeyRing:
         return cls(entries)
 
     def check(self, key: str) -> str | None:
-        """The name of the entry ``key`` belongs to, or None."""
-        known, name = self.lookup(key)
-        return name if known else self.verify(key)
+        """The name of the entry ``key`` belongs to, or None (may run one scrypt)."""
+        seen, name = self.lookup(key)
+        if seen is not Seen.UNSEEN:
+            return name
+        if self.names_an_entry(key):
+            return self.verify(key)
+        self.refuse(key)
+        return None
 
-    def lookup(self, key: str) -> tuple[bool, str | None]:
-        """``(True, name or None)`` for a key checked before; ``(False, None)`` for one that
-        needs :meth:`verify` (one scrypt: run it off the event loop)."""
+    def lookup(self, key: str) -> tuple[Seen, str | None]:
+        """What is known of ``key`` without a scrypt, and its name when it verified."""
+        if not _KEY.fullmatch(key):
+            return Seen.MALFORMED, None
         digest = _digest(key)
         with self._lock:
-            if digest in self._known:
-                self._known.move_to_end(digest)
-                return True, self._known[digest]
-        return False, None
+            name = self._verified.get(digest)
+            if name is not None:
+                return Seen.VERIFIED, name
+            if digest in self._refused:
+                self._refused.move_to_end(digest)
+                return Seen.REFUSED, None
+        return Seen.UNSEEN, None
+
+    def names_an_entry(self, key: str) -> bool:
+        """Whether a well-formed ``key`` names a configured entry (only then is it worth a
+        scrypt; say so to no client: the time of the refusal must not tell)."""
+        m = _KEY.fullmatch(key)
+        return m is not None and m.group(1) in self._hashes
 
     def verify(self, key: str) -> str | None:
-        """Check ``key`` against its entry (one scrypt) and remember the answer."""
+        """Check ``key`` against its entry (one scrypt: run it off the event loop) and
+        remember the answer."""
         m = _KEY.fullmatch(key)
         hashed = self._hashes.get(m.group(1)) if m else None
-        name = m.group(1) if m and hashed and scrypt.check(key, hashed) else None
+        if m is None or hashed is None:
+            self.refuse(key)
+            return None
         with self._lock:
-            self._known[_digest(key)] = name
-            while len(self._known) > _REMEMBERED:
-                self._known.popitem(last=False)
-        return name
+            self.running += 1
+            self.peak = max(self.peak, self.running)
+        t0 = time.perf_counter()
+        try:
+            good = scrypt.check(key, hashed)
+        finally:
+            with self._lock:
+                self.running -= 1
+        self._timed(time.perf_counter() - t0)
+        if not good:
+            self.refuse(key)
+            return None
+        with self._lock:
+            self._verified[_digest(key)] = m.group(1)
+        return m.group(1)
+
+    def refuse(self, key: str) -> None:
+        """Remember ``key`` as wrong (the oldest refused key is forgotten past 4,096)."""
+        with self._lock:
+            self._refused[_digest(key)] = None
+            self._refused.move_to_end(_digest(key))
+            while len(self._refused) > _REFUSED:
+                self._refused.popitem(last=False)
+
+    def calibrate(self) -> float:
+        """How long a scrypt check takes here (runs one on a throwaway key the first time:
+        the time an unknown name's refusal waits so that it looks like a check)."""
+        if self.check_s is None and self._hashes:
+            hashed = next(iter(self._hashes.values()))
+            t0 = time.perf_counter()
+            scrypt.check("pg.calibration." + "0" * 48, hashed)
+            self._timed(time.perf_counter() - t0)
+        return self.check_s or 0.0
+
+    def _timed(self, seconds: float) -> None:
+        with self._lock:
+            self.check_s = seconds if self.check_s is None else 0.8 * self.check_s + 0.2 * seconds
 
 
 def _digest(key: str) -> bytes:
@@ -116,24 +185,30 @@ class _Bucket:
 
 @dataclass
 class RateLimiter:
-    """A token bucket per key: ``rate`` requests a second, ``burst`` at once."""
+    """A token bucket per key: ``rate`` units a second, ``burst`` at once. At most
+    ``max_keys`` buckets are kept (the least recently used go first; a bucket forgotten
+    starts full again), so a limiter keyed by client address stays bounded."""
 
     rate: float
-    burst: int
-    _buckets: dict[str, _Bucket] = field(default_factory=dict)
+    burst: float
+    max_keys: int = 100_000
+    _buckets: OrderedDict[str, _Bucket] = field(default_factory=OrderedDict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def take(self, key: str, now: float | None = None) -> float:
-        """0 if ``key`` may send a request now (and count it); else the seconds until it
-        may (for ``Retry-After``)."""
+    def take(self, key: str, now: float | None = None, cost: float = 1.0) -> float:
+        """0 if ``key`` may spend ``cost`` now (and spend it); else the seconds until it
+        may (for ``Retry-After``). A cost over the burst is never granted: check it first."""
         now = time.monotonic() if now is None else now
         with self._lock:
             b = self._buckets.get(key)
             if b is None:
                 b = self._buckets[key] = _Bucket(float(self.burst), now)
+                while len(self._buckets) > self.max_keys:
+                    self._buckets.popitem(last=False)
+            self._buckets.move_to_end(key)
             b.tokens = min(float(self.burst), b.tokens + (now - b.at) * self.rate)
             b.at = now
-            if b.tokens >= 1.0:
-                b.tokens -= 1.0
+            if b.tokens >= cost:
+                b.tokens -= cost
                 return 0.0
-            return (1.0 - b.tokens) / self.rate
+            return (cost - b.tokens) / self.rate

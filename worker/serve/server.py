@@ -21,6 +21,7 @@ from worker.errors import ConfigError, StackError
 from worker.http_thread import HttpThread
 from worker.llm.extract import HiddenStateExtractor
 from worker.serve.app import create_app
+from worker.serve.connections import guarded_protocol
 from worker.serve.keys import KeyRing
 from worker.serve.service import Service
 from worker.settings import Settings
@@ -63,8 +64,18 @@ class ModerationServer:
                 )
         self.service = Service(settings, extractor, redis_client, keys=keys)
         self.app = create_app(self.service)
+        protocol = guarded_protocol(
+            header_timeout_s=settings.serve_header_timeout_s,
+            max_connections=settings.serve_max_connections,
+            max_per_address=settings.serve_max_connections_per_address,
+        )
         self.http = HttpThread(
-            self.app, self.host, self.port, name="serve", port_setting="PROBEGUARD_SERVE_PORT"
+            self.app,
+            self.host,
+            self.port,
+            name="serve",
+            port_setting="PROBEGUARD_SERVE_PORT",
+            http=protocol,
         )
 
     @property

@@ -16,13 +16,17 @@ import threading
 import time
 from collections.abc import Sequence
 
+import anyio
 import redis
 
 from schemas import ChatMessage, ProbeSpec
-from worker.llm.extract import HiddenStateExtractor
+from worker.errors import ExtractionInputError
+from worker.llm.extract import HiddenStateExtractor, clean_text
 from worker.scoring.engine import Retain, ScoringEngine
 from worker.scoring.metrics import ScorerMetrics
-from worker.serve.batcher import MicroBatcher, Scored
+from worker.serve.auth import Authenticator
+from worker.serve.batcher import Expired, MicroBatcher, Scored
+from worker.serve.errors import ApiError
 from worker.serve.keys import KeyRing, RateLimiter
 from worker.serve.outbox import Outbox
 from worker.settings import Settings
@@ -32,26 +36,7 @@ __all__ = ["ApiError", "Service"]
 # OpenAI's model names a client may send: they mean the default probe.
 OPENAI_MODELS = ("omni-moderation", "text-moderation")
 STALE_AFTER_S = 120.0  # the scoring thread's longest silence before /healthz fails
-
-
-class ApiError(Exception):
-    """A refusal: its HTTP status, a message for the caller, and what the dialects need."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        code: str | None = None,
-        param: str | None = None,
-        retry_after_s: float | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-        self.retry_after_s = retry_after_s
+MEASURE_THREADS = 2  # requests tokenized at once to be measured (off the event loop)
 
 
 class Service:
@@ -88,6 +73,13 @@ class Service:
             after=self.outbox.put,
         )
         self.limiter = RateLimiter(settings.serve_rate_per_key, settings.serve_rate_burst)
+        self.tokens = RateLimiter(settings.serve_tokens_per_key, settings.serve_tokens_burst)
+        self._measuring = anyio.CapacityLimiter(MEASURE_THREADS)
+        self.auth = Authenticator(
+            keys,
+            RateLimiter(settings.serve_new_keys_per_address, settings.serve_new_keys_burst),
+            self.collector,
+        )
         self.stop_event = threading.Event()
         self._stack = contextlib.ExitStack()
 
@@ -136,19 +128,55 @@ class Service:
             raise ApiError(503, "no probe is loaded yet", retry_after_s=1.0)
         return slot.live.probe.spec  # swapped since: the labels are the same or near
 
+    async def measure(self, texts: Sequence[str]) -> list[int]:
+        """The tokens each text costs the LLM (0: nothing in it the model can read), counted
+        on a worker thread before anything is scored."""
+        counts = self.engine.extractor.token_counts
+        return await anyio.to_thread.run_sync(counts, list(texts), limiter=self._measuring)
+
+    def charge(self, limit_key: str, tokens: int) -> None:
+        """Spend ``tokens`` of the caller's token budget, or refuse the request: a 413 when
+        it costs more than the whole burst, a 429 with ``Retry-After`` when it must wait."""
+        s = self.settings
+        if tokens > s.serve_tokens_burst:
+            raise ApiError(
+                413,
+                f"the request is {tokens} tokens; at most {s.serve_tokens_burst} per request "
+                "(PROBEGUARD_SERVE_TOKENS_BURST)",
+                code="request_too_large",
+            )
+        wait = self.tokens.take(limit_key, cost=float(tokens))
+        if wait > 0:
+            raise ApiError(
+                429,
+                f"token rate of {s.serve_tokens_per_key:g}/s for this key reached "
+                "(PROBEGUARD_SERVE_TOKENS_PER_KEY)",
+                code="rate_limit_exceeded",
+                retry_after_s=wait,
+            )
+
     async def score(self, messages: Sequence[ChatMessage], retain: Sequence[Retain]) -> Scored:
+        """The request's share of a batch. A request whose batch has not started within
+        ``PROBEGUARD_SERVE_TIMEOUT_S`` is a 503 and is never scored; one whose batch has
+        started is answered when the batch ends (its inputs are cached and counted by
+        then: a 503 would make the caller send them again)."""
         if not self.engine.batch_scorer.ready():
             raise ApiError(503, "no probe is loaded yet", code="not_ready", retry_after_s=1.0)
-        future = self.batcher.submit(messages, retain)
+        timeout_s = self.settings.serve_timeout_s
+        future = self.batcher.submit(messages, retain, time.monotonic() + timeout_s)
+        waiting = asyncio.wrap_future(future)
         try:
-            return await asyncio.wait_for(
-                asyncio.wrap_future(future), self.settings.serve_timeout_s
-            )
-        except TimeoutError:
+            try:
+                return await asyncio.wait_for(asyncio.shield(waiting), timeout_s)
+            except TimeoutError:
+                if future.cancel():  # not started: now it never will be
+                    raise Expired() from None
+                return await waiting  # being scored: wait for the batch to end
+        except Expired:
             raise ApiError(
                 503,
-                f"scoring took longer than {self.settings.serve_timeout_s:g}s "
-                "(PROBEGUARD_SERVE_TIMEOUT_S)",
+                f"scoring did not start within {timeout_s:g}s (PROBEGUARD_SERVE_TIMEOUT_S); "
+                "nothing of the request was scored",
                 code="timeout",
                 retry_after_s=1.0,
             ) from None
@@ -166,3 +194,12 @@ class Service:
 
     def ready(self) -> tuple[bool, str]:
         return self.engine.serving_note()
+
+
+def unreadable(text: str) -> str:
+    """Why the model reads nothing of ``text`` (for a 400)."""
+    try:
+        clean_text(text)
+    except ExtractionInputError as exc:
+        return str(exc).partition(": ")[2] or str(exc)
+    return "it yields no tokens"

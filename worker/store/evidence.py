@@ -339,8 +339,10 @@ class EvidenceStore:
         pairs_max: int = DEFAULTS.evidence_pairs,
         marker_ttl_s: int = DEFAULTS.text_cache_ttl_s,
         cache: Any = None,
+        group: str = DEFAULTS.group_scorer,
     ) -> None:
         self.client: Any = client
+        self.group = group  # the consumer group whose records count exactly once
         # ``decided`` (per message, TTL) lives in the text cache's Redis; the markers that
         # make counts exact live with the counts, so that one script sets both.
         self.cache: Any = cache if cache is not None else client
@@ -359,6 +361,7 @@ class EvidenceStore:
             pairs_max=settings.evidence_pairs,
             marker_ttl_s=settings.text_cache_ttl_s,
             cache=cache,
+            group=settings.group_scorer,
         )
 
     def _script(self, text: str) -> Any:
@@ -442,7 +445,7 @@ class EvidenceStore:
             keys=[
                 self.keys.once(uuid.uuid4().hex),
                 budget.key if budget is not None else self.keys.once("no-budget"),
-                *(self.keys.counted(t, p) for t, p in parts),
+                *(self.keys.counted(self.group, t, p) for t, p in parts),
                 *markers,
                 *ev_keys,
                 *hash_keys,

@@ -242,8 +242,10 @@ class Keys:
     def review_sent(self, probe: str, message_id: str) -> str:
         return self._join("review", "sent", probe, message_id)
 
-    def counted(self, topic: str, partition: int) -> str:
-        return self._join("counted", topic, partition)
+    def counted(self, group: str, topic: str, partition: int) -> str:
+        """The high-water mark of ``group``'s records of a partition whose evidence counted
+        (per consumer group: another group reading the topic counts its own)."""
+        return self._join("counted", group, topic, partition)
 
     def once(self, request_id: str) -> str:
         return self._join("once", request_id)

@@ -1,0 +1,318 @@
+"""``probeguard serve`` under hostile clients (issue 45): each refusal is what a client
+reads through the real server, with plain HTTP (``httpx``, ``urllib``, raw sockets) or
+OpenAI's own client; what is measured in seconds is in ``bench/serve_abuse.py``."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from tests.conftest import RedisNamespace
+from tests.serve_helpers import publish
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_megabyte_of_wrong_inputs_is_refused_at_the_schemas_ceiling(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """~450,000 wrong items used to be validated to the last one and turned into ~900,000
+    error dicts on the event loop (6.8 s); the schema now stops at 1,024 inputs."""
+    publish(redis_ns)
+    served = serve()
+    body = b'{"input": [' + b",".join([b"1"] * 450_000) + b"]}"
+    assert len(body) < served.server.service.settings.serve_max_body_bytes
+    r = served.http.post("/v1/moderations", content=body)
+    assert r.status_code == 413, r.text[:300]
+    err = r.json()["error"]
+    assert err["code"] == "too_many_inputs" and err["param"] == "input"
+    assert "450000 inputs" in err["message"] and "PROBEGUARD_SERVE_MAX_INPUTS" in err["message"]
+    # A list within the ceiling but of wrong items: a 400 naming a few, not all.
+    r = served.http.post("/v1/moderations", json={"input": [1] * 1000})
+    assert r.status_code == 400 and len(r.text) < 2000, r.text[:300]
+    # Each string field is bounded too: a 300-character model name is a 400, not a lookup.
+    r = served.http.post("/v1/moderations", json={"input": "hi", "model": "m" * 300})
+    assert r.status_code == 400 and "model" in r.json()["error"]["message"]
+
+
+def test_urllib_reads_the_413_of_a_body_over_the_limit(serve, redis_ns: RedisNamespace) -> None:
+    """A 6 MB body used to be refused unread and the socket closed under it: urllib, which
+    sends its whole body before reading, got a broken pipe instead of the 413."""
+    publish(redis_ns)
+    served = serve()
+    body = json.dumps({"input": "x" * 6_000_000}).encode()
+    req = urllib.request.Request(
+        f"{served.url}/v1/moderations",
+        data=body,
+        headers={"Authorization": f"Bearer {served.key}", "Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as got:
+        urllib.request.urlopen(req, timeout=60)
+    assert got.value.code == 413
+    assert json.loads(got.value.read())["error"]["code"] == "request_too_large"
+
+
+def test_junk_keys_from_one_address_cost_another_address_nothing(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """Issue 45: every unseen key, from anyone, drew from one shared bucket, so a keyless
+    flood made a fresh valid key answer 429 ten times out of ten."""
+    publish(redis_ns)
+    served = serve(
+        names=("alpha", "beta"),
+        serve_rate_per_key=0.01,  # the old shared bucket of unseen keys used these
+        serve_rate_burst=5,
+        serve_new_keys_per_address=0.01,
+        serve_new_keys_burst=5,
+    )
+    codes = []
+    for i in range(40):
+        junk = f"pg.nobody{i}.{'0' * 48}" if i % 2 else f"junk-{i}"
+        with served.client(junk, local_address="127.0.0.2") as attacker:
+            codes.append(attacker.post("/v1/moderations", json={"input": "x"}).status_code)
+    with served.client(served.keys["beta"]) as fresh:  # from 127.0.0.1, never seen before
+        r = fresh.post("/v1/moderations", json={"input": "hello"})
+    assert r.status_code == 200, r.text
+    assert set(codes) == {401, 429} and codes.count(401) >= 20  # malformed ones: never 429
+    assert served.metric('probeguard_serve_key_checks_total{result="limited"}') >= 1
+    assert served.metric('probeguard_serve_key_checks_total{result="malformed"}') == 20
+
+
+def test_wrong_keys_on_a_real_name_run_at_most_two_scrypts_at_once(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """Issue 45: scrypt calls (16 MiB each) ran on up to 40 threads: 32 threads of wrong
+    keys on a real key name grew RSS by 0.36 GB and held a valid request ~22 s."""
+    publish(redis_ns)
+    served = serve(names=("alpha",))
+    ok = served.http.post("/v1/moderations", json={"input": "hello"})
+    assert ok.status_code == 200  # alpha's key is verified and remembered
+    codes: list[int] = []
+
+    def wrong(i: int) -> None:
+        key = f"pg.alpha.{i:048x}"
+        with served.client(key, local_address=f"127.0.1.{i + 1}") as c:
+            codes.append(c.post("/v1/moderations", json={"input": "x"}).status_code)
+
+    threads = [threading.Thread(target=wrong, args=(i,)) for i in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(codes) == [401] * 24
+    ring = served.server.service.keys
+    assert ring is not None and 1 <= ring.peak <= 2
+    assert served.http.post("/v1/moderations", json={"input": "hello"}).status_code == 200
+    assert served.metric('probeguard_serve_key_checks_total{result="scrypt_wrong"}') == 24
+
+
+def _analyze_with_token(served, name: str, text: str, token: str = "comment-1") -> str:
+    """Perspective's call from key ``name`` with ``clientToken``; the message id it got."""
+    with served.client(served.keys[name]) as c:
+        r = c.post(
+            "/v1alpha1/comments:analyze",
+            json={
+                "comment": {"text": text},
+                "requestedAttributes": {"TOXICITY": {}},
+                "clientToken": token,
+            },
+        )
+    assert r.status_code == 200, r.text
+    assert r.json()["clientToken"] == token  # echoed as sent
+    return r.headers["X-Probeguard-Message-Id"]
+
+
+def test_a_client_token_names_a_message_only_within_its_key(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """Issue 45: Perspective's clientToken was the message id itself, so key beta sending
+    alpha's token wrote its text under alpha's message (and alpha's decision): a label
+    then trained on the wrong text. Two tenants both sending `comment-1` collided so."""
+    publish(redis_ns)
+    served = serve(names=("alpha", "beta"))
+    alpha = _analyze_with_token(served, "alpha", "I will hurt you")
+    beta = _analyze_with_token(served, "beta", "have a nice day")
+    assert alpha != beta and alpha.endswith(":comment-1") and beta.endswith(":comment-1")
+    client, keys = redis_ns.client, redis_ns.keys
+    assert client.get(keys.text(alpha)) == b"I will hurt you"
+    assert client.get(keys.text(beta)) == b"have a nice day"
+    assert client.get(keys.decided(alpha)) and client.get(keys.decided(beta))
+
+
+def test_a_reused_message_id_keeps_its_first_text_beside_its_first_decision(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """Issue 45: the cached text was a plain SET and the decision a SET NX, so a message id
+    used twice held the second text beside the first text's decision."""
+    publish(redis_ns)
+    served = serve(names=("alpha",))
+    mid = _analyze_with_token(served, "alpha", "I will hurt you")
+    client, keys = redis_ns.client, redis_ns.keys
+    decided = client.get(keys.decided(mid))
+    assert decided is not None
+    assert _analyze_with_token(served, "alpha", "a different text") == mid
+    assert client.get(keys.text(mid)) == b"I will hurt you"
+    assert client.get(keys.decided(mid)) == decided
+
+
+def test_an_unreadable_input_is_a_400_naming_it_before_anything_is_scored(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """Issue 45: an input of control characters only answered 500 for the whole call after
+    the valid inputs were scored, cached and counted, and OpenAI's SDK retries a 500, so
+    each retry counted them again."""
+    publish(redis_ns)
+    served = serve()
+    client = served.openai(max_retries=2)
+    with pytest.raises(openai.BadRequestError) as got:
+        client.moderations.create(input=["hello there", "\x01\x02\x03", "goodbye"])
+    err = got.value.body
+    assert isinstance(err, dict) and err["param"] == "input[1]", err
+    assert err["code"] == "unreadable_input" and "control characters" in err["message"]
+    assert served.metric("probeguard_scorer_messages_total") == 0
+    assert not list(redis_ns.client.scan_iter(match=f"{redis_ns.prefix}:text:*"))
+    # Perspective: the comment is a 400; a sentence of control characters is no span.
+    bad = served.analyze({"comment": {"text": "\x07\x07"}, "requestedAttributes": {"TOXICITY": {}}})
+    assert bad.status_code == 400 and bad.json()["error"]["status"] == "INVALID_ARGUMENT"
+    text = "You are awful.\n\x01\x02\nHave a good day."
+    ok = served.analyze(
+        {
+            "comment": {"text": text},
+            "requestedAttributes": {"TOXICITY": {}},
+            "spanAnnotations": True,
+        }
+    )
+    assert ok.status_code == 200, ok.text
+    spans = ok.json()["attributeScores"]["TOXICITY"]["spanScores"]
+    assert [text[s["begin"] : s["end"]] for s in spans] == ["You are awful.", "Have a good day."]
+
+
+def test_token_rate_limits_charge_what_a_request_costs(serve, redis_ns: RedisNamespace) -> None:
+    """Issue 45: limits counted requests, so one key's 32 long inputs cost it what one
+    short input did."""
+    publish(redis_ns)
+    served = serve(names=("alpha", "beta"), serve_tokens_per_key=0.001, serve_tokens_burst=1000)
+    long = ["word " * 100] * 10  # 60-70 tokens each: the tiny LLM keeps 64 of a text
+    cost = sum(served.server.service.engine.extractor.token_counts(long))
+    assert 600 <= cost <= 700
+    with served.client(served.keys["alpha"]) as alpha:
+        assert alpha.post("/v1/moderations", json={"input": long}).status_code == 200
+        r = alpha.post("/v1/moderations", json={"input": long})
+        assert r.status_code == 429 and "PROBEGUARD_SERVE_TOKENS_PER_KEY" in r.text
+        assert int(r.headers["Retry-After"]) >= 1
+    with served.client(served.keys["beta"]) as beta:  # another key's budget is its own
+        assert beta.post("/v1/moderations", json={"input": long}).status_code == 200
+        big = beta.post("/v1/moderations", json={"input": long * 2})  # over the whole burst
+        assert big.status_code == 413 and "PROBEGUARD_SERVE_TOKENS_BURST" in big.text
+
+
+def test_a_request_answered_503_for_its_timeout_left_nothing_behind(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """Issue 45: a request that timed out was still scored, its texts cached and counted
+    though its caller got a 503 (and would send them again). Now a 503 means nothing was
+    scored, and a request whose batch had started is answered when the batch ends."""
+    publish(redis_ns)
+    served = serve(max_tokens=512, serve_timeout_s=0.05, serve_max_wait_ms=0.0)
+    texts = [f"text {i} " + "word " * 600 for i in range(32)]
+    answered = []
+    for _ in range(4):
+        answered.append(served.http.post("/v1/moderations", json={"input": texts}).status_code)
+    assert set(answered) <= {200, 503}, answered
+    cached = list(redis_ns.client.scan_iter(match=f"{redis_ns.prefix}:text:*"))
+    assert len(cached) == 32 * answered.count(200), answered
+    assert served.metric("probeguard_scorer_messages_total") == 32 * answered.count(200)
+
+
+def _connect(served, source: str) -> socket.socket:
+    host, port = served.url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=20, source_address=(source, 0))
+    return sock
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    """What the server sends until it closes the connection (``recv`` waits at most 20 s)."""
+    out = b""
+    while chunk := sock.recv(65536):
+        out += chunk
+    return out
+
+
+def test_stalled_connections_are_closed_and_capped_per_address(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """Issue 45: no header or body deadline and no connection cap: 50 half-sent requests
+    stayed open for a minute, and at 50 new ones a second the descriptor limit is ~7 min
+    away."""
+    publish(redis_ns)
+    served = serve(
+        serve_header_timeout_s=0.5,
+        serve_body_timeout_s=0.5,
+        serve_max_connections_per_address=4,
+    )
+    half = b"POST /v1/moderations HTTP/1.1\r\nHost: x\r\nAuthori"
+    stalled = [_connect(served, "127.0.0.3") for _ in range(4)]
+    for sock in stalled:
+        sock.sendall(half)
+    extra = _connect(served, "127.0.0.3")  # a fifth from the same address: refused at once
+    assert _read_all(extra).startswith(b"HTTP/1.1 503")
+    extra.close()
+    ok = served.http.post("/v1/moderations", json={"input": "hello"})  # another address
+    assert ok.status_code == 200
+    for sock in stalled:  # closed by the server: the headers never came
+        assert _read_all(sock) == b""
+        sock.close()
+    body = _connect(served, "127.0.0.3")  # the slots are free again
+    body.sendall(
+        b"POST /v1/moderations HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        + (served.key or "").encode()
+        + b'\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"input"'
+    )
+    answer = _read_all(body)  # the body never completes: 408, then closed
+    body.close()
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"PROBEGUARD_SERVE_BODY_TIMEOUT_S" in answer
+
+
+def test_large_bodies_count_against_their_keys_request_rate(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """Issue 45: a 1 MB body cost one request of the key's 50/s however long it took to
+    read and validate, so one key's stream of them took the CPU from every other key."""
+    publish(redis_ns)
+    served = serve(names=("alpha", "beta"), serve_rate_per_key=0.001, serve_rate_burst=40)
+    body = b'{"input": [' + b",".join([b"1"] * 450_000) + b"]}"  # ~0.9 MB: 1 + 13 requests
+    with served.client(served.keys["alpha"]) as alpha:
+        codes = [alpha.post("/v1/moderations", content=body).status_code for _ in range(4)]
+    assert codes[:2] == [413, 413] and codes[2:] == [429, 429], codes
+    with served.client(served.keys["beta"]) as beta:
+        assert beta.post("/v1/moderations", json={"input": "hello"}).status_code == 200
+
+
+def test_unknown_paths_methods_and_long_comments_answer_in_each_apis_shape(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """Issue 45: 404 and 405 answered FastAPI's {"detail": ...}, in neither API's shape, and
+    Perspective's 413 said code 413 with status INVALID_ARGUMENT (Google's is a 400)."""
+    publish(redis_ns)
+    served = serve(max_text_chars=50)
+    for method, path in (("GET", "/v1/nope"), ("GET", "/v1/moderations")):
+        r = served.http.request(method, path)
+        assert r.status_code in (404, 405) and set(r.json()) == {"error"}, r.text
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.NotFoundError):  # OpenAI's client reads it as its own
+        served.openai().get("/nope", cast_to=object)
+    r = served.http.post("/v1alpha1/comments:nope", json={})
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == 404 and r.json()["error"]["status"] == "NOT_FOUND"
+    long = served.analyze({"comment": {"text": "x" * 51}, "requestedAttributes": {"TOXICITY": {}}})
+    assert long.status_code == 400, long.text
+    err = long.json()["error"]
+    assert err["code"] == 400 and err["status"] == "INVALID_ARGUMENT"
+    assert "PROBEGUARD_MAX_TEXT_CHARS" in err["message"]

@@ -1,0 +1,141 @@
+"""Who is calling ``probeguard serve``: a :class:`Caller` from the request's API key, with
+unauthenticated traffic kept from hurting authenticated traffic.
+
+- A key checked before (verified or refused) costs a dictionary lookup.
+- A string that is not a key (``pg.NAME.<48 hex>``) is refused at once, without scrypt.
+- An unseen well-formed key is rationed per client address
+  (``PROBEGUARD_SERVE_NEW_KEYS_PER_ADDRESS`` a second, ``_NEW_KEYS_BURST`` at once; an
+  IPv6 address counts by its /64), so one address's junk cannot spend another's.
+- An unseen key whose name no entry has is refused without scrypt, after as long as a
+  scrypt check takes here, so response times do not tell which names exist.
+- Scrypt itself (16 MiB, ~0.1 s each) runs on at most ``SCRYPT_THREADS`` threads; at most
+  ``SCRYPT_QUEUE`` more unseen keys wait for them, and the rest get a 503 with
+  ``Retry-After``, so a flood of wrong keys on a real name costs bounded memory and CPU.
+
+Identities come from here only: the key's name (or, without keys, the client address),
+never from anything the client writes in its body.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import anyio
+from prometheus_client import CollectorRegistry, Counter
+from starlette.requests import Request
+
+from worker.serve.errors import ApiError
+from worker.serve.keys import KeyRing, RateLimiter, Seen
+
+__all__ = ["SCRYPT_QUEUE", "SCRYPT_THREADS", "Authenticator", "Caller", "client_address"]
+
+SCRYPT_THREADS = 2
+SCRYPT_QUEUE = 32
+
+
+@dataclass(frozen=True)
+class Caller:
+    """An authenticated caller: its key's name (None without keys) and its address."""
+
+    name: str | None
+    address: str
+
+    @property
+    def limit_key(self) -> str:
+        """Whose rate limits this request draws from."""
+        return f"key:{self.name}" if self.name is not None else f"addr:{self.address}"
+
+
+def client_address(request: Request) -> str:
+    """The client's address as rate limits count it: an IPv6 address by its /64 (one
+    host usually holds a whole /64)."""
+    host = request.client.host if request.client else "?"
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
+class Authenticator:
+    """Turns a request's key into a :class:`Caller`, or refuses it."""
+
+    def __init__(
+        self,
+        keys: KeyRing | None,
+        new_keys: RateLimiter,
+        collector: CollectorRegistry,
+    ) -> None:
+        self.keys = keys
+        self.new_keys = new_keys  # unseen keys per client address
+        self._scrypt = anyio.CapacityLimiter(SCRYPT_THREADS)
+        self._waiting = 0  # unseen keys waiting for, or in, a scrypt thread
+        self.checks = Counter(
+            "probeguard_serve_key_checks",
+            "API keys presented, by what their check found (verified, refused: from memory; "
+            "malformed; unknown_name; scrypt_ok, scrypt_wrong; limited: too many unseen "
+            "keys from the address; busy: too many waiting for scrypt)",
+            ["result"],
+            registry=collector,
+        )
+
+    async def caller(self, request: Request, key: str, refuse: Callable[[str], ApiError]) -> Caller:
+        """The caller ``key`` authenticates; ``refuse(code)`` builds the dialect's refusal
+        of a missing or wrong key."""
+        address = client_address(request)
+        if self.keys is None:
+            return Caller(None, address)
+        if not key:
+            raise refuse("missing_api_key")
+        seen, name = self.keys.lookup(key)
+        if seen is Seen.VERIFIED and name is not None:
+            self.checks.labels("verified").inc()
+            return Caller(name, address)
+        if seen is not Seen.UNSEEN:
+            self.checks.labels(seen.value).inc()
+            raise refuse("invalid_api_key")
+        wait = self.new_keys.take(address)
+        if wait > 0:
+            self.checks.labels("limited").inc()
+            raise ApiError(
+                429,
+                "too many new API keys from this address (PROBEGUARD_SERVE_NEW_KEYS_PER_ADDRESS)",
+                code="rate_limit_exceeded",
+                retry_after_s=wait,
+            )
+        name = await self._check(key)
+        if name is None:
+            raise refuse("invalid_api_key")
+        return Caller(name, address)
+
+    async def _check(self, key: str) -> str | None:
+        assert self.keys is not None
+        ring = self.keys
+        if self._waiting >= SCRYPT_THREADS + SCRYPT_QUEUE:
+            self.checks.labels("busy").inc()
+            raise ApiError(
+                503, "too many new API keys being checked", code="busy", retry_after_s=1.0
+            )
+        if not ring.names_an_entry(key):
+            # No scrypt (nor a place in its queue), but as late as a check would answer
+            # now, queue included: the time of a refusal must not tell which names exist.
+            check_s = ring.check_s
+            if check_s is None:
+                check_s = await anyio.to_thread.run_sync(ring.calibrate, limiter=self._scrypt)
+            await anyio.sleep(check_s * (1 + self._waiting // SCRYPT_THREADS))
+            ring.refuse(key)
+            self.checks.labels("unknown_name").inc()
+            return None
+        self._waiting += 1
+        try:
+            name = await anyio.to_thread.run_sync(ring.verify, key, limiter=self._scrypt)
+        finally:
+            self._waiting -= 1
+        self.checks.labels("scrypt_ok" if name else "scrypt_wrong").inc()
+        return name

@@ -1,0 +1,119 @@
+"""Request bodies of ``probeguard serve``: read within a size and a time bound, then parsed
+and validated off the event loop, with errors cut short.
+
+A body's cost is decided before the work: the schema (:mod:`schemas.moderation_api`) caps
+inputs per call, characters per input and the length of every other string, so validating
+the largest body the server reads takes milliseconds and yields a handful of errors, not
+one per item; the validation runs on a worker thread (at most ``PARSE_THREADS`` at once),
+so ``/healthz`` and other callers' requests are answered meanwhile.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+from pydantic import ValidationError
+from starlette.requests import ClientDisconnect, Request
+
+from schemas import describe_error
+from worker.serve.errors import ApiError
+
+__all__ = ["PARSE_THREADS", "BodyReader", "parse"]
+
+PARSE_THREADS = 2  # bodies validated at once (a third waits; the event loop never does)
+
+
+class BodyReader:
+    """Reads a body of at most ``limit`` bytes within ``timeout_s`` seconds.
+
+    A body declared (``Content-Length``) or found larger than ``limit`` is a 413; the rest
+    of it is read and dropped, up to ``drain_bytes``, so a client that writes its whole
+    body before reading (Python's urllib, most blocking clients) reads the 413 instead of
+    a reset connection. A body still arriving after ``timeout_s`` is a 408.
+    """
+
+    def __init__(self, limit: int, timeout_s: float, drain_bytes: int) -> None:
+        self.limit = limit
+        self.timeout_s = timeout_s
+        self.drain_bytes = drain_bytes
+
+    async def read(self, request: Request) -> bytes:
+        too_large = ApiError(
+            413,
+            f"request body over {self.limit} bytes (PROBEGUARD_SERVE_MAX_BODY_BYTES)",
+            code="request_too_large",
+            close=True,
+        )
+        slow = ApiError(
+            408,
+            f"the request body did not arrive within {self.timeout_s:g}s "
+            "(PROBEGUARD_SERVE_BODY_TIMEOUT_S)",
+            code="request_timeout",
+            close=True,
+        )
+        length = request.headers.get("content-length", "")
+        declared = int(length) if length.isdigit() and len(length) < 19 else 0
+        if declared > self.drain_bytes:
+            raise too_large  # not worth reading: the client may see the connection reset
+        body = bytearray()
+        total = 0
+        try:
+            with anyio.fail_after(self.timeout_s):
+                async for chunk in request.stream():
+                    total += len(chunk)
+                    if total <= self.limit and declared <= self.limit:
+                        body += chunk
+                    elif total > self.drain_bytes:
+                        break
+        except TimeoutError:
+            raise slow from None
+        except ClientDisconnect:
+            raise ApiError(400, "the client closed the connection", close=True) from None
+        if total > self.limit or declared > self.limit:
+            raise too_large
+        return bytes(body)
+
+
+async def parse(
+    model: type[Any], body: bytes, *, max_inputs: int, threads: anyio.CapacityLimiter
+) -> Any:
+    """``model`` validated from ``body`` on one of ``threads`` (one limiter per server:
+    at most :data:`PARSE_THREADS`); a 400 naming the first few offending fields, or a 413
+    when the body holds more inputs or longer texts than the schema's ceilings."""
+    return await anyio.to_thread.run_sync(_validate, model, body, max_inputs, limiter=threads)
+
+
+def _validate(model: type[Any], body: bytes, max_inputs: int) -> Any:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise _refusal(exc, max_inputs) from None
+
+
+def _refusal(exc: ValidationError, max_inputs: int) -> ApiError:
+    # The schema caps lists and strings, so there are at most a few thousand errors here.
+    errors: list[Any] = exc.errors(include_url=False, include_input=False)
+    for err in errors:
+        field = str(err["loc"][0]) if err["loc"] else ""
+        ctx = err.get("ctx") or {}
+        if err["type"] == "too_long" and field == "input":
+            n = ctx.get("actual_length", "too many")
+            return ApiError(
+                413,
+                f"{n} inputs; at most {max_inputs} per request (PROBEGUARD_SERVE_MAX_INPUTS)",
+                param="input",
+                code="too_many_inputs",
+            )
+        if err["type"] == "string_too_long" and field in {"input", "comment"}:
+            param = "input" if field == "input" else "comment.text"
+            return ApiError(
+                413,
+                f"{param} is longer than {ctx.get('max_length')} characters "
+                "(PROBEGUARD_MAX_TEXT_CHARS)",
+                param=param,
+                code="text_too_long",
+            )
+    kind, why = describe_error(exc)
+    message = f"the body is not JSON: {why}" if kind == "invalid_json" else why
+    return ApiError(400, message, code=kind)

@@ -1,0 +1,91 @@
+"""Connections of ``probeguard serve``: uvicorn's HTTP/1.1 protocol, with a deadline for a
+request's headers and caps on open connections.
+
+uvicorn closes an idle keep-alive connection, but not one that sends half a request line
+and stops: 50 such connections stayed open for as long as their clients liked, and at 50
+new ones a second the process would run out of descriptors. Here
+
+- a request's headers must be complete within ``header_timeout_s`` of the connection
+  opening, or of the first byte after a keep-alive pause; if not, the connection is
+  closed (the body has its own deadline: :class:`worker.serve.bodies.BodyReader`);
+- at most ``max_connections`` connections are open, and at most ``max_per_address`` from
+  one client address; a connection over either cap is answered 503 with ``Retry-After``
+  and closed at once, so a flood from one address costs other addresses nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+__all__ = ["guarded_protocol"]
+
+_REFUSED = (
+    b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: text/plain\r\n"
+    b"Content-Length: 21\r\nConnection: close\r\n\r\ntoo many connections\n"
+)
+
+
+def guarded_protocol(
+    *, header_timeout_s: float, max_connections: int, max_per_address: int
+) -> type[asyncio.Protocol]:
+    """A protocol class for ``uvicorn.Config(http=...)``; its caps count the connections of
+    the one server it is given to."""
+    per_address: Counter[str] = Counter()
+
+    class GuardedH11Protocol(H11Protocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._address: str | None = None  # counted in per_address while open
+            self._header_timer: asyncio.TimerHandle | None = None
+            self._cycle_seen: object = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            address = self.client[0] if self.client else "?"
+            if len(self.connections) > max_connections or per_address[address] >= max_per_address:
+                transport.write(_REFUSED)
+                transport.close()
+                return
+            self._address = address
+            per_address[address] += 1
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            if self._address is not None:
+                per_address[self._address] -= 1
+                if per_address[self._address] <= 0:
+                    del per_address[self._address]
+                self._address = None
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
+                self._arm()  # the first byte of the next request on a kept-alive connection
+            super().data_received(data)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and self.cycle is not self._cycle_seen:
+                self._cycle_seen = self.cycle  # a request's headers are complete
+                self._disarm()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(header_timeout_s, self._headers_late)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return GuardedH11Protocol
