@@ -44,7 +44,7 @@ def publish_probe(
         version=version,
         signing_key=signing_key,
         weights=weights,
-        deployment=registry.keys.prefix,
+        deployment=registry.keys.deployment,
     )
     registry.publish(blob, manifest, set_live=set_live)
     return version

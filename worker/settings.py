@@ -191,6 +191,15 @@ class Settings(BaseSettings):
         "updaters then refuse unsigned or wrongly signed ones. Unset: nothing is signed.",
     )
 
+    deployment_id: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.\-:]{1,64}$",
+        description="This deployment's name in every signature (checkpoints, stage pointers, "
+        "optimizer state), e.g. `prod-eu`; required with `CHECKPOINT_HMAC_KEY`. Staging and "
+        "production sharing a key but not an id never verify each other's checkpoints, "
+        "whatever their Redis prefixes. Unset (no key): the Redis prefix.",
+    )
+
     # --- Data at rest -------------------------------------------------------
     # Files probeguard writes are owner-only (0600, directories it creates 0700) whatever
     # this says; the key adds encryption for the caches, which hold users' messages as
@@ -787,6 +796,12 @@ class Settings(BaseSettings):
         64,
         description="Open connections one client address may hold (more: 503 and closed).",
     )
+    serve_new_connections_per_address: Annotated[float, Field(gt=0.0)] = Field(
+        20.0,
+        description="New connections one client address may open per second, in bursts of "
+        "`SERVE_MAX_CONNECTIONS_PER_ADDRESS` (more: 503 and closed before any HTTP is "
+        "read). Keep-alive clients open few.",
+    )
     serve_body_timeout_s: Annotated[float, Field(gt=0.0, le=600.0)] = Field(
         30.0,
         description="Longest a request body may take to arrive, seconds (then 408 and the "
@@ -900,6 +915,15 @@ class Settings(BaseSettings):
             )
         for name in ("checkpoint_hmac_key", "console_secret_key", "cache_key"):
             _check_key(name, getattr(self, name))
+        if self.checkpoint_hmac_key is not None and self.deployment_id is None:
+            raise ValueError(
+                "PROBEGUARD_DEPLOYMENT_ID is required with PROBEGUARD_CHECKPOINT_HMAC_KEY: "
+                "signatures bind it, so that deployments sharing the key (staging and "
+                "production, whose Redis prefixes are alike by default) never verify each "
+                "other's checkpoints. Give each deployment its own, e.g. `prod-eu`; to keep "
+                "verifying what this deployment signed so far, set it to the Redis prefix "
+                f"({self.redis_prefix!r})"
+            )
         try:
             OperatingPoint.parse(self.operating_point)
         except ValueError as exc:

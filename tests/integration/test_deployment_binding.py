@@ -113,6 +113,7 @@ def test_resume_refuses_a_version_copied_from_another_deployment(
     settings = Settings(
         redis_prefix=prod.keys.prefix,
         checkpoint_hmac_key=KEY,
+        deployment_id=prod.keys.deployment,
         probe_to_train="toxicity",
         metrics_port=0,
     )
@@ -177,3 +178,45 @@ def test_signatures_bound_and_unbound_are_distinct() -> None:
     probe_from_bytes(blob, unbound, fp, signing_key=key, deployment="a", unbound_ok=True)
     with pytest.raises(CheckpointError, match="signature does not verify"):
         probe_from_bytes(blob2, bound, fp, signing_key=key)  # not a file's signature
+
+
+def test_deployments_with_the_same_prefix_and_key_are_told_apart_by_their_ids(
+    redis_ns: RedisNamespace,
+) -> None:
+    """Issue 45: the binding was the Redis key prefix, `probeguard` everywhere by default,
+    so staging and production on separate Redis servers with the same key and the default
+    prefix verified each other's checkpoints. The binding is PROBEGUARD_DEPLOYMENT_ID now,
+    required with the key."""
+    import redis as redis_lib
+
+    with pytest.raises(ValueError, match="PROBEGUARD_DEPLOYMENT_ID is required"):
+        Settings(checkpoint_hmac_key=KEY)
+    fp = make_tiny_llm().fingerprint
+    base, _, db = redis_ns.url.rpartition("/")
+    other = redis_lib.Redis.from_url(f"{base}/{1 if db in ('', '0') else 0}")  # staging's own
+    assert other.connection_pool.connection_kwargs["db"] != int(db or 0)
+    try:
+        prod, stg = (
+            CheckpointRegistry(
+                client, Keys(redis_ns.prefix, deployment), "toxicity", signing_key=KEY.encode()
+            )
+            for client, deployment in ((redis_ns.client, "production"), (other, "staging"))
+        )
+        assert prod.keys.prefix == stg.keys.prefix
+        mine = publish_probe(prod, fp, seed=1, signing_key=KEY.encode())
+        publish_probe(stg, fp, seed=2, signing_key=KEY.encode())
+        theirs = publish_probe(stg, fp, seed=3, signing_key=KEY.encode())  # v2
+        assert prod.get_verified(mine).manifest.version == mine
+        # Staging's next version, copied into production's Redis under the same keys.
+        client = prod.client
+        client.set(prod.keys.ckpt("toxicity", theirs), other.get(stg.keys.ckpt("toxicity", theirs)))
+        client.set(
+            prod.keys.manifest("toxicity", theirs),
+            other.get(stg.keys.manifest("toxicity", theirs)),
+        )
+        with pytest.raises(RegistryError, match=r"another deployment|does not verify"):
+            prod.get_verified(theirs)
+    finally:
+        for key in other.scan_iter(match=f"{redis_ns.prefix}:*"):
+            other.delete(key)
+        other.close()

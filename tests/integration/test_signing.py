@@ -36,7 +36,9 @@ KEY = "a-test-key-of-sufficient-length"
 def signed(settings: Settings) -> Settings:
     return settings.model_copy(
         update={
-            "checkpoint_hmac_key": Settings(checkpoint_hmac_key=KEY).checkpoint_hmac_key,
+            "checkpoint_hmac_key": Settings(
+                checkpoint_hmac_key=KEY, deployment_id="t"
+            ).checkpoint_hmac_key,
             "stage_check_interval_s": 0.3,
             "metrics_port": free_port(),
         }

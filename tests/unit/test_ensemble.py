@@ -150,6 +150,7 @@ def test_signed_ensembles_verify_and_refuse_edits(caches, workspace: Path, capsy
     argv += ["--cache", str(caches["train"][MODELS[1]]), "--out", str(out), *TRAIN, "--json"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PROBEGUARD_CHECKPOINT_HMAC_KEY", "k" * 32)
+        mp.setenv("PROBEGUARD_DEPLOYMENT_ID", "test")
         assert main(argv) == 0
     llms = [HiddenStateCache(caches["val"][m]).manifest.llm for m in MODELS]
     key = b"k" * 32
@@ -164,6 +165,7 @@ def test_signed_ensembles_verify_and_refuse_edits(caches, workspace: Path, capsy
     val = [str(caches["val"][m]) for m in MODELS]
     with pytest.MonkeyPatch.context() as mp:  # eval with the key checks it
         mp.setenv("PROBEGUARD_CHECKPOINT_HMAC_KEY", "k" * 32)
+        mp.setenv("PROBEGUARD_DEPLOYMENT_ID", "test")
         err = fails(capsys, "eval", "--checkpoint", str(out), "--cache", val[0], "--cache", val[1])
     assert "signature does not verify" in err
     data.pop("signature")

@@ -176,6 +176,7 @@ def test_a_configured_key_refuses_an_unsigned_checkpoint(
     capsys, workspace: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PROBEGUARD_CHECKPOINT_HMAC_KEY", "k" * 32)
+    monkeypatch.setenv("PROBEGUARD_DEPLOYMENT_ID", "test")
     capsys.readouterr()
     assert main(["explain", *args(workspace), TEXT]) == 1
     err = capsys.readouterr().err

@@ -274,3 +274,26 @@ def test_raw_probes_inside_the_template_are_called_approximate(
         pass
     warned = any("approximate" in r.getMessage() for r in caplog.records)
     assert warned == (form == "raw")
+
+
+def test_the_guards_own_pass_after_a_swap_adds_nothing_to_the_turns_states() -> None:
+    """Issue 45: after a mid-turn hot swap to a probe that reads other layers, the guard's
+    fallback pass ran on the serving model with the turn's hooks attached, and its states
+    were kept as if a reply token had been decoded."""
+    from worker.guard.guard import _Captured
+    from worker.guard.tap import StateTap
+    from worker.llm.extract import Extraction
+
+    model = make_tiny_llm()
+    ex = _Captured.for_llm(model, Settings(max_tokens=16))
+    ids = model.tokenizer("hello there", return_tensors="pt")["input_ids"]
+    tap = StateTap(model, [1], (0, ids.shape[1]), torch.float32)
+    with tap.attached(), torch.inference_mode():
+        model.model(input_ids=ids)  # the prefill: the prompt's states
+        hidden = tap.prompt_states()
+        mask = torch.ones(1, hidden.shape[2], dtype=torch.bool)
+        ex.captured = Extraction(hidden=hidden, mask=mask, layers=(1,), index=[0])
+        ex.tap = tap
+        out = ex.extract_staged(["hello there"], [2], None)  # layer 2 was not captured
+    assert out.layers == (2,) and out.index == [0]  # scored by a pass of its own
+    assert tap.decoded == 0 and tap.steps[1] == []  # and none of it kept as reply tokens

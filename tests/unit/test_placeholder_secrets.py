@@ -36,4 +36,4 @@ def test_placeholder_keys_are_refused(field: str, value: str) -> None:
 
 def test_a_random_key_is_accepted() -> None:
     key = "3f9a1c0e7b2d4a6f8e1c3b5d7f9a0c2e"
-    assert Settings(checkpoint_hmac_key=key).checkpoint_hmac_key is not None
+    assert Settings(checkpoint_hmac_key=key, deployment_id="t").checkpoint_hmac_key is not None

@@ -16,7 +16,7 @@ IDS = [f"m-{i}" for i in range(20_000)]
 
 
 def test_ids_chosen_to_escape_the_audit_are_still_audited() -> None:
-    settings = Settings(checkpoint_hmac_key=KEY, review_audit_share=0.1)
+    settings = Settings(checkpoint_hmac_key=KEY, deployment_id="t", review_audit_share=0.1)
     # What a client can compute from the public code: ids that would never be audited.
     chosen = [m for m in IDS if sticky_fraction(m, "audit") >= 0.1]
     policy = ReviewPolicy.from_settings(settings)
@@ -27,7 +27,7 @@ def test_ids_chosen_to_escape_the_audit_are_still_audited() -> None:
 
 
 def test_conversations_chosen_to_avoid_the_canary_still_meet_it() -> None:
-    settings = Settings(checkpoint_hmac_key=KEY)
+    settings = Settings(checkpoint_hmac_key=KEY, deployment_id="t")
     slot = ProbeSlot("toxicity", live=None, canary_share=0.2)
     chosen = [c for c in IDS if sticky_fraction(c, "toxicity") >= 0.2]
     no_model: Any = None  # routing needs no model
@@ -42,4 +42,4 @@ def test_conversations_chosen_to_avoid_the_canary_still_meet_it() -> None:
 
 def test_without_a_key_routing_is_as_before() -> None:
     assert Settings().routing_salt == ""
-    assert Settings(checkpoint_hmac_key=KEY).routing_salt not in ("", KEY)
+    assert Settings(checkpoint_hmac_key=KEY, deployment_id="t").routing_salt not in ("", KEY)

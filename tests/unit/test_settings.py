@@ -116,6 +116,7 @@ def test_checkpoint_key_is_a_secret_of_sane_length(monkeypatch: pytest.MonkeyPat
 
     assert Settings().signing_key is None
     monkeypatch.setenv("PROBEGUARD_CHECKPOINT_HMAC_KEY", "k" * 32)
+    monkeypatch.setenv("PROBEGUARD_DEPLOYMENT_ID", "test")
     s = Settings()
     assert s.signing_key == b"k" * 32
     assert "k" * 32 not in repr(s) and "k" * 32 not in str(s)

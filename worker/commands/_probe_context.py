@@ -25,11 +25,11 @@ def probe_context(args: argparse.Namespace) -> ProbeContext:
     from worker.settings import load_settings
     from worker.store.checkpoints import CheckpointRegistry
     from worker.store.evidence import EvidenceStore
-    from worker.store.redis import Keys
+    from worker.store.redis import keys_for
 
     settings = load_settings()
     client = registry_redis(settings, probe_given=bool(args.probe))
-    keys = Keys(settings.redis_prefix)
+    keys = keys_for(settings)
     registry = CheckpointRegistry(
         client, keys, args.probe or settings.probe_to_train, signing_key=settings.signing_key
     )

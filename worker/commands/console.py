@@ -94,14 +94,12 @@ def _serve(args: argparse.Namespace) -> int:
 def _sign_out(args: argparse.Namespace) -> int:
     from worker.commands._common import settings_with
     from worker.console.sessions import SessionStore
-    from worker.store.redis import Keys, make_redis
+    from worker.store.redis import keys_for, make_redis
 
     settings = settings_with()
     client = make_redis(settings)
     try:
-        sessions = SessionStore(
-            client, Keys(settings.redis_prefix), ttl_s=settings.console_session_ttl_s
-        )
+        sessions = SessionStore(client, keys_for(settings), ttl_s=settings.console_session_ttl_s)
         n = sessions.end_all(args.name)
     finally:
         client.close()

@@ -153,10 +153,10 @@ def _text(args: argparse.Namespace, settings: Settings) -> str:
     if args.message_id is None:
         return str(args.text)
     from worker.explain.breakdown import cached_text
-    from worker.store.redis import Keys, make_text_redis
+    from worker.store.redis import keys_for, make_text_redis
 
     with make_text_redis(settings) as client:
-        return cached_text(client, Keys(settings.redis_prefix), args.message_id)
+        return cached_text(client, keys_for(settings), args.message_id)
 
 
 def _source(args: argparse.Namespace, settings: Settings) -> ProbeSource:
@@ -166,12 +166,12 @@ def _source(args: argparse.Namespace, settings: Settings) -> ProbeSource:
         return source_from_checkpoint(args.checkpoint)
     from worker.commands._common import registry_redis
     from worker.store.checkpoints import CheckpointRegistry
-    from worker.store.redis import Keys
+    from worker.store.redis import keys_for
 
     with registry_redis(settings, probe_given=bool(args.probe)) as client:
         name = args.probe or settings.probe_to_train
         registry = CheckpointRegistry(
-            client, Keys(settings.redis_prefix), name, signing_key=settings.signing_key
+            client, keys_for(settings), name, signing_key=settings.signing_key
         )
         return source_from_registry(registry, args.stage, args.version)
 

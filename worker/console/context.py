@@ -28,7 +28,7 @@ from worker.console.sessions import SessionStore
 from worker.review.queue import ReviewQueue
 from worker.settings import Settings
 from worker.store.evidence import EvidenceStore
-from worker.store.redis import Keys, make_text_redis
+from worker.store.redis import Keys, keys_for, make_text_redis
 
 __all__ = ["Console", "console_of", "redis_options", "user_of"]
 
@@ -74,7 +74,7 @@ class Console:
     )
 
     def __post_init__(self) -> None:
-        self.keys = Keys(self.settings.redis_prefix)
+        self.keys = keys_for(self.settings)
         self.texts = make_text_redis(self.settings, self.client, **redis_options(self.settings))
         self.evidence = EvidenceStore.from_settings(self.client, self.settings, cache=self.texts)
         self.specs = SpecCache(self.client, self.keys)

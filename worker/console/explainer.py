@@ -28,7 +28,7 @@ from worker.explain.breakdown import (
 )
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
-from worker.store.redis import Keys
+from worker.store.redis import Keys, keys_for
 
 if TYPE_CHECKING:
     from probes.probe import Probe
@@ -97,7 +97,7 @@ class Explainer:
         enabled: bool = True,
     ) -> None:
         self.settings = settings
-        self.keys = Keys(settings.redis_prefix)
+        self.keys = keys_for(settings)
         self.client = client
         self.enabled = enabled
         self._extractor = extractor
@@ -237,7 +237,7 @@ class Explainer:
             stored.manifest_json,
             None,
             signing_key=self.settings.signing_key,
-            deployment=self.keys.prefix,
+            deployment=self.keys.deployment,
             unbound_ok=True,
         )
         weights = [float(w) for w in loaded.layer_weights().tolist()]

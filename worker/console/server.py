@@ -23,7 +23,7 @@ from worker.http_thread import HttpThread
 from worker.kafka.clients import ensure_topics
 from worker.review.queue import ReviewQueue
 from worker.settings import Settings
-from worker.store.redis import Keys, make_redis
+from worker.store.redis import keys_for, make_redis
 
 if TYPE_CHECKING:
     from worker.llm.extract import HiddenStateExtractor
@@ -54,7 +54,7 @@ class ConsoleServer:
             )
         self.settings = settings
         client = make_redis(settings, **redis_options(settings))  # bounded: see there
-        keys = Keys(settings.redis_prefix)
+        keys = keys_for(settings)
         queue = (
             ReviewQueue(settings, client, spec_of=SpecCache(client, keys), worker_id=worker_id)
             if review

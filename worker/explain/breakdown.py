@@ -101,7 +101,7 @@ def source_from_registry(
     """``version``, else the version at ``stage`` (``live`` or ``canary``)."""
     version, where = resolve_version(registry, stage, version)
     stored = registry.get(version)  # UnknownVersion / integrity errors name the version
-    return ProbeSource(stored.blob, stored.manifest_json, where, registry.keys.prefix)
+    return ProbeSource(stored.blob, stored.manifest_json, where, registry.keys.deployment)
 
 
 def resolve_version(

@@ -98,6 +98,7 @@ class _Captured(HiddenStateExtractor):
     other layers) it runs a forward pass of its own, like the scorer's."""
 
     captured: Extraction | None = None
+    tap: StateTap | None = None  # the turn's hooks: paused while its own pass runs
 
     def extract_staged(
         self,
@@ -107,7 +108,10 @@ class _Captured(HiddenStateExtractor):
     ) -> Extraction:
         cap = self.captured
         if cap is None or len(texts) != 1 or not set(layers) <= set(cap.layers):
-            return super().extract_staged(texts, layers, exit_stage)
+            # The serving model's modules still carry the turn's hooks: this pass must not
+            # add its states to the reply's.
+            with self.tap.paused() if self.tap is not None else contextlib.nullcontext():
+                return super().extract_staged(texts, layers, exit_stage)
         pick = [cap.layers.index(layer) for layer in layers]  # no cascade: all is computed
         return Extraction(hidden=cap.hidden[pick], mask=cap.mask, layers=tuple(layers), index=[0])
 
@@ -449,12 +453,14 @@ class Guard:
         mask = torch.ones(1, states.shape[2], dtype=torch.bool, device=states.device)
         layers = turn.tap.layers
         self.extractor.captured = Extraction(hidden=states, mask=mask, layers=layers, index=[0])
+        self.extractor.tap = turn.tap
         try:
             judged = self.engine.judge(
                 [message], retain=[retain], review=send and self.settings.guard_review
             )
         finally:
             self.extractor.captured = None
+            self.extractor.tap = None
         if send:
             self.outbox.put(judged, [message])
         if 0 in judged.errors:

@@ -38,6 +38,7 @@ class StateTap:
         self.dtype = dtype
         self.prompt: dict[int, torch.Tensor] = {}  # layer -> [n, D]
         self.steps: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.layers}
+        self._paused = False
 
     @property
     def decoded(self) -> int:
@@ -53,7 +54,19 @@ class StateTap:
         m = self.decoded
         return torch.stack([torch.cat(self.steps[layer][:m]) for layer in self.layers]).unsqueeze(1)
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[StateTap]:
+        """Forward passes in the block are not the generation's (the guard's own fallback
+        pass after a hot swap to a probe that reads other layers): keep nothing of them."""
+        was, self._paused = self._paused, True
+        try:
+            yield self
+        finally:
+            self._paused = was
+
     def _sink(self, layer: int, states: torch.Tensor) -> None:  # states: [1, t, D]
+        if self._paused:
+            return
         if layer not in self.prompt:
             start, end = self.span
             self.prompt[layer] = states[0, start:end].detach().to(self.dtype, copy=True)

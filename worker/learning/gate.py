@@ -32,7 +32,7 @@ from schemas import HumanLabel
 from worker.errors import TransientError
 from worker.kafka.records import Item
 from worker.settings import Settings
-from worker.store.redis import Keys, id_digest
+from worker.store.redis import Keys, id_digest, keys_for
 
 __all__ = ["LabelGate", "Verdict"]
 
@@ -90,7 +90,7 @@ class LabelGate:
         """``client``: the text cache's (the markers are per message, like cached texts)."""
         return cls(
             client,
-            Keys(settings.redis_prefix),
+            keys_for(settings),
             probe,
             max_labels=settings.labeler_max_labels,
             window_s=settings.labeler_window_s,

@@ -135,7 +135,7 @@ def newest_verifiable(
                 stored.manifest_json,
                 extractor.fingerprint,
                 signing_key=signing_key,
-                deployment=registry.keys.prefix,
+                deployment=registry.keys.deployment,
                 unbound_ok=vouched.get(version) == sha,
             )
         except (RegistryError, CheckpointError) as exc:

@@ -63,7 +63,7 @@ from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.evidence import EvidenceStore
 from worker.store.lease import Lease, LeaseKeeper
-from worker.store.redis import Breaker, Keys, join_texts, make_text_redis
+from worker.store.redis import Breaker, join_texts, keys_for, make_text_redis
 
 __all__ = ["Updater", "default_spec"]  # default_spec: from worker.learning.resume
 
@@ -87,7 +87,7 @@ class Updater:
         self.extractor = extractor
         self.redis: Any = redis_client
         self.text_redis: Any = text_redis or make_text_redis(settings, redis_client)
-        self.keys = Keys(settings.redis_prefix)
+        self.keys = keys_for(settings)
         self.name = settings.probe_to_train
         self.worker_id = worker_id or settings.resolved_worker_id()
         self.registry = CheckpointRegistry(
@@ -473,7 +473,7 @@ class Updater:
                 signing_key=self.settings.signing_key,
                 weights=self.settings.publish_weights,
                 drift=learner.drift_reference(probe),
-                deployment=self.keys.prefix,
+                deployment=self.keys.deployment,
             )
             self.registry.publish(
                 blob,

@@ -23,7 +23,7 @@ from worker.errors import ReviewError
 from worker.kafka.offsets import OffsetTracker
 from worker.review.claims import ClaimStore, is_done
 from worker.settings import Settings
-from worker.store.redis import Keys
+from worker.store.redis import keys_for
 
 __all__ = ["Held", "ReviewDesk", "ReviewItem"]
 
@@ -72,7 +72,7 @@ class ReviewDesk:
         self.settings = settings
         self.claims = ClaimStore(
             client,
-            Keys(settings.redis_prefix),
+            keys_for(settings),
             ttl_s=settings.console_claim_ttl_s,
             done_ttl_s=settings.text_cache_ttl_s,
         )

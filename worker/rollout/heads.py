@@ -116,7 +116,7 @@ def add_head_version(
             stored.manifest_json,
             fingerprint or stored.manifest.llm,
             signing_key=registry.signing_key,
-            deployment=registry.keys.prefix,
+            deployment=registry.keys.deployment,
             unbound_ok=vouched.get(live) == stored.manifest.tensors_sha256,
         )
         grown = add_head(
@@ -137,7 +137,7 @@ def add_head_version(
         counters=manifest.counters,
         signing_key=registry.signing_key,
         weights="int8" if fmt == "int8" else "fp32",
-        deployment=registry.keys.prefix,
+        deployment=registry.keys.deployment,
     )
     labels = ", ".join(head.labels)
     registry.publish(

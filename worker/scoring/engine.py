@@ -46,7 +46,7 @@ from worker.scoring.probe_watch import ProbeWatcher
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.evidence import EvidenceStore, Judgement, ReviewBudget, ReviewCandidate
-from worker.store.redis import Breaker, Keys, make_text_redis
+from worker.store.redis import Breaker, keys_for, make_text_redis
 
 __all__ = ["Judged", "Retain", "ScoringEngine"]
 
@@ -95,7 +95,7 @@ class ScoringEngine:
         self.redis: Any = redis_client
         # The per-message cache: its own Redis when configured (see make_text_redis).
         self.text_redis: Any = text_redis or make_text_redis(settings, redis_client)
-        self.keys = Keys(settings.redis_prefix)
+        self.keys = keys_for(settings)
         self.worker_id = worker_id
         self.metrics = metrics
         metrics.serving(settings.probe_names)

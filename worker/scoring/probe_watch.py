@@ -350,7 +350,7 @@ class ProbeWatcher:
                 stored.manifest_json,
                 self.fingerprint,
                 signing_key=self.signing_key,
-                deployment=registry.keys.prefix,
+                deployment=registry.keys.deployment,
                 unbound_ok=True,  # the pointers, bound to this deployment, name its sha
             )
         except UnknownVersion as exc:

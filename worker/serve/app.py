@@ -154,6 +154,7 @@ def create_app(service: Service) -> FastAPI:
         request: Request, dialect: Dialect, work: Callable[[bytes, Caller], Awaitable[Response]]
     ) -> Response:
         t0 = time.perf_counter()
+        reading = False  # the body is being (or was) read: nothing left to drop
         try:
             caller = await service.auth.caller(
                 request, _presented_key(request), lambda code: _key_refusal(dialect, code)
@@ -167,9 +168,11 @@ def create_app(service: Service) -> FastAPI:
                     code="rate_limit_exceeded",
                     retry_after_s=wait,
                 )
+            reading = True
             body = await reader.read(request)
             # A large body costs more to parse: one more request per BODY_UNIT bytes.
-            extra = len(body) // BODY_UNIT
+            # (never more than the burst: a configured burst below it must still admit it)
+            extra = min(len(body) // BODY_UNIT, s.serve_rate_burst)
             wait = service.limiter.take(caller.limit_key, cost=extra) if extra else 0.0
             if wait > 0:
                 raise ApiError(
@@ -182,6 +185,11 @@ def create_app(service: Service) -> FastAPI:
                 )
             response = await work(body, caller)
         except ApiError as e:
+            # Refused before its body was read: drop a small body to keep the connection;
+            # a large one is not worth reading (the connection closes: a client that sends
+            # it again reconnects, within its address's connection rate).
+            if not reading and not await reader.discard(request, BODY_UNIT):
+                e.close = True
             response = _error_response(dialect, e)
         requests_total.labels(dialect.name, str(response.status_code)).inc()
         request_seconds.labels(dialect.name).observe(time.perf_counter() - t0)

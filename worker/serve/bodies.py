@@ -74,6 +74,22 @@ class BodyReader:
             raise too_large
         return bytes(body)
 
+    async def discard(self, request: Request, budget: int) -> bool:
+        """Read and drop a body of at most ``budget`` bytes (declared or found); False
+        when it is larger, slow or cut off (then the connection should be closed)."""
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > budget:
+            return False
+        try:
+            with anyio.fail_after(min(self.timeout_s, 5.0)):
+                async for chunk in request.stream():
+                    budget -= len(chunk)
+                    if budget < 0:
+                        return False
+        except (TimeoutError, ClientDisconnect, RuntimeError):
+            return False
+        return True
+
 
 async def parse(
     model: type[Any], body: bytes, *, max_inputs: int, threads: anyio.CapacityLimiter

@@ -10,7 +10,11 @@ new ones a second the process would run out of descriptors. Here
   closed (the body has its own deadline: :class:`worker.serve.bodies.BodyReader`);
 - at most ``max_connections`` connections are open, and at most ``max_per_address`` from
   one client address; a connection over either cap is answered 503 with ``Retry-After``
-  and closed at once, so a flood from one address costs other addresses nothing.
+  and closed at once, so a flood from one address costs other addresses nothing;
+- one client address opens at most ``new_per_address_s`` connections a second (bursts
+  of ``max_per_address``); the rest get the same 503 before any HTTP is parsed: a client
+  that ignores its 429s and reconnects at once (every refused body closes its connection)
+  costs the event loop an accept and a write, not a request.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from worker.serve.keys import RateLimiter
+
 __all__ = ["guarded_protocol"]
 
 _REFUSED = (
@@ -30,11 +36,16 @@ _REFUSED = (
 
 
 def guarded_protocol(
-    *, header_timeout_s: float, max_connections: int, max_per_address: int
+    *,
+    header_timeout_s: float,
+    max_connections: int,
+    max_per_address: int,
+    new_per_address_s: float,
 ) -> type[asyncio.Protocol]:
     """A protocol class for ``uvicorn.Config(http=...)``; its caps count the connections of
     the one server it is given to."""
     per_address: Counter[str] = Counter()
+    opened = RateLimiter(new_per_address_s, max_per_address)
 
     class GuardedH11Protocol(H11Protocol):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -46,7 +57,11 @@ def guarded_protocol(
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             address = self.client[0] if self.client else "?"
-            if len(self.connections) > max_connections or per_address[address] >= max_per_address:
+            if (
+                len(self.connections) > max_connections
+                or per_address[address] >= max_per_address
+                or opened.take(address) > 0
+            ):
                 transport.write(_REFUSED)
                 transport.close()
                 return

@@ -7,13 +7,20 @@ full (the broker away for long) records are dropped and counted
 (``probeguard_serve_outbox_dropped_total``): an HTTP answer never waits on the broker. A
 record the producer refuses (too large, say) costs only itself. Delivery is at most once:
 an HTTP call has no offset to replay.
+
+Stopping takes at most its ``timeout_s`` whatever the broker does: records still queued
+are dropped and counted, the sender stops between records, and the producer is flushed
+and closed within what is left of the time (a send to a broker that is away blocks up to
+``max_block_ms``; the sender thread is a daemon and is not waited for beyond the bound).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
@@ -37,6 +44,7 @@ class Outbox:
         self._queue: queue.Queue[tuple[str, bytes, bytes] | None] = queue.Queue(QUEUE_RECORDS)
         self._thread: threading.Thread | None = None
         self._producer: Any = None
+        self._stopping = threading.Event()
         self.sent = Counter(
             "probeguard_serve_outbox_sent", "Records sent to Kafka", ["topic"], registry=collector
         )
@@ -63,16 +71,35 @@ class Outbox:
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Drop what is still queued (counted), then give the sender and the producer what
+        is left of ``timeout_s``: never longer, even with the broker away."""
         if self._thread is None:
             return
-        self._queue.put(None)
-        self._thread.join(timeout_s)
-        self._producer.flush(timeout=timeout_s)
-        self._producer.close(timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        self._stopping.set()
+        self._drop_queued()
+        # Wake a sender waiting for a record (when full, it sees _stopping after its send).
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(None)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        for step in (self._producer.flush, self._producer.close):
+            try:
+                step(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception as exc:  # a broker away: what was not sent is lost (at most once)
+                log.warning("stopping the outbox producer: %s", type(exc).__name__)
+
+    def _drop_queued(self) -> None:
+        while True:
+            try:
+                record = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if record is not None:
+                self.dropped.labels(record[0]).inc()
 
     def put(self, judged: Judged, messages: list[ChatMessage]) -> None:
         """Queue the batch's records (never blocks; drops and counts when full)."""
-        if self._thread is None:
+        if self._thread is None or self._stopping.is_set():
             return
         s = self.settings
         records: list[tuple[str, bytes, bytes]] = []
@@ -92,9 +119,12 @@ class Outbox:
                 self.dropped.labels(record[0]).inc()
 
     def _run(self) -> None:
-        while True:
+        while not self._stopping.is_set():
             record = self._queue.get()
-            if record is None:
+            if record is None or self._stopping.is_set():
+                if record is not None:
+                    self.dropped.labels(record[0]).inc()
+                self._drop_queued()
                 return
             topic, key, value = record
             try:

@@ -11,8 +11,10 @@ Example::
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import logging
+import platform
 from typing import Any
 
 import redis
@@ -29,6 +31,22 @@ from worker.settings import Settings
 __all__ = ["ModerationServer", "is_loopback"]
 
 log = logging.getLogger(__name__)
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD = 4 * 1024 * 1024
+
+
+def keep_rss_flat() -> bool:
+    """Make glibc give large freed blocks back (blocks of 4 MiB and more are mapped and
+    unmapped; smaller ones are trimmed from the heaps' tops). By default glibc raises that
+    threshold after the first large free and keeps up to 64 MiB per thread arena: hostile
+    bodies parsed on worker threads then grew RSS by ~300 MB (bench/serve_abuse.py) that
+    was never returned. True when applied (glibc only)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    except (OSError, AttributeError):
+        return False
 
 
 def is_loopback(host: str) -> bool:
@@ -68,6 +86,7 @@ class ModerationServer:
             header_timeout_s=settings.serve_header_timeout_s,
             max_connections=settings.serve_max_connections,
             max_per_address=settings.serve_max_connections_per_address,
+            new_per_address_s=settings.serve_new_connections_per_address,
         )
         self.http = HttpThread(
             self.app,
@@ -89,6 +108,7 @@ class ModerationServer:
         self.stop()
 
     def start(self, timeout_s: float = 30.0) -> ModerationServer:
+        keep_rss_flat()
         self.service.start()
         try:
             self.http.start(timeout_s)

@@ -328,7 +328,7 @@ class CheckpointRegistry(CheckpointReader):
     def _optimizer_mac(self, version: int) -> Callable[[bytes], str] | None:
         if self.signing_key is None:
             return None
-        prefix, probe = self.keys.prefix, self.probe
+        prefix, probe = self.keys.deployment, self.probe
         return lambda blob: self.mac(optimizer_state.state_record(prefix, probe, version, blob))
 
     def _verified_stages(self) -> Stages:
@@ -380,7 +380,7 @@ class CheckpointRegistry(CheckpointReader):
         deployment (:func:`probes.checkpoint.verify_signature`)."""
         assert self.signing_key is not None
         try:
-            verify_signature(manifest, blob, self.signing_key, self.keys.prefix)
+            verify_signature(manifest, blob, self.signing_key, self.keys.deployment)
         except CheckpointError as exc:
             raise RegistryError(f"not publishing it live: {exc}") from None
 

@@ -66,7 +66,7 @@ from probes.metrics import precision_recall_f1
 from schemas import DecidedRecord, ProbeDecision
 from worker.settings import DEFAULTS, Settings
 from worker.store import scripts
-from worker.store.redis import Keys
+from worker.store.redis import Keys, keys_for
 
 __all__ = [
     "Confusion",
@@ -357,7 +357,7 @@ class EvidenceStore:
         records are read from ``cache``, the text cache's client, when given."""
         return cls(
             client,
-            Keys(settings.redis_prefix),
+            keys_for(settings),
             pairs_max=settings.evidence_pairs,
             marker_ttl_s=settings.text_cache_ttl_s,
             cache=cache,

@@ -70,7 +70,7 @@ class CheckpointReader:
         for v in (st.live, st.canary):
             if v is not None and v not in shas:
                 shas[v] = self.manifest(v).tensors_sha256
-        return self.mac(stage_record(self.keys.prefix, self.probe, st, shas))
+        return self.mac(stage_record(self.keys.deployment, self.probe, st, shas))
 
     def stages_verify(self, st: Stages) -> bool:
         """Whether ``st`` carries a valid signature (always, without a key). Empty
@@ -113,7 +113,7 @@ class CheckpointReader:
                     stored.manifest,
                     stored.blob,
                     self.signing_key,
-                    self.keys.prefix,
+                    self.keys.deployment,
                     unbound_ok=unbound_ok or (vouched or {}).get(version) == sha,
                 )
             except CheckpointError as exc:

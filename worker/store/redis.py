@@ -18,7 +18,15 @@ from schemas import HumanLabel
 from worker.errors import ConfigError, TransientError
 from worker.settings import RESERVED_PROBE_NAMES, Settings
 
-__all__ = ["Breaker", "Keys", "id_digest", "join_texts", "make_redis", "make_text_redis"]
+__all__ = [
+    "Breaker",
+    "Keys",
+    "id_digest",
+    "join_texts",
+    "keys_for",
+    "make_redis",
+    "make_text_redis",
+]
 
 
 def make_redis(settings: Settings, url: str | None = None, **overrides: Any) -> redis.Redis:
@@ -106,9 +114,10 @@ class Keys:
     ``P:review_budget:{window}`` string   review requests sent in a time window (scorers; TTL)
     ``P:review:sent:{p}:{m}``    string   message ``m``'s request for probe ``p`` was admitted
                                           (charged to the budget once; TTL) (scorers)
-    ``P:counted:{t}:{part}``     string   highest offset of topic ``t``'s partition whose
-                                          evidence is counted (scorers; TTL): redelivered
-                                          records at or below it count no more
+    ``P:counted:{g}:{t}:{part}`` string   highest offset of topic ``t``'s partition whose
+                                          evidence consumer group ``g`` counted (scorers;
+                                          TTL): redelivered records at or below it count
+                                          no more
     ``P:once:{request_id}``      string   a script's reply, for a re-run after a lost reply
                                           (``store.scripts``; TTL 10 min)
     ``P:review:claim:{item}``    string   a console reviewer's claim on a review item
@@ -125,12 +134,17 @@ class Keys:
 
     Keys marked [cache] live in the text cache's Redis (``PROBEGUARD_TEXT_REDIS_URL``, by
     default the same server): per message, with a TTL, and the bulk of the data.
+
+    ``deployment`` is what signatures bind (checkpoints, stage pointers, optimizer state):
+    ``PROBEGUARD_DEPLOYMENT_ID``, else the prefix. Two deployments on separate Redis
+    servers with the same prefix (the default) and the same key are told apart by it.
     """
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, deployment: str | None = None) -> None:
         if not prefix or any(c.isspace() for c in prefix):
             raise ConfigError(f"invalid Redis key prefix {prefix!r}")
         self.prefix = prefix
+        self.deployment = deployment or prefix
 
     def _join(self, *parts: str | int) -> str:
         return ":".join([self.prefix, *(str(p) for p in parts)])
@@ -327,3 +341,8 @@ def join_texts(text_redis: Any, keys: Keys, labels: list[HumanLabel]) -> list[st
     except (redis.RedisError, OSError) as exc:
         raise TransientError(f"text cache unreachable: {exc}") from exc
     return [v.decode() if v is not None else lb.text for lb, v in zip(labels, values, strict=True)]
+
+
+def keys_for(settings: Settings) -> Keys:
+    """The key layout under ``settings.redis_prefix``, bound to its deployment id."""
+    return Keys(settings.redis_prefix, settings.deployment_id)
