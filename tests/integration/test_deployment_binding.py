@@ -115,6 +115,7 @@ def test_resume_refuses_a_version_copied_from_another_deployment(
         checkpoint_hmac_key=KEY,
         deployment_id=prod.keys.deployment,
         probe_to_train="toxicity",
+        probes="toxicity",
         metrics_port=0,
     )
     updater = Updater(settings, ex, redis_ns.client, worker_id="u-binding")

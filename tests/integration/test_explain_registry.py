@@ -43,6 +43,7 @@ def published(tmp_path: Path, redis_ns: RedisNamespace, monkeypatch: pytest.Monk
     redis_ns.client.set(redis_ns.keys.text("m-1"), TEXT.encode())
     monkeypatch.setenv("PROBEGUARD_REDIS_URL", redis_ns.url)
     monkeypatch.setenv("PROBEGUARD_REDIS_PREFIX", redis_ns.prefix)
+    monkeypatch.setenv("PROBEGUARD_PROBES", "toxicity")
     monkeypatch.setenv("PROBEGUARD_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("PROBEGUARD_MODEL", str(tmp_path / "tiny-llama-0-own"))
     return tmp_path

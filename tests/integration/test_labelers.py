@@ -90,7 +90,7 @@ def test_one_labelers_labels_alone_do_not_promote_a_canary(redis_ns: RedisNamesp
     registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
     publish_probe(registry, ex.fingerprint, seed=1)
     canary = publish_probe(registry, ex.fingerprint, seed=2, set_live=False)
-    settings = Settings(redis_prefix=redis_ns.prefix, probe_to_train="toxicity", metrics_port=0)
+    settings = Settings(redis_prefix=redis_ns.prefix, probes="toxicity", metrics_port=0)
     updater = Updater(settings, ex, redis_ns.client, worker_id="u-evidence")
     rollout = Rollout(registry, updater.evidence, actor="test")
     rollout.start_canary(canary, 0.5, reason="test")
