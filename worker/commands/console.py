@@ -81,8 +81,9 @@ def _serve(args: argparse.Namespace) -> int:
         console_port=args.port,
         console_explain=False if args.no_explain else None,
     )
+    server = ConsoleServer(settings)  # first: no users is the first thing to say
     registry_redis(settings).close()  # refuses a registry under the old default name
-    server = ConsoleServer(settings).start()
+    server.start()
     print(f"console: {server.url} (Ctrl-C stops)", flush=True)
     try:
         until_signalled()
