@@ -78,6 +78,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--warmup", type=int, default=5, help="valid requests first (%(default)s)")
     p.add_argument(
+        "--hostile-nice",
+        type=int,
+        default=0,
+        help="run the hostile clients' process at this nice increment (%(default)s): on "
+        "loopback their own work takes the CPU the server needs, which a remote attacker's "
+        "would not; 10-19 leaves the cores to the server and the valid clients",
+    )
+    p.add_argument(
         "--tiny",
         action="store_true",
         help="a tiny random LLM (tests/tiny_llm.py) and a random probe published for it: "
@@ -206,6 +214,8 @@ def _client_process(
                     json={"input": TEXTS[i % len(TEXTS)]},
                     headers={"Authorization": f"Bearer {keys['good']}"},
                 )
+    if role == "hostile" and args["hostile_nice"]:
+        os.nice(args["hostile_nice"])  # the attackers' CPU is theirs, not the server's
     conn.send("warm")
     while (phase := conn.recv()) is not None:
         stop = threading.Event()
@@ -306,7 +316,10 @@ def main(argv: list[str] | None = None) -> int:
             threading.Thread(target=sample, daemon=True).start()
             ctx = multiprocessing.get_context("spawn")
             keys = {name: key for name, (key, _) in made.items()}
-            options = {k: getattr(args, k) for k in ("warmup", "valid", "seconds", "stalled")}
+            options = {
+                k: getattr(args, k)
+                for k in ("warmup", "valid", "seconds", "stalled", "hostile_nice")
+            }
             options["max_requests"] = args.max_requests
             pipes: list[Any] = []
             procs: list[Any] = []
@@ -376,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds_per_phase": args.seconds,
         "rounds": args.rounds,
         "valid_clients": args.valid,
+        "hostile_nice": args.hostile_nice,
         "valid": {
             "idle": {
                 "requests": len(idle),
