@@ -57,6 +57,7 @@ from pydantic import ValidationError
 
 from schemas import DeadLetterKind, WireModel, describe_error
 from worker.errors import TransientError
+from worker.kafka.clients import close_producer
 from worker.kafka.records import (
     REFUSED,
     Between,
@@ -177,8 +178,7 @@ class BatchLoop(Generic[T]):
         """
         steps: list[Callable[[], object]] = [
             self.consumer.close,
-            lambda: self.producer.flush(30),
-            lambda: self.producer.close(30),
+            lambda: close_producer(self.producer, 30),
         ]
         for step in steps:
             try:

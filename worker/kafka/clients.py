@@ -23,6 +23,7 @@ from worker.settings import Settings
 __all__ = [
     "all_topics",
     "client_config",
+    "close_producer",
     "consumer_lag",
     "ensure_topics",
     "make_admin",
@@ -135,6 +136,25 @@ def make_producer(settings: Settings, **overrides: Any) -> KafkaProducer:
         raise KafkaSetupError(
             f"cannot create a producer for {settings.kafka_bootstrap!r}: {exc}"
         ) from exc
+
+
+def close_producer(producer: KafkaProducer, timeout_s: float) -> bool:
+    """Flush and close ``producer`` within ``timeout_s``; True if everything was sent.
+
+    With a broker away, kafka-python's ``close`` raises its flush timeout and leaves the
+    producer open, so its ``__del__`` tries again later in whatever thread collects it
+    (a ``KafkaTimeoutError`` nobody can catch). Here what is still unsent is failed
+    instead (at most once: its callbacks see the error) and the producer is closed for
+    certain."""
+    try:
+        producer.flush(timeout=timeout_s)
+        sent = True
+    except KafkaError as exc:
+        log.warning("closing a producer: %s; what was not sent is dropped", type(exc).__name__)
+        sent = False
+        producer._accumulator.abort_incomplete_batches()  # close's own flush then returns
+    producer.close(timeout=0 if not sent else timeout_s)
+    return sent
 
 
 def reader_config(settings: Settings) -> dict[str, Any]:
