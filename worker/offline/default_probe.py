@@ -621,6 +621,8 @@ def build_default(
     card = {
         "name": spec.name,
         "llm": extractor.fingerprint.model_id,
+        # The chat form's key (the template's ids around the text); absent: the raw form.
+        **({"text_form": form} if (form := extractor.fingerprint.text_form) else {}),
         "noncommercial": noncommercial,
         "license": "CC-BY-NC-4.0" if noncommercial else "Apache-2.0",
         "heads": [h.model_dump() for h in spec.heads],
