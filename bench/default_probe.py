@@ -108,6 +108,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--budget", type=float, default=BUDGET)
     p.add_argument("--no-minilm", action="store_true", help="skip the MiniLM + LR peer")
+    p.add_argument(
+        "--budgets",
+        action="store_true",
+        help="also measure the default at every operating point its card ships "
+        "(PROBEGUARD_DEFAULT_FLAG_BUDGET)",
+    )
     p.add_argument("--ablate", action="store_true", help="refit without each source in turn")
     p.add_argument("--ablate-pool", default="mean", help="the ablation's probe kind (mean)")
     p.add_argument("--folds", type=int, default=4)
@@ -211,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     llm = HiddenStateCache(args.cache_root / "convabuse").manifest.llm
     if args.default is not None:
         probe, _ = load_checkpoint(args.default, llm)
+        card = json.loads((args.default / "card.json").read_text())
     elif (found := find_default(llm, "moderation")) is not None:
-        probe = found.probe
+        probe, card = found.probe, found.card
     else:
         raise SystemExit(missing(llm))
     spec = default_spec(llm.hidden_size, list(probe.spec.layers), pool=probe.spec.token_pool)
@@ -221,6 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, item in held.items():
         table["default"][name] = _summary(measure(probe, item), name)
         log(f"default on {name}: {table['default'][name]}")
+    if args.budgets:
+        shipped = dict(probe.spec.thresholds)
+        for budget, points in card.get("operating_points", {}).items():
+            probe.set_thresholds({**shipped, **points})
+            row = {n: _summary(measure(probe, i), n) for n, i in held.items()}
+            table[f"default at budget {budget}"] = row
+            log(f"default at budget {budget}: measured")
+        probe.set_thresholds(shipped)
     if not args.no_minilm:
         dev = [Loaded.concat([x.part("train"), x.part("validation")]) for x in loaded]
         log("MiniLM embeddings of the development rows ...")
