@@ -59,9 +59,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     build.add_argument("--patience", type=int, default=4, help="early-stopping patience (4)")
     build.add_argument(
         "--pool",
-        choices=["mean", "max", "gate", "mha"],
+        choices=["mean", "max", "last", "gate", "mha"],
         default=None,
-        help="token pooling (default: the recipe's mean over every layer)",
+        help="token pooling (default: the recipe's mean over every layer; last: the last "
+        "token's states, in the chat form the end of the assistant header)",
     )
     build.add_argument(
         "--budget",
