@@ -31,8 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "then writes the checkpoint and its data card (with the thresholds for other "
         "budgets). The LLM comes from PROBEGUARD_MODEL and the text form from "
         "PROBEGUARD_TEXT_FORM (chat: the folder gets a -chat suffix). About 2 minutes on 2 "
-        "CPU cores once the caches exist (building them: about 40; in the chat form: "
-        "about 60).",
+        "CPU cores once the caches exist (building them: about 40; the chat form's took "
+        "26 on cores shared with other work).",
     )
     build.add_argument(
         "--data-root",
