@@ -26,6 +26,10 @@ Example (the caches ``probeguard default build --cache-root runs/default-cache``
     python bench/default_probe.py --cache-root runs/default-cache \\
         --data-root ../shared/data --toxicchat runs/cache/toxicchat-all [--ablate]
 
+The caches' LLM fingerprint decides which packaged default is measured: caches built with
+``PROBEGUARD_TEXT_FORM=chat`` measure the chat-form default (``--default DIR``: a
+checkpoint folder not packaged yet, e.g. a ``default build --out``).
+
 The last line is one JSON object.
 """
 
@@ -42,13 +46,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from probes import load_checkpoint
 from probes.budget import budget_thresholds, flag_margin
 from probes.metrics import average_precision
 from probes.offline.cache import HiddenStateCache
 from probes.offline.fit import FitConfig
 from probes.offline.select import stratified_folds
 from schemas import ProbeSpec
-from worker.defaults import find_default
+from worker.defaults import find_default, missing
 from worker.offline.default_probe import (
     BUDGET,
     SOURCES,
@@ -94,8 +99,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-root", type=Path, required=True, help="the recipe's caches")
     p.add_argument("--data-root", type=Path, required=True, help="<dataset>/train.jsonl texts")
     p.add_argument("--toxicchat", type=Path, default=None, help="ToxicChat's cache (all rows)")
+    p.add_argument(
+        "--default",
+        type=Path,
+        default=None,
+        help="measure this checkpoint folder (a `default build --out`) instead of the packaged "
+        "default for the caches' LLM and text form",
+    )
     p.add_argument("--budget", type=float, default=BUDGET)
     p.add_argument("--no-minilm", action="store_true", help="skip the MiniLM + LR peer")
+    p.add_argument(
+        "--budgets",
+        action="store_true",
+        help="also measure the default at every operating point its card ships "
+        "(PROBEGUARD_DEFAULT_FLAG_BUDGET)",
+    )
     p.add_argument("--ablate", action="store_true", help="refit without each source in turn")
     p.add_argument("--ablate-pool", default="mean", help="the ablation's probe kind (mean)")
     p.add_argument("--folds", type=int, default=4)
@@ -197,17 +215,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.time()
     llm = HiddenStateCache(args.cache_root / "convabuse").manifest.llm
-    default = find_default(llm, "moderation")
-    if default is None:
-        raise SystemExit("this release ships no packaged default for the caches' LLM")
-    spec = default_spec(
-        llm.hidden_size, list(default.probe.spec.layers), pool=default.probe.spec.token_pool
-    )
+    if args.default is not None:
+        probe, _ = load_checkpoint(args.default, llm)
+        card = json.loads((args.default / "card.json").read_text())
+    elif (found := find_default(llm, "moderation")) is not None:
+        probe, card = found.probe, found.card
+    else:
+        raise SystemExit(missing(llm))
+    spec = default_spec(llm.hidden_size, list(probe.spec.layers), pool=probe.spec.token_pool)
     loaded, held = _load(spec, args)
     table: dict[str, dict[str, Any]] = {"default": {}}
     for name, item in held.items():
-        table["default"][name] = _summary(measure(default.probe, item), name)
+        table["default"][name] = _summary(measure(probe, item), name)
         log(f"default on {name}: {table['default'][name]}")
+    if args.budgets:
+        shipped = dict(probe.spec.thresholds)
+        for budget, points in card.get("operating_points", {}).items():
+            probe.set_thresholds({**shipped, **points})
+            row = {n: _summary(measure(probe, i), n) for n, i in held.items()}
+            table[f"default at budget {budget}"] = row
+            log(f"default at budget {budget}: measured")
+        probe.set_thresholds(shipped)
     if not args.no_minilm:
         dev = [Loaded.concat([x.part("train"), x.part("validation")]) for x in loaded]
         log("MiniLM embeddings of the development rows ...")

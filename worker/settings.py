@@ -319,13 +319,16 @@ class Settings(BaseSettings):
         "not the system prompt and header before it (they still condition every state; "
         "`MAX_TOKENS` counts them). Use `chat` to train probes for a guard that reads the "
         "serving model's own states. The LLM fingerprint records the form, so probes and "
-        "caches of one form are refused in the other: switching means retraining.",
+        "caches of one form are refused in the other: switching means retraining. The "
+        "packaged default ships in both forms (the chat one for the template's default "
+        "system prompt): each form serves its own.",
     )
     chat_system_prompt: str | None = Field(
         None,
         description="With `TEXT_FORM=chat`: the system prompt put before the user turn. "
         "Unset: the template's own default (if it has one). Part of the form: changing it "
-        "changes the fingerprint.",
+        "changes the fingerprint, and the packaged chat-form default (built with the "
+        "template's default) is not served under another prompt.",
     )
     exit: Literal["on", "off"] = Field(
         "on",
@@ -444,10 +447,10 @@ class Settings(BaseSettings):
     )
     default_probe: bool = Field(
         True,
-        description="Start from the packaged default probe of the configured LLM when the "
-        "registry has nothing published: scorers serve it at once (version 0, one score per "
-        "head), updaters fine-tune from it. `false`: scorers wait for a published version, "
-        "updaters start from `SEED_CHECKPOINT` or from zero.",
+        description="Start from the packaged default probe of the configured LLM and text "
+        "form when the registry has nothing published: scorers serve it at once (version 0, "
+        "one score per head), updaters fine-tune from it. `false`: scorers wait for a "
+        "published version, updaters start from `SEED_CHECKPOINT` or from zero.",
     )
     default_flag_budget: Annotated[float, Field(gt=0, lt=1)] | None = Field(
         None,

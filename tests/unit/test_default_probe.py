@@ -12,11 +12,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from probes import load_checkpoint
+from probes import load_checkpoint, save_checkpoint
 from probes.errors import CheckpointError
 from probes.offline.fit import FitConfig
+from tests.tiny_llm import make_tiny_llm
 from tests.unit.offline_helpers import tiny_extractor
 from worker.errors import ConfigError
+from worker.llm.extract import HiddenStateExtractor
 from worker.offline.default_probe import BUDGET, BUDGETS, SOURCES, build_default, split_of
 
 CATEGORIES = ["sexual", "hate", "harassment", "violence", "self-harm"]
@@ -201,6 +203,117 @@ def test_an_edited_or_unpinned_card_is_refused_for_its_operating_points(
     (copy / "card.json").write_text(json.dumps(card))
     with pytest.raises(CheckpointError, match=r"card\.json"):
         find_default(fp, "moderation", tmp_path, budget=0.1)
+
+
+# --- one default per text form -------------------------------------------------------------
+
+
+def _chat_extractor(system_prompt: str | None = None) -> HiddenStateExtractor:
+    """The tiny LLM reading each text as a user turn of its chat template."""
+    return HiddenStateExtractor(
+        make_tiny_llm(), max_tokens=64, batch_size=4, text_form="chat",
+        chat_system_prompt=system_prompt,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_forms(built: tuple[Path, dict], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A release root with the raw default and a chat-form one side by side, each in the
+    folder ``default build`` names for its fingerprint. (The chat one is the raw probe saved
+    under the chat form's fingerprint, as ``build_default`` would write it: the lookup
+    reads manifests, pins and cards, not what the weights learned.)"""
+    import shutil
+
+    from worker.defaults import folder_name
+
+    root = tmp_path_factory.mktemp("release")
+    raw, card = built
+    shutil.copytree(raw, root / folder_name(tiny_extractor().fingerprint))
+    chat_fp = _chat_extractor().fingerprint
+    chat = root / folder_name(chat_fp)
+    probe, _ = load_checkpoint(raw, tiny_extractor().fingerprint)
+    save_checkpoint(probe, chat, llm=chat_fp, weights="int8")
+    (chat / "card.json").write_text(json.dumps({**card, "text_form": chat_fp.text_form}))
+    return root
+
+
+def _pin_all(monkeypatch: pytest.MonkeyPatch, root: Path) -> dict[str, str]:
+    import hashlib
+
+    import worker.defaults
+
+    pins = {}
+    for folder in (p for p in root.iterdir() if p.is_dir()):
+        pins[folder.name] = hashlib.sha256((folder / "manifest.json").read_bytes()).hexdigest()
+        digest = hashlib.sha256((folder / "card.json").read_bytes()).hexdigest()
+        pins[f"{folder.name}/card.json"] = digest
+    monkeypatch.setattr(worker.defaults, "PINNED", pins)
+    return pins
+
+
+def test_each_text_form_finds_its_own_default(
+    two_forms: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from worker.defaults import find_default, missing
+
+    _pin_all(monkeypatch, two_forms)
+    raw_fp, chat_fp = tiny_extractor().fingerprint, _chat_extractor().fingerprint
+    assert sorted(p.name for p in two_forms.iterdir()) == ["tiny-llama-0", "tiny-llama-0-chat"]
+    raw = find_default(raw_fp, "moderation", two_forms)
+    chat = find_default(chat_fp, "moderation", two_forms, budget=0.1)
+    assert raw is not None and raw.folder == "tiny-llama-0" and "text_form" not in raw.card
+    assert chat is not None and chat.folder == "tiny-llama-0-chat"
+    assert chat.manifest.llm == chat_fp and chat.card["text_form"] == chat_fp.text_form
+    for label, t in chat.card["operating_points"]["0.1"].items():
+        assert chat.probe.spec.thresholds[label] == pytest.approx(t)
+    # Another system prompt is another form: no default, and the reason names both sides.
+    own = _chat_extractor("be strict").fingerprint
+    assert find_default(own, "moderation", two_forms) is None
+    reason = missing(own, two_forms)
+    assert f"chat form {own.text_form}" in reason and "PROBEGUARD_CHAT_SYSTEM_PROMPT" in reason
+    assert f"tiny-llama-0-chat: {chat_fp.model_id} in the chat form {chat_fp.text_form}" in reason
+    assert f"tiny-llama-0: {raw_fp.model_id} in the raw text form" in reason
+
+
+def test_an_edited_or_unpinned_chat_default_is_refused_and_the_raw_one_still_serves(
+    two_forms: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import shutil
+
+    import worker.defaults
+    from worker.defaults import find_default, serving_default
+
+    root = tmp_path / "release"
+    shutil.copytree(two_forms, root)
+    pins = _pin_all(monkeypatch, root)
+    raw_fp, chat_fp = tiny_extractor().fingerprint, _chat_extractor().fingerprint
+    # A chat card whose operating points were edited after the release: refused.
+    card_path = root / "tiny-llama-0-chat" / "card.json"
+    card = json.loads(card_path.read_text())
+    card["operating_points"]["0.1"] = {k: 1.0 for k in card["operating_points"]["0.1"]}
+    card_path.write_text(json.dumps(card))
+    with pytest.raises(CheckpointError, match=r"tiny-llama-0-chat: card\.json"):
+        find_default(chat_fp, "moderation", root)
+    assert find_default(raw_fp, "moderation", root) is not None  # the raw one is untouched
+    # An unpinned chat card: its operating points are not trusted.
+    unpinned = {k: v for k, v in pins.items() if k != "tiny-llama-0-chat/card.json"}
+    monkeypatch.setattr(worker.defaults, "PINNED", unpinned)
+    with pytest.raises(ConfigError, match="not pinned"):
+        find_default(chat_fp, "moderation", root, budget=0.1)
+    # An unpinned chat manifest: refused before loading; a role logs it and serves none.
+    monkeypatch.setattr(worker.defaults, "PINNED", {"tiny-llama-0": pins["tiny-llama-0"]})
+    with pytest.raises(CheckpointError, match="not the one this release pins"):
+        find_default(chat_fp, "moderation", root)
+    monkeypatch.setattr(worker.defaults, "ROOT", root)
+    assert serving_default(chat_fp, "moderation") is None
+    found = serving_default(raw_fp, "moderation")
+    assert found is not None and found.folder == "tiny-llama-0"
+    # And the other way round: a raw folder that fails its pin does not decide the chat form.
+    shutil.copy(two_forms / "tiny-llama-0-chat" / "card.json", card_path)
+    monkeypatch.setattr(worker.defaults, "PINNED", {**pins, "tiny-llama-0": "0" * 64})
+    assert serving_default(raw_fp, "moderation") is None
+    found = serving_default(chat_fp, "moderation")
+    assert found is not None and found.folder == "tiny-llama-0-chat"
 
 
 def test_a_capped_source_keeps_the_same_rows_every_build(data_root: Path, tmp_path: Path) -> None:

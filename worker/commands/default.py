@@ -29,8 +29,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "whole policy (any head) flags the most out-of-fold unsafe rows while flagging at "
         "most the budget of every source's benign rows; measures it on the held-out rows; "
         "then writes the checkpoint and its data card (with the thresholds for other "
-        "budgets). The LLM comes from PROBEGUARD_MODEL. About 2 minutes on 2 CPU cores once "
-        "the caches exist (building them: about 40).",
+        "budgets). The LLM comes from PROBEGUARD_MODEL and the text form from "
+        "PROBEGUARD_TEXT_FORM (chat: the folder gets a -chat suffix). About 2 minutes on 2 "
+        "CPU cores once the caches exist (building them: about 40; the chat form's took "
+        "26 on cores shared with other work).",
     )
     build.add_argument(
         "--data-root",
@@ -57,9 +59,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     build.add_argument("--patience", type=int, default=4, help="early-stopping patience (4)")
     build.add_argument(
         "--pool",
-        choices=["mean", "max", "gate", "mha"],
+        choices=["mean", "max", "last", "gate", "mha"],
         default=None,
-        help="token pooling (default: the recipe's mean over every layer)",
+        help="token pooling (default: the recipe's mean over every layer; last: the last "
+        "token's states, in the chat form the end of the assistant header)",
     )
     build.add_argument(
         "--budget",
@@ -84,16 +87,15 @@ def _build(args: argparse.Namespace) -> int:
     import hashlib
 
     from probes.offline.fit import FitConfig
-    from worker.defaults import PINS, ROOT
+    from worker.defaults import PINS, ROOT, folder_name
     from worker.llm.extract import HiddenStateExtractor
     from worker.offline.default_probe import BUDGET, POOL, build_default
     from worker.settings import load_settings
 
     settings = load_settings()
     extractor = HiddenStateExtractor.from_settings(settings)
-    folder = extractor.fingerprint.model_id.rsplit("/", 1)[-1].split(".")[0].lower()
-    suffix = "-noncommercial" if args.noncommercial else ""
-    out = args.out or ROOT / f"{folder}{suffix}"
+    # One folder per LLM and text form: the chat form's default sits beside the raw one.
+    out = args.out or ROOT / folder_name(extractor.fingerprint, noncommercial=args.noncommercial)
     config = FitConfig(max_epochs=args.epochs, patience=args.patience, seed=args.seed)
     result = build_default(
         args.data_root,
@@ -132,7 +134,8 @@ def _show(args: argparse.Namespace) -> int:
     if not cards:
         print("this release ships no packaged default")
     for name, card in cards.items():
-        print(f"{name}: {card['name']} on {card['llm']} ({card['license']})")
+        form = f", chat form {card['text_form']}" if card.get("text_form") else ""
+        print(f"{name}: {card['name']} on {card['llm']}{form} ({card['license']})")
         print(f"  heads: {', '.join(h['name'] for h in card['heads'])}")
         print(f"  flags: {', '.join(card['flag_labels'])}")
         for source in card["sources"]:

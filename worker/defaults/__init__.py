@@ -26,7 +26,17 @@ from probes.errors import CheckpointError, IncompatibleCheckpoint
 from schemas import CheckpointManifest, LLMFingerprint
 from worker.errors import ConfigError
 
-__all__ = ["PINNED", "ROOT", "PackagedDefault", "find_default", "load_default", "serving_default"]
+__all__ = [
+    "PINNED",
+    "ROOT",
+    "PackagedDefault",
+    "find_default",
+    "folder_name",
+    "load_default",
+    "missing",
+    "serving_default",
+    "shipped",
+]
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).parent
@@ -116,12 +126,69 @@ def load_default(
     return PackagedDefault(probe, manifest, folder.name, card)
 
 
+def folder_name(llm: LLMFingerprint, *, noncommercial: bool = False) -> str:
+    """The folder a default for ``llm`` is built into: the model file's stem, ``-chat`` for
+    the chat text form, ``-noncommercial`` for the build with non-commercial data, e.g.
+    ``smollm2-135m-instruct-chat``. (The lookup goes by the manifest's fingerprint, not the
+    name: the name is for people.)"""
+    stem = llm.model_id.rsplit("/", 1)[-1].split(".")[0].lower()
+    form = "" if llm.text_form is None else "-chat"
+    return f"{stem}{form}{'-noncommercial' if noncommercial else ''}"
+
+
+def _claims(folder: Path) -> LLMFingerprint | None:
+    """The LLM (and text form) ``folder``'s manifest says it was built on; None when the
+    manifest cannot be read as one (verification then refuses it in :func:`load_default`)."""
+    try:
+        return CheckpointManifest.decode((folder / "manifest.json").read_bytes()).llm
+    except (OSError, ValueError):
+        return None
+
+
+def _form(llm: LLMFingerprint) -> str:
+    return "the raw text form" if llm.text_form is None else f"the chat form {llm.text_form}"
+
+
+def shipped(root: Path | None = None) -> dict[str, str]:
+    """Every packaged default folder under ``root`` -> the LLM and text form it serves
+    (for messages that say what a release ships when none matches)."""
+    out = {}
+    for folder in sorted(p for p in (root or ROOT).iterdir() if (p / "manifest.json").is_file()):
+        llm = _claims(folder)
+        out[folder.name] = "unreadable" if llm is None else f"{llm.model_id} in {_form(llm)}"
+    return out
+
+
+def missing(llm: LLMFingerprint, root: Path | None = None) -> str:
+    """Why no packaged default serves ``llm``: what this process reads, what ships."""
+    offered = "; ".join(f"{k}: {v}" for k, v in shipped(root).items()) or "none"
+    hint = (
+        " (a chat-form default matches only the template and system prompt it was built "
+        "with: PROBEGUARD_CHAT_SYSTEM_PROMPT changes the form)"
+        if llm.text_form is not None
+        else ""
+    )
+    return (
+        f"this release ships no packaged default for {llm.model_id} in {_form(llm)}{hint}; "
+        f"it ships: {offered}"
+    )
+
+
 def find_default(
     llm: LLMFingerprint, name: str, root: Path | None = None, *, budget: float | None = None
 ) -> PackagedDefault | None:
     """The packaged default for ``llm`` (served as probe ``name``, at the flag ``budget``'s
-    operating point), or ``None`` when this release ships none for that LLM."""
+    operating point), or ``None`` when this release ships none for that LLM and text form
+    (:func:`missing` says why).
+
+    One folder per LLM and text form (the raw default, its chat-form sibling): the folder
+    whose manifest names ``llm``'s fingerprint is verified against its pins and loaded;
+    the others are not read further, so a folder for the other form never decides this
+    one. A folder whose manifest cannot be read is verified (and refused) like a match."""
     for folder in sorted(p for p in (root or ROOT).iterdir() if (p / "manifest.json").is_file()):
+        claims = _claims(folder)
+        if claims is not None and claims != llm:
+            continue  # built for another LLM or text form
         try:
             return load_default(folder, llm, name, pinned=PINNED.get(folder.name), budget=budget)
         except IncompatibleCheckpoint:

@@ -24,11 +24,11 @@ conversation (:func:`worker.llm.chat_form.turn_ids`): ``context + ids(text) + su
 With ``PROBEGUARD_TEXT_FORM=chat`` the probes were trained on exactly that form of each
 message, and the guard pools the text and the suffix: a single-turn prompt under the
 configured system prompt gives the same states as the Kafka scorer's, so the same scores.
-With ``raw`` (probes trained on bare texts, e.g. the packaged default) it pools the text's
-own tokens, whose states now also carry the template before them: an approximation (on
-ToxicChat it loses 17 AUPRC points, ``bench/text_form.md``; the guard logs a warning). A
-reply's states always carry its prompt; the scorer, given the reply's text alone, would
-not see that.
+With ``raw`` (probes trained on bare texts, e.g. the raw packaged default; the chat form
+has a packaged default of its own) it pools the text's own tokens, whose states now also
+carry the template before them: an approximation (on ToxicChat it loses 17 AUPRC points,
+``bench/text_form.md``; the guard logs a warning). A reply's states always carry its
+prompt; the scorer, given the reply's text alone, would not see that.
 
 Example::
 
@@ -264,7 +264,7 @@ class Guard:
                 "the inline guard reads raw-text probes inside the chat template: scores are "
                 "approximate (on ToxicChat a raw MHA probe loses 17 AUPRC points there, "
                 "bench/text_form.md); train on PROBEGUARD_TEXT_FORM=chat for the scorer's "
-                "scores"
+                "scores (the packaged default ships a chat-form one)"
             )
         self._stack.enter_context(self.engine.watching())
         self.outbox.start()

@@ -593,10 +593,11 @@ def build_default(
     ``card.json``)."""
     started = time.time()
     sources = [s for s in SOURCES if noncommercial or not s.noncommercial]
-    # A mean reads every layer's summary (the cache stores them all); token-level pools
-    # read the layers the cache stores token by token.
+    # A mean, max or last token reads every layer's summary (the cache stores them all);
+    # token-level pools read the layers the cache stores token by token.
     top = extractor.num_layers
-    layers = list(range(top + 1)) if pool in ("mean", "max") else default_token_layers(top)
+    summary = pool in ("mean", "max", "last")
+    layers = list(range(top + 1)) if summary else default_token_layers(top)
     spec = default_spec(
         extractor.fingerprint.hidden_size, layers, noncommercial=noncommercial, pool=pool
     )
@@ -621,6 +622,8 @@ def build_default(
     card = {
         "name": spec.name,
         "llm": extractor.fingerprint.model_id,
+        # The chat form's key (the template's ids around the text); absent: the raw form.
+        **({"text_form": form} if (form := extractor.fingerprint.text_form) else {}),
         "noncommercial": noncommercial,
         "license": "CC-BY-NC-4.0" if noncommercial else "Apache-2.0",
         "heads": [h.model_dump() for h in spec.heads],

@@ -24,7 +24,7 @@ from probes.offline.fit import predict_dataset
 from probes.probe import Prepared
 from probes.targets import annotated, head_targets
 from schemas import CheckpointManifest, LabeledText, LLMFingerprint, ProbeSpec
-from worker.defaults import find_default
+from worker.defaults import find_default, missing
 from worker.errors import OfflineError
 from worker.offline.build_cache import ExtractorLike
 from worker.offline.fit_eval import Target, load_split
@@ -53,7 +53,7 @@ def load_for_eval(checkpoint: Path, llm: LLMFingerprint) -> tuple[Probe, Checkpo
     if str(checkpoint) == "default":
         found = find_default(llm, "moderation")
         if found is None:
-            raise OfflineError(f"this release ships no packaged default for {llm.model_id}")
+            raise OfflineError(missing(llm))
         return found.probe, found.manifest
     return load_checkpoint(checkpoint, llm)
 

@@ -35,7 +35,7 @@ import redis
 
 from probes.checkpoint import load_checkpoint
 from schemas import ChatMessage, DecidedRecord, ProbeDecision, ReviewRequest, Verdict, utcnow
-from worker.defaults import serving_default
+from worker.defaults import missing, serving_default
 from worker.errors import ConfigError
 from worker.llm.extract import HiddenStateExtractor
 from worker.scoring import review
@@ -454,7 +454,9 @@ class ScoringEngine:
             )
             self.defaults[name] = found.folder if found is not None else None
             if found is None:
-                log.info("no packaged default for probe %s on this LLM; waiting for one", name)
+                log.info(
+                    "probe %s waits for a version: %s", name, missing(self.extractor.fingerprint)
+                )
                 continue
             self.watcher.serve_bootstrap(name, ServedProbe(found.probe, found.manifest))
             heads = ", ".join(h.name for h in found.probe.spec.heads)
