@@ -135,3 +135,16 @@ def test_the_page_escapes_what_it_shows_and_says_where_v0_came_from(tmp_path: Pa
     assert "r&lt;1&gt;" in text and "<1>" not in text
     assert "the packaged default probe (&lt;x&gt;)" in text and "(<x>)" not in text
     assert "learned from 7 labels before this run" in text
+
+
+def test_layer_plots_get_a_whole_row_and_only_latency_and_throughput_share_one(
+    tmp_path: Path,
+) -> None:
+    """The packaged default mixes all 31 layers: its layer-weight plot, squeezed into half
+    a row at 1280 px, drew its tick labels and title below reading size."""
+    _, page = _report(tmp_path)
+    text = page.read_text()
+    grid = text[text.index('<div class="grid">') :]
+    grid = grid[: grid.index("</div>")]
+    assert "latency.png" in grid and "throughput.png" in grid
+    assert "layer_weights.png" in text and "layer_weights.png" not in grid

@@ -356,7 +356,10 @@ def write_report(fig_data: dict[str, Any], out: Path, *, title: str = "probeguar
             ("updater test-then-train AUPRC (last version)", last["auprc"]),
         ]
     table = "\n".join(f"<tr><td>{html.escape(str(k))}</td><td>{_esc(v)}</td></tr>" for k, v in rows)
-    wide, small = images[:2], images[2:]  # learning and confusion whole; the rest two a row
+    # Latency and throughput two a row; the rest whole (a layer plot over every layer of
+    # the default's 31 is too wide for half a row: its labels shrank below reading size).
+    small = [name for name in images if name in {"latency.png", "throughput.png"}]
+    wide = [name for name in images if name not in small]
     imgs = "\n".join(f'<figure><img src="{name}" alt="{name}"></figure>' for name in wide)
     imgs += '<div class="grid">' + "".join(
         f'<figure><img src="{name}" alt="{name}"></figure>' for name in small
