@@ -776,6 +776,13 @@ class Settings(BaseSettings):
     serve_max_batch: Annotated[int, Field(ge=1, le=1024)] = Field(
         32, description="Most inputs scored in one pass of the LLM."
     )
+    serve_pass_tokens: Annotated[int, Field(ge=0)] = Field(
+        4096,
+        description="Most LLM tokens in one pass of `serve`'s scoring thread. A request that "
+        "costs more is scored in passes of at most this, and other requests (another key's "
+        "short one) are scored between them: they wait for one pass, not for the whole "
+        "request. `0`: no bound (a request is one pass, however long).",
+    )
     serve_max_inputs: Annotated[int, Field(ge=1, le=1024)] = Field(
         32, description="Most inputs in one request (more: 413)."
     )

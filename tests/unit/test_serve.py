@@ -294,6 +294,36 @@ def test_a_request_past_its_deadline_when_its_batch_starts_is_never_scored() -> 
     assert judge.batches == [["m1"]]
 
 
+def test_a_long_request_is_scored_in_passes_and_others_go_between_them() -> None:
+    """Issue 45: one 32-input request of long texts held the scoring thread for 16-19 s and
+    another key's short request waited all of it. Now a request over the pass bound is
+    scored in passes, and a request that arrived meanwhile is scored after one pass."""
+    judge = RecordingJudge(delay_s=0.2)
+    b = batcher(judge, max_batch=8, max_wait_s=0.0, pass_tokens=1000)
+    try:
+        long = b.submit([msg(i) for i in range(4)], [Retain.ALL] * 4, costs=[600] * 4)
+        time.sleep(0.1)  # the first pass is being scored
+        short = b.submit([msg(9)], [Retain.ALL], costs=[5])
+        got, mine = long.result(10), short.result(10)
+    finally:
+        b.stop()
+    assert judge.batches == [["m0"], ["m1", "m9"], ["m2"], ["m3"]]
+    assert {i: v.message_id for i, v in got.verdicts.items()} == {i: f"m{i}" for i in range(4)}
+    assert [v.message_id for v in mine.verdicts.values()] == ["m9"]
+
+
+def test_the_passes_of_a_request_whose_first_pass_failed_are_dropped() -> None:
+    judge = RecordingJudge(fail_on="m0")
+    b = batcher(judge, max_wait_s=0.0, pass_tokens=10)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            b.submit([msg(0), msg(1), msg(2)], [Retain.ALL] * 3, costs=[8] * 3).result(5)
+        assert b.submit([msg(5)], [Retain.ALL], costs=[1]).result(5).verdicts[0].message_id == "m5"
+    finally:
+        b.stop()
+    assert judge.batches == [["m0"], ["m5"]]
+
+
 def test_serve_key_prints_a_key_then_its_entry(capsys: pytest.CaptureFixture[str]) -> None:
     from worker.cli import main
 

@@ -228,7 +228,7 @@ def create_app(service: Service) -> FastAPI:
                 if n == 0:
                     raise _unreadable(f"input[{i}]", texts[i])
             service.charge(caller.limit_key, sum(counts))
-            scored = await service.score(messages, [retain] * len(messages))
+            scored = await service.score(messages, [retain] * len(messages), counts)
             results = [_result(scored, i, probe) for i in range(len(texts))]
             spec = service.spec(probe, results[0].version)
             out = ModerationResponse(
@@ -277,7 +277,8 @@ def create_app(service: Service) -> FastAPI:
                 span = _message(f"{mid}.s{i}", conversation, text[b:e], "comment.text", s.limits)
                 messages.append(span)
                 retain.append(Retain.NOTHING)
-            scored = await service.score(messages, retain)
+            costs = [counts[0]] + [n for n in counts[1:] if n > 0]  # as the spans kept
+            scored = await service.score(messages, retain, costs)
             whole = _result(scored, 0, probe)
             span_results = [_result(scored, i + 1, probe) for i in range(len(spans))]
             out = PerspectiveResponse(

@@ -6,8 +6,13 @@ for others to join it (an idle server's bounded delay; a request that already wa
 because a batch was being scored, waits no more), fills the batch up to ``max_batch``
 inputs in arrival order and scores it with one pass of the LLM
 (:meth:`~worker.scoring.engine.ScoringEngine.judge`; the extractor sorts by length and
-splits by token budget inside). A request never splits across batches: one larger than
-``max_batch`` is scored alone. A failing batch fails its requests (a 503), not the thread.
+splits by token budget inside). A batch holds at most ``pass_tokens`` LLM tokens (as the
+caller counted them), whatever its first request: a request that costs more is scored in
+passes of at most that, and what is left of it goes to the back of the queue after each
+pass, so requests that arrived meanwhile (another key's short one) wait for one pass, not
+for the whole large request. A request otherwise never splits: one larger than
+``max_batch`` inputs is scored alone. A failing batch fails its requests (a 503), not the
+thread; the passes of a request that failed or expired are dropped.
 
 A request past its deadline when its batch starts is failed with :class:`Expired`, never
 scored: its caller has been answered 503, and scoring it anyway would cache and count
@@ -22,7 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from prometheus_client import CollectorRegistry, Histogram
 
@@ -48,12 +53,29 @@ class Scored:
 
 
 @dataclass
+class _Whole:
+    """A request's results, gathered over its passes."""
+
+    size: int
+    started: bool = False
+    scored: Scored = field(default_factory=lambda: Scored({}, {}))
+    done: int = 0  # inputs scored so far
+
+
+@dataclass
 class _Pending:
     messages: Sequence[ChatMessage]
     retain: Sequence[Retain]
     future: concurrent.futures.Future[Scored]
     deadline: float = float("inf")  # time.monotonic() after which it must not be scored
     at: float = field(default_factory=time.monotonic)
+    costs: Sequence[int] = ()  # LLM tokens per input (empty: one each)
+    whole: _Whole = field(default_factory=lambda: _Whole(0))
+    base: int = 0  # the position of messages[0] in the whole request
+
+    @property
+    def cost(self) -> int:
+        return sum(self.costs) if self.costs else len(self.messages)
 
 
 class MicroBatcher:
@@ -64,13 +86,16 @@ class MicroBatcher:
         *,
         max_batch: int,
         max_wait_s: float,
+        pass_tokens: int = 0,
         after: Callable[[Judged, list[ChatMessage]], None] | None = None,
     ) -> None:
-        """``judge`` scores a batch; ``after`` sees every judged batch (the Kafka outbox)."""
+        """``judge`` scores a batch; ``after`` sees every judged batch (the Kafka outbox);
+        ``pass_tokens``: most tokens in one pass (0: no bound)."""
         self.judge = judge
         self.after = after
         self.max_batch = max_batch
         self.max_wait_s = max_wait_s
+        self.pass_tokens = pass_tokens
         self._queue: queue.SimpleQueue[_Pending] = queue.SimpleQueue()
         self._carry: _Pending | None = None  # taken from the queue, did not fit the batch
         self._stop = threading.Event()
@@ -94,10 +119,19 @@ class MicroBatcher:
         messages: Sequence[ChatMessage],
         retain: Sequence[Retain],
         deadline: float = float("inf"),
+        costs: Sequence[int] = (),
     ) -> concurrent.futures.Future[Scored]:
         """Queue a request; its future fails with :class:`Expired` if its batch starts after
-        ``deadline`` (``time.monotonic()``), and is skipped if cancelled before."""
-        pending = _Pending(messages, retain, concurrent.futures.Future(), deadline)
+        ``deadline`` (``time.monotonic()``), and is skipped if cancelled before. ``costs``:
+        each input's LLM tokens, for the pass bound."""
+        pending = _Pending(
+            messages,
+            retain,
+            concurrent.futures.Future(),
+            deadline,
+            costs=costs,
+            whole=_Whole(len(messages)),
+        )
         self._queue.put(pending)
         return pending.future
 
@@ -123,7 +157,9 @@ class MicroBatcher:
             if batch:
                 self._score(batch)
         for pending in self._drain():
-            pending.future.cancel()
+            if not pending.future.cancel() and not pending.future.done():
+                # a later pass of a request under way: its caller must not wait forever
+                pending.future.set_exception(RuntimeError("the server is stopping"))
 
     def _next(self, timeout_s: float) -> _Pending | None:
         if self._carry is not None:
@@ -140,18 +176,63 @@ class MicroBatcher:
         first = self._next(0.5)
         if first is None:
             return []
-        batch, size = [first], len(first.messages)
+        first = self._first_pass(first)
+        batch, size, cost = [first], len(first.messages), first.cost
         deadline = first.at + self.max_wait_s
         while size < self.max_batch:
             nxt = self._next(deadline - time.monotonic())
             if nxt is None:
                 break
-            if size + len(nxt.messages) > self.max_batch:
+            over = self.pass_tokens and cost + nxt.cost > self.pass_tokens
+            if size + len(nxt.messages) > self.max_batch or over:
                 self._carry = nxt  # the next batch's first
                 break
             batch.append(nxt)
             size += len(nxt.messages)
+            cost += nxt.cost
         return batch
+
+    def _first_pass(self, pending: _Pending) -> _Pending:
+        """``pending``'s inputs that fit one pass (at least one); the rest of it goes to
+        the back of the queue."""
+        if not self.pass_tokens or not pending.costs or pending.cost <= self.pass_tokens:
+            return pending
+        k, cost = 1, pending.costs[0]
+        while k < len(pending.costs) and cost + pending.costs[k] <= self.pass_tokens:
+            cost += pending.costs[k]
+            k += 1
+        if k < len(pending.messages):
+            rest = replace(
+                pending,
+                messages=pending.messages[k:],
+                retain=pending.retain[k:],
+                costs=pending.costs[k:],
+                base=pending.base + k,
+                at=time.monotonic(),
+            )
+            self._queue.put(rest)
+        return replace(
+            pending,
+            messages=pending.messages[:k],
+            retain=pending.retain[:k],
+            costs=pending.costs[:k],
+        )
+
+    @staticmethod
+    def _starts(p: _Pending, now: float) -> bool:
+        """Whether ``p`` is scored now: its request's first pass starts (unless cancelled
+        or past its deadline), or a later pass of a request still going."""
+        if p.future.done():  # cancelled, or an earlier pass failed or expired
+            return False
+        if p.whole.started:
+            return True
+        if not p.future.set_running_or_notify_cancel():
+            return False
+        p.whole.started = True
+        if now > p.deadline:
+            p.future.set_exception(Expired())
+            return False
+        return True
 
     def _drain(self) -> list[_Pending]:
         out = [self._carry] if self._carry is not None else []
@@ -164,11 +245,7 @@ class MicroBatcher:
 
     def _score(self, batch: list[_Pending]) -> None:
         now = time.monotonic()
-        batch = [p for p in batch if p.future.set_running_or_notify_cancel()]
-        for p in batch:
-            if now > p.deadline:
-                p.future.set_exception(Expired())
-        batch = [p for p in batch if not p.future.done()]
+        batch = [p for p in batch if self._starts(p, now)]
         if not batch:
             return
         messages = [m for p in batch for m in p.messages]
@@ -185,15 +262,15 @@ class MicroBatcher:
             return
         offset = 0
         for p in batch:
-            n = len(p.messages)
+            n, shift = len(p.messages), p.base - offset
             own = range(offset, offset + n)
-            p.future.set_result(
-                Scored(
-                    verdicts={i - offset: v for i, v in judged.verdicts.items() if i in own},
-                    errors={i - offset: e for i, e in judged.errors.items() if i in own},
-                    reviews=[r for i, r in judged.reviews if i in own],
-                )
-            )
+            whole = p.whole.scored
+            whole.verdicts.update({i + shift: v for i, v in judged.verdicts.items() if i in own})
+            whole.errors.update({i + shift: e for i, e in judged.errors.items() if i in own})
+            whole.reviews += [r for i, r in judged.reviews if i in own]
+            p.whole.done += n
+            if p.whole.done >= p.whole.size:
+                p.future.set_result(whole)
             offset += n
         if self.after is not None:
             try:

@@ -70,6 +70,7 @@ class Service:
             self.collector,
             max_batch=settings.serve_max_batch,
             max_wait_s=settings.serve_max_wait_ms / 1000.0,
+            pass_tokens=settings.serve_pass_tokens,
             after=self.outbox.put,
         )
         self.limiter = RateLimiter(settings.serve_rate_per_key, settings.serve_rate_burst)
@@ -155,7 +156,12 @@ class Service:
                 retry_after_s=wait,
             )
 
-    async def score(self, messages: Sequence[ChatMessage], retain: Sequence[Retain]) -> Scored:
+    async def score(
+        self,
+        messages: Sequence[ChatMessage],
+        retain: Sequence[Retain],
+        costs: Sequence[int] = (),
+    ) -> Scored:
         """The request's share of a batch. A request whose batch has not started within
         ``PROBEGUARD_SERVE_TIMEOUT_S`` is a 503 and is never scored; one whose batch has
         started is answered when the batch ends (its inputs are cached and counted by
@@ -163,7 +169,7 @@ class Service:
         if not self.engine.batch_scorer.ready():
             raise ApiError(503, "no probe is loaded yet", code="not_ready", retry_after_s=1.0)
         timeout_s = self.settings.serve_timeout_s
-        future = self.batcher.submit(messages, retain, time.monotonic() + timeout_s)
+        future = self.batcher.submit(messages, retain, time.monotonic() + timeout_s, costs)
         waiting = asyncio.wrap_future(future)
         try:
             try:
