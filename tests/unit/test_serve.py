@@ -307,7 +307,7 @@ def test_a_long_request_is_scored_in_passes_and_others_go_between_them() -> None
         got, mine = long.result(10), short.result(10)
     finally:
         b.stop()
-    assert judge.batches == [["m0"], ["m1", "m9"], ["m2"], ["m3"]]
+    assert judge.batches == [["m0"], ["m9"], ["m1"], ["m2"], ["m3"]]
     assert {i: v.message_id for i, v in got.verdicts.items()} == {i: f"m{i}" for i in range(4)}
     assert [v.message_id for v in mine.verdicts.values()] == ["m9"]
 

@@ -9,7 +9,7 @@ inputs in arrival order and scores it with one pass of the LLM
 splits by token budget inside). A batch holds at most ``pass_tokens`` LLM tokens (as the
 caller counted them), whatever its first request: a request that costs more is scored in
 passes of at most that, and what is left of it goes to the back of the queue after each
-pass, so requests that arrived meanwhile (another key's short one) wait for one pass, not
+pass (behind what arrived during the pass), so requests that arrived meanwhile (another key's short one) wait for one pass, not
 for the whole large request. A request otherwise never splits: one larger than
 ``max_batch`` inputs is scored alone. A failing batch fails its requests (a 503), not the
 thread; the passes of a request that failed or expired are dropped.
@@ -98,6 +98,7 @@ class MicroBatcher:
         self.pass_tokens = pass_tokens
         self._queue: queue.SimpleQueue[_Pending] = queue.SimpleQueue()
         self._carry: _Pending | None = None  # taken from the queue, did not fit the batch
+        self._rest: list[_Pending] = []  # what is left of a request split for this pass
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.batch_inputs = Histogram(
@@ -156,6 +157,9 @@ class MicroBatcher:
             batch = self._collect()
             if batch:
                 self._score(batch)
+            for rest in self._rest:  # behind what arrived during the pass
+                self._queue.put(rest)
+            self._rest.clear()
         for pending in self._drain():
             if not pending.future.cancel() and not pending.future.done():
                 # a later pass of a request under way: its caller must not wait forever
@@ -194,7 +198,7 @@ class MicroBatcher:
 
     def _first_pass(self, pending: _Pending) -> _Pending:
         """``pending``'s inputs that fit one pass (at least one); the rest of it goes to
-        the back of the queue."""
+        the back of the queue once the pass is scored."""
         if not self.pass_tokens or not pending.costs or pending.cost <= self.pass_tokens:
             return pending
         k, cost = 1, pending.costs[0]
@@ -210,7 +214,7 @@ class MicroBatcher:
                 base=pending.base + k,
                 at=time.monotonic(),
             )
-            self._queue.put(rest)
+            self._rest.append(rest)
         return replace(
             pending,
             messages=pending.messages[:k],
@@ -236,7 +240,9 @@ class MicroBatcher:
 
     def _drain(self) -> list[_Pending]:
         out = [self._carry] if self._carry is not None else []
+        out += self._rest
         self._carry = None
+        self._rest = []
         while True:
             try:
                 out.append(self._queue.get_nowait())
