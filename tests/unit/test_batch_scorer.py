@@ -221,3 +221,12 @@ def test_multi_head_decisions_name_the_heads_that_flagged_whatever_the_flag_poli
     assert plain.heads == {} and plain.decisions[(0, "toxicity")].h is None
     record = DecidedRecord(p={"toxicity": plain.decisions[(0, "toxicity")]}).encode()
     assert b'"h"' not in record and b'"sh"' not in record
+
+
+def test_the_timings_split_the_probe_from_building_the_results() -> None:
+    ex = Counting()
+    a = served(ex, "toxicity", [1, 2], seed=1)
+    scores = BatchScorer(ex, {"toxicity": ProbeSlot("toxicity", a)}).score(messages())
+    assert scores.extract_s > 0 and scores.probe_s > 0
+    # bench/score_engine.py reports the probe (probe_s - build_s) and build_s apart.
+    assert 0 < scores.build_s < scores.probe_s

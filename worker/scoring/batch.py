@@ -135,7 +135,8 @@ class BatchScores:
     results: dict[int, list[ProbeResult]]  # input position -> one result per probe
     errors: dict[int, str]  # input position -> why it could not be scored
     extract_s: float = 0.0
-    probe_s: float = 0.0
+    probe_s: float = 0.0  # everything after the extraction: the probes and the results
+    build_s: float = 0.0  # of probe_s, building the results from the probabilities
     flag_scores: dict[tuple[int, str], float] = field(default_factory=dict)
     # (input position, probe) -> how it was decided, for evidence and label joins
     decisions: dict[tuple[int, str], ProbeDecision] = field(default_factory=dict)
@@ -242,6 +243,8 @@ class BatchScorer:
         if ex.exited and ex.exit_layer is not None:
             self._score_exited(slots, ex.exited, ex.exit_layer, messages, out)
         out.extract_s, out.probe_s = t1 - t0, time.perf_counter() - t1
+        forward_s = sum(r.forward_s for pair in runs.values() for r in pair if r is not None)
+        out.build_s = max(0.0, out.probe_s - forward_s)
         return out
 
     def _exit_stage(
@@ -389,6 +392,7 @@ class _Run:
     head_flags: list[list[str]] | None = None
     rms: torch.Tensor = field(default_factory=lambda: torch.empty(0, 0))  # [L, B] (drift)
     drift_score: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [B]
+    forward_s: float = 0.0  # seconds in the probe's own forward pass
 
 
 def _flagged_heads(run: _Run | None, row: int) -> list[str] | None:
@@ -475,9 +479,13 @@ def _run(
     limits: Limits = DEFAULT_LIMITS,
 ) -> _Run:
     probe = served.probe
+    started = time.perf_counter()
     hidden = _select_layers(ex.hidden, [layers.index(layer) for layer in probe.layers])
     probs, rms = _probabilities(probe, hidden, ex.mask)
-    return _run_probs(served, probs, flag_heads, limits, rms)
+    forward_s = time.perf_counter() - started
+    run = _run_probs(served, probs, flag_heads, limits, rms)
+    run.forward_s = forward_s
+    return run
 
 
 def _run_probs(
