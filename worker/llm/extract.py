@@ -137,6 +137,7 @@ class _Piece:
     offset: int  # where its output tokens start among the row's tokens
     ids: list[int]  # what the model runs: context, special tokens and the text's tokens
     skip: int = 0  # leading ids run but not output (the chat form's context)
+    chunks: int = 1  # pieces of its row: 1, the piece is the whole row
 
 
 class _EarlyExit(Exception):
@@ -324,16 +325,18 @@ class HiddenStateExtractor:
         pieces, lengths = self._plan([ids for _, ids in tokenized])
         T = max(lengths, default=0)
         starts = [T - n if self._left_pad else 0 for n in lengths]
-        # Every real token is written exactly once below; only padding needs zeroing, which
-        # spares a pass over (and page faults on) an output that can be hundreds of MB.
-        hidden = torch.empty(  # [L_sel, B_ok, T, D]
-            len(wanted), len(index), T, self.hidden_size, device=self.device, dtype=self.dtype
-        )
-        mask = torch.zeros(len(index), T, dtype=torch.bool, device=self.device)  # [B_ok, T]
-        for row, (start, n) in enumerate(zip(starts, lengths, strict=True)):
-            mask[row, start : start + n] = True
-            hidden[:, row, :start] = 0
-            hidden[:, row, start + n :] = 0
+        shape = (len(wanted), len(index), T, self.hidden_size)  # [L_sel, B_ok, T, D]
+        if self.device.type == "cpu":
+            # Every real token is written exactly once below; only padding needs zeroing,
+            # which spares a pass over (and page faults on) an output that can be hundreds
+            # of MB.
+            hidden = torch.empty(shape, device=self.device, dtype=self.dtype)
+            for row, (start, n) in enumerate(zip(starts, lengths, strict=True)):
+                hidden[:, row, :start] = 0
+                hidden[:, row, start + n :] = 0
+        else:  # an accelerator: one memset, not two kernel launches per row
+            hidden = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        mask = _span_mask(starts, lengths, T).to(self.device)  # [B_ok, T]
         failed: dict[int, str] = {}
         with self._lock, torch.inference_mode():
             staged = None
@@ -450,9 +453,10 @@ class HiddenStateExtractor:
         skip = len(self._context)
         for row, content in enumerate(contents):
             offset = 0
-            for chunk in self._chunks(content):
+            chunks = self._chunks(content)
+            for chunk in chunks:
                 ids = self._context + self._prefix + chunk + self._suffix
-                pieces.append(_Piece(row, offset, ids, skip))
+                pieces.append(_Piece(row, offset, ids, skip, len(chunks)))
                 offset += len(ids) - skip
             lengths.append(offset)
         return pieces, lengths
@@ -523,25 +527,37 @@ class HiddenStateExtractor:
         staged: _Staged | None = None,
     ) -> None:
         b, t = len(batch), max(len(p.ids) for p in batch)
-        input_ids = torch.full((b, t), self._pad_id, dtype=torch.long)  # [b, t]
-        attention = torch.zeros(b, t, dtype=torch.long)  # [b, t]
+        left, pad = self._left_pad, self._pad_id
+        # One tensor from nested lists: no per-row tensor and copy.
+        input_ids = torch.tensor(  # [b, t]
+            [
+                [pad] * (t - len(p.ids)) + p.ids if left else p.ids + [pad] * (t - len(p.ids))
+                for p in batch
+            ],
+            dtype=torch.long,
+        )
+        lengths = [len(p.ids) for p in batch]
+        attention = _span_mask([t - n if left else 0 for n in lengths], lengths, t).long()
         # (micro-batch row, first output position there, output row, position there, length):
         # the chat form's context runs (attention covers it) but is not output.
         spans: list[tuple[int, int, int, int, int]] = []
         for r, piece in enumerate(batch):
             n = len(piece.ids)
-            lo = t - n if self._left_pad else 0
-            input_ids[r, lo : lo + n] = torch.tensor(piece.ids)
-            attention[r, lo : lo + n] = 1
+            lo = t - n if left else 0
             first = starts[piece.row] + piece.offset
             spans.append((r, lo + piece.skip, piece.row, first, n - piece.skip))
         slot = {layer: i for i, layer in enumerate(wanted)}
+        whole = all(p.chunks == 1 for p in batch)  # no row shares its output with another pass
 
         def sink_to(spans: list[tuple[int, int, int, int, int]]) -> _Sink:
+            block = _Block.plan(spans, hidden.device, self.llm.device) if whole else None
+
             def sink(layer: int, states: torch.Tensor) -> None:  # states: [b, t, D]
                 out = hidden[slot[layer]]  # [B_ok, T, D]
-                # Slice copies beat a gather + scatter by ~2x and convert device/dtype too.
-                for r, lo, row, first, n in spans:
+                if block is not None:
+                    block.write(out, states)
+                    return
+                for r, lo, row, first, n in spans:  # a chunked text's piece: its own place
                     out[row, first : first + n].copy_(states[r, lo : lo + n])
 
             return sink
@@ -679,6 +695,71 @@ class HiddenStateExtractor:
 
 
 _Sink = Callable[[int, torch.Tensor], None]
+
+
+def _span_mask(starts: Sequence[int], lengths: Sequence[int], width: int) -> torch.Tensor:
+    """``[len(starts), width]`` bool: row ``i`` True on ``starts[i] .. + lengths[i]``."""
+    cols = torch.arange(width)  # [width]
+    lo = torch.tensor(starts, dtype=torch.long)[:, None]  # [n, 1]
+    hi = lo + torch.tensor(lengths, dtype=torch.long)[:, None]
+    return (cols >= lo) & (cols < hi)
+
+
+@dataclass(frozen=True)
+class _Block:
+    """A micro-batch's spans written to the output as one block per layer: one gather from
+    the states and one scatter into the output rows, whatever the number of rows (a
+    row-by-row copy is two kernel launches per row and layer on an accelerator).
+
+    It applies when the spans line up in one of two ways, the micro-batch's and the
+    output's: all start at one column in both (right padding), or all end at one column
+    in both (left padding). The block is as wide as the longest span; the columns of a
+    shorter span beyond its own tokens are written as zero, which is what the output holds
+    there when each span is its row's whole output (the caller's condition).
+    """
+
+    rows: torch.Tensor  # [b] long: output rows, on the output's device
+    src: slice  # the states' columns
+    dst: slice  # the output's columns
+    keep: torch.Tensor  # [b, w, 1] bool on the states' device: a span's own tokens
+
+    @classmethod
+    def plan(
+        cls,
+        spans: Sequence[tuple[int, int, int, int, int]],
+        out_device: torch.device,
+        states_device: torch.device,
+    ) -> _Block | None:
+        """The block of ``spans`` (micro-batch row, its first column, output row, the
+        output's first column, length), or None when they do not line up."""
+        if not spans or [s[0] for s in spans] != list(range(len(spans))):
+            return None
+        w = max(n for *_, n in spans)
+        los = {lo for _, lo, _, _, _ in spans}
+        firsts = {first for _, _, _, first, _ in spans}
+        lengths = [n for *_, n in spans]
+        if len(los) == 1 and len(firsts) == 1:  # starts aligned
+            lo, first = los.pop(), firsts.pop()
+            src, dst, starts = slice(lo, lo + w), slice(first, first + w), [0] * len(spans)
+        else:
+            ends = {lo + n for _, lo, _, _, n in spans}
+            tails = {first + n for _, _, _, first, n in spans}
+            if len(ends) != 1 or len(tails) != 1:
+                return None
+            end, tail = ends.pop(), tails.pop()
+            src, dst = slice(end - w, end), slice(tail - w, tail)
+            starts = [w - n for n in lengths]
+        rows = [row for _, _, row, _, _ in spans]
+        keep = _span_mask(starts, lengths, w)[:, :, None].to(states_device)
+        return cls(torch.tensor(rows, dtype=torch.long, device=out_device), src, dst, keep)
+
+    def write(self, out: torch.Tensor, states: torch.Tensor) -> None:
+        """``out`` ``[B_ok, T, D]`` takes the spans of ``states`` ``[b, t, D]``."""
+        block = states[:, self.src]  # [b, w, D]
+        block = torch.where(
+            self.keep, block, torch.zeros((), dtype=block.dtype, device=block.device)
+        )
+        out[self.rows, self.dst] = block.to(out.device, out.dtype)
 
 
 def _pass_through(resume: _Resume | None, *, last: bool) -> Callable[..., Any]:
