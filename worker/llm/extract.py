@@ -77,7 +77,15 @@ if TYPE_CHECKING:
     from schemas import LLMFingerprint
     from worker.settings import Settings
 
-__all__ = ["ExitStage", "Extraction", "HiddenStateExtractor", "Truncation", "clean_text"]
+__all__ = [
+    "CUDA_BATCH_TOKENS",
+    "Batching",
+    "ExitStage",
+    "Extraction",
+    "HiddenStateExtractor",
+    "Truncation",
+    "clean_text",
+]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +96,34 @@ _Seq = TypeVar("_Seq", str, list[int])
 _CHARS_PER_TOKEN = 32
 # Unicode Cc except \t \n \r.
 _CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+# Padded tokens per forward pass on CUDA unless BATCH_TOKENS is set: 256 texts of 256
+# tokens, one pass per scoring call. The forward there is launch-bound up to ~64 texts
+# (issue 44, one H200: 1 x 32 tokens 25.2 ms, 64 x 64 tokens 21.8 ms), so the CPU's
+# length-sorted 4096-token passes ran a 64-message call as several passes of the same cost.
+CUDA_BATCH_TOKENS = 65536
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a call's texts are cut into forward passes (see the module docstring)."""
+
+    batch_size: int  # pieces per pass at most
+    batch_tokens: int | None  # padded tokens per pass at most (None: no budget)
+    min_fill: float  # a piece shorter than this share of its pass's longest starts another
+
+    @classmethod
+    def for_device(cls, settings: Settings, device: torch.device) -> Batching:
+        """The settings' batching for an LLM on ``device``: as set on the CPU (length-sorted
+        token budgets, measured there: ``bench/batching.py``); on CUDA, what the settings
+        leave at its default is one pass per call, up to :data:`CUDA_BATCH_TOKENS` padded
+        tokens and no split by length, since a pass costs about the same whatever its rows.
+        """
+        tokens, fill = settings.batch_tokens or None, settings.batch_min_fill
+        if device.type == "cuda":
+            chosen = settings.model_fields_set
+            tokens = tokens if "batch_tokens" in chosen else CUDA_BATCH_TOKENS
+            fill = fill if "batch_min_fill" in chosen else 0.0
+        return cls(settings.batch_size, tokens, fill)
 
 
 @dataclass(frozen=True)
@@ -247,18 +283,26 @@ class HiddenStateExtractor:
 
     @classmethod
     def for_llm(cls, llm: LoadedLLM, settings: Settings) -> Self:
-        """Wrap a loaded ``llm`` with the settings' batching and truncation."""
+        """Wrap a loaded ``llm`` with the settings' batching (for its device, see
+        :meth:`Batching.for_device`) and truncation."""
+        batching = Batching.for_device(settings, llm.device)
         return cls(
             llm,
             max_tokens=settings.max_tokens,
             truncation=settings.truncation,
-            batch_size=settings.batch_size,
-            batch_tokens=settings.batch_tokens or None,
-            batch_min_fill=settings.batch_min_fill,
+            batch_size=batching.batch_size,
+            batch_tokens=batching.batch_tokens,
+            batch_min_fill=batching.min_fill,
             max_chunks=settings.max_chunks,
             text_form=settings.text_form,
             chat_system_prompt=settings.chat_system_prompt,
         )
+
+    @property
+    def batching(self) -> Batching:
+        """How this extractor cuts a call into forward passes (the scorer's planner cuts a
+        backlog the same way)."""
+        return Batching(self.batch_size, self.batch_tokens, self.batch_min_fill)
 
     @property
     def _left_pad(self) -> bool:
