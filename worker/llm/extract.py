@@ -95,6 +95,8 @@ _Seq = TypeVar("_Seq", str, list[int])
 # than this on average (long runs of one character) would lose content to the clip.
 _CHARS_PER_TOKEN = 32
 # Unicode Cc except \t \n \r.
+# Texts whose tokenization is remembered (see HiddenStateExtractor._tokenize): a few polls.
+_MEMO_TEXTS = 1024
 _CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 # Padded tokens per forward pass on CUDA unless BATCH_TOKENS is set: 256 texts of 256
 # tokens, one pass per scoring call. The forward there is launch-bound up to ~64 texts
@@ -275,6 +277,9 @@ class HiddenStateExtractor:
         self._pass_positions = "position_ids" in params
         self._pass_no_cache = "use_cache" in params
         self._lock = threading.Lock()
+        # text -> its content ids, or why it has none (see _tokenize); insertion-ordered
+        self._memo: dict[str | bytes, list[int] | str] = {}
+        self._memo_lock = threading.Lock()
 
     @classmethod
     def from_settings(cls, settings: Settings) -> HiddenStateExtractor:
@@ -454,7 +459,42 @@ class HiddenStateExtractor:
     def _tokenize(
         self, texts: Sequence[str | bytes], errors: dict[int, str]
     ) -> list[tuple[int, list[int]]]:
-        """``(input position, content token ids)`` of every text that survives cleaning."""
+        """``(input position, content token ids)`` of every text that survives cleaning.
+
+        The last :data:`_MEMO_TEXTS` texts' outcomes are remembered: the scorer counts a
+        poll's tokens to cut it (:meth:`token_counts`), then extracts the same texts, and
+        each text is cleaned and tokenized once."""
+        known: dict[int, list[int] | str] = {}
+        with self._memo_lock:
+            for pos, item in enumerate(texts):
+                if isinstance(item, str | bytes) and (hit := self._memo.get(item)) is not None:
+                    known[pos] = hit
+        todo = [pos for pos in range(len(texts)) if pos not in known]
+        fresh: dict[int, str] = {}
+        found = self._tokenize_all([texts[pos] for pos in todo], fresh)
+        outcome: dict[int, list[int] | str] = {todo[i]: ids for i, ids in found}
+        outcome.update({todo[i]: why for i, why in fresh.items()})
+        with self._memo_lock:
+            for pos, result in outcome.items():
+                item = texts[pos]
+                if isinstance(item, str | bytes):
+                    self._memo[item] = result
+            while len(self._memo) > _MEMO_TEXTS:
+                del self._memo[next(iter(self._memo))]  # the oldest first
+        outcome.update(known)
+        out: list[tuple[int, list[int]]] = []
+        for pos in sorted(outcome):
+            result = outcome[pos]
+            if isinstance(result, str):
+                errors[pos] = result
+            else:
+                out.append((pos, result))
+        return out
+
+    def _tokenize_all(
+        self, texts: Sequence[str | bytes], errors: dict[int, str]
+    ) -> list[tuple[int, list[int]]]:
+        """:meth:`_tokenize` without the memo."""
         char_limit = self._budget * self.max_chunks * _CHARS_PER_TOKEN
         cleaned: list[tuple[int, str]] = []
         for pos, item in enumerate(texts):
