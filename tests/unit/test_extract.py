@@ -452,3 +452,21 @@ def test_rows_of_a_shared_pass_equal_each_text_alone(side: str, form: str) -> No
         )
         padding = out.hidden[:, row][:, ~out.mask[row]]  # [L, pad, D]
         assert padding.numel() == 0 or padding.abs().max().item() == 0
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_passes_are_padded_up_to_a_bucket_with_the_same_states(side: str) -> None:
+    llm = make_tiny_llm(padding_side=side)  # type: ignore[arg-type]
+    widths: list[int] = []
+    hook = llm.model.register_forward_pre_hook(
+        lambda _m, _a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True
+    )
+    texts = ["hi", "a text of twenty-one", "x" * 40]  # 3, 21 and 41 tokens with <s>
+    try:
+        plain = extractor(llm, batch_size=1).extract(texts, ALL)
+        bucketed = extractor(llm, batch_size=1, buckets=(16, 32, 64)).extract(texts, ALL)
+    finally:
+        hook.remove()
+    assert widths == [41, 21, 3, 64, 32, 16]  # longest first; then each up to its bucket
+    assert bucketed.mask.tolist() == plain.mask.tolist()
+    torch.testing.assert_close(bucketed.hidden, plain.hidden, atol=1e-5, rtol=1e-4)

@@ -83,11 +83,13 @@ def test_the_batching_is_chosen_by_device_unless_set(monkeypatch: pytest.MonkeyP
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     # The CPU keeps its length-sorted budgets (bench/batching.py).
     assert Batching.for_device(Settings(), cpu) == Batching(64, 4096, 0.5)
-    # CUDA: one pass per call, whatever the lengths (a pass is launch-bound there).
-    assert Batching.for_device(Settings(), cuda) == Batching(64, CUDA_BATCH_TOKENS, 0.0)
+    # CUDA: one pass per call, whatever the lengths (a pass is launch-bound there), its
+    # width padded up to a few sizes.
+    buckets = (16, 32, 64, 128, 256)
+    assert Batching.for_device(Settings(), cuda) == Batching(64, CUDA_BATCH_TOKENS, 0.0, buckets)
     monkeypatch.setenv("PROBEGUARD_BATCH_TOKENS", "2048")
     monkeypatch.setenv("PROBEGUARD_BATCH_MIN_FILL", "0.25")
-    assert Batching.for_device(Settings(), cuda) == Batching(64, 2048, 0.25)  # set: kept
+    assert Batching.for_device(Settings(), cuda) == Batching(64, 2048, 0.25, buckets)  # kept
 
 
 def test_a_backlog_is_cut_as_the_extractor_cuts_a_call_on_its_device() -> None:

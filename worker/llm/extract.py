@@ -85,6 +85,7 @@ __all__ = [
     "HiddenStateExtractor",
     "Truncation",
     "clean_text",
+    "token_buckets",
 ]
 
 log = logging.getLogger(__name__)
@@ -112,20 +113,40 @@ class Batching:
     batch_size: int  # pieces per pass at most
     batch_tokens: int | None  # padded tokens per pass at most (None: no budget)
     min_fill: float  # a piece shorter than this share of its pass's longest starts another
+    buckets: tuple[int, ...] | None = None  # widths a pass is padded up to (None: its longest)
 
     @classmethod
     def for_device(cls, settings: Settings, device: torch.device) -> Batching:
         """The settings' batching for an LLM on ``device``: as set on the CPU (length-sorted
         token budgets, measured there: ``bench/batching.py``); on CUDA, what the settings
         leave at its default is one pass per call, up to :data:`CUDA_BATCH_TOKENS` padded
-        tokens and no split by length, since a pass costs about the same whatever its rows.
+        tokens and no split by length, since a pass costs about the same whatever its rows;
+        and its width padded up to one of a few sizes (:func:`token_buckets`), so that the
+        passes repeat a few shapes (what CUDA graphs and compiled kernels are made for).
         """
         tokens, fill = settings.batch_tokens or None, settings.batch_min_fill
-        if device.type == "cuda":
-            chosen = settings.model_fields_set
-            tokens = tokens if "batch_tokens" in chosen else CUDA_BATCH_TOKENS
-            fill = fill if "batch_min_fill" in chosen else 0.0
-        return cls(settings.batch_size, tokens, fill)
+        if device.type != "cuda":
+            return cls(settings.batch_size, tokens, fill)
+        chosen = settings.model_fields_set
+        tokens = tokens if "batch_tokens" in chosen else CUDA_BATCH_TOKENS
+        fill = fill if "batch_min_fill" in chosen else 0.0
+        return cls(settings.batch_size, tokens, fill, token_buckets(settings.max_tokens))
+
+
+def token_buckets(max_tokens: int, smallest: int = 16) -> tuple[int, ...]:
+    """Pass widths: powers of two from ``smallest`` below ``max_tokens``, then it.
+
+    >>> token_buckets(256)
+    (16, 32, 64, 128, 256)
+    >>> token_buckets(300)
+    (16, 32, 64, 128, 256, 300)
+    """
+    sizes = []
+    width = smallest
+    while width < max_tokens:
+        sizes.append(width)
+        width *= 2
+    return (*sizes, max_tokens)
 
 
 @dataclass(frozen=True)
@@ -227,6 +248,7 @@ class HiddenStateExtractor:
         batch_tokens: int | None = None,
         batch_min_fill: float = 0.0,
         max_chunks: int = 1,
+        buckets: Sequence[int] | None = None,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         text_form: Literal["raw", "chat"] = "raw",
@@ -247,6 +269,9 @@ class HiddenStateExtractor:
         self.batch_tokens = batch_tokens  # None: no token budget, batch_size pieces per pass
         self.batch_min_fill = batch_min_fill  # 0: rows of any length share a pass
         self.max_chunks = max_chunks
+        # Widths a pass is padded up to (None: its longest piece): a few shapes, not one per
+        # length (positions come from the attention mask, so the states do not change).
+        self.buckets = tuple(sorted(buckets)) if buckets else None
         self.max_tokens = max_tokens
         self.device = torch.device(device) if device is not None else llm.device
         self.dtype = dtype or llm.dtype
@@ -298,6 +323,7 @@ class HiddenStateExtractor:
             batch_size=batching.batch_size,
             batch_tokens=batching.batch_tokens,
             batch_min_fill=batching.min_fill,
+            buckets=batching.buckets,
             max_chunks=settings.max_chunks,
             text_form=settings.text_form,
             chat_system_prompt=settings.chat_system_prompt,
@@ -307,7 +333,7 @@ class HiddenStateExtractor:
     def batching(self) -> Batching:
         """How this extractor cuts a call into forward passes (the scorer's planner cuts a
         backlog the same way)."""
-        return Batching(self.batch_size, self.batch_tokens, self.batch_min_fill)
+        return Batching(self.batch_size, self.batch_tokens, self.batch_min_fill, self.buckets)
 
     @property
     def _left_pad(self) -> bool:
@@ -611,6 +637,8 @@ class HiddenStateExtractor:
         staged: _Staged | None = None,
     ) -> None:
         b, t = len(batch), max(len(p.ids) for p in batch)
+        if self.buckets is not None:
+            t = next((w for w in self.buckets if w >= t), t)
         left, pad = self._left_pad, self._pad_id
         # One tensor from nested lists: no per-row tensor and copy.
         input_ids = torch.tensor(  # [b, t]
