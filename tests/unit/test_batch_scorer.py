@@ -230,3 +230,10 @@ def test_the_timings_split_the_probe_from_building_the_results() -> None:
     assert scores.extract_s > 0 and scores.probe_s > 0
     # bench/score_engine.py reports the probe (probe_s - build_s) and build_s apart.
     assert 0 < scores.build_s < scores.probe_s
+
+
+def test_off_the_cpu_the_probe_reads_a_calls_rows_in_one_call() -> None:
+    from worker.scoring.batch import PROBE_BATCH_TOKENS, probe_batch_tokens
+
+    assert probe_batch_tokens(torch.device("cpu")) == PROBE_BATCH_TOKENS  # groups by length
+    assert probe_batch_tokens(torch.device("cuda", 0)) >= 256 * 256  # a call of 256 x 256

@@ -54,7 +54,7 @@ from schemas import (
     ProbeSpec,
     ShadowResult,
 )
-from worker.llm.extract import ExitStage, length_batches
+from worker.llm.extract import CUDA_BATCH_TOKENS, ExitStage, length_batches
 
 if TYPE_CHECKING:
     from worker.llm.extract import Extraction, HiddenStateExtractor
@@ -373,8 +373,15 @@ class BatchScorer:
                 out.flag_scores[(pos, slot.name)] = decided.flag_score[row]
 
 
-# Padded tokens per probe call (see _probabilities); as the extractor's batch_tokens.
+# Padded tokens per probe call (see _probabilities); as the extractor's batch_tokens: on the
+# CPU, where every padded token costs compute; elsewhere a call's rows in one probe call,
+# where each group would cost its own kernel launches.
 PROBE_BATCH_TOKENS = 4096
+
+
+def probe_batch_tokens(device: torch.device) -> int:
+    """Padded tokens per probe call for states on ``device``."""
+    return PROBE_BATCH_TOKENS if device.type == "cpu" else CUDA_BATCH_TOKENS
 
 
 @dataclass
@@ -423,12 +430,13 @@ def _probabilities(
     and the MHA probe's attention its square. Rows do not interact, so the result is the
     same as one call's."""
     B, T = mask.shape
-    if B * T <= PROBE_BATCH_TOKENS:
+    budget = probe_batch_tokens(hidden.device)
+    if budget >= B * T:
         probs, pooled = probe.predict_proba_pooled(hidden, mask)
         return probs, pooled_rms(pooled)
     out: torch.Tensor | None = None
     rms: torch.Tensor | None = None
-    for rows in length_batches(mask.sum(1).tolist(), PROBE_BATCH_TOKENS):
+    for rows in length_batches(mask.sum(1).tolist(), budget):
         index = torch.tensor(rows, device=mask.device)
         part = mask.index_select(0, index)  # [b, T]
         real = part.any(0).nonzero().flatten()  # columns any of these rows uses
