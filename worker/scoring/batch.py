@@ -457,12 +457,23 @@ def _head_results(
     spec: ProbeSpec, decision: Decision, limits: Limits
 ) -> list[dict[str, HeadResult]]:
     names, flags = decision.label_names(spec), decision.head_flags(spec)
+    # Rows share outcomes (most flag nothing): one frozen HeadResult per distinct outcome
+    # of a head, not one validated model per row and head.
+    built: dict[tuple[str, tuple[str, ...], bool], HeadResult] = {}
+
+    def result(head: str, predicted: tuple[str, ...], flagged: bool) -> HeadResult:
+        key = (head, predicted, flagged)
+        if key not in built:
+            built[key] = HeadResult.build(limits, predicted=list(predicted), flagged=flagged)
+        return built[key]
+
+    columns = {h.name: flags[h.name].tolist() for h in spec.heads}
     return [
         {
-            h.name: HeadResult.build(
-                limits,
-                predicted=[x for x in names[row] if x in h.labels],
-                flagged=bool(flags[h.name][row]),
+            h.name: result(
+                h.name,
+                tuple(x for x in names[row] if x in h.labels),
+                bool(columns[h.name][row]),
             )
             for h in spec.heads
         }
@@ -474,9 +485,9 @@ def _judged_heads(spec: ProbeSpec, decision: Decision) -> tuple[tuple[str, ...],
     """The heads of ``spec`` (the version's own, unfiltered) that have a flag label, and per
     row those of them that predicted one."""
     judged = tuple(h.name for h in spec.heads if any(x in spec.flag_labels for x in h.labels))
-    flags = decision.head_flags(spec)  # per head, [B] bool
+    flags = {h: f.tolist() for h, f in decision.head_flags(spec).items()}  # per head, [B]
     rows = len(decision.flagged)
-    return judged, [[h for h in judged if bool(flags[h][row])] for row in range(rows)]
+    return judged, [[h for h in judged if flags[h][row]] for row in range(rows)]
 
 
 def _run(
