@@ -82,6 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loads", default="0.3,0.5,0.7,0.9", help="paced fractions ('' for none)")
     p.add_argument("--paced-seconds", type=float, default=10.0, help="per load (%(default)s)")
     p.add_argument("--max-batch", type=int, default=256, help="paced pass (%(default)s)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
     return p.parse_args(argv)
 
 
@@ -329,7 +330,12 @@ def device_name(device: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    import torch
+
     from worker.settings import Settings
+
+    if args.threads:  # on a shared machine one thread spins less waiting for busy cores
+        torch.set_num_threads(args.threads)
 
     settings = Settings(device=args.device, metrics_port=0)
     rows = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()]
@@ -351,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         "autocast": str(llm.autocast).removeprefix("torch.") if llm.autocast else None,
         "texts": len(texts),
         "repeats": args.repeats,
+        "threads": torch.get_num_threads(),
         "sizes": {},
     }
     for size in sizes:

@@ -95,9 +95,9 @@ _Seq = TypeVar("_Seq", str, list[int])
 # Characters kept per usable token before tokenizing: generous, since only tokens longer
 # than this on average (long runs of one character) would lose content to the clip.
 _CHARS_PER_TOKEN = 32
-# Unicode Cc except \t \n \r.
 # Texts whose tokenization is remembered (see HiddenStateExtractor._tokenize): a few polls.
 _MEMO_TEXTS = 1024
+# Unicode Cc except \t \n \r.
 _CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 # Padded tokens per forward pass on CUDA unless BATCH_TOKENS is set: 256 texts of 256
 # tokens, one pass per scoring call. The forward there is launch-bound up to ~64 texts
