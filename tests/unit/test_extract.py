@@ -427,7 +427,7 @@ def aten_calls(run: Callable[[], object]) -> dict[str, int]:
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_a_pass_is_written_in_one_scatter_per_layer_whatever_its_rows(side: str) -> None:
     llm = make_tiny_llm(padding_side=side)  # type: ignore[arg-type]
-    ex = extractor(llm, batch_size=64)  # one pass for every text
+    ex = extractor(llm, batch_size=64, scatter=True)  # one pass for every text
     texts = [f"text number {i}" + "!" * (i % 5) for i in range(16)]
     few = aten_calls(lambda: ex.extract(texts[:2], ALL))
     many = aten_calls(lambda: ex.extract(texts, ALL))
@@ -435,6 +435,10 @@ def test_a_pass_is_written_in_one_scatter_per_layer_whatever_its_rows(side: str)
     # per row for the inputs.
     assert many.get("aten.copy_", 0) == few.get("aten.copy_", 0) < len(ALL)
     assert many.get("aten.index_put_", 0) == len(ALL)
+    # On the CPU a model's states are copied row by row by default (faster there).
+    assert not extractor(llm).scatter and extractor(llm, scatter=True).scatter
+    per_row = aten_calls(lambda: extractor(llm, batch_size=64).extract(texts, ALL))
+    assert per_row.get("aten.copy_", 0) >= len(texts) * len(ALL)
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -444,7 +448,7 @@ def test_rows_of_a_shared_pass_equal_each_text_alone(side: str, form: str) -> No
     long = "".join(chr(ord("a") + i % 26) for i in range(70))  # chunked at max_tokens 48
     texts = ["hi", long, "a mid sized text", "x", "another text of some length"]
     kwargs = dict(max_tokens=48, max_chunks=2, text_form=form)
-    out = extractor(llm, batch_size=8, **kwargs).extract(texts, ALL)
+    out = extractor(llm, batch_size=8, scatter=True, **kwargs).extract(texts, ALL)
     for row, text in enumerate(texts):
         alone = extractor(llm, **kwargs).extract([text], ALL)
         torch.testing.assert_close(

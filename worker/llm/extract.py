@@ -249,6 +249,7 @@ class HiddenStateExtractor:
         batch_min_fill: float = 0.0,
         max_chunks: int = 1,
         buckets: Sequence[int] | None = None,
+        scatter: bool | None = None,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         text_form: Literal["raw", "chat"] = "raw",
@@ -272,6 +273,10 @@ class HiddenStateExtractor:
         # Widths a pass is padded up to (None: its longest piece): a few shapes, not one per
         # length (positions come from the attention mask, so the states do not change).
         self.buckets = tuple(sorted(buckets)) if buckets else None
+        # How a pass's states reach the output: one gather + scatter per layer (None: off
+        # the CPU, where each row's copy would be a kernel launch), or a slice copy per row
+        # (on the CPU 2.5x faster than the scatter: 0.4 vs 1.1 ms a layer for 16 rows).
+        self.scatter = llm.device.type != "cpu" if scatter is None else scatter
         self.max_tokens = max_tokens
         self.device = torch.device(device) if device is not None else llm.device
         self.dtype = dtype or llm.dtype
@@ -662,7 +667,9 @@ class HiddenStateExtractor:
         whole = all(p.chunks == 1 for p in batch)  # no row shares its output with another pass
 
         def sink_to(spans: list[tuple[int, int, int, int, int]]) -> _Sink:
-            block = _Block.plan(spans, hidden.device, self.llm.device) if whole else None
+            block = None
+            if whole and self.scatter:
+                block = _Block.plan(spans, hidden.device, self.llm.device)
 
             def sink(layer: int, states: torch.Tensor) -> None:  # states: [b, t, D]
                 out = hidden[slot[layer]]  # [B_ok, T, D]
