@@ -81,8 +81,13 @@ def calibrated(
 def _columns(spec: ProbeSpec) -> tuple[Tensor, Tensor]:
     """Per output column ``[C]``: its head's temperature and its label's bias."""
     temperature, bias = torch.ones(len(spec.labels)), torch.zeros(len(spec.labels))
+    columns: dict[str, slice] = {}
+    start = 0
+    for h in spec.head_specs:  # heads own consecutive columns (ProbeSpec.head_columns)
+        columns[h.name] = slice(start, start + len(h.labels))
+        start += len(h.labels)
     for name, cal in spec.calibration.items():
-        cols = spec.head_columns(name)
+        cols = columns[name] if name in columns else spec.head_columns(name)  # unknown: raises
         temperature[cols] = cal.temperature
         bias[cols] = torch.tensor(cal.bias)
     return temperature, bias

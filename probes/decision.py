@@ -35,18 +35,20 @@ class Decision:
         if hot.dim() == 1:
             hot = torch.nn.functional.one_hot(hot, len(spec.labels)).bool()
         flag = torch.tensor([label in spec.flag_labels for label in spec.labels])  # [C]
-        return {
-            h.name: (hot[:, spec.head_columns(h.name)] & flag[spec.head_columns(h.name)]).any(1)
-            for h in spec.head_specs
-        }
+        flags: dict[str, Tensor] = {}
+        start = 0
+        for h in spec.head_specs:  # heads own consecutive columns (ProbeSpec.head_columns)
+            cols = slice(start, start + len(h.labels))
+            flags[h.name] = (hot[:, cols] & flag[cols]).any(1)
+            start = cols.stop
+        return flags
 
     def label_names(self, spec: ProbeSpec) -> list[list[str]]:
         """Predicted label names per row."""
         if self.predicted.dim() == 1:
             return [[spec.labels[i]] for i in self.predicted.tolist()]
-        return [
-            [spec.labels[j] for j in row.nonzero().flatten().tolist()] for row in self.predicted
-        ]
+        labels = spec.labels
+        return [[labels[j] for j, hot in enumerate(row) if hot] for row in self.predicted.tolist()]
 
 
 def flagging_heads(spec: ProbeSpec, heads: frozenset[str] | None) -> ProbeSpec:

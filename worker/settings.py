@@ -275,7 +275,9 @@ class Settings(BaseSettings):
     batch_tokens: Annotated[int, Field(ge=0)] = Field(
         4096,
         description="Padded tokens per forward pass (texts x longest text): a poll's texts are "
-        "sorted by length and cut into micro-batches there. `0`: `BATCH_SIZE` texts per pass.",
+        "sorted by length and cut into micro-batches there. `0`: `BATCH_SIZE` texts per pass. "
+        "Unset on CUDA: 65536 (a scoring call runs as one pass; a GPU's pass costs about the "
+        "same for 1 or 64 texts).",
     )
     # bench/score_e2e.md: on 2 CPU cores a message alone costs ~130 ms and batching saves
     # ~30 % per message, so 250 ms cut queued polls into ones and twos and saturated at
@@ -292,7 +294,8 @@ class Settings(BaseSettings):
         0.5,
         description="A text shorter than this share of its micro-batch's longest starts a "
         "new forward pass, so padding stays below about 1/share of a row (measured in "
-        "`bench/serve.md`: 1.3-2x the texts/s on skewed chat lengths). `0`: any lengths mix.",
+        "`bench/serve.md`: 1.3-2x the texts/s on skewed chat lengths). `0`: any lengths mix. "
+        "Unset on CUDA: `0`.",
     )
     max_tokens: Annotated[int, Field(ge=8, le=131_072)] = Field(
         256, description="Tokens kept per message (or per chunk, see `MAX_CHUNKS`)."

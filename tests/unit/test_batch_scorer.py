@@ -221,3 +221,48 @@ def test_multi_head_decisions_name_the_heads_that_flagged_whatever_the_flag_poli
     assert plain.heads == {} and plain.decisions[(0, "toxicity")].h is None
     record = DecidedRecord(p={"toxicity": plain.decisions[(0, "toxicity")]}).encode()
     assert b'"h"' not in record and b'"sh"' not in record
+
+
+def test_the_timings_split_the_probe_from_building_the_results() -> None:
+    ex = Counting()
+    a = served(ex, "toxicity", [1, 2], seed=1)
+    scores = BatchScorer(ex, {"toxicity": ProbeSlot("toxicity", a)}).score(messages())
+    assert scores.extract_s > 0 and scores.probe_s > 0
+    # bench/score_engine.py reports the probe (probe_s - build_s) and build_s apart.
+    assert 0 < scores.build_s < scores.probe_s
+
+
+def test_off_the_cpu_the_probe_reads_a_calls_rows_in_one_call() -> None:
+    from worker.scoring.batch import PROBE_BATCH_TOKENS, probe_batch_tokens
+
+    assert probe_batch_tokens(torch.device("cpu")) == PROBE_BATCH_TOKENS  # groups by length
+    assert probe_batch_tokens(torch.device("cuda", 0)) >= 256 * 256  # a call of 256 x 256
+
+
+def test_each_rows_head_results_are_its_own_when_rows_differ() -> None:
+    from probes.decision import decide
+    from schemas import DEFAULT_LIMITS, HeadResult
+    from worker.scoring.batch import _head_results, _judged_heads
+
+    spec = multi_head(Counting(), 1, {"toxic": 0.5, "spam": 0.5}).probe.spec
+    probs = torch.tensor(  # columns toxic, spam, a, b
+        [[0.9, 0.1, 0.7, 0.3], [0.1, 0.9, 0.2, 0.8], [0.9, 0.9, 0.6, 0.4], [0.1, 0.1, 0.3, 0.7]]
+    )
+    rows = _head_results(spec, decide(spec, probs), DEFAULT_LIMITS)
+
+    def head(predicted: list[str], flagged: bool) -> HeadResult:
+        return HeadResult(predicted=predicted, flagged=flagged)
+
+    assert rows == [
+        {"toxicity": head(["toxic"], True), "spam": head([], False), "topic": head(["a"], False)},
+        {"toxicity": head([], False), "spam": head(["spam"], True), "topic": head(["b"], False)},
+        {
+            "toxicity": head(["toxic"], True),
+            "spam": head(["spam"], True),
+            "topic": head(["a"], False),
+        },
+        {"toxicity": head([], False), "spam": head([], False), "topic": head(["b"], False)},
+    ]
+    judged, flagged = _judged_heads(spec, decide(spec, probs))
+    assert judged == ("toxicity", "spam")
+    assert flagged == [["toxicity"], ["spam"], ["toxicity", "spam"], []]

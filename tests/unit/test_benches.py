@@ -255,3 +255,19 @@ def test_fit_speed_bench_times_prepared_batches_beside_the_configurations(
     # they agree to that rounding (with 2 decimals each they once read 1.13 vs 1.33).
     ratio = out["epoch_s"]["both"] / out["epoch_s"]["prepared"]
     assert out["prepared_vs_both"] == pytest.approx(ratio, rel=0.02, abs=0.006)
+
+
+def test_score_engine_bench_runs_on_the_tiny_llm(capsys, texts: Path) -> None:
+    bench = load_bench("score_engine")
+    argv = ["--data", str(texts), "--tiny", "--device", "cpu", "--texts", "8"]
+    argv += ["--sizes", "1,4,64", "--repeats", "1", "--loads", "0.5", "--paced-seconds", "0.3"]
+    assert bench.main(argv) == 0
+    out = last_json(capsys)
+    assert out["bench"] == "score_engine" and out["device"] == "cpu" and out["model"] == "tiny"
+    assert set(out["sizes"]) == {"1", "4", "64"}
+    for row in out["sizes"].values():
+        assert row["plain_ms"] > 0 and row["scorer_ms"] > 0 and row["scorer_over_plain"] > 0
+        assert row["extract_ms"] > 0 and row["probe_ms"] >= 0 and row["build_ms"] >= 0
+    assert isinstance(out["host_overhead_ms"], float) and out["backlog_msg_s"] > 0
+    (paced,) = out["paced"]
+    assert paced["load"] == 0.5 and paced["n"] > 0 and paced["p99_ms"] >= paced["p50_ms"]

@@ -402,3 +402,75 @@ def test_min_fill_keeps_short_texts_out_of_long_passes_with_the_same_states() ->
     split = extractor(llm, batch_size=8, batch_min_fill=0.5).extract(texts, (1, 2))
     assert mixed.mask.tolist() == split.mask.tolist()
     torch.testing.assert_close(split.hidden, mixed.hidden, atol=1e-5, rtol=1e-4)
+
+
+def aten_calls(run: Callable[[], object]) -> dict[str, int]:
+    """How often each aten op ran during ``run()`` (what an accelerator launches)."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: Counter[str] = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as count:
+        run()
+    return dict(count.calls)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_pass_is_written_in_one_scatter_per_layer_whatever_its_rows(side: str) -> None:
+    llm = make_tiny_llm(padding_side=side)  # type: ignore[arg-type]
+    ex = extractor(llm, batch_size=64, scatter=True)  # one pass for every text
+    texts = [f"text number {i}" + "!" * (i % 5) for i in range(16)]
+    few = aten_calls(lambda: ex.extract(texts[:2], ALL))
+    many = aten_calls(lambda: ex.extract(texts, ALL))
+    # Rows cost no op of their own: no copy per row and layer (16 x 5 before), no tensor
+    # per row for the inputs.
+    assert many.get("aten.copy_", 0) == few.get("aten.copy_", 0) < len(ALL)
+    assert many.get("aten.index_put_", 0) == len(ALL)
+    # On the CPU a model's states are copied row by row by default (faster there).
+    assert not extractor(llm).scatter and extractor(llm, scatter=True).scatter
+    per_row = aten_calls(lambda: extractor(llm, batch_size=64).extract(texts, ALL))
+    assert per_row.get("aten.copy_", 0) >= len(texts) * len(ALL)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("form", ["raw", "chat"])
+def test_rows_of_a_shared_pass_equal_each_text_alone(side: str, form: str) -> None:
+    llm = make_tiny_llm(padding_side=side)  # type: ignore[arg-type]
+    long = "".join(chr(ord("a") + i % 26) for i in range(70))  # chunked at max_tokens 48
+    texts = ["hi", long, "a mid sized text", "x", "another text of some length"]
+    kwargs = dict(max_tokens=48, max_chunks=2, text_form=form)
+    out = extractor(llm, batch_size=8, scatter=True, **kwargs).extract(texts, ALL)
+    for row, text in enumerate(texts):
+        alone = extractor(llm, **kwargs).extract([text], ALL)
+        torch.testing.assert_close(
+            real_tokens(out, row), real_tokens(alone, 0), atol=1e-5, rtol=1e-4
+        )
+        padding = out.hidden[:, row][:, ~out.mask[row]]  # [L, pad, D]
+        assert padding.numel() == 0 or padding.abs().max().item() == 0
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_passes_are_padded_up_to_a_bucket_with_the_same_states(side: str) -> None:
+    llm = make_tiny_llm(padding_side=side)  # type: ignore[arg-type]
+    widths: list[int] = []
+    hook = llm.model.register_forward_pre_hook(
+        lambda _m, _a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True
+    )
+    texts = ["hi", "a text of twenty-one", "x" * 40]  # 3, 21 and 41 tokens with <s>
+    try:
+        plain = extractor(llm, batch_size=1).extract(texts, ALL)
+        bucketed = extractor(llm, batch_size=1, buckets=(16, 32, 64)).extract(texts, ALL)
+    finally:
+        hook.remove()
+    assert widths == [41, 21, 3, 64, 32, 16]  # longest first; then each up to its bucket
+    assert bucketed.mask.tolist() == plain.mask.tolist()
+    torch.testing.assert_close(bucketed.hidden, plain.hidden, atol=1e-5, rtol=1e-4)

@@ -59,14 +59,15 @@ def real_block_calls(llm: LoadedLLM) -> Iterator[list[int]]:
             del block.forward
 
 
+@pytest.mark.parametrize("scatter", [False, True])  # the CPU's row copies, accelerators' scatter
 @pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("arch", ["llama", "bert", "gemma3"])
 def test_continuing_rows_get_the_full_pass_states_and_exited_rows_their_payload(
-    arch: str, side: str
+    arch: str, side: str, scatter: bool
 ) -> None:
     llm = make_tiny_gemma3() if arch == "gemma3" else make_tiny_llm(arch=arch)  # type: ignore[arg-type]
     llm.tokenizer.padding_side = side
-    ex = HiddenStateExtractor(llm, max_tokens=64, batch_size=3)
+    ex = HiddenStateExtractor(llm, max_tokens=64, batch_size=3, scatter=scatter)
     full = ex.extract(TEXTS, layers=ALL)
     SEEN.clear()
     out = ex.extract_staged(TEXTS, [1, 2, 4], ExitStage(2, short_rows_exit))

@@ -134,3 +134,27 @@ _LLM = make_tiny_llm()
 def test_invalid_extractor_config(kwargs: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         HiddenStateExtractor(_LLM, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_text_is_tokenized_once_for_counting_and_extracting() -> None:
+    llm = make_tiny_llm()
+    ex = HiddenStateExtractor(llm, max_tokens=32)
+    seen: list[str] = []
+    tokenizer = llm.tokenizer
+    encode = tokenizer.__class__.__call__
+
+    def counting(self: object, texts: list[str], *args: object, **kwargs: object) -> object:
+        seen.extend(texts if isinstance(texts, list) else [texts])
+        return encode(self, texts, *args, **kwargs)
+
+    texts: list[str | bytes] = ["first text", "second", b"\xff", "third one"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tokenizer.__class__, "__call__", counting)
+        counts = ex.token_counts(texts)  # the scorer cuts a poll by these
+        out = ex.extract(texts, [1])  # then extracts it
+        again = ex.token_counts(texts[:2])
+    assert sorted(seen) == ["first text", "second", "third one"]  # each once
+    assert counts == [len(t) + 1 if isinstance(t, str) else 0 for t in texts]
+    assert again == counts[:2]
+    assert out.index == [0, 1, 3] and set(out.errors) == {2}
+    assert out.mask.sum(1).tolist() == [c for c in counts if c]

@@ -72,3 +72,51 @@ def test_token_counts_are_what_extraction_runs() -> None:
     assert counts[2:] == [0, 0]  # not extractable: costs nothing
     out = ex.extract(texts, layers=[1])
     assert [int(n) for n in out.mask.sum(1)] == counts[:2]
+
+
+def test_the_batching_is_chosen_by_device_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from worker.llm.extract import CUDA_BATCH_TOKENS, Batching
+    from worker.settings import Settings
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    # The CPU keeps its length-sorted budgets (bench/batching.py).
+    assert Batching.for_device(Settings(), cpu) == Batching(64, 4096, 0.5)
+    # CUDA: one pass per call, whatever the lengths (a pass is launch-bound there), its
+    # width padded up to a few sizes.
+    buckets = (16, 32, 64, 128, 256)
+    assert Batching.for_device(Settings(), cuda) == Batching(64, CUDA_BATCH_TOKENS, 0.0, buckets)
+    monkeypatch.setenv("PROBEGUARD_BATCH_TOKENS", "2048")
+    monkeypatch.setenv("PROBEGUARD_BATCH_MIN_FILL", "0.25")
+    assert Batching.for_device(Settings(), cuda) == Batching(64, 2048, 0.25, buckets)  # kept
+
+
+def test_a_backlog_is_cut_as_the_extractor_cuts_a_call_on_its_device() -> None:
+    import torch
+
+    from worker.llm.extract import Batching
+    from worker.settings import Settings
+
+    lengths = [200, 12, 14, 9, 150, 30, 11, 13] * 8  # 64 chat messages, lengths skewed
+    per_device = {
+        kind: MicroBatchPlanner.for_batching(
+            Batching.for_device(Settings(), torch.device(kind)), latency_target_s=1.0
+        ).plan(lengths, full=True)
+        for kind in ("cpu", "cuda")
+    }
+    assert len(per_device["cpu"]) > 1  # length-sorted passes of 4096 padded tokens at most
+    assert per_device["cuda"] == [list(range(64))]  # one pass
+
+
+def test_the_extractor_takes_its_batching_from_the_settings_for_its_device() -> None:
+    import torch
+
+    from tests.tiny_llm import make_tiny_llm
+    from worker.llm.extract import Batching, HiddenStateExtractor
+    from worker.settings import Settings
+
+    settings = Settings(batch_tokens=1024, batch_min_fill=0.3)
+    ex = HiddenStateExtractor.for_llm(make_tiny_llm(), settings)
+    assert ex.batching == Batching.for_device(settings, torch.device("cpu"))
+    assert ex.batching == Batching(64, 1024, 0.3)

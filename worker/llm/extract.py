@@ -77,7 +77,16 @@ if TYPE_CHECKING:
     from schemas import LLMFingerprint
     from worker.settings import Settings
 
-__all__ = ["ExitStage", "Extraction", "HiddenStateExtractor", "Truncation", "clean_text"]
+__all__ = [
+    "CUDA_BATCH_TOKENS",
+    "Batching",
+    "ExitStage",
+    "Extraction",
+    "HiddenStateExtractor",
+    "Truncation",
+    "clean_text",
+    "token_buckets",
+]
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +95,58 @@ _Seq = TypeVar("_Seq", str, list[int])
 # Characters kept per usable token before tokenizing: generous, since only tokens longer
 # than this on average (long runs of one character) would lose content to the clip.
 _CHARS_PER_TOKEN = 32
+# Texts whose tokenization is remembered (see HiddenStateExtractor._tokenize): a few polls.
+_MEMO_TEXTS = 1024
 # Unicode Cc except \t \n \r.
 _CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+# Padded tokens per forward pass on CUDA unless BATCH_TOKENS is set: 256 texts of 256
+# tokens, one pass per scoring call. The forward there is launch-bound up to ~64 texts
+# (issue 44, one H200: 1 x 32 tokens 25.2 ms, 64 x 64 tokens 21.8 ms), so the CPU's
+# length-sorted 4096-token passes ran a 64-message call as several passes of the same cost.
+CUDA_BATCH_TOKENS = 65536
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a call's texts are cut into forward passes (see the module docstring)."""
+
+    batch_size: int  # pieces per pass at most
+    batch_tokens: int | None  # padded tokens per pass at most (None: no budget)
+    min_fill: float  # a piece shorter than this share of its pass's longest starts another
+    buckets: tuple[int, ...] | None = None  # widths a pass is padded up to (None: its longest)
+
+    @classmethod
+    def for_device(cls, settings: Settings, device: torch.device) -> Batching:
+        """The settings' batching for an LLM on ``device``: as set on the CPU (length-sorted
+        token budgets, measured there: ``bench/batching.py``); on CUDA, what the settings
+        leave at its default is one pass per call, up to :data:`CUDA_BATCH_TOKENS` padded
+        tokens and no split by length, since a pass costs about the same whatever its rows;
+        and its width padded up to one of a few sizes (:func:`token_buckets`), so that the
+        passes repeat a few shapes (what CUDA graphs and compiled kernels are made for).
+        """
+        tokens, fill = settings.batch_tokens or None, settings.batch_min_fill
+        if device.type != "cuda":
+            return cls(settings.batch_size, tokens, fill)
+        chosen = settings.model_fields_set
+        tokens = tokens if "batch_tokens" in chosen else CUDA_BATCH_TOKENS
+        fill = fill if "batch_min_fill" in chosen else 0.0
+        return cls(settings.batch_size, tokens, fill, token_buckets(settings.max_tokens))
+
+
+def token_buckets(max_tokens: int, smallest: int = 16) -> tuple[int, ...]:
+    """Pass widths: powers of two from ``smallest`` below ``max_tokens``, then it.
+
+    >>> token_buckets(256)
+    (16, 32, 64, 128, 256)
+    >>> token_buckets(300)
+    (16, 32, 64, 128, 256, 300)
+    """
+    sizes = []
+    width = smallest
+    while width < max_tokens:
+        sizes.append(width)
+        width *= 2
+    return (*sizes, max_tokens)
 
 
 @dataclass(frozen=True)
@@ -137,6 +196,7 @@ class _Piece:
     offset: int  # where its output tokens start among the row's tokens
     ids: list[int]  # what the model runs: context, special tokens and the text's tokens
     skip: int = 0  # leading ids run but not output (the chat form's context)
+    chunks: int = 1  # pieces of its row: 1, the piece is the whole row
 
 
 class _EarlyExit(Exception):
@@ -188,6 +248,8 @@ class HiddenStateExtractor:
         batch_tokens: int | None = None,
         batch_min_fill: float = 0.0,
         max_chunks: int = 1,
+        buckets: Sequence[int] | None = None,
+        scatter: bool | None = None,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         text_form: Literal["raw", "chat"] = "raw",
@@ -208,6 +270,13 @@ class HiddenStateExtractor:
         self.batch_tokens = batch_tokens  # None: no token budget, batch_size pieces per pass
         self.batch_min_fill = batch_min_fill  # 0: rows of any length share a pass
         self.max_chunks = max_chunks
+        # Widths a pass is padded up to (None: its longest piece): a few shapes, not one per
+        # length (positions come from the attention mask, so the states do not change).
+        self.buckets = tuple(sorted(buckets)) if buckets else None
+        # How a pass's states reach the output: one gather + scatter per layer (None: off
+        # the CPU, where each row's copy would be a kernel launch), or a slice copy per row
+        # (on the CPU 2.5x faster than the scatter: 0.4 vs 1.1 ms a layer for 16 rows).
+        self.scatter = llm.device.type != "cpu" if scatter is None else scatter
         self.max_tokens = max_tokens
         self.device = torch.device(device) if device is not None else llm.device
         self.dtype = dtype or llm.dtype
@@ -238,6 +307,9 @@ class HiddenStateExtractor:
         self._pass_positions = "position_ids" in params
         self._pass_no_cache = "use_cache" in params
         self._lock = threading.Lock()
+        # text -> its content ids, or why it has none (see _tokenize); insertion-ordered
+        self._memo: dict[str | bytes, list[int] | str] = {}
+        self._memo_lock = threading.Lock()
 
     @classmethod
     def from_settings(cls, settings: Settings) -> HiddenStateExtractor:
@@ -246,18 +318,27 @@ class HiddenStateExtractor:
 
     @classmethod
     def for_llm(cls, llm: LoadedLLM, settings: Settings) -> Self:
-        """Wrap a loaded ``llm`` with the settings' batching and truncation."""
+        """Wrap a loaded ``llm`` with the settings' batching (for its device, see
+        :meth:`Batching.for_device`) and truncation."""
+        batching = Batching.for_device(settings, llm.device)
         return cls(
             llm,
             max_tokens=settings.max_tokens,
             truncation=settings.truncation,
-            batch_size=settings.batch_size,
-            batch_tokens=settings.batch_tokens or None,
-            batch_min_fill=settings.batch_min_fill,
+            batch_size=batching.batch_size,
+            batch_tokens=batching.batch_tokens,
+            batch_min_fill=batching.min_fill,
+            buckets=batching.buckets,
             max_chunks=settings.max_chunks,
             text_form=settings.text_form,
             chat_system_prompt=settings.chat_system_prompt,
         )
+
+    @property
+    def batching(self) -> Batching:
+        """How this extractor cuts a call into forward passes (the scorer's planner cuts a
+        backlog the same way)."""
+        return Batching(self.batch_size, self.batch_tokens, self.batch_min_fill, self.buckets)
 
     @property
     def _left_pad(self) -> bool:
@@ -324,16 +405,18 @@ class HiddenStateExtractor:
         pieces, lengths = self._plan([ids for _, ids in tokenized])
         T = max(lengths, default=0)
         starts = [T - n if self._left_pad else 0 for n in lengths]
-        # Every real token is written exactly once below; only padding needs zeroing, which
-        # spares a pass over (and page faults on) an output that can be hundreds of MB.
-        hidden = torch.empty(  # [L_sel, B_ok, T, D]
-            len(wanted), len(index), T, self.hidden_size, device=self.device, dtype=self.dtype
-        )
-        mask = torch.zeros(len(index), T, dtype=torch.bool, device=self.device)  # [B_ok, T]
-        for row, (start, n) in enumerate(zip(starts, lengths, strict=True)):
-            mask[row, start : start + n] = True
-            hidden[:, row, :start] = 0
-            hidden[:, row, start + n :] = 0
+        shape = (len(wanted), len(index), T, self.hidden_size)  # [L_sel, B_ok, T, D]
+        if self.device.type == "cpu":
+            # Every real token is written exactly once below; only padding needs zeroing,
+            # which spares a pass over (and page faults on) an output that can be hundreds
+            # of MB.
+            hidden = torch.empty(shape, device=self.device, dtype=self.dtype)
+            for row, (start, n) in enumerate(zip(starts, lengths, strict=True)):
+                hidden[:, row, :start] = 0
+                hidden[:, row, start + n :] = 0
+        else:  # an accelerator: one memset, not two kernel launches per row
+            hidden = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        mask = _span_mask(starts, lengths, T).to(self.device)  # [B_ok, T]
         failed: dict[int, str] = {}
         with self._lock, torch.inference_mode():
             staged = None
@@ -407,7 +490,42 @@ class HiddenStateExtractor:
     def _tokenize(
         self, texts: Sequence[str | bytes], errors: dict[int, str]
     ) -> list[tuple[int, list[int]]]:
-        """``(input position, content token ids)`` of every text that survives cleaning."""
+        """``(input position, content token ids)`` of every text that survives cleaning.
+
+        The last :data:`_MEMO_TEXTS` texts' outcomes are remembered: the scorer counts a
+        poll's tokens to cut it (:meth:`token_counts`), then extracts the same texts, and
+        each text is cleaned and tokenized once."""
+        known: dict[int, list[int] | str] = {}
+        with self._memo_lock:
+            for pos, item in enumerate(texts):
+                if isinstance(item, str | bytes) and (hit := self._memo.get(item)) is not None:
+                    known[pos] = hit
+        todo = [pos for pos in range(len(texts)) if pos not in known]
+        fresh: dict[int, str] = {}
+        found = self._tokenize_all([texts[pos] for pos in todo], fresh)
+        outcome: dict[int, list[int] | str] = {todo[i]: ids for i, ids in found}
+        outcome.update({todo[i]: why for i, why in fresh.items()})
+        with self._memo_lock:
+            for pos, result in outcome.items():
+                item = texts[pos]
+                if isinstance(item, str | bytes):
+                    self._memo[item] = result
+            while len(self._memo) > _MEMO_TEXTS:
+                del self._memo[next(iter(self._memo))]  # the oldest first
+        outcome.update(known)
+        out: list[tuple[int, list[int]]] = []
+        for pos in sorted(outcome):
+            result = outcome[pos]
+            if isinstance(result, str):
+                errors[pos] = result
+            else:
+                out.append((pos, result))
+        return out
+
+    def _tokenize_all(
+        self, texts: Sequence[str | bytes], errors: dict[int, str]
+    ) -> list[tuple[int, list[int]]]:
+        """:meth:`_tokenize` without the memo."""
         char_limit = self._budget * self.max_chunks * _CHARS_PER_TOKEN
         cleaned: list[tuple[int, str]] = []
         for pos, item in enumerate(texts):
@@ -450,9 +568,10 @@ class HiddenStateExtractor:
         skip = len(self._context)
         for row, content in enumerate(contents):
             offset = 0
-            for chunk in self._chunks(content):
+            chunks = self._chunks(content)
+            for chunk in chunks:
                 ids = self._context + self._prefix + chunk + self._suffix
-                pieces.append(_Piece(row, offset, ids, skip))
+                pieces.append(_Piece(row, offset, ids, skip, len(chunks)))
                 offset += len(ids) - skip
             lengths.append(offset)
         return pieces, lengths
@@ -523,25 +642,41 @@ class HiddenStateExtractor:
         staged: _Staged | None = None,
     ) -> None:
         b, t = len(batch), max(len(p.ids) for p in batch)
-        input_ids = torch.full((b, t), self._pad_id, dtype=torch.long)  # [b, t]
-        attention = torch.zeros(b, t, dtype=torch.long)  # [b, t]
+        if self.buckets is not None:
+            t = next((w for w in self.buckets if w >= t), t)
+        left, pad = self._left_pad, self._pad_id
+        # One tensor from nested lists: no per-row tensor and copy.
+        input_ids = torch.tensor(  # [b, t]
+            [
+                [pad] * (t - len(p.ids)) + p.ids if left else p.ids + [pad] * (t - len(p.ids))
+                for p in batch
+            ],
+            dtype=torch.long,
+        )
+        lengths = [len(p.ids) for p in batch]
+        attention = _span_mask([t - n if left else 0 for n in lengths], lengths, t).long()
         # (micro-batch row, first output position there, output row, position there, length):
         # the chat form's context runs (attention covers it) but is not output.
         spans: list[tuple[int, int, int, int, int]] = []
         for r, piece in enumerate(batch):
             n = len(piece.ids)
-            lo = t - n if self._left_pad else 0
-            input_ids[r, lo : lo + n] = torch.tensor(piece.ids)
-            attention[r, lo : lo + n] = 1
+            lo = t - n if left else 0
             first = starts[piece.row] + piece.offset
             spans.append((r, lo + piece.skip, piece.row, first, n - piece.skip))
         slot = {layer: i for i, layer in enumerate(wanted)}
+        whole = all(p.chunks == 1 for p in batch)  # no row shares its output with another pass
 
         def sink_to(spans: list[tuple[int, int, int, int, int]]) -> _Sink:
+            block = None
+            if whole and self.scatter:
+                block = _Block.plan(spans, hidden.device, self.llm.device)
+
             def sink(layer: int, states: torch.Tensor) -> None:  # states: [b, t, D]
                 out = hidden[slot[layer]]  # [B_ok, T, D]
-                # Slice copies beat a gather + scatter by ~2x and convert device/dtype too.
-                for r, lo, row, first, n in spans:
+                if block is not None:
+                    block.write(out, states)
+                    return
+                for r, lo, row, first, n in spans:  # a chunked text's piece: its own place
                     out[row, first : first + n].copy_(states[r, lo : lo + n])
 
             return sink
@@ -679,6 +814,71 @@ class HiddenStateExtractor:
 
 
 _Sink = Callable[[int, torch.Tensor], None]
+
+
+def _span_mask(starts: Sequence[int], lengths: Sequence[int], width: int) -> torch.Tensor:
+    """``[len(starts), width]`` bool: row ``i`` True on ``starts[i] .. + lengths[i]``."""
+    cols = torch.arange(width)  # [width]
+    lo = torch.tensor(starts, dtype=torch.long)[:, None]  # [n, 1]
+    hi = lo + torch.tensor(lengths, dtype=torch.long)[:, None]
+    return (cols >= lo) & (cols < hi)
+
+
+@dataclass(frozen=True)
+class _Block:
+    """A micro-batch's spans written to the output as one block per layer: one gather from
+    the states and one scatter into the output rows, whatever the number of rows (a
+    row-by-row copy is two kernel launches per row and layer on an accelerator).
+
+    It applies when the spans line up in one of two ways, the micro-batch's and the
+    output's: all start at one column in both (right padding), or all end at one column
+    in both (left padding). The block is as wide as the longest span; the columns of a
+    shorter span beyond its own tokens are written as zero, which is what the output holds
+    there when each span is its row's whole output (the caller's condition).
+    """
+
+    rows: torch.Tensor  # [b] long: output rows, on the output's device
+    src: slice  # the states' columns
+    dst: slice  # the output's columns
+    keep: torch.Tensor  # [b, w, 1] bool on the states' device: a span's own tokens
+
+    @classmethod
+    def plan(
+        cls,
+        spans: Sequence[tuple[int, int, int, int, int]],
+        out_device: torch.device,
+        states_device: torch.device,
+    ) -> _Block | None:
+        """The block of ``spans`` (micro-batch row, its first column, output row, the
+        output's first column, length), or None when they do not line up."""
+        if not spans or [s[0] for s in spans] != list(range(len(spans))):
+            return None
+        w = max(n for *_, n in spans)
+        los = {lo for _, lo, _, _, _ in spans}
+        firsts = {first for _, _, _, first, _ in spans}
+        lengths = [n for *_, n in spans]
+        if len(los) == 1 and len(firsts) == 1:  # starts aligned
+            lo, first = los.pop(), firsts.pop()
+            src, dst, starts = slice(lo, lo + w), slice(first, first + w), [0] * len(spans)
+        else:
+            ends = {lo + n for _, lo, _, _, n in spans}
+            tails = {first + n for _, _, _, first, n in spans}
+            if len(ends) != 1 or len(tails) != 1:
+                return None
+            end, tail = ends.pop(), tails.pop()
+            src, dst = slice(end - w, end), slice(tail - w, tail)
+            starts = [w - n for n in lengths]
+        rows = [row for _, _, row, _, _ in spans]
+        keep = _span_mask(starts, lengths, w)[:, :, None].to(states_device)
+        return cls(torch.tensor(rows, dtype=torch.long, device=out_device), src, dst, keep)
+
+    def write(self, out: torch.Tensor, states: torch.Tensor) -> None:
+        """``out`` ``[B_ok, T, D]`` takes the spans of ``states`` ``[b, t, D]``."""
+        block = states[:, self.src]  # [b, w, D]
+        block = torch.where(
+            self.keep, block, torch.zeros((), dtype=block.dtype, device=block.device)
+        )
+        out[self.rows, self.dst] = block.to(out.device, out.dtype)
 
 
 def _pass_through(resume: _Resume | None, *, last: bool) -> Callable[..., Any]:

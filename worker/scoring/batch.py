@@ -54,7 +54,7 @@ from schemas import (
     ProbeSpec,
     ShadowResult,
 )
-from worker.llm.extract import ExitStage, length_batches
+from worker.llm.extract import CUDA_BATCH_TOKENS, ExitStage, length_batches
 
 if TYPE_CHECKING:
     from worker.llm.extract import Extraction, HiddenStateExtractor
@@ -135,7 +135,8 @@ class BatchScores:
     results: dict[int, list[ProbeResult]]  # input position -> one result per probe
     errors: dict[int, str]  # input position -> why it could not be scored
     extract_s: float = 0.0
-    probe_s: float = 0.0
+    probe_s: float = 0.0  # everything after the extraction: the probes and the results
+    build_s: float = 0.0  # of probe_s, building the results from the probabilities
     flag_scores: dict[tuple[int, str], float] = field(default_factory=dict)
     # (input position, probe) -> how it was decided, for evidence and label joins
     decisions: dict[tuple[int, str], ProbeDecision] = field(default_factory=dict)
@@ -242,6 +243,8 @@ class BatchScorer:
         if ex.exited and ex.exit_layer is not None:
             self._score_exited(slots, ex.exited, ex.exit_layer, messages, out)
         out.extract_s, out.probe_s = t1 - t0, time.perf_counter() - t1
+        forward_s = sum(r.forward_s for pair in runs.values() for r in pair if r is not None)
+        out.build_s = max(0.0, out.probe_s - forward_s)
         return out
 
     def _exit_stage(
@@ -370,8 +373,15 @@ class BatchScorer:
                 out.flag_scores[(pos, slot.name)] = decided.flag_score[row]
 
 
-# Padded tokens per probe call (see _probabilities); as the extractor's batch_tokens.
+# Padded tokens per probe call (see _probabilities); as the extractor's batch_tokens: on the
+# CPU, where every padded token costs compute; elsewhere a call's rows in one probe call,
+# where each group would cost its own kernel launches.
 PROBE_BATCH_TOKENS = 4096
+
+
+def probe_batch_tokens(device: torch.device) -> int:
+    """Padded tokens per probe call for states on ``device``."""
+    return PROBE_BATCH_TOKENS if device.type == "cpu" else CUDA_BATCH_TOKENS
 
 
 @dataclass
@@ -389,6 +399,7 @@ class _Run:
     head_flags: list[list[str]] | None = None
     rms: torch.Tensor = field(default_factory=lambda: torch.empty(0, 0))  # [L, B] (drift)
     drift_score: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [B]
+    forward_s: float = 0.0  # seconds in the probe's own forward pass
 
 
 def _flagged_heads(run: _Run | None, row: int) -> list[str] | None:
@@ -419,12 +430,13 @@ def _probabilities(
     and the MHA probe's attention its square. Rows do not interact, so the result is the
     same as one call's."""
     B, T = mask.shape
-    if B * T <= PROBE_BATCH_TOKENS:
+    budget = probe_batch_tokens(hidden.device)
+    if budget >= B * T:
         probs, pooled = probe.predict_proba_pooled(hidden, mask)
         return probs, pooled_rms(pooled)
     out: torch.Tensor | None = None
     rms: torch.Tensor | None = None
-    for rows in length_batches(mask.sum(1).tolist(), PROBE_BATCH_TOKENS):
+    for rows in length_batches(mask.sum(1).tolist(), budget):
         index = torch.tensor(rows, device=mask.device)
         part = mask.index_select(0, index)  # [b, T]
         real = part.any(0).nonzero().flatten()  # columns any of these rows uses
@@ -445,12 +457,23 @@ def _head_results(
     spec: ProbeSpec, decision: Decision, limits: Limits
 ) -> list[dict[str, HeadResult]]:
     names, flags = decision.label_names(spec), decision.head_flags(spec)
+    # Rows share outcomes (most flag nothing): one frozen HeadResult per distinct outcome
+    # of a head, not one validated model per row and head.
+    built: dict[tuple[str, tuple[str, ...], bool], HeadResult] = {}
+
+    def result(head: str, predicted: tuple[str, ...], flagged: bool) -> HeadResult:
+        key = (head, predicted, flagged)
+        if key not in built:
+            built[key] = HeadResult.build(limits, predicted=list(predicted), flagged=flagged)
+        return built[key]
+
+    columns = {h.name: flags[h.name].tolist() for h in spec.heads}
     return [
         {
-            h.name: HeadResult.build(
-                limits,
-                predicted=[x for x in names[row] if x in h.labels],
-                flagged=bool(flags[h.name][row]),
+            h.name: result(
+                h.name,
+                tuple(x for x in names[row] if x in h.labels),
+                bool(columns[h.name][row]),
             )
             for h in spec.heads
         }
@@ -462,9 +485,9 @@ def _judged_heads(spec: ProbeSpec, decision: Decision) -> tuple[tuple[str, ...],
     """The heads of ``spec`` (the version's own, unfiltered) that have a flag label, and per
     row those of them that predicted one."""
     judged = tuple(h.name for h in spec.heads if any(x in spec.flag_labels for x in h.labels))
-    flags = decision.head_flags(spec)  # per head, [B] bool
+    flags = {h: f.tolist() for h, f in decision.head_flags(spec).items()}  # per head, [B]
     rows = len(decision.flagged)
-    return judged, [[h for h in judged if bool(flags[h][row])] for row in range(rows)]
+    return judged, [[h for h in judged if flags[h][row]] for row in range(rows)]
 
 
 def _run(
@@ -475,9 +498,13 @@ def _run(
     limits: Limits = DEFAULT_LIMITS,
 ) -> _Run:
     probe = served.probe
+    started = time.perf_counter()
     hidden = _select_layers(ex.hidden, [layers.index(layer) for layer in probe.layers])
     probs, rms = _probabilities(probe, hidden, ex.mask)
-    return _run_probs(served, probs, flag_heads, limits, rms)
+    forward_s = time.perf_counter() - started
+    run = _run_probs(served, probs, flag_heads, limits, rms)
+    run.forward_s = forward_s
+    return run
 
 
 def _run_probs(

@@ -81,11 +81,8 @@ class Scorer:
             text_redis=text_redis,
         )
         self.setup_error = ""  # why the batch loop could not be set up yet (the broker)
-        self.planner = MicroBatchPlanner(
-            latency_target_s=settings.latency_target_ms / 1000,
-            batch_tokens=settings.batch_tokens or None,
-            batch_size=settings.batch_size,
-            min_fill=settings.batch_min_fill,
+        self.planner = MicroBatchPlanner.for_batching(
+            extractor.batching, latency_target_s=settings.latency_target_ms / 1000
         )
         # Real tokens per polled record, counted when its poll was cut (see _split).
         self._tokens: dict[tuple[str, int, int], int] = {}
