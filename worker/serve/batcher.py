@@ -9,10 +9,11 @@ inputs in arrival order and scores it with one pass of the LLM
 splits by token budget inside). A batch holds at most ``pass_tokens`` LLM tokens (as the
 caller counted them), whatever its first request: a request that costs more is scored in
 passes of at most that, and what is left of it goes to the back of the queue after each
-pass (behind what arrived during the pass), so requests that arrived meanwhile (another key's short one) wait for one pass, not
-for the whole large request. A request otherwise never splits: one larger than
-``max_batch`` inputs is scored alone. A failing batch fails its requests (a 503), not the
-thread; the passes of a request that failed or expired are dropped.
+pass, behind what arrived during the pass: a request that arrived meanwhile (another
+key's short one) waits for one pass, not for the whole large request. A request otherwise
+never splits: one larger than ``max_batch`` inputs is scored alone. A failing batch fails
+its requests (a 503), not the thread; the passes of a request that failed or expired are
+dropped.
 
 A request past its deadline when its batch starts is failed with :class:`Expired`, never
 scored: its caller has been answered 503, and scoring it anyway would cache and count
