@@ -78,6 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--warmup", type=int, default=5, help="valid requests first (%(default)s)")
     p.add_argument(
+        "--kinds",
+        default="bodies,junk,wrong,stalled",
+        help="the hostile clients to run, comma-separated (%(default)s): one at a time "
+        "says which costs the valid key most",
+    )
+    p.add_argument(
         "--hostile-nice",
         type=int,
         default=0,
@@ -232,12 +238,15 @@ def _client_process(
             threads.append(threading.Thread(target=_healthz, args=(url, stop, health)))
         elif phase == "abuse":
             for kind in codes:
+                if kind not in args["kinds"]:
+                    continue
                 for _ in range(2):
                     hostile = (url, kind, keys["tenant"], stop, args["max_requests"], codes[kind])
                     threads.append(threading.Thread(target=_hostile, args=hostile))
-            threads.append(
-                threading.Thread(target=_stalled, args=(url, args["stalled"], stop, stalled))
-            )
+            if "stalled" in args["kinds"]:
+                threads.append(
+                    threading.Thread(target=_stalled, args=(url, args["stalled"], stop, stalled))
+                )
         for t in threads:
             t.daemon = True
             t.start()
@@ -321,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                 for k in ("warmup", "valid", "seconds", "stalled", "hostile_nice")
             }
             options["max_requests"] = args.max_requests
+            options["kinds"] = set(args.kinds.split(","))
             pipes: list[Any] = []
             procs: list[Any] = []
             for role in ("valid", "hostile"):
@@ -390,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "valid_clients": args.valid,
         "hostile_nice": args.hostile_nice,
+        "kinds": args.kinds,
         "valid": {
             "idle": {
                 "requests": len(idle),
