@@ -139,6 +139,13 @@ def test_scorer_and_updater_keep_evidence_per_head_and_the_policy_names_the_brok
         i = int(v.message_id.split("-")[1])
         assert result.version == (canary if i in on_canary else live)
         assert result.flagged and v.decision == "flag"  # toxicity flags, on either version
+    # Evidence is counted once the verdicts' batch is acknowledged and committed, a moment
+    # after the verdicts can be read: wait for the total, then check it is exact.
+    wait_until(
+        lambda: sum(evidence.read("toxicity", v).messages for v in (live, canary)) >= N,
+        "every verdict's evidence recorded",
+        timeout_s=60,
+    )
     lv, cv = evidence.read("toxicity", live), evidence.read("toxicity", canary)
     assert (lv.messages, lv.flags) == (len(on_live), len(on_live))
     assert (cv.messages, cv.flags) == (len(on_canary), len(on_canary))

@@ -92,23 +92,6 @@ def test_the_batching_is_chosen_by_device_unless_set(monkeypatch: pytest.MonkeyP
     assert Batching.for_device(Settings(), cuda) == Batching(64, 2048, 0.25, buckets)  # kept
 
 
-def test_a_backlog_is_cut_as_the_extractor_cuts_a_call_on_its_device() -> None:
-    import torch
-
-    from worker.llm.extract import Batching
-    from worker.settings import Settings
-
-    lengths = [200, 12, 14, 9, 150, 30, 11, 13] * 8  # 64 chat messages, lengths skewed
-    per_device = {
-        kind: MicroBatchPlanner.for_batching(
-            Batching.for_device(Settings(), torch.device(kind)), latency_target_s=1.0
-        ).plan(lengths, full=True)
-        for kind in ("cpu", "cuda")
-    }
-    assert len(per_device["cpu"]) > 1  # length-sorted passes of 4096 padded tokens at most
-    assert per_device["cuda"] == [list(range(64))]  # one pass
-
-
 def test_the_extractor_takes_its_batching_from_the_settings_for_its_device() -> None:
     import torch
 

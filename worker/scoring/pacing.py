@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from worker.llm.extract import Batching, length_batches
+from worker.llm.extract import length_batches
 
 __all__ = ["MicroBatchPlanner"]
 
@@ -52,17 +52,6 @@ class MicroBatchPlanner:
         self.batch_size = batch_size
         self.min_fill = min_fill
         self.seconds_per_token: float | None = None  # measured; None until a batch is timed
-
-    @classmethod
-    def for_batching(cls, batching: Batching, *, latency_target_s: float) -> MicroBatchPlanner:
-        """A planner that cuts a backlog as the extractor cuts a call (its device's
-        batching, see :meth:`Batching.for_device <worker.llm.extract.Batching.for_device>`)."""
-        return cls(
-            latency_target_s=latency_target_s,
-            batch_tokens=batching.batch_tokens,
-            batch_size=batching.batch_size,
-            min_fill=batching.min_fill,
-        )
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A micro-batch of ``tokens`` real tokens took ``seconds`` to score."""

@@ -81,8 +81,15 @@ class Scorer:
             text_redis=text_redis,
         )
         self.setup_error = ""  # why the batch loop could not be set up yet (the broker)
-        self.planner = MicroBatchPlanner.for_batching(
-            extractor.batching, latency_target_s=settings.latency_target_ms / 1000
+        # Not the extractor's batching (Batching.for_device): its token budget cut a backlog
+        # poll into length-sorted groups whose offsets interleave, and the evidence's
+        # high-water mark per partition then skipped the later groups' records (exact
+        # counts lost; test_heads_evidence_e2e). The extractor splits each call by length.
+        self.planner = MicroBatchPlanner(
+            latency_target_s=settings.latency_target_ms / 1000,
+            batch_tokens=settings.batch_tokens or None,
+            batch_size=settings.batch_size,
+            min_fill=settings.batch_min_fill,
         )
         # Real tokens per polled record, counted when its poll was cut (see _split).
         self._tokens: dict[tuple[str, int, int], int] = {}
