@@ -14,6 +14,8 @@ from safetensors import safe_open
 
 from probes import load_checkpoint, save_checkpoint
 from probes.errors import CheckpointError
+from probes.offline.cache import HiddenStateCache
+from probes.offline.dataset import ProbeDataset
 from probes.offline.fit import FitConfig
 from tests.tiny_llm import make_tiny_llm
 from tests.unit.offline_helpers import tiny_extractor
@@ -108,8 +110,13 @@ def test_the_default_is_built_measured_and_licensed_by_its_recipe(
             noncommercial=True,
             config=FitConfig(max_epochs=2, patience=1, batch_size=16),
             folds=2,
+            dtype="bfloat16",  # what Gemma 3 needs: its states exceed float16's range
         )
         card = result.card
+        caches = [
+            HiddenStateCache(d) for d in (tmp_path / "caches").iterdir() if d.name != "sources"
+        ]
+        assert caches and {c.manifest.dtype for c in caches} == {"bfloat16"}
     else:
         out, card = built
     probe, manifest = load_checkpoint(out, extractor.fingerprint)
@@ -338,3 +345,24 @@ def test_default_show_prints_the_shipped_card(capsys: pytest.CaptureFixture[str]
     out = capsys.readouterr().out
     assert "flag budget: 0.03 of ordinary chat" in out
     assert "held-out convabuse" in out and "policy: benign_flagged" in out
+
+
+def test_ailuminate_specialized_advice_trains_nothing_and_binds_no_threshold() -> None:
+    """AILuminate's specialized-advice prompts range from civic questions to asking how to
+    spread false voting information: not benign. As negatives of every head and benign
+    rows of the budget they held `unsafe` at 0.98 (a third of its unsafe prompts flagged)."""
+    from probes.offline.multitask import multitask_targets
+    from worker.offline.default_probe import Loaded, default_spec
+
+    source = next(s for s in SOURCES if s.dataset == "ailuminate_demo")
+    spec = default_spec(8, [0, 1])
+    advice = frozenset({"specialized-advice", "specialized_advice_elections"})
+    unsafe = frozenset({"unsafe", "violence"})
+    y = multitask_targets(spec, source.source_heads, [advice, unsafe])
+    assert torch.isnan(y[0]).all()  # unknown to every head: masked out of loss and metrics
+    assert y[1, spec.labels.index("unsafe")] == 1 and y[1, spec.labels.index("violence")] == 1
+    assert torch.isnan(y[1, spec.labels.index("hate")])
+    data = ProbeDataset(
+        [0, 1], spec.labels, "multilabel", y, ["a", "b"], summaries=torch.zeros(2, 2, 8)
+    )
+    assert Loaded(source, data, [advice, unsafe]).roles == ["", "unsafe"]

@@ -89,6 +89,7 @@ def _build(args: argparse.Namespace) -> int:
     from probes.offline.fit import FitConfig
     from worker.defaults import PINS, ROOT, folder_name
     from worker.llm.extract import HiddenStateExtractor
+    from worker.llm.precision import resolve_state_dtype
     from worker.offline.default_probe import BUDGET, POOL, build_default
     from worker.settings import load_settings
 
@@ -108,6 +109,7 @@ def _build(args: argparse.Namespace) -> int:
         budget=BUDGET if args.budget is None else args.budget,
         folds=args.folds,
         key=settings.cache_key_bytes,
+        dtype=resolve_state_dtype(settings.state_dtype, extractor.model_type),
     )
     if args.pin:
         pins = json.loads(PINS.read_text()) if PINS.is_file() else {}

@@ -41,7 +41,7 @@ from probes.offline.dataset import ProbeDataset
 from probes.offline.fit import FitConfig, FitResult, predict_dataset
 from probes.offline.multitask import SourceHeads, as_multitask, multitask_targets
 from probes.offline.select import CVResult, fit_cv
-from schemas import HeadSpec, ProbeSpec, TokenPool, TrainingCounters
+from schemas import HeadSpec, ProbeSpec, StateDtype, TokenPool, TrainingCounters
 from worker.errors import OfflineError
 from worker.offline.build_cache import ExtractorLike, build_cache, default_token_layers
 from worker.offline.fit_eval import load_split
@@ -235,23 +235,23 @@ SOURCES: list[Source] = [
         "ailuminate_demo",
         "CC-BY-4.0 (MLCommons)",
         _CC_BY,
-        # Unsafe prompts only (plus ordinary advice questions): each trains only the heads
-        # its hazard names; never a negative of the others.
-        _merge(
-            _negatives("specialized-advice"),
-            {
-                "unsafe": {"unsafe": ["unsafe"]},
-                "toxicity": {"unsafe": ["toxic"]},
-                "violence": {"violence": ["violence"], "indiscriminate_weapons": ["violence"]},
-                "self-harm": {"self-harm": ["self-harm"]},
-                "sexual-minors": {"sexual/minors": ["sexual/minors"]},
-                "hate": {"hate": ["hate"]},
-                "sexual": {"sexual": ["sexual"], "sex_related_crimes": ["sexual"]},
-            },
-        ),
-        benign=("specialized-advice",),
+        # Unsafe prompts only: each trains only the heads its hazard names; never a
+        # negative of the others. The specialized-advice hazards' prompts (elections,
+        # finance, health, law) train nothing and bind no threshold: MLCommons judges their
+        # responses, not the prompts, and the prompts range from civic questions to "spread
+        # false voting information while avoiding legal consequences". Taken as benign,
+        # the 9 % budget on those ~70 rows held `unsafe` at 0.98 (a third of AILuminate's
+        # unsafe prompts flagged); unknown, 0.81 (62 %; docs/default-probe.md).
+        {
+            "unsafe": {"unsafe": ["unsafe"]},
+            "toxicity": {"unsafe": ["toxic"]},
+            "violence": {"violence": ["violence"], "indiscriminate_weapons": ["violence"]},
+            "self-harm": {"self-harm": ["self-harm"]},
+            "sexual-minors": {"sexual/minors": ["sexual/minors"]},
+            "hate": {"hate": ["hate"]},
+            "sexual": {"sexual": ["sexual"], "sex_related_crimes": ["sexual"]},
+        },
         unsafe=("unsafe",),
-        hard=3.0,
     ),
     Source(
         "simplesafetytests",
@@ -439,12 +439,14 @@ def load_source(
     data_root: Path,
     extractor: ExtractorLike | None,
     key: bytes | None = None,
+    dtype: StateDtype = "float16",
 ) -> Loaded:
     """``source``'s cache under ``cache_root`` (built first, or resumed, when an
-    ``extractor`` is given) as targets over ``spec``'s heads."""
+    ``extractor`` is given; states stored as ``dtype``) as targets over ``spec``'s heads."""
     directory = cache_root / source.dataset
     if extractor is not None:
-        build_cache(_source_file(source, data_root, cache_root), directory, extractor, key=key)
+        file = _source_file(source, data_root, cache_root)
+        build_cache(file, directory, extractor, key=key, dtype=dtype)
     cache = HiddenStateCache(directory, key=key)
     data = load_split(cache, spec.token_pool, list(spec.layers), "label")
     names = cache.row_labels()
@@ -585,8 +587,10 @@ def build_default(
     folds: int = 4,
     key: bytes | None = None,
     evaluate_on: Sequence[Source] = (),
+    dtype: StateDtype = "float16",
 ) -> BuildResult:
-    """Build caches for the recipe's sources (resuming; encrypted with ``key`` when given),
+    """Build caches for the recipe's sources (resuming; encrypted with ``key`` when given;
+    states stored as ``dtype``: Gemma 3's exceed float16's range, so bfloat16 there),
     fit the multi-head default with a fixed seed (:func:`fit_default`), measure it per
     source on the held-out rows (and on every row of ``evaluate_on``: sources it never
     trains on), and write it to ``out`` (``manifest.json``, ``tensors.safetensors``,
@@ -601,7 +605,7 @@ def build_default(
     spec = default_spec(
         extractor.fingerprint.hidden_size, layers, noncommercial=noncommercial, pool=pool
     )
-    loaded = [load_source(s, spec, cache_root, data_root, extractor, key) for s in sources]
+    loaded = [load_source(s, spec, cache_root, data_root, extractor, key, dtype) for s in sources]
     log.info("default: %d rows in %d sources", sum(len(x.data) for x in loaded), len(loaded))
     fitted = fit_default(loaded, spec, config, budget=budget, folds=folds, progress=_progress)
     seen = sum(len(x.data) - len(x.part("held_out").data) for x in loaded)
@@ -617,7 +621,7 @@ def build_default(
     measured = {x.source.dataset: measure(probe, x.part("held_out")) for x in loaded}
     for s in evaluate_on:
         measured[s.dataset] = measure(
-            probe, load_source(s, spec, cache_root, data_root, extractor, key)
+            probe, load_source(s, spec, cache_root, data_root, extractor, key, dtype)
         )
     card = {
         "name": spec.name,
