@@ -3,6 +3,9 @@ attribute mappings, sentence spans and the micro-batcher."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import sys
 import threading
 import time
 
@@ -13,9 +16,11 @@ from schemas import ChatMessage, HeadSpec, ProbeResult, ProbeSpec, Verdict, utcn
 from worker.errors import ConfigError
 from worker.scoring.engine import Judged, Retain
 from worker.serve.app import _spans
+from worker.serve.auth import Authenticator
 from worker.serve.batcher import Expired, MicroBatcher
 from worker.serve.keys import KeyRing, RateLimiter, Seen, new_key
 from worker.serve.mapping import attribute_labels, category_labels
+from worker.serve.niced import NICE
 from worker.serve.server import is_loopback
 
 
@@ -56,6 +61,29 @@ def test_refused_keys_cannot_evict_a_verified_key() -> None:
     assert ring.lookup(key) == (Seen.VERIFIED, "a")
     assert ring.lookup(f"pg.x4999.{'0' * 48}") == (Seen.REFUSED, None)  # the newest kept
     assert ring.lookup(f"pg.x0.{'0' * 48}") == (Seen.UNSEEN, None)  # the oldest dropped
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
+def test_scrypt_checks_run_below_the_scoring_threads_cpu_priority() -> None:
+    """Issue 45: wrong keys on a real name cost the valid key 3x its p99 (scrypt releases
+    the GIL: what the checks take is CPU). They now run niced, so the scoring wins."""
+    key, entry = new_key("a")
+    ring = KeyRing.parse(entry)
+    seen: list[int] = []
+    verify = ring.verify
+
+    def recording(k: str) -> str | None:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return verify(k)
+
+    ring.verify = recording  # type: ignore[method-assign]
+    auth = Authenticator(ring, RateLimiter(10.0, 10), CollectorRegistry())
+    try:
+        assert asyncio.run(auth._check(key)) == "a"
+        assert asyncio.run(auth._check(f"pg.a.{'0' * 48}")) is None
+    finally:
+        auth.close()
+    assert seen == [os.getpriority(os.PRIO_PROCESS, 0) + NICE] * 2
 
 
 def test_malformed_keys_and_unknown_names_cost_no_scrypt() -> None:

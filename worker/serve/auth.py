@@ -8,7 +8,8 @@ unauthenticated traffic kept from hurting authenticated traffic.
   IPv6 address counts by its /64), so one address's junk cannot spend another's.
 - An unseen key whose name no entry has is refused without scrypt, after as long as a
   scrypt check takes here, so response times do not tell which names exist.
-- Scrypt itself (16 MiB, ~0.1 s each) runs on at most ``SCRYPT_THREADS`` threads; at most
+- Scrypt itself (16 MiB, ~0.1 s each) runs on at most ``SCRYPT_THREADS`` threads, at a
+  lower CPU priority than the scoring (:mod:`worker.serve.niced`); at most
   ``SCRYPT_QUEUE`` more unseen keys wait for them, and the rest get a 503 with
   ``Retry-After``, so a flood of wrong keys on a real name costs bounded memory and CPU.
 
@@ -28,6 +29,7 @@ from starlette.requests import Request
 
 from worker.serve.errors import ApiError
 from worker.serve.keys import KeyRing, RateLimiter, Seen
+from worker.serve.niced import NicedThreads
 
 __all__ = ["SCRYPT_QUEUE", "SCRYPT_THREADS", "Authenticator", "Caller", "client_address"]
 
@@ -74,7 +76,7 @@ class Authenticator:
     ) -> None:
         self.keys = keys
         self.new_keys = new_keys  # unseen keys per client address
-        self._scrypt = anyio.CapacityLimiter(SCRYPT_THREADS)
+        self._scrypt = NicedThreads(SCRYPT_THREADS, "serve-scrypt")
         self._waiting = 0  # unseen keys waiting for, or in, a scrypt thread
         self.checks = Counter(
             "probeguard_serve_key_checks",
@@ -127,15 +129,19 @@ class Authenticator:
             # now, queue included: the time of a refusal must not tell which names exist.
             check_s = ring.check_s
             if check_s is None:
-                check_s = await anyio.to_thread.run_sync(ring.calibrate, limiter=self._scrypt)
+                check_s = await self._scrypt.run(ring.calibrate)
             await anyio.sleep(check_s * (1 + self._waiting // SCRYPT_THREADS))
             ring.refuse(key)
             self.checks.labels("unknown_name").inc()
             return None
         self._waiting += 1
         try:
-            name = await anyio.to_thread.run_sync(ring.verify, key, limiter=self._scrypt)
+            name = await self._scrypt.run(ring.verify, key)
         finally:
             self._waiting -= 1
         self.checks.labels("scrypt_ok" if name else "scrypt_wrong").inc()
         return name
+
+    def close(self) -> None:
+        """Stop the scrypt threads (checks still queued are dropped)."""
+        self._scrypt.close()

@@ -92,6 +92,7 @@ class Service:
         self._stack.callback(self.outbox.stop)
         self.batcher.start()
         self._stack.callback(self.batcher.stop)
+        self._stack.callback(self.auth.close)
         self._stack.callback(self.stop_event.set)
         # Listen at once; /readyz says when a probe is served (published, bootstrap or
         # the packaged default), and requests before then get a 503 with Retry-After.
