@@ -76,7 +76,7 @@ def test_scrypt_checks_run_below_the_scoring_threads_cpu_priority() -> None:
         seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         return verify(k)
 
-    ring.verify = recording  # type: ignore[method-assign]
+    ring.verify = recording  # type: ignore[method-assign,assignment]
     auth = Authenticator(ring, RateLimiter(10.0, 10), CollectorRegistry())
     try:
         assert asyncio.run(auth._check(key)) == "a"
