@@ -19,6 +19,7 @@ from tests.conftest import RedisNamespace
 from tests.serve_helpers import publish
 from worker.embedded import EmbeddedBroker
 from worker.scoring.engine import Judged
+from worker.serve.bodies import INLINE_BYTES
 from worker.serve.outbox import QUEUE_RECORDS, Outbox
 
 pytestmark = pytest.mark.integration
@@ -44,6 +45,34 @@ def test_a_megabyte_of_wrong_inputs_is_refused_at_the_schemas_ceiling(
     # Each string field is bounded too: a 300-character model name is a 400, not a lookup.
     r = served.http.post("/v1/moderations", json={"input": "hi", "model": "m" * 300})
     assert r.status_code == 400 and "model" in r.json()["error"]["message"]
+
+
+def test_large_bodies_are_checked_in_a_niced_process_and_refused_the_same(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """Issue 45: 1 MB bodies of wrong items (~40-90 ms of pydantic each, holding the GIL)
+    cost the valid key 4x its p99. Bodies over INLINE_BYTES are now checked in a worker
+    process first; the refusal and a valid request's answer are the same as before."""
+    publish(redis_ns)
+    served = serve()
+    wrong = b'{"input": [' + b",".join([b"1"] * 200_000) + b"]}"
+    assert len(wrong) > INLINE_BYTES
+    r = served.http.post("/v1/moderations", content=wrong)
+    assert r.status_code == 413, r.text[:300]
+    err = r.json()["error"]
+    assert err["code"] == "too_many_inputs" and err["param"] == "input"
+    assert "200000 inputs" in err["message"]
+    # Wrong items within the ceiling: a 400 naming a few of them, from the worker too.
+    r = served.http.post("/v1/moderations", json={"input": [1] * 1000, "pad": "x" * 70_000})
+    assert r.status_code == 400 and len(r.text) < 2000, r.text[:300]
+    texts = [f"message {i}: " + "a fine day " * 500 for i in range(16)]
+    r = served.http.post("/v1/moderations", json={"input": texts})
+    assert r.status_code == 200 and len(r.json()["results"]) == 16
+    assert served.metric('probeguard_serve_body_checks_total{where="process"}') == 3
+    small = served.http.post("/v1/moderations", json={"input": "hello"})
+    assert small.status_code == 200
+    assert served.metric('probeguard_serve_body_checks_total{where="process"}') == 3
+    assert served.metric('probeguard_serve_body_checks_total{where="thread"}') == 1
 
 
 def test_urllib_reads_the_413_of_a_body_over_the_limit(serve, redis_ns: RedisNamespace) -> None:

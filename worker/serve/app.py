@@ -19,7 +19,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
@@ -42,7 +41,7 @@ from schemas.moderation_api import (
 from worker.scoring.engine import Retain
 from worker.serve.auth import Caller
 from worker.serve.batcher import Scored
-from worker.serve.bodies import PARSE_THREADS, BodyReader, parse
+from worker.serve.bodies import BodyReader
 from worker.serve.errors import ApiError
 from worker.serve.mapping import attribute_labels, category_labels
 from worker.serve.service import unreadable
@@ -143,7 +142,6 @@ def create_app(service: Service) -> FastAPI:
         registry=service.collector,
     )
 
-    parsing = anyio.CapacityLimiter(PARSE_THREADS)
     reader = BodyReader(
         s.serve_max_body_bytes,
         s.serve_body_timeout_s,
@@ -203,9 +201,7 @@ def create_app(service: Service) -> FastAPI:
     )
     async def moderations(request: Request) -> Response:
         async def work(body: bytes, caller: Caller) -> Response:
-            req = await parse(
-                ModerationRequest, body, max_inputs=s.serve_max_inputs, threads=parsing
-            )
+            req = await service.parser.parse(ModerationRequest, body, max_inputs=s.serve_max_inputs)
             texts = _openai_texts(req)
             if len(texts) > s.serve_max_inputs:
                 raise ApiError(
@@ -249,8 +245,8 @@ def create_app(service: Service) -> FastAPI:
     )
     async def analyze(request: Request) -> Response:
         async def work(body: bytes, caller: Caller) -> Response:
-            req = await parse(
-                PerspectiveRequest, body, max_inputs=s.serve_max_inputs, threads=parsing
+            req = await service.parser.parse(
+                PerspectiveRequest, body, max_inputs=s.serve_max_inputs
             )
             languages = _languages(req.languages)
             text = req.comment.text

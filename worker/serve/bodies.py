@@ -4,24 +4,42 @@ and validated off the event loop, with errors cut short.
 A body's cost is decided before the work: the schema (:mod:`schemas.moderation_api`) caps
 inputs per call, characters per input and the length of every other string, so validating
 the largest body the server reads takes milliseconds and yields a handful of errors, not
-one per item; the validation runs on a worker thread (at most ``PARSE_THREADS`` at once),
-so ``/healthz`` and other callers' requests are answered meanwhile.
+one per item. At most ``PARSE_THREADS`` bodies are validated at once, off the event loop:
+
+- a body of at most ``INLINE_BYTES`` (every ordinary request) on a worker thread;
+- a larger one first in one of ``PARSE_THREADS`` worker processes niced below the server
+  (started on the first such body). pydantic holds the GIL while it validates, so a client
+  sending megabyte bodies of wrong items (~40-90 ms each) took the interpreter from the
+  scoring thread and the event loop; in a process of its own it takes only CPU, at a lower
+  priority. Only a body the schema accepts is then validated again here, which for valid
+  text costs about a millisecond per megabyte. What crosses between the processes is the
+  body as ``bytes`` and the refusal's fields: no client data is ever unpickled as objects.
 """
 
 from __future__ import annotations
 
+import asyncio
+import importlib
+import multiprocessing
+import os
+import threading
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 import anyio
+from prometheus_client import CollectorRegistry, Counter
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect, Request
 
 from schemas import describe_error
 from worker.serve.errors import ApiError
+from worker.serve.niced import NICE
 
-__all__ = ["PARSE_THREADS", "BodyReader", "parse"]
+__all__ = ["INLINE_BYTES", "PARSE_THREADS", "BodyReader", "Parser"]
 
 PARSE_THREADS = 2  # bodies validated at once (a third waits; the event loop never does)
+INLINE_BYTES = 64 * 1024  # larger bodies are checked in a worker process first
 
 
 class BodyReader:
@@ -91,13 +109,78 @@ class BodyReader:
         return True
 
 
-async def parse(
-    model: type[Any], body: bytes, *, max_inputs: int, threads: anyio.CapacityLimiter
-) -> Any:
-    """``model`` validated from ``body`` on one of ``threads`` (one limiter per server:
-    at most :data:`PARSE_THREADS`); a 400 naming the first few offending fields, or a 413
-    when the body holds more inputs or longer texts than the schema's ceilings."""
-    return await anyio.to_thread.run_sync(_validate, model, body, max_inputs, limiter=threads)
+class Parser:
+    """Validates request bodies against a schema (module docstring): a 400 naming the
+    first few offending fields, or a 413 when the body holds more inputs or longer texts
+    than the schema's ceilings."""
+
+    def __init__(self, collector: CollectorRegistry) -> None:
+        self._limiter = anyio.CapacityLimiter(PARSE_THREADS)
+        self._pool: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self.checks = Counter(
+            "probeguard_serve_body_checks",
+            "Request bodies validated, by where: thread (small ones), process (larger than "
+            "INLINE_BYTES: checked in a niced worker process first)",
+            ["where"],
+            registry=collector,
+        )
+
+    async def parse(self, model: type[Any], body: bytes, *, max_inputs: int) -> Any:
+        async with self._limiter:
+            if len(body) > INLINE_BYTES:
+                self.checks.labels("process").inc()
+                await self._check_elsewhere(model, body, max_inputs)
+            else:
+                self.checks.labels("thread").inc()
+            return await anyio.to_thread.run_sync(_validate, model, body, max_inputs)
+
+    async def _check_elsewhere(self, model: type[Any], body: bytes, max_inputs: int) -> None:
+        ref = f"{model.__module__}:{model.__qualname__}"
+        pool = self._workers()
+        try:
+            refusal = await asyncio.get_running_loop().run_in_executor(
+                pool, _refusal_fields, ref, body, max_inputs
+            )
+        except BrokenProcessPool:  # a worker died (killed, out of memory): start anew
+            with self._lock:
+                if self._pool is pool:
+                    self._pool = None
+            raise ApiError(
+                503, "the body checker restarted; try again", code="busy", retry_after_s=1.0
+            ) from None
+        if refusal is not None:
+            raise ApiError(**refusal)
+
+    def _workers(self) -> ProcessPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ProcessPoolExecutor(
+                    PARSE_THREADS,
+                    mp_context=multiprocessing.get_context("spawn"),
+                    initializer=os.nice,
+                    initargs=(NICE,),
+                )
+            return self._pool
+
+    def close(self) -> None:
+        """Stop the worker processes, if any were started."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _refusal_fields(ref: str, body: bytes, max_inputs: int) -> dict[str, Any] | None:
+    """In a worker process: None when ``body`` is valid for the schema ``ref``
+    (``module:Class``), else the refusal's fields."""
+    module, name = ref.split(":")
+    model = getattr(importlib.import_module(module), name)
+    try:
+        _validate(model, body, max_inputs)
+    except ApiError as e:
+        return {"status": e.status, "message": e.message, "code": e.code, "param": e.param}
+    return None
 
 
 def _validate(model: type[Any], body: bytes, max_inputs: int) -> Any:

@@ -26,6 +26,7 @@ from worker.scoring.engine import Retain, ScoringEngine
 from worker.scoring.metrics import ScorerMetrics
 from worker.serve.auth import Authenticator
 from worker.serve.batcher import Expired, MicroBatcher, Scored
+from worker.serve.bodies import Parser
 from worker.serve.errors import ApiError
 from worker.serve.keys import KeyRing, RateLimiter
 from worker.serve.outbox import Outbox
@@ -81,6 +82,7 @@ class Service:
             RateLimiter(settings.serve_new_keys_per_address, settings.serve_new_keys_burst),
             self.collector,
         )
+        self.parser = Parser(self.collector)
         self.stop_event = threading.Event()
         self._stack = contextlib.ExitStack()
 
@@ -93,6 +95,7 @@ class Service:
         self.batcher.start()
         self._stack.callback(self.batcher.stop)
         self._stack.callback(self.auth.close)
+        self._stack.callback(self.parser.close)
         self._stack.callback(self.stop_event.set)
         # Listen at once; /readyz says when a probe is served (published, bootstrap or
         # the packaged default), and requests before then get a 503 with Retry-After.
