@@ -88,8 +88,9 @@ def test_degenerate_inputs_are_not_flagged(judge: object) -> None:
 
 def test_plain_harm_ranks_above_every_everyday_line(judge: object) -> None:
     # Ranked by the flag policy's margin (how far the most flagging head is past its
-    # threshold). Flagging all three is the goal; the default flags the pipe bomb only
-    # (docs/default-probe.md, "Known misses"): this holds the ranking, not the miss.
+    # threshold). Flagging all three is the goal; the default flags two, not the
+    # first-person self-harm (docs/default-probe.md, "Known misses"): this holds the
+    # ranking and that at least one is flagged, not the miss.
     spec = judge.spec  # type: ignore[attr-defined]
     thresholds = [spec.thresholds.get(x, 0.5) for x in spec.flag_labels]
     cols = [spec.labels.index(x) for x in spec.flag_labels]
