@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -230,6 +231,22 @@ def test_the_timings_split_the_probe_from_building_the_results() -> None:
     assert scores.extract_s > 0 and scores.probe_s > 0
     # bench/score_engine.py reports the probe (probe_s - build_s) and build_s apart.
     assert 0 < scores.build_s < scores.probe_s
+
+
+def test_the_cpu_the_llm_takes_is_counted_apart_from_the_rest() -> None:
+    # Issue 44: bench/scale.py's CPU per message mixed the stand-in LLM's passes with the
+    # host path it sizes; the process's CPU while the LLM runs is now counted apart.
+    class Burning(Counting):
+        def extract(self, texts: Any, layers: Any) -> Any:
+            end = time.process_time() + 0.05
+            while time.process_time() < end:  # an LLM pass that costs 50 ms of CPU
+                pass
+            return super().extract(texts, layers)
+
+    ex = Burning()
+    a = served(ex, "toxicity", [1, 2], seed=1)
+    scores = BatchScorer(ex, {"toxicity": ProbeSlot("toxicity", a)}).score(messages())
+    assert scores.extract_cpu_s >= 0.05
 
 
 def test_off_the_cpu_the_probe_reads_a_calls_rows_in_one_call() -> None:

@@ -135,6 +135,9 @@ class BatchScores:
     results: dict[int, list[ProbeResult]]  # input position -> one result per probe
     errors: dict[int, str]  # input position -> why it could not be scored
     extract_s: float = 0.0
+    # CPU seconds of the whole process (every thread: the LLM's intra-op threads too)
+    # while the LLM ran: what sizing subtracts to see the cost around the model.
+    extract_cpu_s: float = 0.0
     probe_s: float = 0.0  # everything after the extraction: the probes and the results
     build_s: float = 0.0  # of probe_s, building the results from the probabilities
     flag_scores: dict[tuple[int, str], float] = field(default_factory=dict)
@@ -203,14 +206,14 @@ class BatchScorer:
         ``errors`` instead, and costs no other message its result."""
         slots = self.slots  # one snapshot for the whole batch: no batch mixes versions
         layers = self.layers(slots)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         texts = [m.text for m in messages]
         stage = self._exit_stage(slots, layers, messages)
         if stage is None:
             ex = self.extractor.extract(texts, layers)
         else:
             ex = self.extractor.extract_staged(texts, layers, stage)
-        t1 = time.perf_counter()
+        t1, extract_cpu_s = time.perf_counter(), time.process_time() - cpu0
         out = BatchScores(results={}, errors=dict(ex.errors))
         runs: dict[str, tuple[_Run, _Run | None]] = {}
         bad: dict[int, str] = {}  # row -> why
@@ -243,6 +246,7 @@ class BatchScorer:
         if ex.exited and ex.exit_layer is not None:
             self._score_exited(slots, ex.exited, ex.exit_layer, messages, out)
         out.extract_s, out.probe_s = t1 - t0, time.perf_counter() - t1
+        out.extract_cpu_s = extract_cpu_s
         forward_s = sum(r.forward_s for pair in runs.values() for r in pair if r is not None)
         out.build_s = max(0.0, out.probe_s - forward_s)
         return out

@@ -200,6 +200,7 @@ class ScoringEngine:
         self.metrics.batch_size.observe(len(messages))
         self.metrics.batch_seconds.observe(elapsed)
         self.metrics.probe_seconds.observe(scores.probe_s)
+        self.metrics.llm_cpu_seconds.inc(scores.extract_cpu_s)
         if n:
             self.metrics.message_seconds.observe(elapsed / n)
         return judged

@@ -55,6 +55,12 @@ class ScorerMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
             registry=r,
         )
+        self.llm_cpu_seconds = Counter(
+            "probeguard_scorer_llm_cpu_seconds",
+            "CPU seconds of the process (all threads) while the LLM ran (tokenizing and its "
+            "passes): the rest of the process's CPU is the cost around the model",
+            registry=r,
+        )
         self.probe_seconds = Histogram(
             "probeguard_scorer_probe_seconds",
             "Probe (not LLM) time per batch",
