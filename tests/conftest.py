@@ -35,6 +35,21 @@ from worker.store.redis import Keys
 # 3.11.7's parser can fail with "AST constructor recursion depth mismatch".
 
 
+# Group timing on the embedded broker: tansu forms a group in about half the session
+# timeout, so the settings' 6000/1000 (Apache Kafka's smallest session by default) cost
+# every test ~3 s per join and ~5 s per rebalance; 2000/500 forms one in ~1 s and
+# rebalances in ~2 s (measured). No test depends on the length: the ones about evictions
+# wait for them with deadlines far longer. An external broker
+# (``PROBEGUARD_TEST_KAFKA_BOOTSTRAP``, e.g. Apache Kafka, which refuses sessions under its
+# group.min.session.timeout.ms) keeps the settings' defaults.
+FAST_GROUPS: dict[str, int] = {"kafka_session_timeout_ms": 2000, "kafka_heartbeat_interval_ms": 500}
+
+
+def group_timing() -> dict[str, int]:
+    """The group timing for the tests' broker: :data:`FAST_GROUPS` on the embedded one."""
+    return {} if os.environ.get("PROBEGUARD_TEST_KAFKA_BOOTSTRAP") else dict(FAST_GROUPS)
+
+
 def _unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:10]}"
 
@@ -119,6 +134,7 @@ def settings(kafka_bootstrap: str, redis_ns: RedisNamespace) -> Settings:
         # Most tests serve a single-head probe under the name `toxicity` (the default
         # name before the packaged multi-head `moderation`; still accepted).
         probes="toxicity",
+        **group_timing(),
     )
 
 
