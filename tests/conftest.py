@@ -13,6 +13,7 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import hypothesis  # noqa: F401  (imported early: see below)
 import pytest
@@ -42,10 +43,10 @@ from worker.store.redis import Keys
 # wait for them with deadlines far longer. An external broker
 # (``PROBEGUARD_TEST_KAFKA_BOOTSTRAP``, e.g. Apache Kafka, which refuses sessions under its
 # group.min.session.timeout.ms) keeps the settings' defaults.
-FAST_GROUPS: dict[str, int] = {"kafka_session_timeout_ms": 2000, "kafka_heartbeat_interval_ms": 500}
+FAST_GROUPS: dict[str, Any] = {"kafka_session_timeout_ms": 2000, "kafka_heartbeat_interval_ms": 500}
 
 
-def group_timing() -> dict[str, int]:
+def group_timing() -> dict[str, Any]:
     """The group timing for the tests' broker: :data:`FAST_GROUPS` on the embedded one."""
     return {} if os.environ.get("PROBEGUARD_TEST_KAFKA_BOOTSTRAP") else dict(FAST_GROUPS)
 
