@@ -13,6 +13,7 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import hypothesis  # noqa: F401  (imported early: see below)
 import pytest
@@ -33,6 +34,21 @@ from worker.store.redis import Keys
 # hypothesis is imported here, at collection, on purpose: imported late (its pytest plugin
 # does so at the terminal summary) after the Kafka client threads have run, CPython
 # 3.11.7's parser can fail with "AST constructor recursion depth mismatch".
+
+
+# Group timing on the embedded broker: tansu forms a group in about half the session
+# timeout, so the settings' 6000/1000 (Apache Kafka's smallest session by default) cost
+# every test ~3 s per join and ~5 s per rebalance; 2000/500 forms one in ~1 s and
+# rebalances in ~2 s (measured). No test depends on the length: the ones about evictions
+# wait for them with deadlines far longer. An external broker
+# (``PROBEGUARD_TEST_KAFKA_BOOTSTRAP``, e.g. Apache Kafka, which refuses sessions under its
+# group.min.session.timeout.ms) keeps the settings' defaults.
+FAST_GROUPS: dict[str, Any] = {"kafka_session_timeout_ms": 2000, "kafka_heartbeat_interval_ms": 500}
+
+
+def group_timing() -> dict[str, Any]:
+    """The group timing for the tests' broker: :data:`FAST_GROUPS` on the embedded one."""
+    return {} if os.environ.get("PROBEGUARD_TEST_KAFKA_BOOTSTRAP") else dict(FAST_GROUPS)
 
 
 def _unique(prefix: str) -> str:
@@ -119,6 +135,7 @@ def settings(kafka_bootstrap: str, redis_ns: RedisNamespace) -> Settings:
         # Most tests serve a single-head probe under the name `toxicity` (the default
         # name before the packaged multi-head `moderation`; still accepted).
         probes="toxicity",
+        **group_timing(),
     )
 
 

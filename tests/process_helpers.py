@@ -26,6 +26,8 @@ _PASS_THROUGH = (
     "topic_dead_letter",
     "group_scorer",
     "group_updater",
+    "kafka_session_timeout_ms",
+    "kafka_heartbeat_interval_ms",
 )
 
 

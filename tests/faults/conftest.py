@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import FAST_GROUPS
 from tests.process_helpers import tiny_model_dir
 from worker.embedded import EmbeddedBroker, EmbeddedRedis
 from worker.kafka.clients import ensure_topics
@@ -36,6 +37,7 @@ def stack() -> Iterator[Stack]:
             # The fault tests serve a single-head probe under the name `toxicity` (the
             # default name before the packaged multi-head `moderation`; still accepted).
             probes="toxicity",
+            **FAST_GROUPS,  # its own embedded broker: groups form in ~1 s (tests/conftest.py)
         )
         ensure_topics(settings)
         yield Stack(broker, server, settings)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import FAST_GROUPS
+
 pytestmark = pytest.mark.integration
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -17,8 +19,13 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 @pytest.mark.timeout(1200)  # three scorer processes start, each importing torch
 def test_scale_counts_round_trips_and_survives_a_rolling_restart(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The bench runs its own embedded broker; its settings (and so its scorer processes)
+    # take the suite's group timing from the environment: groups form and rebalance in
+    # ~1-2 s instead of ~3-5 s (tests/conftest.py). The counts asserted do not depend on it.
+    for name, value in FAST_GROUPS.items():
+        monkeypatch.setenv(f"PROBEGUARD_{name.upper()}", str(value))
     spec = importlib.util.spec_from_file_location("scale", BENCH / "scale.py")
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
