@@ -148,6 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     if default is None:
         raise SystemExit("this release ships no packaged default for the cache's LLM")
     zero = default_spec("toxicity", llm.num_layers, llm.hidden_size)
+    missing = sorted(set(zero.layers) - set(cache.manifest.token_layers))
+    if missing:  # the from-zero probe weighs tokens: a summaries-only cache cannot serve it
+        raise SystemExit(
+            f"{args.toxicchat} stores token-level states for layers "
+            f"{cache.manifest.token_layers}, the from-zero probe reads {zero.layers}: build it "
+            "with `probeguard cache build` and the default --token-layers auto"
+        )
     convabuse = next(s for s in SOURCES if s.dataset == "convabuse")
     curves = {}
     for name, probe, fresh in (
