@@ -39,7 +39,6 @@ __all__ = [
     "exits",
     "fit_calibration",
     "flag_risk",
-    "without_exit",
 ]
 
 
@@ -103,15 +102,4 @@ def attach_exit(probe: Probe, exit_probe: Probe, exit_spec: ExitSpec) -> Probe:
     out.load_state_dict(state)
     out.to(probe.shift.device)
     out.train(probe.training)
-    return out
-
-
-def without_exit(probe: Probe) -> Probe:
-    """A copy of ``probe`` without its exit head (the full-depth probe alone)."""
-    spec = ProbeSpec.model_validate({**probe.spec.model_dump(), "exit": None})
-    out = build_probe(spec)
-    out.load_state_dict(
-        {k: v for k, v in probe.state_dict().items() if not k.startswith("exit_head.")}
-    )
-    out.to(probe.shift.device)
     return out

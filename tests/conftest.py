@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -162,10 +163,28 @@ def threads() -> Iterator[list[Threaded]]:
         t.stop()
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Under pytest-xdist each worker hands its fault rows to the controller."""
+    from tests.faults.accounting import ROWS
+
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["fault_rows"] = [dataclasses.asdict(r) for r in ROWS]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """The controller side of :func:`pytest_sessionfinish` (an xdist hook, so optional)."""
+    from tests.faults.accounting import ROWS, Row
+
+    ROWS.extend(Row(**r) for r in getattr(node, "workeroutput", {}).get("fault_rows", []))
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The fault suite's table: where every input of each fault test ended up."""
+    """The fault suite's table: where every input of each fault test ended up (every
+    xdist worker's rows, sorted by fault)."""
     from tests.faults.accounting import ROWS, table
 
-    if ROWS:
+    if ROWS and not hasattr(terminalreporter.config, "workeroutput"):
         terminalreporter.section("fault suite summary")
-        terminalreporter.write_line(table(ROWS))
+        terminalreporter.write_line(table(sorted(ROWS, key=lambda r: r.fault)))

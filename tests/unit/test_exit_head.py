@@ -15,7 +15,6 @@ from probes.exit import (
     exit_probabilities,
     exits,
     fit_calibration,
-    without_exit,
 )
 from probes.heads import add_head, remove_head
 from probes.learner import Learner
@@ -109,7 +108,7 @@ def test_calibration_thresholds_and_exits() -> None:
     assert abs(float(calibrated(spec, balanced, temperature)[:, 2].mean()) - 0.1) > 0.15
 
 
-def test_attach_keep_layers_add_head_and_without_exit() -> None:
+def test_attach_keep_layers_and_add_head() -> None:
     plain = build_probe(make_spec("mean", "scalar_mix"), seed=0)
     exit_probe = build_probe(exit_spec().exit_view(), seed=1)
     probe = attach_exit(plain, exit_probe, ExitSpec(layer=2, allow_below=0.1))
@@ -119,7 +118,6 @@ def test_attach_keep_layers_add_head_and_without_exit() -> None:
     torch.testing.assert_close(probe.exit_head(hidden[1:2], mask), exit_probe(hidden[1:2], mask))
     assert keep_layers(probe, [1, 2, 4]).spec.exit == probe.spec.exit
     assert keep_layers(probe, [1, 2]).spec.exit is None  # the exit layer became the deepest
-    assert without_exit(probe).exit_head is None
     grown = add_head(probe, HeadSpec(name="extra", task="multilabel", labels=["insult"]))
     assert grown.exit_head is not None and grown.spec.exit == probe.spec.exit
 

@@ -195,12 +195,6 @@ class Forbidden(Exception):
         self.why = why
 
 
-@dataclass(frozen=True)
-class Session:
-    user: User
-    csrf: str
-
-
 def hash_digest(user: User) -> str:
     return hashlib.sha256(user.password_hash.encode()).hexdigest()[:16]
 
