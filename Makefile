@@ -63,8 +63,13 @@ prometheus-deps:  ## install Debian's prometheus + promtool (as root) for the al
 	  else echo "the alert tests need: prometheus (sudo apt-get install -y prometheus)"; fi; \
 	fi
 
+# Test files spread over one pytest-xdist worker per core (TEST_WORKERS=0: one process);
+# each worker starts its own broker, and every test has its own Redis namespace, topics
+# and free ports (tests/conftest.py). A file stays on one worker: its module fixtures
+# (a loaded LLM) are built once.
+TEST_WORKERS ?= auto
 test: $(STAMP) browser-deps prometheus-deps  ## run every test (unit, integration, browser; real broker and Redis)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: $(STAMP)  ## unit tests only
 	$(BIN)/python -m pytest tests/unit -q

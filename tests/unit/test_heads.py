@@ -142,10 +142,10 @@ def test_unannotated_heads_add_nothing_to_the_loss_or_the_gradient() -> None:
     row = int(y[:, 1].isnan().nonzero()[0])
     assert logits.grad[row, 1:].abs().sum() == 0 and logits.grad[row, 0] != 0
     # A multi-head probe learns every head from rows that each annotate only one or two.
-    before = float(learner.loss(probe(hidden, mask), y))
+    before = float(learner.loss(probe(hidden, mask), y).detach())
     for _ in range(30):
         learner.learn_many(hidden, mask, y)
-    assert float(learner.loss(probe(hidden, mask), y)) < before
+    assert float(learner.loss(probe(hidden, mask), y).detach()) < before
 
 
 def test_a_multiclass_head_takes_a_softmax_of_its_own_and_decides_one_class() -> None:
