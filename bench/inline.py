@@ -78,6 +78,8 @@ from typing import Any
 
 import torch
 
+from _shared import log
+
 TARGET_PROMPT = 0.10  # the prompt verdict: at most this fraction of the prefill
 TARGET_STREAM = 0.05  # streaming checks: at most this fraction of a plain decoding step
 CONFIGS = (
@@ -163,10 +165,6 @@ def random_probe(bench: Bench, seed: int, folder: Path) -> None:
     name = bench.settings.probe_names[0]
     probe = build_probe(found.probe.spec.model_copy(update={"name": name}), seed=seed)
     save_checkpoint(probe, folder, llm=bench.engine.extractor.fingerprint)
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def load_average() -> list[float]:

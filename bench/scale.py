@@ -73,6 +73,8 @@ from typing import Any
 
 from probes.metrics import percentile
 
+from _shared import log
+
 BENCH_CLIENT_ID = "scale-bench"  # the bench's own Kafka clients: not counted as scorers'
 API_NAMES = {
     0: "Produce",
@@ -119,10 +121,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--ready-timeout-s", type=float, default=300.0, help="per scorer start (%(default)s)"
     )
     return p.parse_args(argv)
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # --- the broker, behind a counting relay ----------------------------------------------

@@ -60,6 +60,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _shared import log
+
 # Issue 44: scorer minus plain forward, ms per message at 64 texts per call (tiny, CPU).
 TARGET_HOST_OVERHEAD_MS = 0.3
 DEFAULT_PROBE = Path(__file__).resolve().parents[1] / "worker/defaults/smollm2-135m-instruct"
@@ -84,10 +86,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=256, help="paced pass (%(default)s)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
     return p.parse_args(argv)
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # --- what runs ----------------------------------------------------------------------------

@@ -49,6 +49,8 @@ import time
 import uuid
 from typing import Any
 
+from _shared import log
+
 TARGET_P99_RATIO = 2.0
 TARGET_HEALTHZ_MS = 200.0
 TARGET_RSS_MB = 200.0
@@ -101,10 +103,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--redis-url", default="redis://127.0.0.1:6379/0", help="Redis (default: %(default)s)"
     )
     return p.parse_args(argv)
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def rss_mb() -> float:
