@@ -73,7 +73,7 @@ from typing import Any
 
 from probes.metrics import percentile
 
-from _shared import log
+from _shared import load_average, log, rss_mb
 
 BENCH_CLIENT_ID = "scale-bench"  # the bench's own Kafka clients: not counted as scorers'
 API_NAMES = {
@@ -254,13 +254,7 @@ class ScorerProc:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def rss_mb(self) -> float:
-        try:
-            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        except OSError:
-            pass
-        return 0.0
+        return rss_mb(self.proc.pid)
 
     def scrape(self) -> dict[str, float]:
         """The scorer's ``/metrics`` samples, summed over labels (e.g. ``..._count``)."""
@@ -846,7 +840,7 @@ def main(argv: list[str] | None = None) -> int:
                 "partitions": args.partitions,
                 "messages": args.messages,
                 "cpu_count": os.cpu_count(),
-                "load_average": [round(x, 2) for x in os.getloadavg()],  # other jobs
+                "load_average": load_average(),  # other jobs
                 "results": results,
             }
         )

@@ -49,7 +49,7 @@ import time
 import uuid
 from typing import Any
 
-from _shared import log
+from _shared import load_average, log, rss_mb
 
 TARGET_P99_RATIO = 2.0
 TARGET_HEALTHZ_MS = 200.0
@@ -103,14 +103,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--redis-url", default="redis://127.0.0.1:6379/0", help="Redis (default: %(default)s)"
     )
     return p.parse_args(argv)
-
-
-def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 # --- the clients (a process of their own) ------------------------------------------------
@@ -348,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                 for phase in ("idle", "abuse"):
                     log(f"[round {r + 1}] {phase} for {args.seconds:g} s …")
                     t0 = time.monotonic()
-                    load = [round(x, 2) for x in os.getloadavg()]
+                    load = load_average()
                     for pipe in pipes:
                         pipe.send(phase)
                     got, hostile = (pipe.recv() for pipe in pipes)
