@@ -117,13 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             probes="toxicity",  # the probe published below
         )
         if args.model == "tiny":
-            try:
-                from tests.tiny_llm import make_tiny_llm
-            except ModuleNotFoundError:
-                raise SystemExit(
-                    "--model tiny builds its LLM with tests/tiny_llm.py: run from the "
-                    "checkout as `PYTHONPATH=. python bench/propagation.py ...`"
-                ) from None
+            from worker.llm.tiny import make_tiny_llm
 
             extractor = HiddenStateExtractor(make_tiny_llm(), max_tokens=64)
         else:

@@ -4,7 +4,7 @@ One run, side by side for each scorer count in ``--scorers`` (default 2,4,8,16),
 32-partition chat topic of the embedded broker and a Redis server of the bench's own
 (``worker.embedded``): every scorer is a separate ``probeguard score`` process (the real
 CLI, its own Python, Kafka clients and Redis connections) on a fast stand-in extractor,
-the tiny random LLM of ``tests/tiny_llm.py`` (4 layers of 32 dimensions: the forward pass
+the tiny random LLM of ``worker/llm/tiny.py`` (4 layers of 32 dimensions: the forward pass
 costs next to nothing, so what is measured is everything around it), serving a random
 mean-pooling probe published live in the registry.
 
@@ -779,14 +779,8 @@ def summary(xs: list[float]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        from tests.tiny_llm import make_tiny_llm
-    except ModuleNotFoundError:
-        raise SystemExit(
-            "the stand-in LLM is tests/tiny_llm.py: run from the checkout as "
-            "`PYTHONPATH=. python bench/scale.py ...`"
-        ) from None
     from worker.embedded import EmbeddedRedis, free_port
+    from worker.llm.tiny import make_tiny_llm
 
     counts_ = [int(x) for x in args.scorers.split(",") if x]
     if max(counts_) > args.partitions:

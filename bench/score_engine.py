@@ -27,7 +27,7 @@ The LLM (``--device cpu|cuda``):
   reads them from a folder, ``--save-arch DIR`` writes them there, ~3.5 MB for SmolLM2)
   with seeded random weights, so the check runs where the GGUF cannot travel (a GPU
   machine); speed does not depend on weight values;
-- ``--tiny``: the tests' tiny random LLM (``tests/tiny_llm.py``: 4 layers of 32
+- ``--tiny``: the tests' tiny random LLM (``worker/llm/tiny.py``: 4 layers of 32
   dimensions, one token per character). On the CPU its forward costs next to nothing, so
   **scorer minus plain is the host overhead**: issue 44's target is at most 0.3 ms per
   message at 64 texts per call.
@@ -98,7 +98,7 @@ def build_llm(args: argparse.Namespace, settings: Any) -> Any:
     from worker.llm.load import LoadedLLM, apply_autocast, load_llm
 
     if args.tiny:
-        from tests.tiny_llm import make_tiny_llm
+        from worker.llm.tiny import make_tiny_llm
 
         llm = make_tiny_llm()
         llm.model.to(args.device)

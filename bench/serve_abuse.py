@@ -96,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--tiny",
         action="store_true",
-        help="a tiny random LLM (tests/tiny_llm.py) and a random probe published for it: "
+        help="a tiny random LLM (worker/llm/tiny.py) and a random probe published for it: "
         "scoring costs ~nothing, so the latencies are the server's own",
     )
     p.add_argument(
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             from probes.probe import build_probe
             from tests.registry_helpers import publish_probe
             from tests.serve_helpers import PROBE, moderation_spec
-            from tests.tiny_llm import make_tiny_llm
+            from worker.llm.tiny import make_tiny_llm
             from worker.store.checkpoints import CheckpointRegistry
             from worker.store.redis import Keys
 
