@@ -558,8 +558,8 @@ def probe_blob(llm: Any, registry: Any) -> None:
 def run_count(
     n: int, args: argparse.Namespace, llm: Any, model_dir: Path, stack: dict[str, Any]
 ) -> dict[str, Any]:
-    from tests.process_helpers import settings_env
     from worker.kafka.clients import ensure_topics, make_producer
+    from worker.llm.tiny import settings_env
     from worker.settings import Settings
     from worker.store.checkpoints import CheckpointRegistry
     from worker.store.redis import Keys, make_redis

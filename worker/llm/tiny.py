@@ -16,10 +16,14 @@ Example::
     llm = make_tiny_llm(tmp_path, arch="bert") # saved to tmp_path and loaded with load_llm
     llm.num_layers, llm.hidden_size            # (4, 32)
     llm = make_tiny_llm(lm_head="own")         # a Llama with an LM head (logit lens tests)
+
+:func:`settings_env` is the environment that runs a ``probeguard`` role as a child process
+on a tiny model saved by ``make_tiny_llm(path)``.
 """
 
 from __future__ import annotations
 
+import os
 import string
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -48,6 +52,7 @@ __all__ = [
     "NUM_LAYERS",
     "make_tiny_gemma3",
     "make_tiny_llm",
+    "settings_env",
     "tiny_tokenizer",
 ]
 
@@ -211,3 +216,36 @@ def make_tiny_gemma3(
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return load_llm(Settings(model=str(directory), cache_dir=tmp_path / "cache"), lm_head=lm_head)
+
+
+# The settings a child process gets from ``settings_env`` (besides Redis, model and cache).
+_PASS_THROUGH = (
+    "probes",
+    "kafka_bootstrap",
+    "redis_prefix",
+    "topic_chat",
+    "topic_labels",
+    "topic_verdicts",
+    "topic_review",
+    "topic_dead_letter",
+    "group_scorer",
+    "group_updater",
+    "kafka_session_timeout_ms",
+    "kafka_heartbeat_interval_ms",
+)
+
+
+def settings_env(settings: Settings, model_dir: Path, **extra: object) -> dict[str, str]:
+    """Environment giving a child process these settings, on the tiny model at ``model_dir``
+    (saved by ``make_tiny_llm(path)``: its cache is ``path / "cache"``, beside it)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBEGUARD_")}
+    for field in _PASS_THROUGH:
+        env[f"PROBEGUARD_{field.upper()}"] = str(getattr(settings, field))
+    if settings.redis_url is not None:
+        env["PROBEGUARD_REDIS_URL"] = settings.redis_url.get_secret_value()
+    env["PROBEGUARD_MODEL"] = str(model_dir)
+    env["PROBEGUARD_CACHE_DIR"] = str(model_dir.parent / "cache")
+    env["PROBEGUARD_METRICS_PORT"] = "0"
+    for key, value in extra.items():
+        env[f"PROBEGUARD_{key.upper()}"] = str(value)
+    return env
