@@ -73,7 +73,7 @@ from typing import Any
 
 from probes.metrics import percentile
 
-from _shared import load_average, log, rss_mb
+from _shared import load_average, log, publish_random_probe, rss_mb
 
 BENCH_CLIENT_ID = "scale-bench"  # the bench's own Kafka clients: not counted as scorers'
 API_NAMES = {
@@ -534,32 +534,11 @@ def delta(a: Counts, b: Counts, scorer_client: str) -> dict[str, Any]:
 # --- one scorer count -------------------------------------------------------------------
 
 
-def probe_blob(llm: Any, registry: Any) -> None:
-    """Publish a random mean-pooling probe on the tiny LLM's layers 1-2, live."""
-    from probes.checkpoint import checkpoint_to_bytes
-    from probes.probe import build_probe
-    from schemas import ProbeSpec
-
-    spec = ProbeSpec(
-        name="toxicity",
-        token_pool="mean",
-        layer_mix="scalar_mix",
-        layers=[1, 2],
-        hidden_size=llm.hidden_size,
-        task="multiclass",
-        labels=["ok", "toxic"],
-        flag_labels=["toxic"],
-    )
-    v = registry.allocate_version()
-    blob, manifest = checkpoint_to_bytes(build_probe(spec, seed=0), llm=llm.fingerprint, version=v)
-    registry.publish(blob, manifest, set_live=True)
-
-
 def run_count(
     n: int, args: argparse.Namespace, llm: Any, model_dir: Path, stack: dict[str, Any]
 ) -> dict[str, Any]:
     from worker.kafka.clients import ensure_topics, make_producer
-    from worker.llm.tiny import settings_env
+    from worker.llm.tiny import settings_env, toxicity_spec
     from worker.settings import Settings
     from worker.store.checkpoints import CheckpointRegistry
     from worker.store.redis import Keys, make_redis
@@ -581,7 +560,9 @@ def run_count(
     )
     ensure_topics(settings)
     client = make_redis(settings)
-    probe_blob(llm, CheckpointRegistry(client, Keys(settings.redis_prefix), "toxicity"))
+    registry = CheckpointRegistry(client, Keys(settings.redis_prefix), "toxicity")
+    # A random mean-pooling probe on layers 1-2, live.
+    publish_random_probe(registry, toxicity_spec(llm.hidden_size), llm.fingerprint)
     env = settings_env(settings, model_dir, probes="toxicity", max_tokens=64)
     env.pop("PROBEGUARD_KAFKA_CLIENT_ID", None)  # scorers keep the default client id
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])

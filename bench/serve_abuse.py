@@ -49,7 +49,7 @@ import time
 import uuid
 from typing import Any
 
-from _shared import load_average, log, rss_mb
+from _shared import load_average, log, publish_random_probe, rss_mb
 
 TARGET_P99_RATIO = 2.0
 TARGET_HEALTHZ_MS = 200.0
@@ -282,18 +282,15 @@ def main(argv: list[str] | None = None) -> int:
     phases: list[dict[str, Any]] = []
     try:
         if args.tiny:
-            from probes.probe import build_probe
-            from tests.registry_helpers import publish_probe
-            from tests.serve_helpers import PROBE, moderation_spec
-            from worker.llm.tiny import make_tiny_llm
+            from worker.llm.tiny import make_tiny_llm, moderation_spec
             from worker.store.checkpoints import CheckpointRegistry
             from worker.store.redis import Keys
 
-            settings = settings.model_copy(update={"probes": PROBE, "default_probe": False})
             extractor = HiddenStateExtractor(make_tiny_llm(), max_tokens=64, batch_size=8)
-            fp = extractor.fingerprint
-            registry = CheckpointRegistry(client, Keys(prefix), PROBE)
-            publish_probe(registry, fp, probe=build_probe(moderation_spec(fp.hidden_size)))
+            spec = moderation_spec(extractor.hidden_size)
+            settings = settings.model_copy(update={"probes": spec.name, "default_probe": False})
+            registry = CheckpointRegistry(client, Keys(prefix), spec.name)
+            publish_random_probe(registry, spec, extractor.fingerprint, seed=None)
         else:
             log(f"loading {settings.model} …")
             extractor = HiddenStateExtractor.from_settings(settings)

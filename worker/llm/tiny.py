@@ -17,8 +17,9 @@ Example::
     llm.num_layers, llm.hidden_size            # (4, 32)
     llm = make_tiny_llm(lm_head="own")         # a Llama with an LM head (logit lens tests)
 
-:func:`settings_env` is the environment that runs a ``probeguard`` role as a child process
-on a tiny model saved by ``make_tiny_llm(path)``.
+What tests and benches put on it: :func:`toxicity_spec` and :func:`moderation_spec` (the
+specs of random probes on its layers), and :func:`settings_env` (the environment that runs
+a ``probeguard`` role as a child process on a tiny model saved by ``make_tiny_llm(path)``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from schemas import HeadSpec, ProbeSpec
 from worker.llm.load import LoadedLLM, load_llm
 from worker.settings import Settings
 
@@ -52,8 +54,10 @@ __all__ = [
     "NUM_LAYERS",
     "make_tiny_gemma3",
     "make_tiny_llm",
+    "moderation_spec",
     "settings_env",
     "tiny_tokenizer",
+    "toxicity_spec",
 ]
 
 Arch = Literal["llama", "bert"]
@@ -216,6 +220,42 @@ def make_tiny_gemma3(
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return load_llm(Settings(model=str(directory), cache_dir=tmp_path / "cache"), lm_head=lm_head)
+
+
+def toxicity_spec(
+    hidden_size: int, layers: list[int] | None = None, name: str = "toxicity"
+) -> ProbeSpec:
+    """A two-class mean-pooling probe (``ok`` / ``toxic``) on ``layers`` (default 1 and 2)."""
+    return ProbeSpec(
+        name=name,
+        token_pool="mean",
+        layer_mix="scalar_mix",
+        layers=layers or [1, 2],
+        hidden_size=hidden_size,
+        task="multiclass",
+        labels=["ok", "toxic"],
+        flag_labels=["toxic"],
+    )
+
+
+def moderation_spec(hidden_size: int, name: str = "moderation") -> ProbeSpec:
+    """A multi-head probe whose labels are OpenAI categories, as the packaged default's."""
+    return ProbeSpec(
+        name=name,
+        token_pool="mean",
+        layer_mix="scalar_mix",
+        layers=[1, 2],
+        hidden_size=hidden_size,
+        task="multilabel",
+        labels=["non-toxic", "toxic", "hate", "violence", "self-harm"],
+        heads=[
+            HeadSpec(name="toxicity", task="multiclass", labels=["non-toxic", "toxic"]),
+            HeadSpec(name="hate", task="multilabel", labels=["hate"]),
+            HeadSpec(name="violence", task="multilabel", labels=["violence"]),
+            HeadSpec(name="self-harm", task="multilabel", labels=["self-harm"]),
+        ],
+        flag_labels=["toxic", "hate", "violence", "self-harm"],
+    )
 
 
 # The settings a child process gets from ``settings_env`` (besides Redis, model and cache).
