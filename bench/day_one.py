@@ -35,11 +35,9 @@ from kafka import KafkaConsumer, KafkaProducer
 
 from schemas import ChatMessage, Verdict, utcnow
 
+from _shared import log
+
 BIN = Path(sys.executable).parent / "probeguard"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def read_env(path: Path, timeout_s: float = 60) -> dict[str, str]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -51,11 +50,9 @@ from worker.offline.default_probe import SOURCES, load_source
 from worker.offline.default_probe import default_spec as default_probe_spec
 from worker.offline.fit_eval import load_split
 
+from _shared import log
+
 POINTS = (0, 100, 300, 1000)
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -68,6 +68,8 @@ from worker.offline.default_probe import (
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quality import peer_features  # bench/quality.py: all-MiniLM-L6-v2 embeddings
 
+from _shared import log
+
 # The head that names each dataset's own task (its AUPRC is reported beside the policy's).
 TASK_HEAD = {
     "openai_moderation": "toxicity",
@@ -88,10 +90,6 @@ TOXICCHAT = Source(
     benign=("non-toxic",),
     unsafe=("toxic",),
 )
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -22,11 +22,9 @@ from pathlib import Path
 
 import torch
 
+from _shared import log
+
 THRESHOLDS = (0.005, 0.02, 0.05, 0.1, 0.2, 0.3)
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _shared import log
+
 REPO = Path(__file__).resolve().parents[1]
 
 TARGETS = {"extract_vs_bare_min": 0.95, "early_exit_speedup_min": 1.7, "rss_16x256_mb_max": 1536}
@@ -65,10 +67,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 _CHILD_LOAD = """

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,6 +53,8 @@ from probes.offline.fit import Batch, _batches, _Prepadded, class_weights
 from probes.probe import build_probe
 from worker.offline.fit_eval import ProbeOptions
 from worker.offline.fit_eval import prepare as prepare_fit
+
+from _shared import log
 
 CONFIGS = ("before", "prepadded", "masked_mean", "both", "bf16", "prepared", "prepared_bf16")
 
@@ -71,10 +72,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="leave out the bf16 autocast configuration (a dozen times slower than the rest)",
     )
     return p.parse_args(argv)
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def per_step(data: ProbeDataset, size: int, g: torch.Generator) -> Iterator[Batch]:

@@ -35,11 +35,9 @@ from typing import Any
 
 import torch
 
+from _shared import log
+
 OPTIONS = ("float32", "autocast-bf16", "bf16-weights", "eager", "threads-1")
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

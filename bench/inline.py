@@ -64,7 +64,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -77,6 +76,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from _shared import load_average, log
 
 TARGET_PROMPT = 0.10  # the prompt verdict: at most this fraction of the prefill
 TARGET_STREAM = 0.05  # streaming checks: at most this fraction of a plain decoding step
@@ -163,14 +164,6 @@ def random_probe(bench: Bench, seed: int, folder: Path) -> None:
     name = bench.settings.probe_names[0]
     probe = build_probe(found.probe.spec.model_copy(update={"name": name}), seed=seed)
     save_checkpoint(probe, folder, llm=bench.engine.extractor.fingerprint)
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def pick_texts(path: Path, tokenizer: Any, settings: Any, n: int) -> list[str]:

@@ -43,6 +43,8 @@ from probes.offline.select import held_out
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quality
 
+from _shared import log
+
 KINDS = ("mean", "max", "gate", "mha")
 
 
@@ -60,10 +62,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mha-epochs", type=int, default=8, help="max epochs of the MHA probe")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def run_kind(kind: str, caches: list[HiddenStateCache], args: argparse.Namespace) -> dict:

@@ -51,6 +51,8 @@ from worker.llm.extract import Extraction
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quality import cache_for  # bench/quality.py: the cache of a data file
 
+from _shared import log
+
 TARGET_GAP_F1_POINTS = 3.0
 
 
@@ -62,10 +64,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--folds", type=int, default=5, help="offline cross-validation folds (5)")
     p.add_argument("--limit", type=int, default=0, help="use only the first N training rows")
     return p.parse_args(argv)
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 class CachedExtractor:

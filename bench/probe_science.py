@@ -51,6 +51,8 @@ from worker.plots import plot_class_layers, plot_layer_curve
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quality
 
+from _shared import log
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
@@ -71,10 +73,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-heatmap", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 class Split:

@@ -42,6 +42,8 @@ from typing import Any
 
 from probes.metrics import percentile
 
+from _shared import publish_random_probe
+
 TARGET_P99_MS = 100.0
 
 
@@ -89,12 +91,11 @@ class _Paced:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from probes.checkpoint import checkpoint_to_bytes
-    from probes.probe import build_probe
-    from schemas import ChatMessage, ProbeSpec, utcnow
+    from schemas import ChatMessage, utcnow
     from worker.embedded import EmbeddedBroker, EmbeddedRedis
     from worker.kafka.clients import ensure_topics, make_producer
     from worker.llm.extract import HiddenStateExtractor
+    from worker.llm.tiny import toxicity_spec
     from worker.rollout.changes import Rollout
     from worker.scoring.scorer import Scorer
     from worker.settings import Settings
@@ -117,13 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             probes="toxicity",  # the probe published below
         )
         if args.model == "tiny":
-            try:
-                from tests.tiny_llm import make_tiny_llm
-            except ModuleNotFoundError:
-                raise SystemExit(
-                    "--model tiny builds its LLM with tests/tiny_llm.py: run from the "
-                    "checkout as `PYTHONPATH=. python bench/propagation.py ...`"
-                ) from None
+            from worker.llm.tiny import make_tiny_llm
 
             extractor = HiddenStateExtractor(make_tiny_llm(), max_tokens=64)
         else:
@@ -131,24 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         served: Any = _Paced(extractor, args.batch_ms / 1000) if args.batch_ms else extractor
         client = make_redis(base)
         registry = CheckpointRegistry(client, Keys(base.redis_prefix), "toxicity")
-        spec = ProbeSpec(
-            name="toxicity",
-            token_pool="mean",
-            layer_mix="scalar_mix",
-            layers=[1, 2],
-            hidden_size=extractor.hidden_size,
-            task="multiclass",
-            labels=["ok", "toxic"],
-            flag_labels=["toxic"],
-        )
+        spec = toxicity_spec(extractor.hidden_size)
 
         def publish(seed: int, live: bool = True) -> int:
-            v = registry.allocate_version()
-            blob, manifest = checkpoint_to_bytes(
-                build_probe(spec, seed=seed), llm=extractor.fingerprint, version=v
-            )
-            registry.publish(blob, manifest, set_live=live)
-            return v
+            return publish_random_probe(registry, spec, extractor.fingerprint, seed=seed, live=live)
 
         rollout = Rollout(registry, EvidenceStore(client, registry.keys), actor="bench")
 

@@ -55,6 +55,8 @@ from schemas import OperatingPoint, ProbeSpec
 from worker.offline.fit_eval import ProbeOptions, default_flag_labels, load_split
 from worker.offline.labeled import read_labeled
 
+from _shared import log
+
 KINDS = ("mean", "max", "gate", "mha")
 PEERS = ("tfidf", "minilm")
 C_GRID = (0.1, 0.3, 1.0, 3.0, 10.0)
@@ -77,10 +79,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--patience", type=int, default=FitConfig.patience)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # --- data --------------------------------------------------------------------------------

@@ -54,6 +54,8 @@ sys.path.insert(0, str(BENCH))
 
 import quality  # noqa: E402  (bench/quality.py: data loading, splits, specs, figures)
 
+from _shared import log  # noqa: E402
+
 # The variants' settings, and the plain float32 LLM they are compared with.
 PLAIN: dict[str, str] = {"llm_quantize": "none", "autocast": "off"}
 VARIANTS: dict[str, dict[str, str]] = {
@@ -79,9 +81,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--patience", type=int, default=quality.FitConfig.patience)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
-
-
-log = quality.log
 
 
 # --- speed -------------------------------------------------------------------------------

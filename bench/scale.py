@@ -4,7 +4,7 @@ One run, side by side for each scorer count in ``--scorers`` (default 2,4,8,16),
 32-partition chat topic of the embedded broker and a Redis server of the bench's own
 (``worker.embedded``): every scorer is a separate ``probeguard score`` process (the real
 CLI, its own Python, Kafka clients and Redis connections) on a fast stand-in extractor,
-the tiny random LLM of ``tests/tiny_llm.py`` (4 layers of 32 dimensions: the forward pass
+the tiny random LLM of ``worker/llm/tiny.py`` (4 layers of 32 dimensions: the forward pass
 costs next to nothing, so what is measured is everything around it), serving a random
 mean-pooling probe published live in the registry.
 
@@ -73,6 +73,8 @@ from typing import Any
 
 from probes.metrics import percentile
 
+from _shared import load_average, log, publish_random_probe, rss_mb
+
 BENCH_CLIENT_ID = "scale-bench"  # the bench's own Kafka clients: not counted as scorers'
 API_NAMES = {
     0: "Produce",
@@ -119,10 +121,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--ready-timeout-s", type=float, default=300.0, help="per scorer start (%(default)s)"
     )
     return p.parse_args(argv)
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # --- the broker, behind a counting relay ----------------------------------------------
@@ -256,13 +254,7 @@ class ScorerProc:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def rss_mb(self) -> float:
-        try:
-            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        except OSError:
-            pass
-        return 0.0
+        return rss_mb(self.proc.pid)
 
     def scrape(self) -> dict[str, float]:
         """The scorer's ``/metrics`` samples, summed over labels (e.g. ``..._count``)."""
@@ -542,32 +534,11 @@ def delta(a: Counts, b: Counts, scorer_client: str) -> dict[str, Any]:
 # --- one scorer count -------------------------------------------------------------------
 
 
-def probe_blob(llm: Any, registry: Any) -> None:
-    """Publish a random mean-pooling probe on the tiny LLM's layers 1-2, live."""
-    from probes.checkpoint import checkpoint_to_bytes
-    from probes.probe import build_probe
-    from schemas import ProbeSpec
-
-    spec = ProbeSpec(
-        name="toxicity",
-        token_pool="mean",
-        layer_mix="scalar_mix",
-        layers=[1, 2],
-        hidden_size=llm.hidden_size,
-        task="multiclass",
-        labels=["ok", "toxic"],
-        flag_labels=["toxic"],
-    )
-    v = registry.allocate_version()
-    blob, manifest = checkpoint_to_bytes(build_probe(spec, seed=0), llm=llm.fingerprint, version=v)
-    registry.publish(blob, manifest, set_live=True)
-
-
 def run_count(
     n: int, args: argparse.Namespace, llm: Any, model_dir: Path, stack: dict[str, Any]
 ) -> dict[str, Any]:
-    from tests.process_helpers import settings_env
     from worker.kafka.clients import ensure_topics, make_producer
+    from worker.llm.tiny import settings_env, toxicity_spec
     from worker.settings import Settings
     from worker.store.checkpoints import CheckpointRegistry
     from worker.store.redis import Keys, make_redis
@@ -589,7 +560,9 @@ def run_count(
     )
     ensure_topics(settings)
     client = make_redis(settings)
-    probe_blob(llm, CheckpointRegistry(client, Keys(settings.redis_prefix), "toxicity"))
+    registry = CheckpointRegistry(client, Keys(settings.redis_prefix), "toxicity")
+    # A random mean-pooling probe on layers 1-2, live.
+    publish_random_probe(registry, toxicity_spec(llm.hidden_size), llm.fingerprint)
     env = settings_env(settings, model_dir, probes="toxicity", max_tokens=64)
     env.pop("PROBEGUARD_KAFKA_CLIENT_ID", None)  # scorers keep the default client id
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
@@ -787,14 +760,8 @@ def summary(xs: list[float]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        from tests.tiny_llm import make_tiny_llm
-    except ModuleNotFoundError:
-        raise SystemExit(
-            "the stand-in LLM is tests/tiny_llm.py: run from the checkout as "
-            "`PYTHONPATH=. python bench/scale.py ...`"
-        ) from None
     from worker.embedded import EmbeddedRedis, free_port
+    from worker.llm.tiny import make_tiny_llm
 
     counts_ = [int(x) for x in args.scorers.split(",") if x]
     if max(counts_) > args.partitions:
@@ -848,7 +815,7 @@ def main(argv: list[str] | None = None) -> int:
                 "partitions": args.partitions,
                 "messages": args.messages,
                 "cpu_count": os.cpu_count(),
-                "load_average": [round(x, 2) for x in os.getloadavg()],  # other jobs
+                "load_average": load_average(),  # other jobs
                 "results": results,
             }
         )

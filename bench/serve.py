@@ -59,6 +59,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from _shared import load_average, log
+
 TARGET_P99_MS = 250.0  # at 4 concurrent clients
 TARGET_RATIO = 0.80  # requests/s at 16 clients / the Kafka scorer's backlog msg/s
 BUCKETS = ("1.0", "2.0", "4.0", "8.0", "16.0", "32.0", "64.0", "128.0", "+Inf")
@@ -105,14 +107,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--redis-url", default="redis://127.0.0.1:6379/0", help="Redis (default: %(default)s)"
     )
     return p.parse_args(argv)
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 # --- the clients (a process of their own) ------------------------------------------------

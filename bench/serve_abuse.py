@@ -49,6 +49,8 @@ import time
 import uuid
 from typing import Any
 
+from _shared import load_average, log, publish_random_probe, rss_mb
+
 TARGET_P99_RATIO = 2.0
 TARGET_HEALTHZ_MS = 200.0
 TARGET_RSS_MB = 200.0
@@ -94,25 +96,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--tiny",
         action="store_true",
-        help="a tiny random LLM (tests/tiny_llm.py) and a random probe published for it: "
+        help="a tiny random LLM (worker/llm/tiny.py) and a random probe published for it: "
         "scoring costs ~nothing, so the latencies are the server's own",
     )
     p.add_argument(
         "--redis-url", default="redis://127.0.0.1:6379/0", help="Redis (default: %(default)s)"
     )
     return p.parse_args(argv)
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 # --- the clients (a process of their own) ------------------------------------------------
@@ -292,18 +282,15 @@ def main(argv: list[str] | None = None) -> int:
     phases: list[dict[str, Any]] = []
     try:
         if args.tiny:
-            from probes.probe import build_probe
-            from tests.registry_helpers import publish_probe
-            from tests.serve_helpers import PROBE, moderation_spec
-            from tests.tiny_llm import make_tiny_llm
+            from worker.llm.tiny import make_tiny_llm, moderation_spec
             from worker.store.checkpoints import CheckpointRegistry
             from worker.store.redis import Keys
 
-            settings = settings.model_copy(update={"probes": PROBE, "default_probe": False})
             extractor = HiddenStateExtractor(make_tiny_llm(), max_tokens=64, batch_size=8)
-            fp = extractor.fingerprint
-            registry = CheckpointRegistry(client, Keys(prefix), PROBE)
-            publish_probe(registry, fp, probe=build_probe(moderation_spec(fp.hidden_size)))
+            spec = moderation_spec(extractor.hidden_size)
+            settings = settings.model_copy(update={"probes": spec.name, "default_probe": False})
+            registry = CheckpointRegistry(client, Keys(prefix), spec.name)
+            publish_random_probe(registry, spec, extractor.fingerprint, seed=None)
         else:
             log(f"loading {settings.model} …")
             extractor = HiddenStateExtractor.from_settings(settings)
@@ -350,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                 for phase in ("idle", "abuse"):
                     log(f"[round {r + 1}] {phase} for {args.seconds:g} s …")
                     t0 = time.monotonic()
-                    load = [round(x, 2) for x in os.getloadavg()]
+                    load = load_average()
                     for pipe in pipes:
                         pipe.send(phase)
                     got, hostile = (pipe.recv() for pipe in pipes)

@@ -25,6 +25,8 @@ import time
 import uuid
 from typing import Any
 
+from _shared import log
+
 SHORT = "what time is the meeting tomorrow?"
 LONG = (
     "The committee met on Tuesday to go over the budget for next year, and after a long "
@@ -39,10 +41,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--delay", type=float, default=0.3, help="seconds before the short one (0.3)")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     return p.parse_args(argv)
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def _post(url: str, key: str, texts: list[str], out: list[float]) -> None:

@@ -54,7 +54,7 @@ from worker.llm.extract import Extraction, HiddenStateExtractor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quality  # bench/quality.py: caches, data loading, splits, specs
 
-log = quality.log
+from _shared import log
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

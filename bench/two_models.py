@@ -48,6 +48,8 @@ from probes.metrics import choose_thresholds
 from probes.offline.fit import FitConfig, predict_dataset
 from probes.offline.select import fit_cv
 
+from _shared import log
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
@@ -100,7 +102,7 @@ def fit_runs(model: str, args: argparse.Namespace, first: dict[str, Any] | None)
             "epochs": cv.epochs,
             "seconds": round(time.perf_counter() - started, 1),
         }
-        quality.log(f"  {Path(model).name} seed {seed}: {runs[seed]['figures']}")
+        log(f"  {Path(model).name} seed {seed}: {runs[seed]['figures']}")
     return {"spec": spec, "dev": dev, "held": held, "runs": runs}
 
 
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     fits: dict[str, dict[str, Any]] = {}
     for model in args.models:
         name = Path(model).name
-        quality.log(f"{name}: {args.kind}, seeds {args.seeds}, {args.folds}-fold CV …")
+        log(f"{name}: {args.kind}, seeds {args.seeds}, {args.folds}-fold CV …")
         fits[name] = fit_runs(model, args, next(iter(fits.values()), None))
     first = next(iter(fits.values()))
     spec, dev, held = first["spec"], first["dev"], first["held"]

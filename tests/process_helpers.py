@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -13,41 +12,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from worker.settings import Settings
-
-_PASS_THROUGH = (
-    "probes",
-    "kafka_bootstrap",
-    "redis_prefix",
-    "topic_chat",
-    "topic_labels",
-    "topic_verdicts",
-    "topic_review",
-    "topic_dead_letter",
-    "group_scorer",
-    "group_updater",
-    "kafka_session_timeout_ms",
-    "kafka_heartbeat_interval_ms",
-)
-
-
 if TYPE_CHECKING:
     from worker.llm.load import LoadedLLM
-
-
-def settings_env(settings: Settings, model_dir: Path, **extra: object) -> dict[str, str]:
-    """Environment giving a child process these settings, on the tiny model at ``model_dir``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBEGUARD_")}
-    for field in _PASS_THROUGH:
-        env[f"PROBEGUARD_{field.upper()}"] = str(getattr(settings, field))
-    if settings.redis_url is not None:
-        env["PROBEGUARD_REDIS_URL"] = settings.redis_url.get_secret_value()
-    env["PROBEGUARD_MODEL"] = str(model_dir)
-    env["PROBEGUARD_CACHE_DIR"] = str(model_dir.parent / "cache")
-    env["PROBEGUARD_METRICS_PORT"] = "0"
-    for key, value in extra.items():
-        env[f"PROBEGUARD_{key.upper()}"] = str(value)
-    return env
 
 
 def spawn(

@@ -4,23 +4,11 @@ from __future__ import annotations
 
 from probes.checkpoint import WeightFormat, checkpoint_to_bytes
 from probes.probe import Probe, build_probe
-from schemas import LLMFingerprint, ProbeSpec
+from schemas import LLMFingerprint
+from worker.llm.tiny import toxicity_spec
 from worker.store.checkpoints import CheckpointRegistry
 
-
-def toxicity_spec(
-    hidden_size: int, layers: list[int] | None = None, name: str = "toxicity"
-) -> ProbeSpec:
-    return ProbeSpec(
-        name=name,
-        token_pool="mean",
-        layer_mix="scalar_mix",
-        layers=layers or [1, 2],
-        hidden_size=hidden_size,
-        task="multiclass",
-        labels=["ok", "toxic"],
-        flag_labels=["toxic"],
-    )
+__all__ = ["num", "publish_probe", "toxicity_spec"]
 
 
 def publish_probe(

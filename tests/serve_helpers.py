@@ -10,11 +10,11 @@ import httpx2 as httpx
 import openai
 
 from probes.probe import build_probe
-from schemas import HeadSpec, ProbeSpec
 from tests.conftest import RedisNamespace
 from tests.registry_helpers import publish_probe
 from tests.tiny_llm import make_tiny_llm
 from worker.llm.extract import HiddenStateExtractor
+from worker.llm.tiny import moderation_spec
 from worker.serve.server import ModerationServer
 from worker.store.checkpoints import CheckpointRegistry
 
@@ -23,26 +23,6 @@ PROBE = "moderation"
 
 def extractor(max_tokens: int = 64) -> HiddenStateExtractor:
     return HiddenStateExtractor(make_tiny_llm(), max_tokens=max_tokens, batch_size=8)
-
-
-def moderation_spec(hidden_size: int) -> ProbeSpec:
-    """A multi-head probe whose labels are OpenAI categories, as the packaged default's."""
-    return ProbeSpec(
-        name=PROBE,
-        token_pool="mean",
-        layer_mix="scalar_mix",
-        layers=[1, 2],
-        hidden_size=hidden_size,
-        task="multilabel",
-        labels=["non-toxic", "toxic", "hate", "violence", "self-harm"],
-        heads=[
-            HeadSpec(name="toxicity", task="multiclass", labels=["non-toxic", "toxic"]),
-            HeadSpec(name="hate", task="multilabel", labels=["hate"]),
-            HeadSpec(name="violence", task="multilabel", labels=["violence"]),
-            HeadSpec(name="self-harm", task="multilabel", labels=["self-harm"]),
-        ],
-        flag_labels=["toxic", "hate", "violence", "self-harm"],
-    )
 
 
 def publish(redis_ns: RedisNamespace, seed: int = 0) -> int:

@@ -26,11 +26,12 @@ from tests.faults.conftest import Stack
 from tests.faults.test_faults import chats, extractor, labels, registry, roles
 from tests.integration.test_updater import chat, committed, fast, spam_label
 from tests.kafka_helpers import produce_raw
-from tests.process_helpers import Threaded, settings_env, spawn, wait_until
+from tests.process_helpers import Threaded, spawn, wait_until
 from tests.registry_helpers import publish_probe, toxicity_spec
 from worker.embedded import EmbeddedRedis
 from worker.kafka.clients import client_config, make_producer
 from worker.learning.updater import Updater
+from worker.llm.tiny import settings_env
 from worker.rollout.changes import Rollout
 from worker.scoring.scorer import Scorer
 from worker.store.checkpoints import CheckpointRegistry

@@ -18,9 +18,10 @@ from schemas.moderation_api import OPENAI_CATEGORIES
 from tests.conftest import RedisNamespace
 from tests.kafka_helpers import drain, produce_raw
 from tests.registry_helpers import publish_probe
-from tests.serve_helpers import PROBE, extractor, moderation_spec, publish
+from tests.serve_helpers import PROBE, extractor, publish
 from worker.errors import ConfigError
 from worker.kafka.clients import ensure_topics
+from worker.llm.tiny import moderation_spec
 from worker.scoring.scorer import Scorer
 from worker.serve.server import ModerationServer
 from worker.settings import Settings

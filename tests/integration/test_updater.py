@@ -19,13 +19,14 @@ from schemas import DeadLetter, HeadCalibration, Verdict
 from schemas.messages import DEAD_LETTER_PAYLOAD_BYTES
 from tests.conftest import RedisNamespace
 from tests.kafka_helpers import drain, produce_raw
-from tests.process_helpers import Threaded, settings_env, spawn, tiny_model_dir, wait_until
+from tests.process_helpers import Threaded, spawn, tiny_model_dir, wait_until
 from tests.registry_helpers import toxicity_spec
 from tests.tiny_llm import make_tiny_gemma3, make_tiny_llm
 from worker.kafka.clients import ensure_topics, make_admin
 from worker.learning.resume import seed_spec
 from worker.learning.updater import Updater
 from worker.llm.extract import Extraction, HiddenStateExtractor
+from worker.llm.tiny import settings_env
 from worker.scoring.scorer import Scorer
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry

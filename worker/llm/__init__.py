@@ -1,5 +1,6 @@
 """The frozen LLM: everything that imports transformers.
 
 Loading, GGUF dequantizing and autocast (``load``), the LLM's fingerprint hashes
-(``fingerprint``), hidden-state extraction (``extract``) and the logit lens (``lens``).
+(``fingerprint``), hidden-state extraction (``extract``), the logit lens (``lens``), and a
+tiny random LLM built in-process for the tests and the benches (``tiny``).
 """
