@@ -36,10 +36,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _shared import log
 
 from probes.offline.cache import HiddenStateCache
 from worker.offline.default_probe import SOURCES, Source, degenerate_rows, split_of
+
+from _shared import log
 
 TOXICCHAT = Source(
     "toxicchat", "CC-BY-NC-4.0", "measured only", {}, benign=("non-toxic",), unsafe=("toxic",)
