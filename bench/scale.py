@@ -811,7 +811,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(
             {
                 "bench": "scale",
-                "extractor": "tests/tiny_llm.py (4 layers x 32 dims, random)",
+                "extractor": "worker/llm/tiny.py (4 layers x 32 dims, random)",
                 "partitions": args.partitions,
                 "messages": args.messages,
                 "cpu_count": os.cpu_count(),

@@ -32,7 +32,7 @@ def spawn(
 
 def tiny_model_dir(tmp_path: Path) -> tuple[Path, LoadedLLM]:
     """Save the tiny LLM under ``tmp_path``; returns its directory and the loaded LLM."""
-    from tests.tiny_llm import make_tiny_llm
+    from worker.llm.tiny import make_tiny_llm
 
     llm = make_tiny_llm(tmp_path)
     return next(p for p in tmp_path.iterdir() if p.name.startswith("tiny-")), llm

@@ -12,9 +12,8 @@ import openai
 from probes.probe import build_probe
 from tests.conftest import RedisNamespace
 from tests.registry_helpers import publish_probe
-from tests.tiny_llm import make_tiny_llm
 from worker.llm.extract import HiddenStateExtractor
-from worker.llm.tiny import moderation_spec
+from worker.llm.tiny import make_tiny_llm, moderation_spec
 from worker.serve.server import ModerationServer
 from worker.store.checkpoints import CheckpointRegistry
 

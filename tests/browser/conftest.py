@@ -21,10 +21,10 @@ from schemas import ReviewRequest, utcnow
 from tests.conftest import RedisNamespace
 from tests.kafka_helpers import produce_raw
 from tests.registry_helpers import publish_probe
-from tests.tiny_llm import make_tiny_llm
 from worker.console.auth import User, hash_password
 from worker.console.server import ConsoleServer
 from worker.llm.extract import HiddenStateExtractor
+from worker.llm.tiny import make_tiny_llm
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 

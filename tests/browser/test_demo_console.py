@@ -14,10 +14,10 @@ from pydantic import SecretStr
 
 from tests.browser.conftest import PASSWORDS, sign_in
 from tests.process_helpers import wait_until
-from tests.tiny_llm import make_tiny_llm
 from worker.console.auth import hash_password
 from worker.demo.run import DemoOptions, run_demo
 from worker.llm.extract import HiddenStateExtractor
+from worker.llm.tiny import make_tiny_llm
 from worker.settings import Settings
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from tests.browser.conftest import Stack, sign_in
-from tests.tiny_llm import NUM_LAYERS, make_tiny_llm
 from worker.explain.breakdown import ExplainOptions, explain, source_from_registry, verify
 from worker.explain.render import rank_class
 from worker.llm.extract import HiddenStateExtractor
+from worker.llm.tiny import NUM_LAYERS, make_tiny_llm
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 

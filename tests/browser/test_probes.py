@@ -16,8 +16,8 @@ from tests.browser.conftest import Stack, sign_in
 from tests.kafka_helpers import drain, produce_raw
 from tests.process_helpers import wait_until
 from tests.registry_helpers import publish_probe, toxicity_spec
-from tests.tiny_llm import make_tiny_llm
 from worker.llm.extract import HiddenStateExtractor
+from worker.llm.tiny import make_tiny_llm
 from worker.scoring.scorer import Scorer
 from worker.store.redis import make_redis
 

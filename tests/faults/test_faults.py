@@ -31,11 +31,10 @@ from tests.integration.test_updater import chat, committed, fast, label
 from tests.kafka_helpers import produce_raw
 from tests.process_helpers import Threaded, spawn, wait_until
 from tests.registry_helpers import publish_probe
-from tests.tiny_llm import make_tiny_llm
 from worker.embedded import free_port
 from worker.learning.updater import Updater
 from worker.llm.extract import HiddenStateExtractor
-from worker.llm.tiny import settings_env
+from worker.llm.tiny import make_tiny_llm, settings_env
 from worker.scoring.scorer import Scorer
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry

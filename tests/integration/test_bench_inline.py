@@ -18,9 +18,9 @@ from transformers import AutoTokenizer
 from probes import save_checkpoint
 from probes.probe import build_probe
 from schemas import ProbeSpec
-from tests.tiny_llm import NUM_LAYERS, make_tiny_llm
 from worker.llm.extract import HiddenStateExtractor
 from worker.llm.load import load_llm
+from worker.llm.tiny import NUM_LAYERS, make_tiny_llm
 from worker.settings import Settings
 
 pytestmark = pytest.mark.integration

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny_llm import make_tiny_llm
 from tests.unit.offline_helpers import write_labeled
 from worker.llm.load import cpu_has_native_bf16
+from worker.llm.tiny import make_tiny_llm
 
 pytestmark = pytest.mark.integration
 

@@ -9,9 +9,9 @@ import pytest
 
 from tests.conftest import RedisNamespace
 from tests.report_checks import check_report_agrees
-from tests.tiny_llm import make_tiny_llm
 from worker.demo.run import DemoOptions, default_data, run_demo
 from worker.llm.extract import HiddenStateExtractor
+from worker.llm.tiny import make_tiny_llm
 from worker.offline.labeled import read_labeled
 from worker.settings import Settings
 

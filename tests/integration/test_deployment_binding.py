@@ -15,8 +15,8 @@ from probes.probe import build_probe
 from schemas import CheckpointManifest
 from tests.conftest import RedisNamespace
 from tests.registry_helpers import publish_probe, toxicity_spec
-from tests.tiny_llm import make_tiny_llm
 from worker.errors import RegistryError
+from worker.llm.tiny import make_tiny_llm
 from worker.scoring.probe_watch import ProbeWatcher
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry

@@ -28,10 +28,10 @@ from schemas import (
 from tests.conftest import RedisNamespace
 from tests.redis_proxy import LaggyProxy
 from tests.registry_helpers import publish_probe, toxicity_spec
-from tests.tiny_llm import make_tiny_llm
 from worker.errors import StagesChanged
 from worker.kafka.records import Item, Outgoing
 from worker.llm.extract import HiddenStateExtractor
+from worker.llm.tiny import make_tiny_llm
 from worker.scoring.batch import ServedProbe
 from worker.scoring.scorer import Scorer
 from worker.settings import Settings

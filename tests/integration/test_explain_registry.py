@@ -11,8 +11,8 @@ import pytest
 from probes import build_probe, checkpoint_to_bytes
 from schemas import ProbeSpec
 from tests.conftest import RedisNamespace
-from tests.tiny_llm import make_tiny_llm
 from worker.cli import main
+from worker.llm.tiny import make_tiny_llm
 from worker.store.checkpoints import CheckpointRegistry
 
 pytestmark = pytest.mark.integration

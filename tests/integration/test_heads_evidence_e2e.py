@@ -15,10 +15,10 @@ from tests.conftest import RedisNamespace
 from tests.kafka_helpers import drain, produce_raw
 from tests.process_helpers import Threaded, wait_until
 from tests.registry_helpers import num, publish_probe
-from tests.tiny_llm import make_tiny_llm
 from worker.kafka.clients import ensure_topics
 from worker.learning.updater import Updater
 from worker.llm.extract import HiddenStateExtractor
+from worker.llm.tiny import make_tiny_llm
 from worker.rollout.changes import Rollout
 from worker.rollout.policy import Policy
 from worker.scoring.batch import sticky_fraction

@@ -48,9 +48,9 @@ from tests.conftest import RedisNamespace
 from tests.kafka_helpers import committed_total, drain
 from tests.process_helpers import Threaded, wait_until
 from tests.registry_helpers import publish_probe
-from tests.tiny_llm import make_tiny_llm
 from worker.kafka.clients import ensure_topics
 from worker.llm.extract import HiddenStateExtractor
+from worker.llm.tiny import make_tiny_llm
 from worker.scoring.scorer import Scorer
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry

@@ -17,9 +17,9 @@ from probes.probe import build_probe
 from tests.conftest import RedisNamespace
 from tests.process_helpers import wait_until
 from tests.registry_helpers import publish_probe, toxicity_spec
-from tests.tiny_llm import make_tiny_llm
 from worker.embedded import EmbeddedRedis, free_port
 from worker.llm.extract import HiddenStateExtractor
+from worker.llm.tiny import make_tiny_llm
 from worker.rollout.changes import Rollout
 from worker.scoring import probe_watch
 from worker.scoring.batch import ServedProbe

@@ -25,13 +25,13 @@ from tests.conftest import RedisNamespace
 from tests.kafka_helpers import produce_raw
 from tests.process_helpers import Threaded, wait_until
 from tests.registry_helpers import publish_probe
-from tests.tiny_llm import make_tiny_llm
 from worker.console.auth import User, hash_password
 from worker.console.server import ConsoleServer
 from worker.embedded import free_port
 from worker.kafka.clients import ensure_topics
 from worker.learning.updater import Updater
 from worker.llm.extract import HiddenStateExtractor
+from worker.llm.tiny import make_tiny_llm
 from worker.scoring.scorer import Scorer
 from worker.serve.server import ModerationServer
 from worker.settings import Settings

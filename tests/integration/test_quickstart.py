@@ -27,12 +27,12 @@ from tests.conftest import RedisNamespace
 from tests.kafka_helpers import drain
 from tests.process_helpers import Threaded, wait_until
 from tests.registry_helpers import publish_probe
-from tests.tiny_llm import make_tiny_llm
 from worker.cli import build_parser
 from worker.embedded import EmbeddedBroker
 from worker.kafka.clients import ensure_topics
 from worker.learning.updater import Updater
 from worker.llm.extract import HiddenStateExtractor
+from worker.llm.tiny import make_tiny_llm
 from worker.scoring.scorer import Scorer
 from worker.serve.server import ModerationServer
 from worker.settings import Settings

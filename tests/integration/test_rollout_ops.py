@@ -21,10 +21,10 @@ from schemas import (
 )
 from tests.conftest import RedisNamespace
 from tests.registry_helpers import num
-from tests.tiny_llm import make_tiny_llm
 from worker.cli import main
 from worker.errors import RegistryError, StagesChanged
 from worker.llm.extract import HiddenStateExtractor
+from worker.llm.tiny import make_tiny_llm
 from worker.rollout.changes import Rollout
 from worker.rollout.policy import Policy, next_action
 from worker.settings import load_settings

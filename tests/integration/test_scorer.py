@@ -21,11 +21,10 @@ from tests.conftest import RedisNamespace
 from tests.kafka_helpers import drain, produce_raw
 from tests.process_helpers import spawn, tiny_model_dir, wait_until
 from tests.registry_helpers import publish_probe
-from tests.tiny_llm import make_tiny_llm
 from worker.embedded import free_port
 from worker.kafka.clients import ensure_topics
 from worker.llm.extract import Extraction, HiddenStateExtractor
-from worker.llm.tiny import settings_env
+from worker.llm.tiny import make_tiny_llm, settings_env
 from worker.scoring.batch import ServedProbe
 from worker.scoring.engine import ScoringEngine
 from worker.scoring.scorer import Scorer, ScorerMetrics

@@ -21,12 +21,11 @@ from tests.conftest import RedisNamespace
 from tests.kafka_helpers import drain, produce_raw
 from tests.process_helpers import Threaded, spawn, tiny_model_dir, wait_until
 from tests.registry_helpers import toxicity_spec
-from tests.tiny_llm import make_tiny_gemma3, make_tiny_llm
 from worker.kafka.clients import ensure_topics, make_admin
 from worker.learning.resume import seed_spec
 from worker.learning.updater import Updater
 from worker.llm.extract import Extraction, HiddenStateExtractor
-from worker.llm.tiny import settings_env
+from worker.llm.tiny import make_tiny_gemma3, make_tiny_llm, settings_env
 from worker.scoring.scorer import Scorer
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry

@@ -6,8 +6,8 @@ import json
 import random
 from pathlib import Path
 
-from tests.tiny_llm import make_tiny_llm
 from worker.llm.extract import HiddenStateExtractor
+from worker.llm.tiny import make_tiny_llm
 
 WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "mat", "log", "sun", "day", "blue", "green"]
 TOXIC = ["idiot", "moron", "trash", "stupid", "hate"]

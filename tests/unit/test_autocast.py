@@ -12,7 +12,6 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from tests.tiny_llm import make_tiny_llm
 from worker.errors import ConfigError
 from worker.llm import precision as precision_module
 from worker.llm.extract import HiddenStateExtractor
@@ -23,6 +22,7 @@ from worker.llm.load import (
     quantize_llm,
     resolve_autocast,
 )
+from worker.llm.tiny import make_tiny_llm
 from worker.settings import Settings
 
 TEXTS = [

@@ -19,11 +19,11 @@ from prometheus_client import CollectorRegistry
 
 from schemas import ChatMessage, DeadLetter
 from schemas.messages import DEAD_LETTER_PAYLOAD_BYTES
-from tests.tiny_llm import make_tiny_llm
 from worker.errors import TransientError
 from worker.kafka.batch_loop import BatchLoop, Between, Item, Outgoing, Reject
 from worker.kafka.runtime import RoleRuntime
 from worker.llm.extract import HiddenStateExtractor
+from worker.llm.tiny import make_tiny_llm
 from worker.settings import Settings
 
 TOPIC = "chat"

@@ -13,8 +13,8 @@ import torch
 from probes.checkpoint import checkpoint_to_bytes
 from probes.probe import Prepared, build_probe
 from schemas import ChatMessage, CheckpointManifest, DecidedRecord, HeadSpec, ProbeSpec
-from tests.tiny_llm import make_tiny_llm
 from worker.llm.extract import HiddenStateExtractor
+from worker.llm.tiny import make_tiny_llm
 from worker.scoring.batch import BatchScorer, ProbeSlot, ServedProbe
 
 TEXTS = ["hello there", "XXXX ZZZZ !!!", "see you tomorrow", "QQQQ ####", "fine"]

@@ -12,8 +12,8 @@ from probes.checkpoint import checkpoint_to_bytes
 from probes.exit import exit_probabilities, flag_risk
 from probes.probe import build_probe
 from schemas import ChatMessage, CheckpointManifest, ExitSpec, ProbeSpec, TokenPool
-from tests.tiny_llm import make_tiny_llm
 from worker.llm.extract import HiddenStateExtractor
+from worker.llm.tiny import make_tiny_llm
 from worker.scoring.batch import BatchScorer, ExitPolicy, ProbeSlot, ServedProbe
 from worker.settings import Settings
 

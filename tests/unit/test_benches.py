@@ -13,7 +13,7 @@ from types import ModuleType
 
 import pytest
 
-from tests.tiny_llm import NUM_LAYERS, make_tiny_llm
+from worker.llm.tiny import NUM_LAYERS, make_tiny_llm
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -179,8 +179,8 @@ def test_exit_tokens_bench_weighs_the_early_messages_by_their_tokens(
 def test_two_models_bench_compares_seeds_of_one_llm_with_two_llms(
     capsys, tmp_path: Path, tiny_model_dir: str
 ) -> None:
-    from tests.tiny_llm import make_tiny_gemma3
     from tests.unit.offline_helpers import write_labeled
+    from worker.llm.tiny import make_tiny_gemma3
 
     make_tiny_gemma3(tmp_path)
     gemma_dir = str(tmp_path / "tiny-gemma3")

@@ -17,11 +17,11 @@ from probes.errors import IncompatibleCheckpoint
 from probes.probe import build_probe
 from schemas import LLMFingerprint
 from tests.registry_helpers import toxicity_spec
-from tests.tiny_llm import NUM_LAYERS, make_tiny_llm, tiny_tokenizer
 from worker.errors import ConfigError
 from worker.llm.chat_form import turn_ids
 from worker.llm.extract import ExitStage, HiddenStateExtractor
 from worker.llm.load import LoadedLLM
+from worker.llm.tiny import NUM_LAYERS, make_tiny_llm, tiny_tokenizer
 from worker.offline.build_cache import llm_variant
 from worker.settings import Settings
 

@@ -23,11 +23,11 @@ from probes.files import atomic_write, open_private, private_dir
 from probes.offline.cache import MANIFEST, HiddenStateCache, shard_path
 from probes.offline.sealed import MAGIC, CacheKey
 from tests.registry_helpers import toxicity_spec
-from tests.tiny_llm import make_tiny_llm
 from tests.unit.offline_helpers import tiny_extractor, write_labeled
 from worker.cli import main
 from worker.errors import OfflineError
 from worker.llm.load import _write_cache_entry
+from worker.llm.tiny import make_tiny_llm
 from worker.offline.build_cache import build_cache
 from worker.plots import plot_layer_weights
 from worker.settings import Settings

@@ -17,10 +17,10 @@ from probes.errors import CheckpointError
 from probes.offline.cache import HiddenStateCache
 from probes.offline.dataset import ProbeDataset
 from probes.offline.fit import FitConfig
-from tests.tiny_llm import make_tiny_llm
 from tests.unit.offline_helpers import tiny_extractor
 from worker.errors import ConfigError
 from worker.llm.extract import HiddenStateExtractor
+from worker.llm.tiny import make_tiny_llm
 from worker.offline.default_probe import BUDGET, BUDGETS, SOURCES, build_default, split_of
 
 CATEGORIES = ["sexual", "hate", "harassment", "violence", "self-harm"]

@@ -15,9 +15,9 @@ from probes.ensemble import ENSEMBLE_FILE, is_ensemble, load_ensemble, member_fo
 from probes.offline.cache import HiddenStateCache
 from probes.offline.ensemble import align_rows
 from probes.offline.fit import predict_dataset
-from tests.tiny_llm import make_tiny_gemma3, make_tiny_llm
 from tests.unit.offline_helpers import write_labeled
 from worker.cli import main
+from worker.llm.tiny import make_tiny_gemma3, make_tiny_llm
 from worker.offline.fit_eval import load_split
 
 MODELS = ("tiny-llama-0", "tiny-gemma3")

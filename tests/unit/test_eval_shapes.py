@@ -20,8 +20,8 @@ import torch
 
 from probes import build_probe, save_checkpoint
 from schemas import ProbeSpec
-from tests.tiny_llm import make_tiny_llm
 from worker.cli import main
+from worker.llm.tiny import make_tiny_llm
 
 P = {"toxic": 0.8, "sexual": 0.6}  # every other label 0.3
 F1_ALL_OF_5_WITH_2 = 2 * 2 / (2 * 2 + 3)  # flag all 5 rows, 2 positive: P 0.4, R 1 -> 4/7

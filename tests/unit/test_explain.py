@@ -11,12 +11,12 @@ import torch
 from probes import build_probe, probe_kinds
 from probes.explain import layer_breakdown, token_weights
 from probes.probe import Probe
-from tests.tiny_llm import NUM_LAYERS, make_tiny_llm, tiny_model, tiny_tokenizer
 from tests.unit.synthetic import make_spec, random_batch
 from worker.errors import LensUnavailable
 from worker.llm.extract import HiddenStateExtractor
 from worker.llm.lens import LogitLens
 from worker.llm.load import LoadedLLM, load_llm
+from worker.llm.tiny import NUM_LAYERS, make_tiny_llm, tiny_model, tiny_tokenizer
 from worker.settings import Settings
 
 KINDS = probe_kinds()

@@ -11,10 +11,10 @@ import torch
 
 from probes import build_probe, save_checkpoint
 from schemas import ProbeSpec
-from tests.tiny_llm import NUM_LAYERS, make_tiny_llm
 from worker.cli import main
 from worker.llm.extract import HiddenStateExtractor
 from worker.llm.load import load_llm
+from worker.llm.tiny import NUM_LAYERS, make_tiny_llm
 from worker.settings import Settings
 
 TEXT = "you are an idiot"

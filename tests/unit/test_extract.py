@@ -8,10 +8,10 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from tests.tiny_llm import HIDDEN_SIZE, NUM_LAYERS, make_tiny_llm
 from worker.errors import DeviceError, ExtractionError
 from worker.llm.extract import Extraction, HiddenStateExtractor
 from worker.llm.load import LoadedLLM
+from worker.llm.tiny import HIDDEN_SIZE, NUM_LAYERS, make_tiny_llm
 
 ALL = list(range(NUM_LAYERS + 1))
 TEXTS = ["hello", "a much longer text, with punctuation!", "mid size", "x"]

@@ -9,10 +9,10 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from tests.tiny_llm import NUM_LAYERS, make_tiny_gemma3, make_tiny_llm
 from worker.errors import ExtractionError
 from worker.llm.extract import ExitStage, Extraction, HiddenStateExtractor
 from worker.llm.load import LoadedLLM
+from worker.llm.tiny import NUM_LAYERS, make_tiny_gemma3, make_tiny_llm
 
 TEXTS = ["hello", "a much longer text, with punctuation!", "mid size", "x", "another one here"]
 ALL = list(range(NUM_LAYERS + 1))

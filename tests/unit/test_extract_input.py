@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.tiny_llm import make_tiny_llm
 from worker.errors import ConfigError, ExtractionInputError
 from worker.llm.extract import HiddenStateExtractor, _truncate, clean_text
+from worker.llm.tiny import make_tiny_llm
 
 ALLOWED_CONTROLS = {"\t", "\n", "\r"}
 

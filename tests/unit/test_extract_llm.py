@@ -13,7 +13,6 @@ import pytest
 import torch
 from torch import nn
 
-from tests.tiny_llm import make_tiny_llm, tiny_model, tiny_tokenizer
 from worker.errors import ConfigError, ModelLoadError
 from worker.llm import load as llm_module
 from worker.llm.extract import HiddenStateExtractor
@@ -25,6 +24,7 @@ from worker.llm.load import (
     resolve_device,
     resolve_source,
 )
+from worker.llm.tiny import make_tiny_llm, tiny_model, tiny_tokenizer
 from worker.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]

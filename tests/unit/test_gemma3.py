@@ -20,13 +20,13 @@ import torch
 
 from probes import build_probe, load_checkpoint, save_checkpoint
 from schemas import ProbeSpec
-from tests.tiny_llm import NUM_LAYERS, make_tiny_gemma3, make_tiny_llm
 from worker.cli import main
 from worker.errors import ModelLoadError
 from worker.learning.online_learner import LearningConfig
 from worker.llm.extract import HiddenStateExtractor
 from worker.llm.load import PACKAGED_MODELS, resolve_source
 from worker.llm.precision import resolve_state_dtype
+from worker.llm.tiny import NUM_LAYERS, make_tiny_gemma3, make_tiny_llm
 from worker.settings import Settings
 
 GGUF = PACKAGED_MODELS["gemma3-270m"].gguf_file

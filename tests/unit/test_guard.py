@@ -13,11 +13,11 @@ import torch
 from probes.probe import build_probe
 from tests.conftest import RedisNamespace
 from tests.registry_helpers import publish_probe, toxicity_spec
-from tests.tiny_llm import make_tiny_gemma3, make_tiny_llm
 from worker.errors import ConfigError
 from worker.guard import Guard, GuardedReply
 from worker.llm.extract import HiddenStateExtractor
 from worker.llm.model import LoadedLLM
+from worker.llm.tiny import make_tiny_gemma3, make_tiny_llm
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 

@@ -9,9 +9,9 @@ import pytest
 
 from probes import load_checkpoint
 from probes.offline.cache import HiddenStateCache
-from tests.tiny_llm import make_tiny_llm
 from tests.unit.offline_helpers import write_labeled
 from worker.cli import main
+from worker.llm.tiny import make_tiny_llm
 
 
 @pytest.fixture(scope="module")

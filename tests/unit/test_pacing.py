@@ -61,8 +61,8 @@ def test_the_cost_estimate_follows_recent_batches_without_jumping_on_one() -> No
 
 
 def test_token_counts_are_what_extraction_runs() -> None:
-    from tests.tiny_llm import make_tiny_llm
     from worker.llm.extract import HiddenStateExtractor
+    from worker.llm.tiny import make_tiny_llm
 
     ex = HiddenStateExtractor(make_tiny_llm(), max_tokens=16, max_chunks=2)
     texts: list[str | bytes] = ["hello there", "word " * 40, b"\xff", "   "]
@@ -95,8 +95,8 @@ def test_the_batching_is_chosen_by_device_unless_set(monkeypatch: pytest.MonkeyP
 def test_the_extractor_takes_its_batching_from_the_settings_for_its_device() -> None:
     import torch
 
-    from tests.tiny_llm import make_tiny_llm
     from worker.llm.extract import Batching, HiddenStateExtractor
+    from worker.llm.tiny import make_tiny_llm
     from worker.settings import Settings
 
     settings = Settings(batch_tokens=1024, batch_min_fill=0.3)

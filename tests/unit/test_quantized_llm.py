@@ -13,10 +13,10 @@ from probes.checkpoint import checkpoint_to_bytes, probe_from_bytes
 from probes.errors import IncompatibleCheckpoint
 from probes.probe import build_probe
 from schemas import CheckpointManifest, LLMFingerprint, ProbeSpec
-from tests.tiny_llm import make_tiny_llm
 from worker.errors import ConfigError
 from worker.llm.extract import HiddenStateExtractor
 from worker.llm.load import load_llm, quantize_llm
+from worker.llm.tiny import make_tiny_llm
 from worker.settings import Settings
 
 TEXTS = ["hello there, how are you?", "you are a terrible person", "ok"]
