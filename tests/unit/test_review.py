@@ -6,8 +6,8 @@ import doctest
 
 import pytest
 
-from worker.scoring import review
-from worker.scoring.review import ReviewPolicy, route
+from worker.scoring import review_routing as review
+from worker.scoring.review_routing import ReviewPolicy, route
 from worker.settings import Settings
 
 IDS = [f"m-{i}" for i in range(4000)]

@@ -8,7 +8,7 @@ from typing import Any
 
 from schemas import ChatMessage, utcnow
 from worker.scoring.batch import BatchScorer, ProbeSlot, sticky_fraction
-from worker.scoring.review import ReviewPolicy, route
+from worker.scoring.review_routing import ReviewPolicy, route
 from worker.settings import Settings
 
 KEY = "a-deployment-key-nobody-outside-knows"

@@ -38,7 +38,7 @@ from schemas import ChatMessage, DecidedRecord, ProbeDecision, ReviewRequest, Ve
 from worker.defaults import missing, serving_default
 from worker.errors import ConfigError
 from worker.llm.extract import HiddenStateExtractor
-from worker.scoring import review
+from worker.scoring import review_routing
 from worker.scoring.batch import BatchScorer, BatchScores, ExitPolicy, ServedProbe
 from worker.scoring.drift import DriftMonitor
 from worker.scoring.metrics import ScorerMetrics
@@ -132,8 +132,8 @@ class ScoringEngine:
             route_salt=settings.routing_salt,
             exit_policy=ExitPolicy.from_settings(settings),
         )
-        self.review_policy = review.ReviewPolicy.from_settings(settings)
-        self.local_review_budget = review.LocalBudget(self.review_policy)
+        self.review_policy = review_routing.ReviewPolicy.from_settings(settings)
+        self.local_review_budget = review_routing.LocalBudget(self.review_policy)
         self.drift = DriftMonitor(
             metrics, window=settings.drift_window, min_messages=settings.drift_min_messages
         )
@@ -216,7 +216,7 @@ class ScoringEngine:
                 continue  # nothing of a do-not-store message is queued
             for r in results:
                 flag_score = scores.flag_scores.get((pos, r.probe))
-                reason = review.route(self.review_policy, msg.message_id, flag_score)
+                reason = review_routing.route(self.review_policy, msg.message_id, flag_score)
                 if reason is None:
                     continue
                 request = ReviewRequest.build(
