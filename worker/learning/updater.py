@@ -6,7 +6,7 @@
                 else a fresh probe from a spec ("from zero"): worker.learning.resume
     per batch of HumanLabels:
         admit: each labeler's label for a message once, within the labeler's limit
-               (worker.learning.gate; the rest dropped or quarantined, counted per labeler)
+               (worker.learning.admission; the rest dropped or quarantined, counted per labeler)
         join the text (the scorers' Redis text cache, else label.text)
         extract hidden states of the probe's layers (early exit)
         test:  score with the current probe -> windowed prequential metrics
@@ -45,7 +45,7 @@ from worker.errors import Fenced, KafkaSetupError, RegistryError
 from worker.kafka.batch_loop import BatchLoop, Between, Item, Outgoing, Reject
 from worker.kafka.clients import ensure_topics
 from worker.kafka.runtime import RoleRuntime
-from worker.learning.gate import LabelGate
+from worker.learning.admission import LabelAdmission
 from worker.learning.labelers import ANONYMOUS, LabelerKeys
 from worker.learning.labels import label_truths, skip_reason
 from worker.learning.metrics import UpdaterMetrics
@@ -97,7 +97,7 @@ class Updater:
             redis_client, self.registry.lease_key, self.worker_id, settings.lease_ttl_ms
         )
         self.evidence = EvidenceStore.from_settings(redis_client, settings, cache=self.text_redis)
-        self.gate = LabelGate.from_settings(self.text_redis, settings, self.name)
+        self.admission = LabelAdmission.from_settings(self.text_redis, settings, self.name)
         raw_keys = settings.labeler_keys
         self.labelers = LabelerKeys.parse(raw_keys.get_secret_value() if raw_keys else None)
         self.rollout = Rollout(self.registry, self.evidence, actor=self.worker_id)
@@ -354,9 +354,9 @@ class Updater:
         self, items: list[Item[HumanLabel]], rejects: list[Reject]
     ) -> list[Item[HumanLabel]]:
         """The items the gate admits; quarantined ones are added to ``rejects``, and both
-        kinds of refusal are counted per labeler (:mod:`worker.learning.gate`)."""
+        kinds of refusal are counted per labeler (:mod:`worker.learning.admission`)."""
         admitted = []
-        for item, verdict in zip(items, self.gate.admit(items), strict=True):
+        for item, verdict in zip(items, self.admission.admit(items), strict=True):
             labeler = item.value.labeler_id
             if verdict == "ok":
                 admitted.append(item)

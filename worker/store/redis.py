@@ -107,7 +107,7 @@ class Keys:
     ``K:credited_by:{m}``        string   m's first label was counted for its labeler (TTL)
     ``K:label_seen:{d}``         string   ``"<partition>:<offset>|<verdict>"``: a labeler's
                                           label for a message was admitted (d: sha256 of
-                                          labeler and message; TTL; ``learning.gate``) [cache]
+                                          labeler and message; TTL; ``learning.admission``) [cache]
     ``K:labeler_count:{w}:{d}``  string   labels of labeler d (sha256) in window w (TTL) [cache]
     ``P:text:{message_id}``      string   message text for label joins (scorers; TTL) [cache]
     ``P:decided:{message_id}``   string   which version decided a message (scorers; TTL) [cache]

@@ -34,7 +34,7 @@ from worker.kafka.records import Item
 from worker.settings import Settings
 from worker.store.redis import Keys, id_digest, keys_for
 
-__all__ = ["LabelGate", "Verdict"]
+__all__ = ["LabelAdmission", "Verdict"]
 
 Verdict = Literal["ok", "duplicate", "over"]
 
@@ -64,7 +64,7 @@ return out
 """
 
 
-class LabelGate:
+class LabelAdmission:
     """Admits one probe's labels (see the module docstring)."""
 
     def __init__(
@@ -86,7 +86,7 @@ class LabelGate:
         self._admit = client.register_script(_ADMIT)
 
     @classmethod
-    def from_settings(cls, client: Any, settings: Settings, probe: str) -> LabelGate:
+    def from_settings(cls, client: Any, settings: Settings, probe: str) -> LabelAdmission:
         """``client``: the text cache's (the markers are per message, like cached texts)."""
         return cls(
             client,
