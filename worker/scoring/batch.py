@@ -55,6 +55,7 @@ from schemas import (
     ShadowResult,
 )
 from worker.llm.extract import CUDA_BATCH_TOKENS, ExitStage, length_batches
+from worker.settings import Settings
 
 if TYPE_CHECKING:
     from worker.llm.extract import Extraction, HiddenStateExtractor
@@ -377,10 +378,10 @@ class BatchScorer:
                 out.flag_scores[(pos, slot.name)] = decided.flag_score[row]
 
 
-# Padded tokens per probe call (see _probabilities); as the extractor's batch_tokens: on the
-# CPU, where every padded token costs compute; elsewhere a call's rows in one probe call,
-# where each group would cost its own kernel launches.
-PROBE_BATCH_TOKENS = 4096
+# Padded tokens per probe call (see _probabilities): on the CPU, where every padded token
+# costs compute, the extractor's default budget (`BATCH_TOKENS`, one home); elsewhere a
+# call's rows in one probe call, where each group would cost its own kernel launches.
+PROBE_BATCH_TOKENS: int = Settings.model_fields["batch_tokens"].default
 
 
 def probe_batch_tokens(device: torch.device) -> int:
