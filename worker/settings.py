@@ -815,6 +815,13 @@ class Settings(BaseSettings):
         "`SERVE_MAX_CONNECTIONS_PER_ADDRESS` (more: 503 and closed before any HTTP is "
         "read). Keep-alive clients open few.",
     )
+    serve_refusal_delay_s: Annotated[float, Field(ge=0.0, le=60.0)] = Field(
+        1.0,
+        description="A connection refused by the caps above gets its 503 after this many "
+        "seconds (its `Retry-After`), unread; at most 256 wait so at once, the rest are "
+        "answered at once. A client that reconnects the moment it is refused then opens one "
+        "connection a second per connection it holds. `0`: answer at once.",
+    )
     serve_body_timeout_s: Annotated[float, Field(gt=0.0, le=600.0)] = Field(
         30.0,
         description="Longest a request body may take to arrive, seconds (then 408 and the "

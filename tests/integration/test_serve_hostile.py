@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -294,7 +295,7 @@ def test_stalled_connections_are_closed_and_capped_per_address(
     stalled = [_connect(served, "127.0.0.3") for _ in range(4)]
     for sock in stalled:
         sock.sendall(half)
-    extra = _connect(served, "127.0.0.3")  # a fifth from the same address: refused at once
+    extra = _connect(served, "127.0.0.3")  # a fifth from the same address: refused
     assert _read_all(extra).startswith(b"HTTP/1.1 503")
     extra.close()
     ok = served.http.post("/v1/moderations", json={"input": "hello"})  # another address
@@ -420,6 +421,32 @@ def test_an_address_reconnecting_without_pause_is_refused_before_any_http(
     assert answers[:5] == [b"HTTP/1.1 200 OK"] * 5
     assert set(answers[5:]) <= {b"HTTP/1.1 503 Service Unavailable", b"reset"}, answers
     assert served.http.get("/healthz").status_code == 200  # another address: unaffected
+
+
+def test_a_refused_connection_is_answered_after_its_retry_after_so_a_flood_slows_itself(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """Issue 45: refused at once, a flood that reconnects the moment it is refused came back
+    ~800 times a second per address (bench/serve_abuse.py), and the accepts, transports and
+    closes took a fifth of the event loop from valid requests. The 503 now comes after the
+    Retry-After it names, so each connection the flood holds costs one accept a second."""
+    publish(redis_ns)
+    served = serve(
+        serve_max_connections_per_address=1,
+        serve_new_connections_per_address=0.01,
+        serve_refusal_delay_s=0.6,
+    )
+    first = _connect(served, "127.0.0.7")  # holds the address's one slot
+    started = time.monotonic()
+    over = _connect(served, "127.0.0.7")
+    over.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # never read
+    answer = _read_all(over)
+    waited = time.monotonic() - started
+    over.close()
+    first.close()
+    assert answer.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in answer, answer[:200]
+    assert waited >= 0.5, f"answered after {waited:.2f} s, not after the delay"
+    assert served.http.get("/healthz").status_code == 200  # another address meanwhile
 
 
 def test_an_unknown_key_name_is_refused_like_a_known_one_without_a_scrypt(

@@ -14,7 +14,13 @@ new ones a second the process would run out of descriptors. Here
 - one client address opens at most ``new_per_address_s`` connections a second (bursts
   of ``max_per_address``); the rest get the same 503 before any HTTP is parsed: a client
   that ignores its 429s and reconnects at once (every refused body closes its connection)
-  costs the event loop an accept and a write, not a request.
+  costs the event loop an accept and a write, not a request;
+- a refused connection gets its 503 after ``refusal_delay_s`` (the ``Retry-After`` it
+  names), unread, with at most ``refusals_held`` connections waiting so (beyond them, at
+  once). A client that reconnects the moment it is refused, as a flood does, then opens
+  one connection per second per connection it holds, not hundreds: refused at once, the
+  floods of ``bench/serve_abuse.py`` reconnected ~800 times a second each, and the
+  accepts, transports and closes took a fifth of the event loop from valid requests.
 """
 
 from __future__ import annotations
@@ -29,10 +35,16 @@ from worker.serve.keys import RateLimiter
 
 __all__ = ["guarded_protocol"]
 
-_REFUSED = (
-    b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: text/plain\r\n"
-    b"Content-Length: 21\r\nConnection: close\r\n\r\ntoo many connections\n"
-)
+
+# Bytes a connection waiting for its refusal may send (then it is no longer read).
+_DISCARD = 64 * 1024
+
+
+def _refusal(retry_after_s: float) -> bytes:
+    return (
+        b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: %d\r\nContent-Type: text/plain\r\n"
+        b"Content-Length: 21\r\nConnection: close\r\n\r\ntoo many connections\n"
+    ) % max(1, round(retry_after_s))
 
 
 def guarded_protocol(
@@ -41,11 +53,15 @@ def guarded_protocol(
     max_connections: int,
     max_per_address: int,
     new_per_address_s: float,
+    refusal_delay_s: float = 1.0,
+    refusals_held: int = 256,
 ) -> type[asyncio.Protocol]:
     """A protocol class for ``uvicorn.Config(http=...)``; its caps count the connections of
     the one server it is given to."""
     per_address: Counter[str] = Counter()
     opened = RateLimiter(new_per_address_s, max_per_address)
+    refused = _refusal(refusal_delay_s)
+    held: set[asyncio.TimerHandle] = set()
 
     class GuardedH11Protocol(H11Protocol):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -53,6 +69,8 @@ def guarded_protocol(
             self._address: str | None = None  # counted in per_address while open
             self._header_timer: asyncio.TimerHandle | None = None
             self._cycle_seen: object = None
+            self._refusal_timer: asyncio.TimerHandle | None = None
+            self._discard = 0
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -62,14 +80,35 @@ def guarded_protocol(
                 or per_address[address] >= max_per_address
                 or opened.take(address) > 0
             ):
-                transport.write(_REFUSED)
-                transport.close()
+                self._refuse(transport)
                 return
             self._address = address
             per_address[address] += 1
             self._arm()
 
+        def _refuse(self, transport: asyncio.Transport) -> None:
+            if refusal_delay_s <= 0 or len(held) >= refusals_held:
+                transport.write(refused)
+                transport.close()
+                return
+            self._discard = _DISCARD  # what it sends meanwhile is read and dropped (unread
+            # bytes at the close would make it a reset, losing the 503), up to a bound
+
+            def answer() -> None:
+                held.discard(timer)
+                if not transport.is_closing():
+                    transport.write(refused)
+                    transport.close()
+
+            timer = self.loop.call_later(refusal_delay_s, answer)
+            held.add(timer)
+            self._refusal_timer = timer
+
         def connection_lost(self, exc: Exception | None) -> None:
+            if self._refusal_timer is not None:  # the client left before its answer
+                self._refusal_timer.cancel()
+                held.discard(self._refusal_timer)
+                self._refusal_timer = None
             self._disarm()
             if self._address is not None:
                 per_address[self._address] -= 1
@@ -79,6 +118,11 @@ def guarded_protocol(
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
+            if self._refusal_timer is not None:
+                self._discard -= len(data)
+                if self._discard <= 0:
+                    self.transport.pause_reading()
+                return
             if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
                 self._arm()  # the first byte of the next request on a kept-alive connection
             super().data_received(data)

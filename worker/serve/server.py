@@ -87,6 +87,7 @@ class ModerationServer:
             max_connections=settings.serve_max_connections,
             max_per_address=settings.serve_max_connections_per_address,
             new_per_address_s=settings.serve_new_connections_per_address,
+            refusal_delay_s=settings.serve_refusal_delay_s,
         )
         self.http = HttpThread(
             self.app,
