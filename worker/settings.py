@@ -8,12 +8,22 @@ Redis URL also honours the conventional ``REDIS_URL``. Secrets are
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
+import logging
+import os
 from pathlib import Path
-from typing import Annotated, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
-from pydantic import AliasChoices, Field, SecretStr, model_validator
+from pydantic import (
+    AliasChoices,
+    Field,
+    SecretStr,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas import DEFAULT_LIMITS, Limits, OperatingPoint
@@ -47,6 +57,19 @@ PositiveInt = Annotated[int, Field(ge=1)]
 # ``Settings.state_dtype``: a storage dtype, or ``auto`` (resolved per model by
 # worker.llm.precision.resolve_state_dtype).
 StateDtypeSetting = Literal["auto", "float16", "bfloat16", "float32"]
+
+
+log = logging.getLogger(__name__)
+
+# The old boolean spelling of PROBEGUARD_ROLLOUT (Settings._fold_auto_live).
+_AUTO_LIVE_ENV: Final = "PROBEGUARD_AUTO_LIVE"
+
+
+@functools.cache
+def _deprecated(message: str) -> None:
+    """Log ``message`` once per process: settings are built many times (each CLI command,
+    each ``load_settings``), and one warning per start says it."""
+    log.warning(message)
 
 
 def _default_cache_dir() -> Path:
@@ -545,11 +568,6 @@ class Settings(BaseSettings):
     publish_every_s: Annotated[float, Field(gt=0)] = Field(
         30.0, description="... or after this many seconds with unpublished labels."
     )
-    auto_live: bool = Field(
-        True,
-        description="Deprecated spelling of `ROLLOUT`, used only when that is unset: `true` = "
-        "`auto_live`, `false` = `manual`.",
-    )
     keep_versions: PositiveInt = Field(
         20,
         description="Versions kept in Redis (never the live or canary one, nor the two lives "
@@ -655,12 +673,13 @@ class Settings(BaseSettings):
     )
 
     # --- Rollout (worker/rollout/policy.py; evaluated by the active updater) ------
-    rollout: Literal["auto_live", "canary", "manual"] | None = Field(
-        None,
+    rollout: Literal["auto_live", "canary", "manual"] = Field(
+        "auto_live",
         description="`auto_live`: new versions go live at once. `canary`: new versions are "
         "candidates, the newest becomes the canary, then is promoted or rolled back on "
-        "evidence. `manual`: no automatic stage change. Unset: `auto_live`, or `manual` when "
-        "`AUTO_LIVE=false`.",
+        "evidence. `manual`: no automatic stage change. The deprecated `PROBEGUARD_AUTO_LIVE` "
+        "is still read when this is unset (`true` = `auto_live`, `false` = `manual`; a "
+        "warning says so); set, this wins.",
     )
     canary_share: Annotated[float, Field(gt=0.0, le=1.0)] = Field(
         0.1,
@@ -905,6 +924,46 @@ class Settings(BaseSettings):
         "to the review topic (needs the broker).",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _fold_auto_live(cls, data: Any) -> Any:
+        """``PROBEGUARD_AUTO_LIVE`` (or ``auto_live=``), the deprecated boolean spelling of
+        ``rollout``: ``false`` is ``manual``, ``true`` ``auto_live``. An explicit ``rollout``
+        wins. The environment is read here: the field is gone, so no source reads it."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if "auto_live" in data:
+            name, raw = "auto_live", data.pop("auto_live")
+        else:
+            found = [v for k, v in os.environ.items() if k.upper() == _AUTO_LIVE_ENV]
+            if not found:
+                return data
+            name, raw = _AUTO_LIVE_ENV, found[0]
+        try:
+            value = TypeAdapter(bool).validate_python(raw)
+        except ValidationError:
+            raise ValueError(
+                f"{name}={raw!r} is not a boolean; it is deprecated anyway: set "
+                "PROBEGUARD_ROLLOUT=auto_live|canary|manual instead"
+            ) from None
+        mode = "auto_live" if value else "manual"
+        explicit = data.get("rollout")
+        if explicit is None:
+            data["rollout"] = mode
+            _deprecated(
+                f"{name} is deprecated: set PROBEGUARD_ROLLOUT={mode} instead "
+                "(AUTO_LIVE=true is rollout auto_live, false is manual)"
+            )
+        elif explicit != mode:
+            _deprecated(
+                f"{name}={str(value).lower()} (rollout {mode}) is ignored: PROBEGUARD_ROLLOUT="
+                f"{explicit} wins; {name} is deprecated, remove it"
+            )
+        else:
+            _deprecated(f"{name} is deprecated and repeats PROBEGUARD_ROLLOUT: remove it")
+        return data
+
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
         sasl = self.kafka_security_protocol.startswith("SASL")
@@ -990,12 +1049,6 @@ class Settings(BaseSettings):
         """The consumer group of ``probe``'s updaters (one group per probe, so no probe's
         updater takes label partitions from another's)."""
         return f"{self.group_updater}.{probe}"
-
-    @property
-    def rollout_mode(self) -> Literal["auto_live", "canary", "manual"]:
-        if self.rollout is not None:
-            return self.rollout
-        return "auto_live" if self.auto_live else "manual"
 
     @property
     def signing_key(self) -> bytes | None:

@@ -271,17 +271,82 @@ def test_sticky_split_is_stable_and_near_the_share() -> None:
     assert abs(sum(wider) / len(ids) - 0.25) < 0.015
 
 
+@pytest.fixture
+def no_rollout_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither spelling of the rollout mode reaches ``Settings()`` from the machine, and
+    the once-per-process deprecation warning can be seen again."""
+    import os
+
+    from worker import settings
+
+    for name in list(os.environ):
+        if name.upper() in ("PROBEGUARD_ROLLOUT", "PROBEGUARD_AUTO_LIVE"):
+            monkeypatch.delenv(name)
+    settings._deprecated.cache_clear()
+
+
+@pytest.mark.usefixtures("no_rollout_env")
 def test_rollout_settings() -> None:
     from pydantic import ValidationError
 
     from worker.settings import Settings
 
-    assert Settings().rollout_mode == "auto_live"
-    assert Settings(auto_live=False).rollout_mode == "manual"  # the old spelling still works
-    assert Settings(auto_live=False, rollout="canary").rollout_mode == "canary"
+    assert "auto_live" not in Settings.model_fields  # one home: `rollout`
+    assert Settings().rollout == "auto_live"
     policy = Policy.from_settings(Settings(rollout="canary", canary_share=0.25))
     assert policy.mode == "canary" and policy.canary_share == 0.25
     with pytest.raises(ValidationError, match="promote_epsilon"):
         Settings(promote_epsilon=0.1, rollback_delta=0.05)
     with pytest.raises(ValidationError, match="rollback_flag_rate_factor"):
         Settings(rollback_flag_rate_factor=1.0)
+
+
+@pytest.mark.usefixtures("no_rollout_env")
+@pytest.mark.parametrize(
+    ("old", "mode"),
+    [("false", "manual"), ("0", "manual"), ("true", "auto_live"), ("1", "auto_live")],
+)
+def test_auto_live_is_the_deprecated_spelling_of_rollout(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, old: str, mode: str
+) -> None:
+    from worker.settings import Settings
+
+    monkeypatch.setenv("PROBEGUARD_AUTO_LIVE", old)
+    with caplog.at_level("WARNING", logger="worker.settings"):
+        assert Settings().rollout == mode
+        assert Settings().rollout == mode  # settings are built often: one warning says it
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "worker.settings"]
+    assert "PROBEGUARD_AUTO_LIVE is deprecated" in warning
+    assert f"PROBEGUARD_ROLLOUT={mode}" in warning
+
+
+@pytest.mark.usefixtures("no_rollout_env")
+def test_explicit_rollout_wins_over_auto_live(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A deployment that moved to ROLLOUT and kept its old AUTO_LIVE=false starts as before
+    (ROLLOUT always won), and the log says the old variable is ignored."""
+    from worker.settings import Settings
+
+    monkeypatch.setenv("PROBEGUARD_AUTO_LIVE", "false")
+    monkeypatch.setenv("PROBEGUARD_ROLLOUT", "canary")
+    with caplog.at_level("WARNING", logger="worker.settings"):
+        assert Settings().rollout == "canary"
+    assert "PROBEGUARD_AUTO_LIVE=false (rollout manual) is ignored" in caplog.text
+    assert "PROBEGUARD_ROLLOUT=canary wins" in caplog.text
+    monkeypatch.delenv("PROBEGUARD_ROLLOUT")
+    assert Settings(rollout="auto_live").rollout == "auto_live"  # a keyword is explicit too
+
+
+@pytest.mark.usefixtures("no_rollout_env")
+def test_auto_live_keyword_and_bad_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pydantic import ValidationError
+
+    from worker.settings import Settings
+
+    # The keyword of the removed field is not silently dropped (extra="ignore" would).
+    assert Settings(auto_live=False).rollout == "manual"
+    assert Settings(auto_live=False, rollout="canary").rollout == "canary"
+    monkeypatch.setenv("PROBEGUARD_AUTO_LIVE", "maybe")
+    with pytest.raises(ValidationError, match="PROBEGUARD_AUTO_LIVE='maybe' is not a boolean"):
+        Settings()

@@ -204,7 +204,7 @@ def test_slices_default_to_the_settings_defaults() -> None:
     settings = Settings()
     assert LearningConfig.from_settings(settings) == LearningConfig()
     assert Policy.from_settings(settings) == Policy()
-    assert Policy().mode == settings.rollout_mode == "auto_live"
+    assert Policy().mode == settings.rollout == "auto_live"
     store = EvidenceStore.from_settings(None, settings)
     default = EvidenceStore(None, Keys(settings.redis_prefix))
     assert (store.pairs_max, store.marker_ttl_s) == (default.pairs_max, default.marker_ttl_s)

@@ -479,7 +479,7 @@ class Updater:
                 blob,
                 manifest,
                 token=self.lease.token,
-                set_live=self.settings.rollout_mode == "auto_live",
+                set_live=self.settings.rollout == "auto_live",
                 actor=self.worker_id,
                 reason=reason,
             )

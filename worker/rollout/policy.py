@@ -71,7 +71,7 @@ class Policy:
     Every default is the setting's (``DEFAULTS``), so ``Policy()`` and
     ``from_settings(Settings())`` agree."""
 
-    mode: Mode = DEFAULTS.rollout_mode
+    mode: Mode = DEFAULTS.rollout
     canary_share: float = DEFAULTS.canary_share
     promote_min_labels: int = DEFAULTS.promote_min_labels
     promote_min_labelers: int = DEFAULTS.promote_min_labelers
@@ -88,7 +88,7 @@ class Policy:
     @classmethod
     def from_settings(cls, settings: Settings) -> Policy:
         return cls(
-            mode=settings.rollout_mode,
+            mode=settings.rollout,
             canary_share=settings.canary_share,
             promote_min_labels=settings.promote_min_labels,
             promote_min_labelers=settings.promote_min_labelers,
