@@ -11,18 +11,14 @@ Malformed JSON is a 400, never a 500.
 
 from __future__ import annotations
 
-import math
 import re
-import time
 import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
-from pydantic import BaseModel, ValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schemas import ChatMessage, Limits, ProbeResult, ProbeSpec, describe_error, utcnow
@@ -41,8 +37,8 @@ from schemas.moderation_api import (
 from worker.scoring.engine import Retain
 from worker.serve.auth import Caller
 from worker.serve.batcher import Scored
-from worker.serve.bodies import BodyReader
 from worker.serve.errors import ApiError
+from worker.serve.handler import Dialect, Handler, body_schema, error_response
 from worker.serve.mapping import attribute_labels, category_labels
 from worker.serve.service import unreadable
 
@@ -55,18 +51,6 @@ CONVERSATION_HEADER = "x-probeguard-conversation"
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+=\-]{0,127}")
 _SPAN = re.compile(r"[^.!?\n]*(?:[.!?]+|\n|$)")
 MAX_SPANS = 16
-BODY_UNIT = 64 * 1024  # each this many bytes of a body count as one more request
-
-
-@dataclass(frozen=True)
-class Dialect:
-    """How one API says no."""
-
-    name: str
-    missing_key_status: int
-    invalid_key_status: int
-    render: Callable[[ApiError], dict[str, Any]]
-    http_status: Callable[[int], int] = lambda status: status
 
 
 def _openai_error(e: ApiError) -> dict[str, Any]:
@@ -103,23 +87,6 @@ OPENAI = Dialect("openai", 401, 401, _openai_error)
 PERSPECTIVE = Dialect("perspective", 403, 400, _perspective_error, _perspective_status)
 
 
-def _error_response(dialect: Dialect, e: ApiError) -> JSONResponse:
-    headers = {"Connection": "close"} if e.close else {}
-    if e.retry_after_s is not None:
-        headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))
-    status = dialect.http_status(e.status)
-    return JSONResponse(dialect.render(e), status_code=status, headers=headers)
-
-
-def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
-    return {
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": model.model_json_schema()}},
-        }
-    }
-
-
 def create_app(service: Service) -> FastAPI:
     s = service.settings
     app = FastAPI(
@@ -128,75 +95,12 @@ def create_app(service: Service) -> FastAPI:
         docs_url=None,
         redoc_url=None,
     )
-    requests_total = Counter(
-        "probeguard_serve_requests",
-        "HTTP moderation requests by endpoint and status",
-        ["endpoint", "code"],
-        registry=service.collector,
-    )
-    request_seconds = Histogram(
-        "probeguard_serve_request_seconds",
-        "Wall time of a moderation request (authentication to response)",
-        ["endpoint"],
-        buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-        registry=service.collector,
-    )
-
-    reader = BodyReader(
-        s.serve_max_body_bytes,
-        s.serve_body_timeout_s,
-        drain_bytes=max(4 * s.serve_max_body_bytes, 8 * 1024 * 1024),
-    )
-
-    async def handle(
-        request: Request, dialect: Dialect, work: Callable[[bytes, Caller], Awaitable[Response]]
-    ) -> Response:
-        t0 = time.perf_counter()
-        reading = False  # the body is being (or was) read: nothing left to drop
-        try:
-            caller = await service.auth.caller(
-                request, _presented_key(request), lambda code: _key_refusal(dialect, code)
-            )
-            wait = service.limiter.take(caller.limit_key)
-            if wait > 0:
-                raise ApiError(
-                    429,
-                    f"rate limit of {s.serve_rate_per_key:g} requests/s for this key reached "
-                    "(PROBEGUARD_SERVE_RATE_PER_KEY)",
-                    code="rate_limit_exceeded",
-                    retry_after_s=wait,
-                )
-            reading = True
-            body = await reader.read(request)
-            # A large body costs more to parse: one more request per BODY_UNIT bytes.
-            # (never more than the burst: a configured burst below it must still admit it)
-            extra = min(len(body) // BODY_UNIT, s.serve_rate_burst)
-            wait = service.limiter.take(caller.limit_key, cost=extra) if extra else 0.0
-            if wait > 0:
-                raise ApiError(
-                    429,
-                    f"rate limit of {s.serve_rate_per_key:g} requests/s for this key reached "
-                    f"(PROBEGUARD_SERVE_RATE_PER_KEY; each {BODY_UNIT // 1024} KiB of body "
-                    "counts as one more request)",
-                    code="rate_limit_exceeded",
-                    retry_after_s=wait,
-                )
-            response = await work(body, caller)
-        except ApiError as e:
-            # Refused before its body was read: drop a small body to keep the connection;
-            # a large one is not worth reading (the connection closes: a client that sends
-            # it again reconnects, within its address's connection rate).
-            if not reading and not await reader.discard(request, BODY_UNIT):
-                e.close = True
-            response = _error_response(dialect, e)
-        requests_total.labels(dialect.name, str(response.status_code)).inc()
-        request_seconds.labels(dialect.name).observe(time.perf_counter() - t0)
-        return response
+    handle = Handler(service)
 
     @app.post(
         "/v1/moderations",
         response_model=ModerationResponse,
-        openapi_extra=_body_schema(ModerationRequest),
+        openapi_extra=body_schema(ModerationRequest),
         summary="Classify text (OpenAI's moderation API)",
     )
     async def moderations(request: Request) -> Response:
@@ -240,7 +144,7 @@ def create_app(service: Service) -> FastAPI:
         "/v1alpha1/comments:analyze",
         response_model=PerspectiveResponse,
         response_model_exclude_none=True,
-        openapi_extra=_body_schema(PerspectiveRequest),
+        openapi_extra=body_schema(PerspectiveRequest),
         summary="Score a comment (Perspective's comments:analyze)",
     )
     async def analyze(request: Request) -> Response:
@@ -299,7 +203,7 @@ def create_app(service: Service) -> FastAPI:
         why = {404: "no such endpoint", 405: "method not allowed"}.get(exc.status_code)
         message = f"{request.method} {request.url.path[:200]}: {why or exc.detail}"
         e = ApiError(exc.status_code, message, code=(why or "error").replace(" ", "_"))
-        response = _error_response(dialect, e)
+        response = error_response(dialect, e)
         response.headers.update(dict(exc.headers or {}))
         return response
 
@@ -321,24 +225,6 @@ def create_app(service: Service) -> FastAPI:
 
 
 # --- request handling ----------------------------------------------------------
-
-
-def _presented_key(request: Request) -> str:
-    """The API key a request carries: ``Authorization: Bearer``, ``?key=`` or
-    ``x-goog-api-key`` ('' when none)."""
-    auth = request.headers.get("authorization", "")
-    key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-    return key or request.query_params.get("key", "") or request.headers.get("x-goog-api-key", "")
-
-
-def _key_refusal(dialect: Dialect, code: str) -> ApiError:
-    if code == "missing_api_key":
-        return ApiError(
-            dialect.missing_key_status,
-            "The request is missing an API key (Authorization: Bearer KEY, or ?key=KEY).",
-            code=code,
-        )
-    return ApiError(dialect.invalid_key_status, "API key not valid.", code=code)
 
 
 def _openai_texts(req: ModerationRequest) -> list[str]:
