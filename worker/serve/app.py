@@ -18,10 +18,9 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from schemas import ChatMessage, Limits, ProbeResult, ProbeSpec, describe_error, utcnow
+from schemas import Limits, ProbeResult, ProbeSpec
 from schemas.moderation_api import (
     OPENAI_CATEGORIES,
     AttributeScores,
@@ -36,19 +35,23 @@ from schemas.moderation_api import (
 )
 from worker.scoring.engine import Retain
 from worker.serve.auth import Caller
-from worker.serve.batcher import Scored
 from worker.serve.errors import ApiError
 from worker.serve.handler import Dialect, Handler, body_schema, error_response
 from worker.serve.mapping import attribute_labels, category_labels
-from worker.serve.service import unreadable
+from worker.serve.messages import (
+    CONVERSATION_HEADER,
+    as_message,
+    conversation_key,
+    label_score,
+    probe_result,
+    unreadable_input,
+)
 
 if TYPE_CHECKING:
     from worker.serve.service import Service
 
 __all__ = ["create_app"]
 
-CONVERSATION_HEADER = "x-probeguard-conversation"
-_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+=\-]{0,127}")
 _SPAN = re.compile(r"[^.!?\n]*(?:[.!?]+|\n|$)")
 MAX_SPANS = 16
 
@@ -117,19 +120,19 @@ def create_app(service: Service) -> FastAPI:
                 )
             probe = service.probe_for(req.model)
             rid = f"modr-{uuid.uuid4().hex}"
-            conversation = _conversation(request.headers.get(CONVERSATION_HEADER), rid)
+            conversation = conversation_key(request.headers.get(CONVERSATION_HEADER), rid)
             retain = Retain.COUNT if s.serve_do_not_store else Retain.ALL
             messages = [
-                _message(f"{rid}-{i}", conversation, text, f"input[{i}]", s.limits)
+                as_message(f"{rid}-{i}", conversation, text, f"input[{i}]", s.limits)
                 for i, text in enumerate(texts)
             ]
             counts = await service.measure(texts)
             for i, n in enumerate(counts):
                 if n == 0:
-                    raise _unreadable(f"input[{i}]", texts[i])
+                    raise unreadable_input(f"input[{i}]", texts[i])
             service.charge(caller.limit_key, sum(counts))
             scored = await service.score(messages, [retain] * len(messages), counts)
-            results = [_result(scored, i, probe) for i in range(len(texts))]
+            results = [probe_result(scored, i, probe) for i in range(len(texts))]
             spec = service.spec(probe, results[0].version)
             out = ModerationResponse(
                 id=rid,
@@ -160,27 +163,27 @@ def create_app(service: Service) -> FastAPI:
             attributes = _attributes(req, service.spec(probe, None), probe)
             mid = _client_message_id(caller, req.clientToken, s.limits)
             mid = mid or f"pc-{uuid.uuid4().hex}"
-            conversation = _conversation(
+            conversation = conversation_key(
                 req.sessionId or request.headers.get(CONVERSATION_HEADER), mid
             )
             private = req.doNotStore or s.serve_do_not_store
-            messages = [_message(mid, conversation, text, "comment.text", s.limits)]
+            messages = [as_message(mid, conversation, text, "comment.text", s.limits)]
             retain = [Retain.COUNT if private else Retain.ALL]
             spans = _spans(text) if req.spanAnnotations else []
             counts = await service.measure([text] + [text[b:e] for b, e in spans])
             if counts[0] == 0:
-                raise _unreadable("comment.text", text)
+                raise unreadable_input("comment.text", text)
             # A sentence the model cannot read (control characters only) gets no span.
             spans = [span for span, n in zip(spans, counts[1:], strict=True) if n > 0]
             service.charge(caller.limit_key, sum(counts))
             for i, (b, e) in enumerate(spans):
-                span = _message(f"{mid}.s{i}", conversation, text[b:e], "comment.text", s.limits)
+                span = as_message(f"{mid}.s{i}", conversation, text[b:e], "comment.text", s.limits)
                 messages.append(span)
                 retain.append(Retain.NOTHING)
             costs = [counts[0]] + [n for n in counts[1:] if n > 0]  # as the spans kept
             scored = await service.score(messages, retain, costs)
-            whole = _result(scored, 0, probe)
-            span_results = [_result(scored, i + 1, probe) for i in range(len(spans))]
+            whole = probe_result(scored, 0, probe)
+            span_results = [probe_result(scored, i + 1, probe) for i in range(len(spans))]
             out = PerspectiveResponse(
                 attributeScores=_perspective_scores(
                     req, attributes, whole, spans, span_results, len(text)
@@ -260,58 +263,6 @@ def _client_message_id(caller: Caller, token: str | None, limits: Limits) -> str
     return mid if limits.id_re.fullmatch(mid) else None
 
 
-def _conversation(value: str | None, fallback: str) -> str:
-    """The canary assignment key: the caller's conversation or user id when it is a valid
-    id, else the request's own id."""
-    return value if value and _ID.fullmatch(value) else fallback
-
-
-def _message(
-    message_id: str, conversation: str, text: str, param: str, limits: Limits
-) -> ChatMessage:
-    """The input as a chat message, checked against the configured ``limits`` (a text
-    over the default limit but within ``PROBEGUARD_MAX_TEXT_CHARS`` is scored)."""
-    max_chars = limits.max_text_chars
-    if len(text) > max_chars:
-        raise ApiError(
-            413,
-            f"{param} has {len(text)} characters; at most {max_chars} (PROBEGUARD_MAX_TEXT_CHARS)",
-            param=param,
-            code="text_too_long",
-        )
-    try:
-        return ChatMessage.build(
-            limits,
-            message_id=message_id,
-            conversation_id=conversation,
-            text=text,
-            created_at=utcnow(),
-        )
-    except ValidationError as exc:
-        raise ApiError(400, describe_error(exc)[1], param=param) from None
-
-
-def _unreadable(param: str, text: str) -> ApiError:
-    return ApiError(
-        400,
-        f"{param} has nothing the model can read: {unreadable(text)}",
-        param=param,
-        code="unreadable_input",
-    )
-
-
-def _result(scored: Scored, pos: int, probe: str) -> ProbeResult:
-    verdict = scored.verdicts.get(pos)
-    if verdict is None:
-        why = scored.errors.get(pos, "not scored")
-        raise ApiError(500, f"an input could not be scored: {why}", code="unscorable")
-    return next(r for r in verdict.results if r.probe == probe)
-
-
-def _score(result: ProbeResult, label: str) -> float:
-    return round(result.scores.get(label, 0.0), 6)
-
-
 def _openai_result(result: ProbeResult, spec: ProbeSpec) -> ModerationResult:
     labels = category_labels(spec)
     names = list(OPENAI_CATEGORIES) + [x for x in labels if x not in OPENAI_CATEGORIES]
@@ -319,7 +270,7 @@ def _openai_result(result: ProbeResult, spec: ProbeSpec) -> ModerationResult:
     return ModerationResult(
         flagged=result.flagged,
         categories={c: c in labels and c in predicted for c in names},
-        category_scores={c: _score(result, c) if c in labels else 0.0 for c in names},
+        category_scores={c: label_score(result, c) if c in labels else 0.0 for c in names},
         category_applied_input_types={c: ["text"] if c in labels else [] for c in names},
     )
 
@@ -379,7 +330,7 @@ def _perspective_scores(
 ) -> dict[str, AttributeScores]:
     out: dict[str, AttributeScores] = {}
     for attr, label in attributes.items():
-        value = _score(whole, label)
+        value = label_score(whole, label)
         threshold = req.requestedAttributes[attr].scoreThreshold
         if threshold is not None and value < threshold:
             continue  # Perspective leaves out attributes under their threshold
@@ -387,7 +338,7 @@ def _perspective_scores(
         if req.spanAnnotations:
             pairs = list(zip(spans, span_results, strict=True)) or [((0, length), whole)]
             span_scores = [
-                SpanScore(begin=b, end=e, score=Score(value=_score(r, label)))
+                SpanScore(begin=b, end=e, score=Score(value=label_score(r, label)))
                 for (b, e), r in pairs
             ]
         out[attr] = AttributeScores(summaryScore=Score(value=value), spanScores=span_scores)
