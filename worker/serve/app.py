@@ -22,22 +22,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schemas import Limits, ProbeResult, ProbeSpec
 from schemas.moderation_api import (
-    OPENAI_CATEGORIES,
     AttributeScores,
-    ModerationRequest,
-    ModerationResponse,
-    ModerationResult,
     PerspectiveRequest,
     PerspectiveResponse,
     Score,
     SpanScore,
-    TextInput,
 )
 from worker.scoring.engine import Retain
+from worker.serve import openai_api
 from worker.serve.auth import Caller
 from worker.serve.errors import ApiError
 from worker.serve.handler import Dialect, Handler, body_schema, error_response
-from worker.serve.mapping import attribute_labels, category_labels
+from worker.serve.mapping import attribute_labels
 from worker.serve.messages import (
     CONVERSATION_HEADER,
     as_message,
@@ -54,12 +50,6 @@ __all__ = ["create_app"]
 
 _SPAN = re.compile(r"[^.!?\n]*(?:[.!?]+|\n|$)")
 MAX_SPANS = 16
-
-
-def _openai_error(e: ApiError) -> dict[str, Any]:
-    kind = {401: "invalid_request_error", 429: "rate_limit_error"}.get(e.status)
-    kind = kind or ("server_error" if e.status >= 500 else "invalid_request_error")
-    return {"error": {"message": e.message, "type": kind, "param": e.param, "code": e.code}}
 
 
 _GOOGLE_STATUS = {
@@ -86,7 +76,6 @@ def _perspective_error(e: ApiError) -> dict[str, Any]:
     return {"error": {"code": code, "message": e.message, "status": status}}
 
 
-OPENAI = Dialect("openai", 401, 401, _openai_error)
 PERSPECTIVE = Dialect("perspective", 403, 400, _perspective_error, _perspective_status)
 
 
@@ -99,49 +88,7 @@ def create_app(service: Service) -> FastAPI:
         redoc_url=None,
     )
     handle = Handler(service)
-
-    @app.post(
-        "/v1/moderations",
-        response_model=ModerationResponse,
-        openapi_extra=body_schema(ModerationRequest),
-        summary="Classify text (OpenAI's moderation API)",
-    )
-    async def moderations(request: Request) -> Response:
-        async def work(body: bytes, caller: Caller) -> Response:
-            req = await service.parser.parse(ModerationRequest, body, max_inputs=s.serve_max_inputs)
-            texts = _openai_texts(req)
-            if len(texts) > s.serve_max_inputs:
-                raise ApiError(
-                    413,
-                    f"{len(texts)} inputs; at most {s.serve_max_inputs} per request "
-                    "(PROBEGUARD_SERVE_MAX_INPUTS)",
-                    param="input",
-                    code="too_many_inputs",
-                )
-            probe = service.probe_for(req.model)
-            rid = f"modr-{uuid.uuid4().hex}"
-            conversation = conversation_key(request.headers.get(CONVERSATION_HEADER), rid)
-            retain = Retain.COUNT if s.serve_do_not_store else Retain.ALL
-            messages = [
-                as_message(f"{rid}-{i}", conversation, text, f"input[{i}]", s.limits)
-                for i, text in enumerate(texts)
-            ]
-            counts = await service.measure(texts)
-            for i, n in enumerate(counts):
-                if n == 0:
-                    raise unreadable_input(f"input[{i}]", texts[i])
-            service.charge(caller.limit_key, sum(counts))
-            scored = await service.score(messages, [retain] * len(messages), counts)
-            results = [probe_result(scored, i, probe) for i in range(len(texts))]
-            spec = service.spec(probe, results[0].version)
-            out = ModerationResponse(
-                id=rid,
-                model=f"{probe}@v{results[0].version}",
-                results=[_openai_result(r, spec) for r in results],
-            )
-            return JSONResponse(out.model_dump(mode="json"))
-
-        return await handle(request, OPENAI, work)
+    openai_api.register(app, handle, service)
 
     @app.post(
         "/v1alpha1/comments:analyze",
@@ -202,7 +149,7 @@ def create_app(service: Service) -> FastAPI:
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         """404, 405 and the like in the shape of the API the path belongs to, not
         FastAPI's ``{"detail": ...}``."""
-        dialect = PERSPECTIVE if request.url.path.startswith("/v1alpha1/") else OPENAI
+        dialect = PERSPECTIVE if request.url.path.startswith("/v1alpha1/") else openai_api.OPENAI
         why = {404: "no such endpoint", 405: "method not allowed"}.get(exc.status_code)
         message = f"{request.method} {request.url.path[:200]}: {why or exc.detail}"
         e = ApiError(exc.status_code, message, code=(why or "error").replace(" ", "_"))
@@ -230,27 +177,6 @@ def create_app(service: Service) -> FastAPI:
 # --- request handling ----------------------------------------------------------
 
 
-def _openai_texts(req: ModerationRequest) -> list[str]:
-    if isinstance(req.input, str):
-        return [req.input]
-    texts = []
-    for i, part in enumerate(req.input):
-        if isinstance(part, str):
-            texts.append(part)
-        elif isinstance(part, TextInput):
-            texts.append(part.text)
-        else:
-            raise ApiError(
-                400,
-                "image inputs are not supported: probeguard moderates text",
-                param=f"input[{i}]",
-                code="unsupported_input_type",
-            )
-    if not texts:
-        raise ApiError(400, "input must hold at least one text", param="input")
-    return texts
-
-
 def _client_message_id(caller: Caller, token: str | None, limits: Limits) -> str | None:
     """The message id of a Perspective call's ``clientToken``: ``pc:NAME:TOKEN``, in the
     namespace of the caller's key (``pc::TOKEN`` without keys), so two keys sending the
@@ -261,18 +187,6 @@ def _client_message_id(caller: Caller, token: str | None, limits: Limits) -> str
         return None
     mid = f"pc:{(caller.name or '').replace('_', '.')}:{token}"
     return mid if limits.id_re.fullmatch(mid) else None
-
-
-def _openai_result(result: ProbeResult, spec: ProbeSpec) -> ModerationResult:
-    labels = category_labels(spec)
-    names = list(OPENAI_CATEGORIES) + [x for x in labels if x not in OPENAI_CATEGORIES]
-    predicted = set(result.predicted)
-    return ModerationResult(
-        flagged=result.flagged,
-        categories={c: c in labels and c in predicted for c in names},
-        category_scores={c: label_score(result, c) if c in labels else 0.0 for c in names},
-        category_applied_input_types={c: ["text"] if c in labels else [] for c in names},
-    )
 
 
 def _languages(requested: list[str] | None) -> list[str]:
