@@ -21,18 +21,11 @@ from schemas.moderation_api import (
     TextInput,
 )
 from worker.scoring.engine import Retain
+from worker.serve import messages
 from worker.serve.auth import Caller
 from worker.serve.errors import ApiError
 from worker.serve.handler import Dialect, Handler, body_schema
 from worker.serve.mapping import category_labels
-from worker.serve.messages import (
-    CONVERSATION_HEADER,
-    as_message,
-    conversation_key,
-    label_score,
-    probe_result,
-    unreadable_input,
-)
 
 if TYPE_CHECKING:
     from worker.serve.service import Service
@@ -73,19 +66,21 @@ def register(app: FastAPI, handle: Handler, service: Service) -> None:
                 )
             probe = service.probe_for(req.model)
             rid = f"modr-{uuid.uuid4().hex}"
-            conversation = conversation_key(request.headers.get(CONVERSATION_HEADER), rid)
+            conversation = messages.conversation_key(
+                request.headers.get(messages.CONVERSATION_HEADER), rid
+            )
             retain = Retain.COUNT if s.serve_do_not_store else Retain.ALL
-            messages = [
-                as_message(f"{rid}-{i}", conversation, text, f"input[{i}]", s.limits)
+            batch = [
+                messages.as_message(f"{rid}-{i}", conversation, text, f"input[{i}]", s.limits)
                 for i, text in enumerate(texts)
             ]
             counts = await service.measure(texts)
             for i, n in enumerate(counts):
                 if n == 0:
-                    raise unreadable_input(f"input[{i}]", texts[i])
+                    raise messages.unreadable_input(f"input[{i}]", texts[i])
             service.charge(caller.limit_key, sum(counts))
-            scored = await service.score(messages, [retain] * len(messages), counts)
-            results = [probe_result(scored, i, probe) for i in range(len(texts))]
+            scored = await service.score(batch, [retain] * len(batch), counts)
+            results = [messages.probe_result(scored, i, probe) for i in range(len(texts))]
             spec = service.spec(probe, results[0].version)
             out = ModerationResponse(
                 id=rid,
@@ -125,6 +120,6 @@ def _result(result: ProbeResult, spec: ProbeSpec) -> ModerationResult:
     return ModerationResult(
         flagged=result.flagged,
         categories={c: c in labels and c in predicted for c in names},
-        category_scores={c: label_score(result, c) if c in labels else 0.0 for c in names},
+        category_scores={c: messages.label_score(result, c) if c in labels else 0.0 for c in names},
         category_applied_input_types={c: ["text"] if c in labels else [] for c in names},
     )
