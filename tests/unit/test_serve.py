@@ -16,12 +16,12 @@ from prometheus_client import CollectorRegistry
 from schemas import ChatMessage, HeadSpec, ProbeResult, ProbeSpec, Verdict, utcnow
 from worker.errors import ConfigError
 from worker.scoring.engine import Judged, Retain
-from worker.serve.app import _spans
 from worker.serve.auth import Authenticator
 from worker.serve.batcher import Expired, MicroBatcher
 from worker.serve.keys import KeyRing, RateLimiter, Seen, new_key
 from worker.serve.mapping import attribute_labels, category_labels
 from worker.serve.niced import NICE
+from worker.serve.perspective_api import _spans
 from worker.serve.server import is_loopback
 
 

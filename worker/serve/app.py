@@ -1,295 +1,48 @@
-"""The HTTP routes of ``probeguard serve``: OpenAI's and Perspective's moderation calls,
+"""The HTTP app of ``probeguard serve``: OpenAI's moderation call
+(:mod:`worker.serve.openai_api`), Perspective's (:mod:`worker.serve.perspective_api`),
 ``/metrics``, ``/healthz``, ``/readyz`` and ``/openapi.json``.
 
-Every request is authenticated (an API key: ``Authorization: Bearer KEY``, ``?key=KEY``
-or ``x-goog-api-key``), rate-limited per key, read up to ``serve_max_body_bytes`` and
-validated before anything is scored; every refusal answers in the calling API's own error
-shape (OpenAI: ``{"error": {"message", "type", "param", "code"}}``; Perspective:
+Every moderation request is authenticated (an API key: ``Authorization: Bearer KEY``,
+``?key=KEY`` or ``x-goog-api-key``), rate-limited per key, read up to
+``serve_max_body_bytes`` (:mod:`worker.serve.handler`) and validated before anything is
+scored; every refusal, an unknown path or method included, answers in the calling API's
+own error shape (OpenAI: ``{"error": {"message", "type", "param", "code"}}``; Perspective:
 ``{"error": {"code", "message", "status"}}``), so its clients raise their usual errors.
 Malformed JSON is a 400, never a 500.
 """
 
 from __future__ import annotations
 
-import math
-import re
-import time
-import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
-from pydantic import BaseModel, ValidationError
+from fastapi.responses import PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from schemas import ChatMessage, Limits, ProbeResult, ProbeSpec, describe_error, utcnow
-from schemas.moderation_api import (
-    OPENAI_CATEGORIES,
-    AttributeScores,
-    ModerationRequest,
-    ModerationResponse,
-    ModerationResult,
-    PerspectiveRequest,
-    PerspectiveResponse,
-    Score,
-    SpanScore,
-    TextInput,
-)
-from worker.scoring.engine import Retain
-from worker.serve.auth import Caller
-from worker.serve.batcher import Scored
-from worker.serve.bodies import BodyReader
+from worker.serve import openai_api, perspective_api
 from worker.serve.errors import ApiError
-from worker.serve.mapping import attribute_labels, category_labels
-from worker.serve.service import unreadable
+from worker.serve.handler import Handler, error_response
+from worker.serve.openai_api import OPENAI
+from worker.serve.perspective_api import PERSPECTIVE
 
 if TYPE_CHECKING:
     from worker.serve.service import Service
 
 __all__ = ["create_app"]
 
-CONVERSATION_HEADER = "x-probeguard-conversation"
-_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+=\-]{0,127}")
-_SPAN = re.compile(r"[^.!?\n]*(?:[.!?]+|\n|$)")
-MAX_SPANS = 16
-BODY_UNIT = 64 * 1024  # each this many bytes of a body count as one more request
-
-
-@dataclass(frozen=True)
-class Dialect:
-    """How one API says no."""
-
-    name: str
-    missing_key_status: int
-    invalid_key_status: int
-    render: Callable[[ApiError], dict[str, Any]]
-    http_status: Callable[[int], int] = lambda status: status
-
-
-def _openai_error(e: ApiError) -> dict[str, Any]:
-    kind = {401: "invalid_request_error", 429: "rate_limit_error"}.get(e.status)
-    kind = kind or ("server_error" if e.status >= 500 else "invalid_request_error")
-    return {"error": {"message": e.message, "type": kind, "param": e.param, "code": e.code}}
-
-
-_GOOGLE_STATUS = {
-    400: "INVALID_ARGUMENT",
-    401: "UNAUTHENTICATED",
-    403: "PERMISSION_DENIED",
-    404: "NOT_FOUND",
-    405: "UNIMPLEMENTED",
-    408: "DEADLINE_EXCEEDED",
-    429: "RESOURCE_EXHAUSTED",
-    503: "UNAVAILABLE",
-}
-
-
-def _perspective_status(status: int) -> int:
-    """The HTTP status Perspective answers with: a body or text too large is Google's
-    400 ``INVALID_ARGUMENT`` (its ``code`` is always the HTTP status)."""
-    return 400 if status == 413 else status
-
-
-def _perspective_error(e: ApiError) -> dict[str, Any]:
-    code = _perspective_status(e.status)
-    status = _GOOGLE_STATUS.get(code, "INTERNAL")
-    return {"error": {"code": code, "message": e.message, "status": status}}
-
-
-OPENAI = Dialect("openai", 401, 401, _openai_error)
-PERSPECTIVE = Dialect("perspective", 403, 400, _perspective_error, _perspective_status)
-
-
-def _error_response(dialect: Dialect, e: ApiError) -> JSONResponse:
-    headers = {"Connection": "close"} if e.close else {}
-    if e.retry_after_s is not None:
-        headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))
-    status = dialect.http_status(e.status)
-    return JSONResponse(dialect.render(e), status_code=status, headers=headers)
-
-
-def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
-    return {
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": model.model_json_schema()}},
-        }
-    }
-
 
 def create_app(service: Service) -> FastAPI:
-    s = service.settings
+    """The app on ``service``: each API's routes on one shared :class:`Handler`."""
     app = FastAPI(
         title="probeguard serve",
         description="OpenAI- and Perspective-compatible moderation on probeguard's probes.",
         docs_url=None,
         redoc_url=None,
     )
-    requests_total = Counter(
-        "probeguard_serve_requests",
-        "HTTP moderation requests by endpoint and status",
-        ["endpoint", "code"],
-        registry=service.collector,
-    )
-    request_seconds = Histogram(
-        "probeguard_serve_request_seconds",
-        "Wall time of a moderation request (authentication to response)",
-        ["endpoint"],
-        buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-        registry=service.collector,
-    )
-
-    reader = BodyReader(
-        s.serve_max_body_bytes,
-        s.serve_body_timeout_s,
-        drain_bytes=max(4 * s.serve_max_body_bytes, 8 * 1024 * 1024),
-    )
-
-    async def handle(
-        request: Request, dialect: Dialect, work: Callable[[bytes, Caller], Awaitable[Response]]
-    ) -> Response:
-        t0 = time.perf_counter()
-        reading = False  # the body is being (or was) read: nothing left to drop
-        try:
-            caller = await service.auth.caller(
-                request, _presented_key(request), lambda code: _key_refusal(dialect, code)
-            )
-            wait = service.limiter.take(caller.limit_key)
-            if wait > 0:
-                raise ApiError(
-                    429,
-                    f"rate limit of {s.serve_rate_per_key:g} requests/s for this key reached "
-                    "(PROBEGUARD_SERVE_RATE_PER_KEY)",
-                    code="rate_limit_exceeded",
-                    retry_after_s=wait,
-                )
-            reading = True
-            body = await reader.read(request)
-            # A large body costs more to parse: one more request per BODY_UNIT bytes.
-            # (never more than the burst: a configured burst below it must still admit it)
-            extra = min(len(body) // BODY_UNIT, s.serve_rate_burst)
-            wait = service.limiter.take(caller.limit_key, cost=extra) if extra else 0.0
-            if wait > 0:
-                raise ApiError(
-                    429,
-                    f"rate limit of {s.serve_rate_per_key:g} requests/s for this key reached "
-                    f"(PROBEGUARD_SERVE_RATE_PER_KEY; each {BODY_UNIT // 1024} KiB of body "
-                    "counts as one more request)",
-                    code="rate_limit_exceeded",
-                    retry_after_s=wait,
-                )
-            response = await work(body, caller)
-        except ApiError as e:
-            # Refused before its body was read: drop a small body to keep the connection;
-            # a large one is not worth reading (the connection closes: a client that sends
-            # it again reconnects, within its address's connection rate).
-            if not reading and not await reader.discard(request, BODY_UNIT):
-                e.close = True
-            response = _error_response(dialect, e)
-        requests_total.labels(dialect.name, str(response.status_code)).inc()
-        request_seconds.labels(dialect.name).observe(time.perf_counter() - t0)
-        return response
-
-    @app.post(
-        "/v1/moderations",
-        response_model=ModerationResponse,
-        openapi_extra=_body_schema(ModerationRequest),
-        summary="Classify text (OpenAI's moderation API)",
-    )
-    async def moderations(request: Request) -> Response:
-        async def work(body: bytes, caller: Caller) -> Response:
-            req = await service.parser.parse(ModerationRequest, body, max_inputs=s.serve_max_inputs)
-            texts = _openai_texts(req)
-            if len(texts) > s.serve_max_inputs:
-                raise ApiError(
-                    413,
-                    f"{len(texts)} inputs; at most {s.serve_max_inputs} per request "
-                    "(PROBEGUARD_SERVE_MAX_INPUTS)",
-                    param="input",
-                    code="too_many_inputs",
-                )
-            probe = service.probe_for(req.model)
-            rid = f"modr-{uuid.uuid4().hex}"
-            conversation = _conversation(request.headers.get(CONVERSATION_HEADER), rid)
-            retain = Retain.COUNT if s.serve_do_not_store else Retain.ALL
-            messages = [
-                _message(f"{rid}-{i}", conversation, text, f"input[{i}]", s.limits)
-                for i, text in enumerate(texts)
-            ]
-            counts = await service.measure(texts)
-            for i, n in enumerate(counts):
-                if n == 0:
-                    raise _unreadable(f"input[{i}]", texts[i])
-            service.charge(caller.limit_key, sum(counts))
-            scored = await service.score(messages, [retain] * len(messages), counts)
-            results = [_result(scored, i, probe) for i in range(len(texts))]
-            spec = service.spec(probe, results[0].version)
-            out = ModerationResponse(
-                id=rid,
-                model=f"{probe}@v{results[0].version}",
-                results=[_openai_result(r, spec) for r in results],
-            )
-            return JSONResponse(out.model_dump(mode="json"))
-
-        return await handle(request, OPENAI, work)
-
-    @app.post(
-        "/v1alpha1/comments:analyze",
-        response_model=PerspectiveResponse,
-        response_model_exclude_none=True,
-        openapi_extra=_body_schema(PerspectiveRequest),
-        summary="Score a comment (Perspective's comments:analyze)",
-    )
-    async def analyze(request: Request) -> Response:
-        async def work(body: bytes, caller: Caller) -> Response:
-            req = await service.parser.parse(
-                PerspectiveRequest, body, max_inputs=s.serve_max_inputs
-            )
-            languages = _languages(req.languages)
-            text = req.comment.text
-            if not text.strip():
-                raise ApiError(400, "Comment must be non-empty.", param="comment.text")
-            probe = service.probe_for(None)
-            attributes = _attributes(req, service.spec(probe, None), probe)
-            mid = _client_message_id(caller, req.clientToken, s.limits)
-            mid = mid or f"pc-{uuid.uuid4().hex}"
-            conversation = _conversation(
-                req.sessionId or request.headers.get(CONVERSATION_HEADER), mid
-            )
-            private = req.doNotStore or s.serve_do_not_store
-            messages = [_message(mid, conversation, text, "comment.text", s.limits)]
-            retain = [Retain.COUNT if private else Retain.ALL]
-            spans = _spans(text) if req.spanAnnotations else []
-            counts = await service.measure([text] + [text[b:e] for b, e in spans])
-            if counts[0] == 0:
-                raise _unreadable("comment.text", text)
-            # A sentence the model cannot read (control characters only) gets no span.
-            spans = [span for span, n in zip(spans, counts[1:], strict=True) if n > 0]
-            service.charge(caller.limit_key, sum(counts))
-            for i, (b, e) in enumerate(spans):
-                span = _message(f"{mid}.s{i}", conversation, text[b:e], "comment.text", s.limits)
-                messages.append(span)
-                retain.append(Retain.NOTHING)
-            costs = [counts[0]] + [n for n in counts[1:] if n > 0]  # as the spans kept
-            scored = await service.score(messages, retain, costs)
-            whole = _result(scored, 0, probe)
-            span_results = [_result(scored, i + 1, probe) for i in range(len(spans))]
-            out = PerspectiveResponse(
-                attributeScores=_perspective_scores(
-                    req, attributes, whole, spans, span_results, len(text)
-                ),
-                languages=languages,
-                clientToken=req.clientToken,
-            )
-            return JSONResponse(
-                out.model_dump(mode="json", exclude_none=True),
-                headers={"X-Probeguard-Message-Id": mid},
-            )
-
-        return await handle(request, PERSPECTIVE, work)
+    handle = Handler(service)
+    openai_api.register(app, handle, service)
+    perspective_api.register(app, handle, service)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -299,7 +52,7 @@ def create_app(service: Service) -> FastAPI:
         why = {404: "no such endpoint", 405: "method not allowed"}.get(exc.status_code)
         message = f"{request.method} {request.url.path[:200]}: {why or exc.detail}"
         e = ApiError(exc.status_code, message, code=(why or "error").replace(" ", "_"))
-        response = _error_response(dialect, e)
+        response = error_response(dialect, e)
         response.headers.update(dict(exc.headers or {}))
         return response
 
@@ -318,191 +71,3 @@ def create_app(service: Service) -> FastAPI:
         return PlainTextResponse(why + "\n", status_code=200 if ok else 503)
 
     return app
-
-
-# --- request handling ----------------------------------------------------------
-
-
-def _presented_key(request: Request) -> str:
-    """The API key a request carries: ``Authorization: Bearer``, ``?key=`` or
-    ``x-goog-api-key`` ('' when none)."""
-    auth = request.headers.get("authorization", "")
-    key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-    return key or request.query_params.get("key", "") or request.headers.get("x-goog-api-key", "")
-
-
-def _key_refusal(dialect: Dialect, code: str) -> ApiError:
-    if code == "missing_api_key":
-        return ApiError(
-            dialect.missing_key_status,
-            "The request is missing an API key (Authorization: Bearer KEY, or ?key=KEY).",
-            code=code,
-        )
-    return ApiError(dialect.invalid_key_status, "API key not valid.", code=code)
-
-
-def _openai_texts(req: ModerationRequest) -> list[str]:
-    if isinstance(req.input, str):
-        return [req.input]
-    texts = []
-    for i, part in enumerate(req.input):
-        if isinstance(part, str):
-            texts.append(part)
-        elif isinstance(part, TextInput):
-            texts.append(part.text)
-        else:
-            raise ApiError(
-                400,
-                "image inputs are not supported: probeguard moderates text",
-                param=f"input[{i}]",
-                code="unsupported_input_type",
-            )
-    if not texts:
-        raise ApiError(400, "input must hold at least one text", param="input")
-    return texts
-
-
-def _client_message_id(caller: Caller, token: str | None, limits: Limits) -> str | None:
-    """The message id of a Perspective call's ``clientToken``: ``pc:NAME:TOKEN``, in the
-    namespace of the caller's key (``pc::TOKEN`` without keys), so two keys sending the
-    same token never name one message; None when that is no valid id (the call gets a
-    random one, and the token is only echoed). Key names hold no ``:`` and, written here
-    with ``_`` as ``.`` (no name holds a ``.``), no two names share a namespace."""
-    if not token:
-        return None
-    mid = f"pc:{(caller.name or '').replace('_', '.')}:{token}"
-    return mid if limits.id_re.fullmatch(mid) else None
-
-
-def _conversation(value: str | None, fallback: str) -> str:
-    """The canary assignment key: the caller's conversation or user id when it is a valid
-    id, else the request's own id."""
-    return value if value and _ID.fullmatch(value) else fallback
-
-
-def _message(
-    message_id: str, conversation: str, text: str, param: str, limits: Limits
-) -> ChatMessage:
-    """The input as a chat message, checked against the configured ``limits`` (a text
-    over the default limit but within ``PROBEGUARD_MAX_TEXT_CHARS`` is scored)."""
-    max_chars = limits.max_text_chars
-    if len(text) > max_chars:
-        raise ApiError(
-            413,
-            f"{param} has {len(text)} characters; at most {max_chars} (PROBEGUARD_MAX_TEXT_CHARS)",
-            param=param,
-            code="text_too_long",
-        )
-    try:
-        return ChatMessage.build(
-            limits,
-            message_id=message_id,
-            conversation_id=conversation,
-            text=text,
-            created_at=utcnow(),
-        )
-    except ValidationError as exc:
-        raise ApiError(400, describe_error(exc)[1], param=param) from None
-
-
-def _unreadable(param: str, text: str) -> ApiError:
-    return ApiError(
-        400,
-        f"{param} has nothing the model can read: {unreadable(text)}",
-        param=param,
-        code="unreadable_input",
-    )
-
-
-def _result(scored: Scored, pos: int, probe: str) -> ProbeResult:
-    verdict = scored.verdicts.get(pos)
-    if verdict is None:
-        why = scored.errors.get(pos, "not scored")
-        raise ApiError(500, f"an input could not be scored: {why}", code="unscorable")
-    return next(r for r in verdict.results if r.probe == probe)
-
-
-def _score(result: ProbeResult, label: str) -> float:
-    return round(result.scores.get(label, 0.0), 6)
-
-
-def _openai_result(result: ProbeResult, spec: ProbeSpec) -> ModerationResult:
-    labels = category_labels(spec)
-    names = list(OPENAI_CATEGORIES) + [x for x in labels if x not in OPENAI_CATEGORIES]
-    predicted = set(result.predicted)
-    return ModerationResult(
-        flagged=result.flagged,
-        categories={c: c in labels and c in predicted for c in names},
-        category_scores={c: _score(result, c) if c in labels else 0.0 for c in names},
-        category_applied_input_types={c: ["text"] if c in labels else [] for c in names},
-    )
-
-
-def _languages(requested: list[str] | None) -> list[str]:
-    if not requested:
-        return ["en"]
-    if not any(x.lower().split("-")[0] == "en" for x in requested):
-        raise ApiError(
-            400,
-            f"Attribute scores are not available in languages {requested[:4]}: the probes "
-            "read English (en)",
-            param="languages",
-            code="LANGUAGE_NOT_SUPPORTED_BY_ATTRIBUTE",
-        )
-    return requested
-
-
-def _attributes(req: PerspectiveRequest, spec: ProbeSpec, probe: str) -> dict[str, str]:
-    available = attribute_labels(spec)
-    unknown = [a for a in req.requestedAttributes if a not in available]
-    if unknown:
-        raise ApiError(
-            400,
-            f"Unknown or unsupported attribute: {', '.join(a[:64] for a in unknown[:4])}. "
-            f"Probe {probe!r} scores: {', '.join(sorted(available))}",
-            param="requestedAttributes",
-            code="ATTRIBUTE_NOT_SUPPORTED",
-        )
-    return {a: available[a] for a in req.requestedAttributes}
-
-
-def _spans(text: str) -> list[tuple[int, int]]:
-    """Sentence spans ``(begin, end)`` of ``text``, whitespace trimmed; at most
-    :data:`MAX_SPANS` (the last runs to the end); none when the text is one sentence."""
-    spans = []
-    for m in _SPAN.finditer(text):
-        b, e = m.start(), m.end()
-        while b < e and text[b].isspace():
-            b += 1
-        while e > b and text[e - 1].isspace():
-            e -= 1
-        if e > b:
-            spans.append((b, e))
-    if len(spans) > MAX_SPANS:
-        spans = [*spans[: MAX_SPANS - 1], (spans[MAX_SPANS - 1][0], spans[-1][1])]
-    return spans if len(spans) > 1 else []
-
-
-def _perspective_scores(
-    req: PerspectiveRequest,
-    attributes: dict[str, str],
-    whole: ProbeResult,
-    spans: list[tuple[int, int]],
-    span_results: list[ProbeResult],
-    length: int,
-) -> dict[str, AttributeScores]:
-    out: dict[str, AttributeScores] = {}
-    for attr, label in attributes.items():
-        value = _score(whole, label)
-        threshold = req.requestedAttributes[attr].scoreThreshold
-        if threshold is not None and value < threshold:
-            continue  # Perspective leaves out attributes under their threshold
-        span_scores = None
-        if req.spanAnnotations:
-            pairs = list(zip(spans, span_results, strict=True)) or [((0, length), whole)]
-            span_scores = [
-                SpanScore(begin=b, end=e, score=Score(value=_score(r, label)))
-                for (b, e), r in pairs
-            ]
-        out[attr] = AttributeScores(summaryScore=Score(value=value), spanScores=span_scores)
-    return out

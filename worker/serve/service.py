@@ -1,4 +1,5 @@
-"""What the routes of ``probeguard serve`` (:mod:`worker.serve.app`) use.
+"""What the routes of ``probeguard serve`` use (:mod:`worker.serve.openai_api`,
+:mod:`worker.serve.perspective_api`, built into one app by :mod:`worker.serve.app`).
 
 :class:`Service` holds the :class:`~worker.scoring.engine.ScoringEngine` the Kafka scorer
 uses (the same probes, hot-swapped by the same watcher; the same canary assignment,
