@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -47,6 +48,21 @@ def _refusal(retry_after_s: float) -> bytes:
     ) % max(1, round(retry_after_s))
 
 
+@dataclass
+class _Guard:
+    """One server's caps and what they count (shared by all its connections)."""
+
+    header_timeout_s: float
+    max_connections: int
+    max_per_address: int
+    opened: RateLimiter  # new connections per address
+    refusal_delay_s: float
+    refusals_held: int
+    refused: bytes  # the 503
+    per_address: Counter[str] = field(default_factory=Counter)
+    held: set[asyncio.TimerHandle] = field(default_factory=set)  # refusals waiting
+
+
 def guarded_protocol(
     *,
     header_timeout_s: float,
@@ -58,93 +74,107 @@ def guarded_protocol(
 ) -> type[asyncio.Protocol]:
     """A protocol class for ``uvicorn.Config(http=...)``; its caps count the connections of
     the one server it is given to."""
-    per_address: Counter[str] = Counter()
-    opened = RateLimiter(new_per_address_s, max_per_address)
-    refused = _refusal(refusal_delay_s)
-    held: set[asyncio.TimerHandle] = set()
+    guard = _Guard(
+        header_timeout_s=header_timeout_s,
+        max_connections=max_connections,
+        max_per_address=max_per_address,
+        opened=RateLimiter(new_per_address_s, max_per_address),
+        refusal_delay_s=refusal_delay_s,
+        refusals_held=refusals_held,
+        refused=_refusal(refusal_delay_s),
+    )
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"guard": guard})
 
-    class GuardedH11Protocol(H11Protocol):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._address: str | None = None  # counted in per_address while open
-            self._header_timer: asyncio.TimerHandle | None = None
-            self._cycle_seen: object = None
-            self._refusal_timer: asyncio.TimerHandle | None = None
-            self._discard = 0
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            address = self.client[0] if self.client else "?"
-            if (
-                len(self.connections) > max_connections
-                or per_address[address] >= max_per_address
-                or opened.take(address) > 0
-            ):
-                self._refuse(transport)
-                return
-            self._address = address
-            per_address[address] += 1
-            self._arm()
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol under :attr:`guard`'s caps (bound by
+    :func:`guarded_protocol`, one subclass per server)."""
 
-        def _refuse(self, transport: asyncio.Transport) -> None:
-            if refusal_delay_s <= 0 or len(held) >= refusals_held:
-                transport.write(refused)
+    guard: ClassVar[_Guard]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._address: str | None = None  # counted in per_address while open
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._cycle_seen: object = None
+        self._refusal_timer: asyncio.TimerHandle | None = None
+        self._discard = 0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        g = self.guard
+        address = self.client[0] if self.client else "?"
+        if (
+            len(self.connections) > g.max_connections
+            or g.per_address[address] >= g.max_per_address
+            or g.opened.take(address) > 0
+        ):
+            self._refuse(transport)
+            return
+        self._address = address
+        g.per_address[address] += 1
+        self._arm()
+
+    def _refuse(self, transport: asyncio.Transport) -> None:
+        g = self.guard
+        if g.refusal_delay_s <= 0 or len(g.held) >= g.refusals_held:
+            transport.write(g.refused)
+            transport.close()
+            return
+        # What it sends meanwhile is read and dropped, up to a bound: unread bytes at the
+        # close would make it a reset, and the client would lose the 503.
+        self._discard = _DISCARD
+
+        def answer() -> None:
+            g.held.discard(timer)
+            if not transport.is_closing():
+                transport.write(g.refused)
                 transport.close()
-                return
-            self._discard = _DISCARD  # what it sends meanwhile is read and dropped (unread
-            # bytes at the close would make it a reset, losing the 503), up to a bound
 
-            def answer() -> None:
-                held.discard(timer)
-                if not transport.is_closing():
-                    transport.write(refused)
-                    transport.close()
+        timer = self.loop.call_later(g.refusal_delay_s, answer)
+        g.held.add(timer)
+        self._refusal_timer = timer
 
-            timer = self.loop.call_later(refusal_delay_s, answer)
-            held.add(timer)
-            self._refusal_timer = timer
+    def connection_lost(self, exc: Exception | None) -> None:
+        g = self.guard
+        if self._refusal_timer is not None:  # the client left before its answer
+            self._refusal_timer.cancel()
+            g.held.discard(self._refusal_timer)
+            self._refusal_timer = None
+        self._disarm()
+        if self._address is not None:
+            g.per_address[self._address] -= 1
+            if g.per_address[self._address] <= 0:
+                del g.per_address[self._address]
+            self._address = None
+        super().connection_lost(exc)
 
-        def connection_lost(self, exc: Exception | None) -> None:
-            if self._refusal_timer is not None:  # the client left before its answer
-                self._refusal_timer.cancel()
-                held.discard(self._refusal_timer)
-                self._refusal_timer = None
+    def data_received(self, data: bytes) -> None:
+        if self._refusal_timer is not None:
+            self._discard -= len(data)
+            if self._discard <= 0:
+                self.transport.pause_reading()
+            return
+        if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
+            self._arm()  # the first byte of the next request on a kept-alive connection
+        super().data_received(data)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None and self.cycle is not self._cycle_seen:
+            self._cycle_seen = self.cycle  # a request's headers are complete
             self._disarm()
-            if self._address is not None:
-                per_address[self._address] -= 1
-                if per_address[self._address] <= 0:
-                    del per_address[self._address]
-                self._address = None
-            super().connection_lost(exc)
 
-        def data_received(self, data: bytes) -> None:
-            if self._refusal_timer is not None:
-                self._discard -= len(data)
-                if self._discard <= 0:
-                    self.transport.pause_reading()
-                return
-            if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
-                self._arm()  # the first byte of the next request on a kept-alive connection
-            super().data_received(data)
+    def _arm(self) -> None:
+        self._disarm()
+        self._header_timer = self.loop.call_later(self.guard.header_timeout_s, self._headers_late)
 
-        def handle_events(self) -> None:
-            super().handle_events()
-            if self.cycle is not None and self.cycle is not self._cycle_seen:
-                self._cycle_seen = self.cycle  # a request's headers are complete
-                self._disarm()
-
-        def _arm(self) -> None:
-            self._disarm()
-            self._header_timer = self.loop.call_later(header_timeout_s, self._headers_late)
-
-        def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _headers_late(self) -> None:
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
             self._header_timer = None
-            if not self.transport.is_closing():
-                self.transport.close()
 
-    return GuardedH11Protocol
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
