@@ -189,7 +189,7 @@ class Plain:
         if not self.batched:
             encs = [llm.tokenizer(texts, padding=True, return_tensors="pt", **tok)]
         else:
-            from worker.llm.extract import length_batches
+            from worker.llm.plan import length_batches
 
             ids = llm.tokenizer(texts, **tok)["input_ids"]
             groups = length_batches(

@@ -398,7 +398,7 @@ def test_outputs_are_normal_tensors_usable_for_training() -> None:
 
 
 def test_min_fill_keeps_short_texts_out_of_long_passes_with_the_same_states() -> None:
-    from worker.llm.extract import length_batches
+    from worker.llm.plan import length_batches
 
     assert length_batches([6, 100, 40, 90, 10], budget=None, min_fill=0.5) == [[1, 3], [2], [4, 0]]
     assert length_batches([6, 100, 40, 90, 10], budget=None) == [[1, 3, 2, 4, 0]]

@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from worker.errors import ConfigError, ExtractionInputError
-from worker.llm.extract import HiddenStateExtractor, _truncate, clean_text
+from worker.llm.extract import HiddenStateExtractor, clean_text
+from worker.llm.text import truncate
 from worker.llm.tiny import make_tiny_llm
 
 ALLOWED_CONTROLS = {"\t", "\n", "\r"}
@@ -81,7 +82,7 @@ def test_clean_text_clips_huge_text_before_checking_it() -> None:
     st.sampled_from(["head", "head_tail"]),
 )
 def test_truncate_keeps_head_and_tail(seq: list[int], limit: int, keep: str) -> None:
-    out = _truncate(seq, limit, keep)  # type: ignore[arg-type]
+    out = truncate(seq, limit, keep)  # type: ignore[arg-type]
     assert len(out) == min(len(seq), limit)
     if len(seq) <= limit:
         assert out == seq
@@ -112,7 +113,7 @@ def test_chunk_plan_properties(n: int, max_tokens: int, max_chunks: int, keep: s
     sizes = [len(c) for c in chunks]
     assert 1 <= len(chunks) <= max_chunks
     assert max(sizes) <= budget and max(sizes) - min(sizes) <= 1
-    assert [t for c in chunks for t in c] == _truncate(content, budget * max_chunks, keep)  # type: ignore[arg-type]
+    assert [t for c in chunks for t in c] == truncate(content, budget * max_chunks, keep)  # type: ignore[arg-type]
     pieces, lengths = ex._plan([content])
     assert lengths == [sum(len(p.ids) for p in pieces)]
     assert all(len(p.ids) <= max_tokens and p.ids[0] == ex._prefix[0] for p in pieces)

@@ -77,7 +77,7 @@ def test_token_counts_are_what_extraction_runs() -> None:
 def test_the_batching_is_chosen_by_device_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from worker.llm.extract import CUDA_BATCH_TOKENS, Batching
+    from worker.llm.plan import CUDA_BATCH_TOKENS, Batching
     from worker.settings import Settings
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
@@ -95,7 +95,8 @@ def test_the_batching_is_chosen_by_device_unless_set(monkeypatch: pytest.MonkeyP
 def test_the_extractor_takes_its_batching_from_the_settings_for_its_device() -> None:
     import torch
 
-    from worker.llm.extract import Batching, HiddenStateExtractor
+    from worker.llm.extract import HiddenStateExtractor
+    from worker.llm.plan import Batching
     from worker.llm.tiny import make_tiny_llm
     from worker.settings import Settings
 

@@ -54,7 +54,8 @@ from schemas import (
     ProbeSpec,
     ShadowResult,
 )
-from worker.llm.extract import CUDA_BATCH_TOKENS, ExitStage, length_batches
+from worker.llm.extract import ExitStage
+from worker.llm.plan import CUDA_BATCH_TOKENS, length_batches
 from worker.settings import Settings
 
 if TYPE_CHECKING:

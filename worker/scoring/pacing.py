@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from worker.llm.extract import length_batches
+from worker.llm.plan import length_batches
 
 __all__ = ["MicroBatchPlanner"]
 
