@@ -90,7 +90,9 @@ def test_scrypt_checks_run_below_the_scoring_threads_cpu_priority() -> None:
         assert check(f"pg.a.{'0' * 48}") is None
     finally:
         auth.close()
-    assert seen == [os.getpriority(os.PRIO_PROCESS, 0) + NICE] * 2
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert base < 19, "the suite already runs at the lowest priority: nothing to lower"
+    assert seen == [min(19, base + NICE)] * 2  # Linux caps nice at 19 (a niced test run)
 
 
 def test_malformed_keys_and_unknown_names_cost_no_scrypt() -> None:
