@@ -129,20 +129,22 @@ def _summary(m: dict[str, Any], dataset: str) -> dict[str, Any]:
     return {**m["policy"], "task_head_auprc": head.get("auprc")}
 
 
-def _texts(root: Path, cache_root: Path, loaded: Loaded) -> list[str]:
+def texts_of(root: Path, cache_root: Path, source: Source, ids: list[str]) -> list[str]:
+    """The texts of ``source``'s rows ``ids`` (ToxicChat: its train and validation files;
+    a recipe source: the file its cache was built from)."""
     from worker.offline.default_probe import _source_file
 
-    name = loaded.source.dataset
+    name = source.dataset
     if name == "toxicchat":
         files = [root / name / "train.jsonl", root / name / "validation.jsonl"]
     else:
-        files = [_source_file(loaded.source, root, cache_root)]
+        files = [_source_file(source, root, cache_root)]
     texts = {}
     for path in files:
         for line in path.read_text().splitlines():
             row = json.loads(line)
             texts[row["id"]] = row["text"]
-    return [texts[i] for i in loaded.data.ids]
+    return [texts[i] for i in ids]
 
 
 class MiniLMPeer:
@@ -237,11 +239,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_minilm:
         dev = [Loaded.concat([x.part("train"), x.part("validation")]) for x in loaded]
         log("MiniLM embeddings of the development rows ...")
-        x_dev = [peer_features("minilm", _texts(args.data_root, args.cache_root, d)) for d in dev]
+        x_dev = [
+            peer_features("minilm", texts_of(args.data_root, args.cache_root, d.source, d.data.ids))
+            for d in dev
+        ]
         peer = MiniLMPeer(spec, dev, x_dev, args.budget)
         table["minilm_lr"] = {}
         for name, item in held.items():
-            x = peer_features("minilm", _texts(args.data_root, args.cache_root, item))
+            x = peer_features(
+                "minilm", texts_of(args.data_root, args.cache_root, item.source, item.data.ids)
+            )
             table["minilm_lr"][name] = peer.measure(item, x, name)
             log(f"MiniLM + LR on {name}: {table['minilm_lr'][name]}")
     if args.ablate:

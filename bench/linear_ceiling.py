@@ -36,15 +36,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from default_probe import TOXICCHAT, texts_of  # bench/default_probe.py
+from quality import peer_features  # bench/quality.py: all-MiniLM-L6-v2 embeddings
 
 from probes.offline.cache import HiddenStateCache
-from worker.offline.default_probe import SOURCES, Source, degenerate_rows, split_of
+from worker.offline.default_probe import SOURCES, Source, split_of
 
 from _shared import log
-
-TOXICCHAT = Source(
-    "toxicchat", "CC-BY-NC-4.0", "measured only", {}, benign=("non-toxic",), unsafe=("toxic",)
-)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,22 +72,6 @@ def rows_of(source: Source, directory: Path, pool: str, layers: list[int], dev: 
     assert data.summaries is not None
     x = data.summaries[:, keep].float().numpy()
     return {"ids": [data.ids[i] for i in keep], "y": np.array(y), "x": x}
-
-
-def texts_of(data_root: Path, dataset: str, ids: list[str]) -> list[str]:
-    if dataset == "degenerate":
-        by_id = {r["id"]: r["text"] for r in degenerate_rows()}
-    else:
-        files = [data_root / dataset / "train.jsonl"]
-        if dataset == "toxicchat":
-            files.append(data_root / dataset / "validation.jsonl")
-        by_id = {}
-        for f in files:
-            for line in f.read_text().splitlines():
-                if line.strip():
-                    r = json.loads(line)
-                    by_id[r["id"]] = r["text"]
-    return [by_id[i] for i in ids]
 
 
 def auprc(y: np.ndarray, score: np.ndarray) -> float:
@@ -142,11 +124,11 @@ def main(argv: list[str] | None = None) -> int:
             continue
         got = rows_of(source, args.cache_root / source.dataset, args.pool, layers, dev=True)
         log(f"{source.dataset}: {len(got['y'])} rows ({int(got['y'].sum())} unsafe)")
-        parts.append((source.dataset, got))
+        parts.append((source, got))
     tc = rows_of(TOXICCHAT, args.toxicchat, args.pool, layers, dev=False)
     log(f"toxicchat: {len(tc['y'])} rows ({int(tc['y'].sum())} toxic)")
     y = np.concatenate([g["y"] for _, g in parts])
-    group = np.array([name for name, g in parts for _ in g["y"]])
+    group = np.array([source.dataset for source, g in parts for _ in g["y"]])
     x = np.concatenate([g["x"] for _, g in parts], axis=1)  # [L, N, D]
     results: dict[str, Any] = {}
     for k, layer in enumerate(layers):
@@ -156,14 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     flat_tc = np.concatenate(list(tc["x"]), axis=1)
     results[f"{args.pool} concat"] = read(flat, y, group, flat_tc, tc["y"], grid)
     if not args.no_minilm:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from quality import peer_features  # bench/quality.py: all-MiniLM-L6-v2 embeddings
-
         log("MiniLM embeddings ...")
-        texts = [t for name, g in parts for t in texts_of(args.data_root, name, g["ids"])]
+        texts = [
+            t for src, g in parts for t in texts_of(args.data_root, args.cache_root, src, g["ids"])
+        ]
         mini = np.asarray(peer_features("minilm", texts))
         mini_tc = np.asarray(
-            peer_features("minilm", texts_of(args.data_root, "toxicchat", tc["ids"]))
+            peer_features("minilm", texts_of(args.data_root, args.cache_root, TOXICCHAT, tc["ids"]))
         )
         results["minilm"] = read(mini, y, group, mini_tc, tc["y"], grid)
     print(f"{'features':<16}{'chosen C':>10}{'LODO AUPRC':>12}{'ToxicChat AUPRC':>17}")
