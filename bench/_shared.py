@@ -8,13 +8,8 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from schemas import LLMFingerprint, ProbeSpec
-    from worker.store.checkpoints import CheckpointRegistry
-
-__all__ = ["load_average", "log", "publish_random_probe", "rss_mb"]
+__all__ = ["load_average", "log", "rss_mb"]
 
 
 def log(msg: str) -> None:
@@ -36,23 +31,3 @@ def rss_mb(pid: int | str = "self") -> float:
     except OSError:
         pass
     return 0.0
-
-
-def publish_random_probe(
-    registry: CheckpointRegistry,
-    spec: ProbeSpec,
-    llm: LLMFingerprint,
-    *,
-    seed: int | None = 0,
-    live: bool = True,
-) -> int:
-    """Publish a randomly initialised probe of ``spec`` (``seed=None``: from torch's global
-    generator) on ``llm`` as the registry's next version, live unless ``live=False``;
-    returns the version."""
-    from probes.checkpoint import checkpoint_to_bytes
-    from probes.probe import build_probe
-
-    version = registry.allocate_version()
-    blob, manifest = checkpoint_to_bytes(build_probe(spec, seed=seed), llm=llm, version=version)
-    registry.publish(blob, manifest, set_live=live)
-    return version

@@ -42,8 +42,6 @@ from typing import Any
 
 from probes.metrics import percentile
 
-from _shared import publish_random_probe
-
 TARGET_P99_MS = 100.0
 
 
@@ -95,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker.embedded import EmbeddedBroker, EmbeddedRedis
     from worker.kafka.clients import ensure_topics, make_producer
     from worker.llm.extract import HiddenStateExtractor
-    from worker.llm.tiny import toxicity_spec
+    from worker.llm.tiny import publish_probe, toxicity_spec
     from worker.rollout.changes import Rollout
     from worker.scoring.scorer import Scorer
     from worker.settings import Settings
@@ -129,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         spec = toxicity_spec(extractor.hidden_size)
 
         def publish(seed: int, live: bool = True) -> int:
-            return publish_random_probe(registry, spec, extractor.fingerprint, seed=seed, live=live)
+            return publish_probe(
+                registry, extractor.fingerprint, spec=spec, seed=seed, set_live=live
+            )
 
         rollout = Rollout(registry, EvidenceStore(client, registry.keys), actor="bench")
 

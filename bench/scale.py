@@ -73,7 +73,7 @@ from typing import Any
 
 from probes.metrics import percentile
 
-from _shared import load_average, log, publish_random_probe, rss_mb
+from _shared import load_average, log, rss_mb
 
 BENCH_CLIENT_ID = "scale-bench"  # the bench's own Kafka clients: not counted as scorers'
 API_NAMES = {
@@ -538,7 +538,7 @@ def run_count(
     n: int, args: argparse.Namespace, llm: Any, model_dir: Path, stack: dict[str, Any]
 ) -> dict[str, Any]:
     from worker.kafka.clients import ensure_topics, make_producer
-    from worker.llm.tiny import settings_env, toxicity_spec
+    from worker.llm.tiny import publish_probe, settings_env, toxicity_spec
     from worker.settings import Settings
     from worker.store.checkpoints import CheckpointRegistry
     from worker.store.redis import Keys, make_redis
@@ -562,7 +562,7 @@ def run_count(
     client = make_redis(settings)
     registry = CheckpointRegistry(client, Keys(settings.redis_prefix), "toxicity")
     # A random mean-pooling probe on layers 1-2, live.
-    publish_random_probe(registry, toxicity_spec(llm.hidden_size), llm.fingerprint)
+    publish_probe(registry, llm.fingerprint, spec=toxicity_spec(llm.hidden_size))
     env = settings_env(settings, model_dir, probes="toxicity", max_tokens=64)
     env.pop("PROBEGUARD_KAFKA_CLIENT_ID", None)  # scorers keep the default client id
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])

@@ -449,9 +449,9 @@ def run_config(
     cfg: Config, llm: Any, checkpoint: Path, rows: list[dict[str, Any]], args: argparse.Namespace
 ) -> dict[str, Any]:
     from probes import load_checkpoint
-    from probes.checkpoint import checkpoint_to_bytes
     from worker.kafka.clients import ensure_topics
     from worker.llm.extract import HiddenStateExtractor
+    from worker.llm.tiny import publish_probe
     from worker.scoring.scorer import Scorer
     from worker.settings import Settings
     from worker.store.checkpoints import CheckpointRegistry
@@ -486,9 +486,7 @@ def run_config(
     settings = settings.model_copy(update={"probes": probe.spec.name})
     client = make_redis(settings)
     registry = CheckpointRegistry(client, Keys(settings.redis_prefix), probe.spec.name)
-    version = registry.allocate_version()
-    blob, manifest = checkpoint_to_bytes(probe, llm=extractor.fingerprint, version=version)
-    registry.publish(blob, manifest, set_live=True)
+    publish_probe(registry, extractor.fingerprint, probe=probe)
 
     scorer = Scorer(settings, extractor, client, worker_id=f"bench-{tag}")
     thread = threading.Thread(target=scorer.run, daemon=True)

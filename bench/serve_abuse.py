@@ -49,7 +49,7 @@ import time
 import uuid
 from typing import Any
 
-from _shared import load_average, log, publish_random_probe, rss_mb
+from _shared import load_average, log, rss_mb
 
 TARGET_P99_RATIO = 2.0
 TARGET_HEALTHZ_MS = 200.0
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     phases: list[dict[str, Any]] = []
     try:
         if args.tiny:
-            from worker.llm.tiny import make_tiny_llm, moderation_spec
+            from worker.llm.tiny import make_tiny_llm, moderation_spec, publish_probe
             from worker.store.checkpoints import CheckpointRegistry
             from worker.store.redis import Keys
 
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             spec = moderation_spec(extractor.hidden_size)
             settings = settings.model_copy(update={"probes": spec.name, "default_probe": False})
             registry = CheckpointRegistry(client, Keys(prefix), spec.name)
-            publish_random_probe(registry, spec, extractor.fingerprint, seed=None)
+            publish_probe(registry, extractor.fingerprint, spec=spec, seed=None)
         else:
             log(f"loading {settings.model} …")
             extractor = HiddenStateExtractor.from_settings(settings)

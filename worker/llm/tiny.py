@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import string
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
@@ -48,6 +48,12 @@ from schemas import HeadSpec, ProbeSpec
 from worker.llm.load import LoadedLLM, load_llm
 from worker.settings import Settings
 
+if TYPE_CHECKING:
+    from probes.checkpoint import WeightFormat
+    from probes.probe import Probe
+    from schemas import LLMFingerprint
+    from worker.store.checkpoints import CheckpointRegistry
+
 __all__ = [
     "CHAT_TEMPLATE",
     "HIDDEN_SIZE",
@@ -55,6 +61,7 @@ __all__ = [
     "make_tiny_gemma3",
     "make_tiny_llm",
     "moderation_spec",
+    "publish_probe",
     "settings_env",
     "tiny_tokenizer",
     "toxicity_spec",
@@ -273,6 +280,39 @@ _PASS_THROUGH = (
     "kafka_session_timeout_ms",
     "kafka_heartbeat_interval_ms",
 )
+
+
+def publish_probe(
+    registry: CheckpointRegistry,
+    fingerprint: LLMFingerprint,
+    *,
+    spec: ProbeSpec | None = None,
+    seed: int | None = 0,
+    set_live: bool = True,
+    probe: Probe | None = None,
+    signing_key: bytes | None = None,
+    weights: WeightFormat = "fp32",
+) -> int:
+    """Publish ``probe`` (else a random probe of ``spec``, else of :func:`toxicity_spec`
+    under the registry's probe name; ``seed=None``: from torch's global generator) on
+    ``fingerprint`` as the registry's next version; returns the version."""
+    from probes.checkpoint import checkpoint_to_bytes
+    from probes.probe import build_probe
+
+    if probe is None:
+        spec = spec or toxicity_spec(fingerprint.hidden_size, name=registry.probe)
+        probe = build_probe(spec, seed=seed)
+    version = registry.allocate_version()
+    blob, manifest = checkpoint_to_bytes(
+        probe,
+        llm=fingerprint,
+        version=version,
+        signing_key=signing_key,
+        weights=weights,
+        deployment=registry.keys.deployment,
+    )
+    registry.publish(blob, manifest, set_live=set_live)
+    return version
 
 
 def settings_env(settings: Settings, model_dir: Path, **extra: object) -> dict[str, str]:
