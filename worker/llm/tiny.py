@@ -52,7 +52,6 @@ if TYPE_CHECKING:
     from probes.checkpoint import WeightFormat
     from probes.probe import Probe
     from schemas import LLMFingerprint
-    from worker.store.checkpoints import CheckpointRegistry
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -283,7 +282,7 @@ _PASS_THROUGH = (
 
 
 def publish_probe(
-    registry: CheckpointRegistry,
+    registry: Any,  # a worker.store CheckpointRegistry (llm/ may not import store/)
     fingerprint: LLMFingerprint,
     *,
     spec: ProbeSpec | None = None,
