@@ -190,7 +190,7 @@ def test_configuration_page_is_generated() -> None:
 
     assert PAGE == ROOT / "docs" / "configuration.md"
     assert PAGE.read_text() == render(), (
-        "docs/configuration.md differs from worker/settings.py: regenerate it with "
+        "docs/configuration.md differs from worker/settings/: regenerate it with "
         "`python -m worker.settings_doc` (and commit it)"
     )
 

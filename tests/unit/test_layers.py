@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RANK = {
     "root": 0,
     "defaults": 0,
+    "settings": 0,
     "llm": 1,
     "kafka": 1,
     "store": 1,

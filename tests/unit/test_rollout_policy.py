@@ -277,12 +277,12 @@ def no_rollout_env(monkeypatch: pytest.MonkeyPatch) -> None:
     the once-per-process deprecation warning can be seen again."""
     import os
 
-    from worker import settings
+    from worker.settings.base import deprecated
 
     for name in list(os.environ):
         if name.upper() in ("PROBEGUARD_ROLLOUT", "PROBEGUARD_AUTO_LIVE"):
             monkeypatch.delenv(name)
-    settings._deprecated.cache_clear()
+    deprecated.cache_clear()
 
 
 @pytest.mark.usefixtures("no_rollout_env")

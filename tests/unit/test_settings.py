@@ -209,3 +209,25 @@ def test_slices_default_to_the_settings_defaults() -> None:
     default = EvidenceStore(None, Keys(settings.redis_prefix))
     assert (store.pairs_max, store.marker_ttl_s) == (default.pairs_max, default.marker_ttl_s)
     assert settings.limits == Limits()  # the wire limits default to the schemas' own
+
+
+def test_settings_is_every_section_and_each_setting_has_one_home(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``Settings`` is the sections together: each field is declared in exactly one section,
+    a section alone reads its part of the environment and checks its own fields, and the
+    configuration page lists every field once."""
+    from pydantic import ValidationError
+
+    from worker.settings import SECTIONS, ConsoleSettings, ServeSettings, Settings
+    from worker.settings_doc import sections
+
+    homes = [name for section in SECTIONS for name in section.model_fields]
+    assert len(homes) == len(set(homes))
+    assert set(homes) == set(Settings.model_fields)
+    assert sorted(n for _, names in sections() for n in names) == sorted(homes)
+    monkeypatch.setenv("PROBEGUARD_SERVE_PORT", "9123")
+    assert ServeSettings().serve_port == 9123 == Settings().serve_port
+    assert not hasattr(ServeSettings(), "kafka_bootstrap")  # a section is only its part
+    with pytest.raises(ValidationError, match="at least 16 bytes"):
+        ConsoleSettings(console_secret_key="short")  # type: ignore[arg-type]
