@@ -10,7 +10,7 @@ of the AUPRC with all labels, and how far the toxicity head's held-out AUPRC dri
 training the new head hurt the others?).
 
 Data: the hidden-state cache of ToxicChat train + validation (``probeguard cache build``),
-split by :func:`worker.offline.default_probe.split_of`: N labels drawn from the ``train``
+split by :func:`worker.offline.default_recipe.split_of`: N labels drawn from the ``train``
 rows, AUPRC on the ``held_out`` rows. ``jailbreaking`` marks a positive; every other row
 is a negative for the head. Positives are rare (about 2 %), so a draw of N labels takes
 half positives (all of them when there are fewer) and the rest negatives, as an operator
@@ -55,7 +55,7 @@ from probes.offline.dataset import ProbeDataset
 from schemas import HeadSpec, ProbeSpec
 from worker.defaults import find_default
 from worker.learning.online_learner import LearningConfig, OnlineLearner
-from worker.offline.default_probe import default_spec, split_of
+from worker.offline.default_recipe import default_spec, split_of
 
 HEAD = HeadSpec(name="jailbreak", task="multilabel", labels=["jailbreaking"])
 NS = [8, 16, 32, 64, 128, 256]

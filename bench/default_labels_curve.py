@@ -46,8 +46,9 @@ from schemas import ProbeSpec
 from worker.defaults import find_default
 from worker.learning.online_learner import LearningConfig, OnlineLearner
 from worker.learning.resume import default_spec
-from worker.offline.default_probe import SOURCES, load_source
-from worker.offline.default_probe import default_spec as default_probe_spec
+from worker.offline.default_probe import load_source
+from worker.offline.default_recipe import SOURCES
+from worker.offline.default_recipe import default_spec as default_probe_spec
 from worker.offline.fit_eval import load_split
 
 from _shared import log

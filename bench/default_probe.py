@@ -54,16 +54,8 @@ from probes.offline.fit import FitConfig
 from probes.offline.select import stratified_folds
 from schemas import ProbeSpec
 from worker.defaults import find_default, missing
-from worker.offline.default_probe import (
-    BUDGET,
-    SOURCES,
-    Loaded,
-    Source,
-    default_spec,
-    fit_default,
-    load_source,
-    measure,
-)
+from worker.offline.default_probe import BUDGET, Loaded, fit_default, load_source, measure
+from worker.offline.default_recipe import SOURCES, Source, default_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quality import peer_features  # bench/quality.py: all-MiniLM-L6-v2 embeddings

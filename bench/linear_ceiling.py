@@ -40,7 +40,7 @@ from default_probe import TOXICCHAT, texts_of  # bench/default_probe.py
 from quality import peer_features  # bench/quality.py: all-MiniLM-L6-v2 embeddings
 
 from probes.offline.cache import HiddenStateCache
-from worker.offline.default_probe import SOURCES, Source, split_of
+from worker.offline.default_recipe import SOURCES, Source, split_of
 
 from _shared import log
 

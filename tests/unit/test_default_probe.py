@@ -21,7 +21,8 @@ from tests.unit.offline_helpers import tiny_extractor
 from worker.errors import ConfigError
 from worker.llm.extract import HiddenStateExtractor
 from worker.llm.tiny import make_tiny_llm
-from worker.offline.default_probe import BUDGET, BUDGETS, SOURCES, build_default, split_of
+from worker.offline.default_probe import BUDGET, BUDGETS, build_default
+from worker.offline.default_recipe import SOURCES, split_of
 
 CATEGORIES = ["sexual", "hate", "harassment", "violence", "self-harm"]
 # Per dataset: (benign label, labels of an unsafe row, the unsafe row's `label`).
@@ -352,7 +353,8 @@ def test_ailuminate_specialized_advice_trains_nothing_and_binds_no_threshold() -
     spread false voting information: not benign. As negatives of every head and benign
     rows of the budget they held `unsafe` at 0.98 (a third of its unsafe prompts flagged)."""
     from probes.offline.multitask import multitask_targets
-    from worker.offline.default_probe import Loaded, default_spec
+    from worker.offline.default_probe import Loaded
+    from worker.offline.default_recipe import default_spec
 
     source = next(s for s in SOURCES if s.dataset == "ailuminate_demo")
     spec = default_spec(8, [0, 1])

@@ -91,7 +91,7 @@ def constant_default(root: Path, tiny_model: None, monkeypatch: pytest.MonkeyPat
     """The default's twelve heads, zero weights: the scores of ``P``, the same for every row."""
     import worker.defaults
     from worker.llm.extract import HiddenStateExtractor
-    from worker.offline.default_probe import default_spec
+    from worker.offline.default_recipe import default_spec
     from worker.settings import load_settings
 
     folder = root / "packaged" / "tiny"

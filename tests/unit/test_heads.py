@@ -15,7 +15,7 @@ from probes.targets import annotated, head_targets
 from schemas import HeadSpec, HumanLabel, ProbeSpec, utcnow
 from tests.unit.synthetic import make_spec, toy_task
 from worker.learning.labels import flag_truths
-from worker.offline.default_probe import default_spec
+from worker.offline.default_recipe import default_spec
 
 NAN = float("nan")
 DEFAULT = default_spec(8, [1], noncommercial=True)  # the packaged default's heads

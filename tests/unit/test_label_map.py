@@ -12,7 +12,7 @@ import torch
 
 from schemas import HeadSpec, LabeledText, ProbeSpec
 from worker.errors import OfflineError
-from worker.offline.default_probe import default_spec
+from worker.offline.default_recipe import default_spec
 from worker.offline.label_map import (
     file_source_heads,
     file_targets,

@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="build or show the packaged default probe (multi-head, trained on public data)",
         description="The packaged default is a multi-head probe a scorer serves when nothing "
         "is published and an updater fine-tunes from. Its recipe (heads, datasets, licenses) "
-        "is worker/offline/default_probe.py.",
+        "is worker/offline/default_recipe.py.",
     )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     build = actions.add_parser(

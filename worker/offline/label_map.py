@@ -142,7 +142,7 @@ def _json_file(path: Path) -> HeadsMap:
 
 
 def _recipe(dataset: str) -> HeadsMap:
-    from worker.offline.default_probe import SOURCES
+    from worker.offline.default_recipe import SOURCES
 
     by_name = {s.dataset: s for s in SOURCES}
     if dataset not in by_name:
