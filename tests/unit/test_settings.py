@@ -230,4 +230,4 @@ def test_settings_is_every_section_and_each_setting_has_one_home(
     assert ServeSettings().serve_port == 9123 == Settings().serve_port
     assert not hasattr(ServeSettings(), "kafka_bootstrap")  # a section is only its part
     with pytest.raises(ValidationError, match="at least 16 bytes"):
-        ConsoleSettings(console_secret_key="short")  # type: ignore[arg-type]
+        ConsoleSettings(console_secret_key="short")
