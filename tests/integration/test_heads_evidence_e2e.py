@@ -25,7 +25,8 @@ from worker.scoring.batch import sticky_fraction
 from worker.scoring.scorer import Scorer
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
-from worker.store.evidence import Confusion, EvidenceStore
+from worker.store.evidence import EvidenceStore
+from worker.store.evidence_counts import Confusion
 
 pytestmark = pytest.mark.integration
 

@@ -29,7 +29,8 @@ from worker.rollout.changes import Rollout
 from worker.rollout.policy import Policy, next_action
 from worker.settings import load_settings
 from worker.store.checkpoints import CheckpointRegistry
-from worker.store.evidence import Confusion, EvidenceStore, Judgement, Truth
+from worker.store.evidence import EvidenceStore, Judgement, Truth
+from worker.store.evidence_counts import Confusion
 from worker.store.lease import Lease
 
 pytestmark = pytest.mark.integration

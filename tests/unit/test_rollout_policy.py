@@ -11,7 +11,7 @@ from tests.registry_helpers import num
 from worker.rollout.policy import Policy, Situation, next_action
 from worker.scoring.batch import sticky_fraction
 from worker.store.checkpoints import Stages, live_lineage
-from worker.store.evidence import Confusion, Evidence
+from worker.store.evidence_counts import Confusion, Evidence
 
 POLICY = Policy(
     mode="canary",

@@ -13,7 +13,7 @@ from typing import Any
 from tests.registry_helpers import num
 from tests.unit.test_rollout_policy import GOOD_LIVE, POLICY, conf, on_trial
 from worker.rollout.policy import Policy, next_action
-from worker.store.evidence import Confusion, Evidence
+from worker.store.evidence_counts import Confusion, Evidence
 
 HEADS = ("toxicity", "sexual", "hate", "violence")
 

@@ -55,7 +55,7 @@ from typing import Literal
 
 from worker.settings import DEFAULTS, Settings
 from worker.store.checkpoints import Stages
-from worker.store.evidence import Confusion, Counts, Evidence
+from worker.store.evidence_counts import Confusion, Counts, Evidence
 
 __all__ = ["Action", "Mode", "Policy", "RolloutDecision", "Situation", "next_action"]
 

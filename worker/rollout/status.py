@@ -29,7 +29,8 @@ from schemas import CheckpointEvent, CheckpointManifest
 from worker.errors import UnknownVersion
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry, Stages
-from worker.store.evidence import Counts, Evidence, EvidenceStore
+from worker.store.evidence import EvidenceStore
+from worker.store.evidence_counts import Counts, Evidence
 from worker.store.lease import Lease
 
 __all__ = [

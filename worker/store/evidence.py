@@ -15,37 +15,8 @@ once per message and head (a marker, set in the same script as its counts), a re
 request is charged to the budget once. A script re-run by redis-py after a lost reply
 returns its first answer and writes nothing.
 
-Keys: ``evidence``, ``pairs``, ``labeled``, ``counted``, ``review_sent`` and ``decided``
-in :class:`worker.store.redis.Keys`. ``pairs`` is a list of "flag_score truth" (newest
-first, at most ``pairs_max``). Hash fields of ``evidence``:
-
-==============  ==============================================================
-``n``           messages the version decided
-``flags``       of those, flagged
-``lat_ms``      sum of the verdict latency (ms) of those messages
-``sh_n``        messages it scored in shadow mode (live decided)
-``sh_flags``    of those, the ones it would have flagged
-``sh_agree``    of those, the ones where its flag decision matched live's
-``bl_n``        messages the *live* version decided while this one was the canary
-``bl_flags``    of those, flagged (the canary's baseline flag rate)
-``tp fp fn tn`` labeled confusion of its own flag decisions (decided or shadowed)
-``bl_tp`` …     labeled confusion of live's decisions while this one was the canary
-``errors``      scorers that refused to load it (hash, fingerprint, signature, …)
-``error``       the last refusal reason
-``error_at``    when the first refusal was recorded (epoch seconds)
-``loads``       scorers that loaded and verified it
-``h.<head>.*``  a multi-head version's numbers per head, with the names above:
-                ``n flags sh_n sh_flags bl_n bl_flags``, the confusion cells and
-                ``bl_`` ones (a head flags when it predicts one of its flag labels)
-==============  ==============================================================
-
-Beside the hash, ``labelers:{v}`` counts the credited labels per labeler
-(:meth:`EvidenceStore.record_labelers`); :attr:`Evidence.labelers` is how many there are.
-
-Every head of a multi-head version that has a flag label judges every message the
-version decides (or shadows), so its ``n`` is the version's; a head appears only in the
-versions that have it. A label is credited per head for the heads it annotates (see
-:func:`worker.learning.labels.label_truths`), once per message and head.
+The numbers as read (the hash's fields) are :mod:`worker.store.evidence_counts`; what one
+decision or label adds to them is :mod:`worker.store.evidence_credit`.
 """
 
 from __future__ import annotations
@@ -60,146 +31,20 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
-from probes.metrics import precision_recall_f1
-from schemas import DecidedRecord, ProbeDecision
+from schemas import ProbeDecision
 from worker.settings import DEFAULTS, Settings
 from worker.store import scripts
+from worker.store.evidence_counts import Evidence, as_text
+from worker.store.evidence_credit import credit_flag, credit_head, decision_of, scored_fields
 from worker.store.redis import Keys, keys_for
 
 __all__ = [
-    "Confusion",
-    "Counts",
-    "Evidence",
     "EvidenceStore",
     "Judgement",
     "ReviewBudget",
     "ReviewCandidate",
     "Truth",
 ]
-
-
-@dataclass(frozen=True)
-class Confusion:
-    """Counts of a flag decision against human truth."""
-
-    tp: int = 0
-    fp: int = 0
-    fn: int = 0
-    tn: int = 0
-
-    @property
-    def labeled(self) -> int:
-        return self.tp + self.fp + self.fn + self.tn
-
-    @property
-    def precision(self) -> float:
-        return precision_recall_f1(self.tp, self.fp, self.fn)[0]
-
-    @property
-    def recall(self) -> float:
-        return precision_recall_f1(self.tp, self.fp, self.fn)[1]
-
-    @property
-    def f1(self) -> float:
-        """F1 of the flag decision; NaN without labels.
-
-        With labels but nothing to flag and nothing flagged (``tp + fp + fn == 0``) the
-        decisions were all correct, so F1 is 1.0 rather than undefined.
-        """
-        if not self.labeled:
-            return math.nan
-        if self.tp + self.fp + self.fn == 0:
-            return 1.0
-        return precision_recall_f1(self.tp, self.fp, self.fn)[2]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Counts:
-    """Messages, flags and labeled confusion: of a whole version, or of one of its heads."""
-
-    messages: int = 0
-    flags: int = 0
-    shadow_messages: int = 0
-    shadow_flags: int = 0
-    baseline_messages: int = 0
-    baseline_flags: int = 0
-    labels: Confusion = field(default_factory=Confusion)
-    baseline_labels: Confusion = field(default_factory=Confusion)
-
-    @staticmethod
-    def counters(h: Mapping[str, str], prefix: str = "") -> dict[str, Any]:
-        """The counters under ``prefix`` of a decoded hash, as keyword arguments."""
-
-        def i(name: str) -> int:
-            return int(float(h.get(prefix + name, 0)))
-
-        return {
-            "messages": i("n"),
-            "flags": i("flags"),
-            "shadow_messages": i("sh_n"),
-            "shadow_flags": i("sh_flags"),
-            "baseline_messages": i("bl_n"),
-            "baseline_flags": i("bl_flags"),
-            "labels": Confusion(i("tp"), i("fp"), i("fn"), i("tn")),
-            "baseline_labels": Confusion(i("bl_tp"), i("bl_fp"), i("bl_fn"), i("bl_tn")),
-        }
-
-    @property
-    def scored(self) -> int:
-        """Messages it judged, deciding or in shadow."""
-        return self.messages + self.shadow_messages
-
-    @property
-    def scored_flags(self) -> int:
-        return self.flags + self.shadow_flags
-
-    @property
-    def flag_rate(self) -> float:
-        return self.scored_flags / self.scored if self.scored else math.nan
-
-
-@dataclass(frozen=True)
-class Evidence(Counts):
-    """The numbers of one version (see the module docstring for each field's meaning);
-    ``heads``: per head of a multi-head version (empty for a single-head one)."""
-
-    version: int
-    latency_ms_sum: float = 0.0
-    shadow_agree: int = 0
-    errors: int = 0
-    last_error: str = ""
-    error_since: float | None = None
-    loads: int = 0
-    heads: Mapping[str, Counts] = field(default_factory=dict)
-    labelers: int = 0  # distinct labelers of the labels credited to it (``labelers:{v}``)
-
-    @classmethod
-    def from_hash(cls, version: int, raw: dict[bytes, bytes] | dict[str, str]) -> Evidence:
-        h = {_text(k): _text(v) for k, v in raw.items()}
-        names = sorted({k.split(".")[1] for k in h if k.startswith("h.") and k.count(".") == 2})
-        return cls(
-            version=version,
-            **Counts.counters(h),
-            latency_ms_sum=float(h.get("lat_ms", 0.0)),
-            shadow_agree=int(float(h.get("sh_agree", 0))),
-            errors=int(float(h.get("errors", 0))),
-            last_error=h.get("error", ""),
-            error_since=float(h["error_at"]) if "error_at" in h else None,
-            loads=int(float(h.get("loads", 0))),
-            heads={name: Counts(**Counts.counters(h, f"h.{name}.")) for name in names},
-        )
-
-    @property
-    def latency_ms(self) -> float:
-        """Mean verdict latency of the messages it decided."""
-        return self.latency_ms_sum / self.messages if self.messages else math.nan
-
-    @property
-    def agreement(self) -> float:
-        """Share of shadowed messages where it agreed with live's flag decision."""
-        return self.shadow_agree / self.shadow_messages if self.shadow_messages else math.nan
 
 
 @dataclass(frozen=True)
@@ -241,91 +86,15 @@ class ReviewBudget:
     ttl_s: int
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+@dataclass
+class _ScoredOps:
+    """A batch's evidence increments, as the SCORED script takes them (1-based indexes)."""
 
-
-def _cell(flagged: bool, truth: bool) -> str:
-    return ("tp" if truth else "fp") if flagged else ("fn" if truth else "tn")
-
-
-def _count_heads(
-    into: dict[str, float], judged: Iterable[str], flagged: Sequence[str] | None, kind: str
-) -> None:
-    """Per-head message and flag counts (``kind``: "", "bl_" or "sh_") of one decision."""
-    if flagged is None:
-        return  # a single-head decision
-    for head in judged:
-        into[f"h.{head}.{kind}n"] += 1
-        into[f"h.{head}.{kind}flags"] += head in flagged
-
-
-def _scored_fields(
-    probe: str,
-    d: ProbeDecision,
-    latency_ms: float,
-    heads: Mapping[tuple[str, int], Sequence[str]],
-) -> dict[int, dict[str, float]]:
-    """What one decision adds to the counters, per version (see the module docstring)."""
-    out: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    if d.v > 0:  # version 0 is a bootstrap file, not a registry version
-        own = out[d.v]
-        own["n"] += 1
-        own["flags"] += d.f
-        own["lat_ms"] += latency_ms
-        _count_heads(own, heads.get((probe, d.v), ()), d.h, "")
-    if d.c is not None:
-        base = out[d.c]
-        base["bl_n"] += 1
-        base["bl_flags"] += d.f
-        _count_heads(base, heads.get((probe, d.v), ()), d.h, "bl_")
-    if d.sv is not None and d.sf is not None:
-        shadow = out[d.sv]
-        shadow["sh_n"] += 1
-        shadow["sh_flags"] += d.sf
-        shadow["sh_agree"] += d.sf == d.f
-        _count_heads(shadow, heads.get((probe, d.sv), ()), d.sh, "sh_")
-    return out
-
-
-def _decision(blob: bytes | None, probe: str) -> ProbeDecision | None:
-    if blob is None:
-        return None
-    try:
-        return DecidedRecord.decode(blob).p.get(probe)
-    except ValidationError:
-        return None
-
-
-def _credit_flag(
-    counts: dict[int, dict[str, int]], pairs: dict[int, list[str]], d: ProbeDecision, truth: bool
-) -> None:
-    if d.v > 0:
-        counts[d.v][_cell(d.f, truth)] += 1
-        if d.s is not None:
-            pairs[d.v].append(f"{d.s:.4f} {int(truth)}")
-    if d.c is not None:
-        counts[d.c]["bl_" + _cell(d.f, truth)] += 1
-    if d.sv is not None and d.sf is not None:
-        counts[d.sv][_cell(d.sf, truth)] += 1
-        if d.ss is not None:
-            pairs[d.sv].append(f"{d.ss:.4f} {int(truth)}")
-
-
-def _credit_head(
-    counts: dict[int, dict[str, int]], d: ProbeDecision, head: str, truth: bool
-) -> None:
-    """One head's cell for each version that judged the message. A version without that
-    head counts as not flagging it; the policy and the status compare a head only where
-    the version judged messages with it."""
-    if d.h is None:
-        return
-    if d.v > 0:
-        counts[d.v][f"h.{head}.{_cell(head in d.h, truth)}"] += 1
-    if d.c is not None:
-        counts[d.c][f"h.{head}.bl_{_cell(head in d.h, truth)}"] += 1
-    if d.sv is not None and d.sh is not None:
-        counts[d.sv][f"h.{head}.{_cell(head in d.sh, truth)}"] += 1
+    parts: dict[tuple[str, int], int] = field(default_factory=dict)  # (topic, partition)
+    ev_keys: dict[str, int] = field(default_factory=dict)  # evidence hash key
+    # a message's increments (key index, field, amount, float?) -> its index
+    contribs: dict[tuple[tuple[int, str, float, int], ...], int] = field(default_factory=dict)
+    recs: list[list[int]] = field(default_factory=list)  # [part, offset, contrib] per message
 
 
 class EvidenceStore:
@@ -396,31 +165,11 @@ class EvidenceStore:
         Redis errors (the caller's breaker): then nothing was counted, and a redelivery
         counts it.
         """
-        judged_heads = heads or {}
-        parts: dict[tuple[str, int], int] = {}  # (topic, partition) -> 1-based index
-        ev_keys: dict[str, int] = {}  # evidence key -> 1-based index
-        contribs: dict[tuple[tuple[int, str, float, int], ...], int] = {}
-        recs: list[list[int]] = []
-        for j in judged:
-            ops: list[tuple[int, str, float, int]] = []
-            for probe, d in sorted(j.decisions.items()):
-                for version, fields in _scored_fields(probe, d, latency_ms, judged_heads).items():
-                    k = ev_keys.setdefault(self.keys.evidence(probe, version), len(ev_keys) + 1)
-                    ops += [
-                        (k, name, round(amount, 3), int(name == "lat_ms"))
-                        for name, amount in sorted(fields.items())
-                        if amount
-                    ]
-            c = contribs.setdefault(tuple(ops), len(contribs) + 1) if ops else 0
-            if j.source is None:
-                recs.append([0, 0, c])
-            else:
-                topic, partition, offset = j.source
-                recs.append([parts.setdefault((topic, partition), len(parts) + 1), offset, c])
+        ops = self._scored_ops(judged, latency_ms, heads or {})
         markers = [self.keys.review_sent(r.probe, r.message_id) for r in reviews]
         if reviews and budget is None:
             raise ValueError("review candidates need a budget")
-        if not contribs and not markers and not hashes:
+        if not ops.contribs and not markers and not hashes:
             return []
         hash_keys: dict[str, int] = {}
         sets = [
@@ -428,32 +177,62 @@ class EvidenceStore:
             for key, name, value, ttl in hashes
         ]
         args = {
-            "np": len(parts),
+            "np": len(ops.parts),
             "nm": len(markers),
             "hw_ttl": self.marker_ttl_s,
             "mark_ttl": self.marker_ttl_s,
             "once_ttl": scripts.ONCE_TTL_S,
             "budget": budget.limit if budget is not None else 0,
             "window_ttl": budget.ttl_s if budget is not None else 1,
-            "recs": recs,
-            "contribs": [[list(op) for op in ops] for ops in contribs] or [[]],
+            "recs": ops.recs,
+            "contribs": [[list(op) for op in contrib] for contrib in ops.contribs] or [[]],
             "reviews": [[r.index + 1, i + 1] for i, r in enumerate(reviews)],
-            "ne": len(ev_keys),
+            "ne": len(ops.ev_keys),
             "sets": sets,
         }
         reply = self._script(scripts.SCORED)(
             keys=[
                 self.keys.once(uuid.uuid4().hex),
                 budget.key if budget is not None else self.keys.once("no-budget"),
-                *(self.keys.counted(self.group, t, p) for t, p in parts),
+                *(self.keys.counted(self.group, t, p) for t, p in ops.parts),
                 *markers,
-                *ev_keys,
+                *ops.ev_keys,
                 *hash_keys,
             ],
             args=[json.dumps(args)],
         )
-        flags = _text(reply).split("|", 1)[1]
+        flags = as_text(reply).split("|", 1)[1]
         return [f == "1" for f in flags]
+
+    def _scored_ops(
+        self,
+        judged: Sequence[Judgement],
+        latency_ms: float,
+        heads: Mapping[tuple[str, int], Sequence[str]],
+    ) -> _ScoredOps:
+        """The SCORED script's operations for a batch: each message's increments, the same
+        ones shared (a batch of like decisions sends one list), keys by 1-based index."""
+        ops = _ScoredOps()
+        for j in judged:
+            increments: list[tuple[int, str, float, int]] = []
+            for probe, d in sorted(j.decisions.items()):
+                for version, fields in scored_fields(probe, d, latency_ms, heads).items():
+                    key = self.keys.evidence(probe, version)
+                    k = ops.ev_keys.setdefault(key, len(ops.ev_keys) + 1)
+                    increments += [
+                        (k, name, round(amount, 3), int(name == "lat_ms"))
+                        for name, amount in sorted(fields.items())
+                        if amount
+                    ]
+            contribs = ops.contribs
+            c = contribs.setdefault(tuple(increments), len(contribs) + 1) if increments else 0
+            if j.source is None:
+                ops.recs.append([0, 0, c])
+            else:
+                topic, partition, offset = j.source
+                part = ops.parts.setdefault((topic, partition), len(ops.parts) + 1)
+                ops.recs.append([part, offset, c])
+        return ops
 
     def record_refusal(self, probe: str, version: int, reason: str) -> None:
         key = self.keys.evidence(probe, version)
@@ -490,7 +269,7 @@ class EvidenceStore:
         # (marker key, label index, decision, head or None for the flag decision)
         marks: list[tuple[str, int, ProbeDecision, str | None]] = []
         for k, (t, blob) in enumerate(zip(truths, raw, strict=True)):
-            d = _decision(blob, probe)
+            d = decision_of(blob, probe)
             if d is None:
                 continue
             if t.flag is not None:
@@ -509,9 +288,9 @@ class EvidenceStore:
             pairs: dict[int, list[str]] = defaultdict(list)
             t = truths[k]
             if head is None:
-                _credit_flag(counts, pairs, d, bool(t.flag))
+                credit_flag(counts, pairs, d, bool(t.flag))
             else:
-                _credit_head(counts, d, head, t.heads[head])
+                credit_head(counts, d, head, t.heads[head])
             ops = [
                 [targets.setdefault(self.keys.evidence(probe, v), len(targets) + 1), f, n, 0]
                 for v, fields in counts.items()
@@ -534,7 +313,7 @@ class EvidenceStore:
             keys=[self.keys.once(uuid.uuid4().hex), *(m[0] for m in marks), *targets],
             args=[json.dumps(args)],
         )
-        fresh = [m for m, flag in zip(marks, _text(reply), strict=True) if flag == "1"]
+        fresh = [m for m, flag in zip(marks, as_text(reply), strict=True) if flag == "1"]
         return len({k for _, k, _, _ in fresh})
 
     # --- who labeled (kept apart from the credit above) -------------------------
@@ -555,7 +334,7 @@ class EvidenceStore:
         targets: dict[str, int] = {}  # labelers hash -> 1-based index
         payload: list[list[list[list[Any]]]] = []
         for (message_id, labeler), blob in zip(labeled, raw, strict=True):
-            d = _decision(blob, probe)
+            d = decision_of(blob, probe)
             versions = sorted({v for v in (d.v, d.sv) if v}) if d is not None else []
             if not versions:
                 continue
@@ -605,5 +384,5 @@ class EvidenceStore:
         raw = self.client.lrange(self.keys.pairs(probe, version), 0, -1)
         if not raw:
             return math.nan
-        rows = np.array([[float(x) for x in _text(r).split()] for r in raw])  # [N, 2]
+        rows = np.array([[float(x) for x in as_text(r).split()] for r in raw])  # [N, 2]
         return average_precision(rows[:, 1] > 0.5, rows[:, 0])
