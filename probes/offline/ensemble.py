@@ -26,9 +26,10 @@ from torch import Tensor
 
 from probes.errors import ProbeError
 from probes.metrics import choose_thresholds, evaluate
+from probes.offline.cv import CVResult
 from probes.offline.dataset import ProbeDataset
 from probes.offline.fit import FitConfig, FitResult
-from probes.offline.select import CVResult, fit_cv
+from probes.offline.select import fit_cv
 from schemas import ProbeSpec
 
 __all__ = ["EnsembleFit", "align_rows", "fit_ensemble_cv"]

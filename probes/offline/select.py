@@ -20,7 +20,7 @@ How (``k`` folds, stratified by class, or by "any label" for multilabel targets)
 3. Fold ``i``'s reported figures use an epoch and thresholds chosen the same way from the
    *other* folds only, so no reported number was tuned on the rows it is measured on.
    (A fold that early stopping ended first counts with its last epoch for the epochs it did
-   not run; :func:`_pad`.)
+   not run; :func:`probes.offline.cv._pad`.)
 4. :func:`fit_cv` serves the *soup* of the ``k`` fold models: the average of their weights
    after ``E*`` epochs (every fold starts from the same initialization and standardizes by
    the statistics of all rows, so their weights stay in one basin), with the thresholds of
@@ -50,8 +50,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -59,7 +58,9 @@ from torch import Tensor
 from probes.calibration import calibrated_probabilities, fit_heads, raw_logits
 from probes.errors import ProbeError
 from probes.metrics import choose_thresholds, evaluate
+from probes.offline.cv import CVResult, FoldRun, choose_from_folds, fold_reports
 from probes.offline.dataset import ProbeDataset
+from probes.offline.depth import DepthRow, DepthSearch, choose_depth, depth_candidates
 from probes.offline.fit import (
     FitConfig,
     FitResult,
@@ -75,13 +76,8 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "CVResult",
-    "DepthRow",
-    "DepthSearch",
-    "FoldReport",
     "calibrate_cv",
-    "choose_depth",
     "cross_validate",
-    "depth_candidates",
     "fit_cv",
     "held_out",
     "mean_state",
@@ -139,80 +135,6 @@ def stratified_folds(data: ProbeDataset, k: int, seed: int = 0) -> Tensor:
     return fold
 
 
-@dataclass
-class FoldReport:
-    """One fold's figures, at an epoch and thresholds chosen on the other folds."""
-
-    fold: int
-    rows: int
-    positives: int  # flagged rows (headline), or rows with any label
-    epoch: int  # chosen from the other folds' curves
-    own_best_epoch: int  # this fold's own best (not used for anything it reports)
-    thresholds: dict[str, float]
-    f1: float
-    precision: float
-    recall: float
-    auprc: float
-    seconds: float
-    recall_at_1pct_fpr: float  # headline recall where 1 % of negatives are flagged
-    ece: float  # calibration error of the fold's (uncalibrated) probabilities
-
-
-@dataclass
-class CVResult:
-    """What :func:`cross_validate` chose, and the honest per-fold figures behind it."""
-
-    folds: list[FoldReport]
-    epochs: int  # E*: epochs for the final refit
-    thresholds: dict[str, float]  # chosen on all out-of-fold probabilities at E*
-    curve: list[float]  # mean monitored score per epoch
-    fold_curves: list[list[float]]  # each fold's monitored score per epoch (padded: _pad)
-    oof_probs: Tensor  # [N, C] out-of-fold probabilities at E*, in row order
-    oof_report: dict[str, Any] = field(default_factory=dict)  # at `thresholds` (tuned on it)
-    fold_states: list[dict[str, Tensor]] = field(default_factory=list)  # weights at E* (soup)
-    # calibrate_cv: per head, fitted on the out-of-fold logits (oof_probs, thresholds and
-    # oof_report are then the calibrated ones), and its ECE before and after.
-    calibration: dict[str, HeadCalibration] = field(default_factory=dict)
-    calibration_report: dict[str, float] = field(default_factory=dict)
-
-    def summary(self) -> dict[str, float]:
-        """Mean and spread (sample standard deviation) of the fold figures."""
-        out: dict[str, float] = {"folds": float(len(self.folds)), "epochs": float(self.epochs)}
-        for key in ("f1", "precision", "recall", "auprc"):
-            values = [getattr(f, key) for f in self.folds]
-            out[f"{key}_mean"] = statistics.fmean(values)
-            out[f"{key}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
-        return out
-
-
-def _headline(report: dict[str, Any]) -> tuple[float, float, float]:
-    """``(precision, recall, support)`` of the headline decision of an ``evaluate`` report."""
-    if "flagged" in report:
-        f = report["flagged"]
-        return f["precision"], f["recall"], f["support"]
-    present = [v for v in report["per_class"].values() if v["support"] > 0]
-    mean = statistics.fmean
-    return (
-        mean(v["precision"] for v in present),
-        mean(v["recall"] for v in present),
-        sum(v["support"] for v in present),
-    )
-
-
-def _best_epoch(curves: list[list[float]]) -> tuple[int, list[float]]:
-    """``(epoch, mean curve)``: the 1-based epoch maximizing the mean over ``curves``
-    (all of one length; see :func:`_pad`)."""
-    mean = [statistics.fmean(c[e] for c in curves) for e in range(len(curves[0]))]
-    return 1 + max(range(len(mean)), key=lambda e: mean[e]), mean
-
-
-def _pad(values: list, length: int) -> list:
-    """A fold that early stopping ended first keeps its last epoch for the epochs it did not
-    run: it stopped after ``patience`` epochs without improvement, so its last epoch is past
-    its best, and padding with it never flatters a longer run."""
-    return values + [values[-1]] * (length - len(values))
-
-
 def cross_validate(
     spec: ProbeSpec,
     data: ProbeDataset,
@@ -221,88 +143,62 @@ def cross_validate(
     folds: int = 5,
     progress: Callable[[dict[str, float]], None] | None = None,
 ) -> CVResult:
-    """Steps 1-3 of the module docstring: ``folds`` fits, the choice and the fold figures."""
+    """Steps 1-3 of the module docstring: ``folds`` fits, the choice and the fold figures
+    (:mod:`probes.offline.cv`)."""
     assign = stratified_folds(data, folds, config.seed)
     # One standardization for every fold (no labels in it): the folds' weights then mean
     # the same thing, which the soup averages.
     stats = data.input_stats() if config.standardize else None
-    soup = config.final == "soup"
+    runs: list[FoldRun] = []
     states: list[list[dict[str, Tensor]]] = []
-    parts: list[tuple[Tensor, Tensor, list[Tensor], list[float], int, float]] = []
     for i in range(folds):
-        held = (assign == i).nonzero().flatten()
-        rest = (assign != i).nonzero().flatten()
-        val = data.subset(held)
-
-        def tagged(row: dict[str, float], i: int = i) -> None:
-            if progress is not None:
-                progress({"fold": i + 1, **row})
-
-        started = time.perf_counter()
-        result = fit(
-            build_probe(spec, seed=config.seed),
-            data.subset(rest),
-            val,
-            config,
-            progress=tagged,
-            record_val_probs=True,
-            keep_states=soup,
-            input_stats=stats,
-            reference=False,
-        )
-        states.append(result.epoch_states)
-        curve = [epoch_score(spec, p, val.targets, config.monitor)[0] for p in result.val_probs]
-        seconds = time.perf_counter() - started
-        parts.append((held, val.targets, result.val_probs, curve, result.best_epoch, seconds))
-    span = max(len(p[3]) for p in parts)
-    parts = [(h, t, _pad(pr, span), _pad(c, span), b, s) for h, t, pr, c, b, s in parts]
-
-    reports = []
-    for i, (held, targets, probs, _, own_best, seconds) in enumerate(parts):
-        others = [p for j, p in enumerate(parts) if j != i]
-        epoch, _ = _best_epoch([p[3] for p in others])
-        pooled = torch.cat([p[2][epoch - 1] for p in others])
-        truth = torch.cat([p[1] for p in others])
-        thresholds = choose_thresholds(spec, pooled, truth, point=config.operating_point)
-        tuned = spec.model_copy(update={"thresholds": thresholds})
-        report = evaluate(tuned, probs[epoch - 1], targets)
-        precision, recall, support = _headline(report)
-        reports.append(
-            FoldReport(
-                fold=i + 1,
-                rows=len(held),
-                positives=int(support),
-                epoch=epoch,
-                own_best_epoch=own_best,
-                thresholds=thresholds,
-                f1=float(report["f1"]),
-                precision=float(precision),
-                recall=float(recall),
-                auprc=float(report["auprc"]),
-                seconds=seconds,
-                recall_at_1pct_fpr=float(report["recall_at_1pct_fpr"]),
-                ece=float(report["ece"]),
-            )
-        )
-
-    epochs, curve = _best_epoch([p[3] for p in parts])
-    oof = torch.empty(len(data), len(spec.labels))
-    for held, _, probs, _, _, _ in parts:
-        oof[held] = probs[epochs - 1]
-    thresholds = choose_thresholds(spec, oof, data.targets, point=config.operating_point)
-    tuned = spec.model_copy(update={"thresholds": thresholds})
-    # A fold that stopped early contributes its last epoch (as its curve does, _pad).
-    at_best = [s[min(epochs, len(s)) - 1] for s in states] if soup else []
-    return CVResult(
-        folds=reports,
-        epochs=epochs,
-        thresholds=thresholds,
-        curve=curve,
-        fold_curves=[p[3] for p in parts],
-        oof_probs=oof,
-        oof_report=evaluate(tuned, oof, data.targets),
-        fold_states=at_best,
+        run, epoch_states = _fit_fold(spec, data, config, assign, i, stats, progress)
+        runs.append(run)
+        states.append(epoch_states)
+    span = max(len(r.curve) for r in runs)
+    runs = [r.padded(span) for r in runs]
+    reports = fold_reports(spec, runs, config.operating_point)
+    soup = config.final == "soup"
+    return choose_from_folds(
+        spec, data.targets, runs, reports, config.operating_point, states if soup else []
     )
+
+
+def _fit_fold(
+    spec: ProbeSpec,
+    data: ProbeDataset,
+    config: FitConfig,
+    assign: Tensor,
+    i: int,
+    stats: tuple[Tensor, Tensor] | None,
+    progress: Callable[[dict[str, float]], None] | None,
+) -> tuple[FoldRun, list[dict[str, Tensor]]]:
+    """Step 1 for fold ``i``: fit on the other folds with early stopping on fold ``i``,
+    keeping fold ``i``'s probabilities (and, for the soup, the weights) after every epoch."""
+    held = (assign == i).nonzero().flatten()
+    rest = (assign != i).nonzero().flatten()
+    val = data.subset(held)
+
+    def tagged(row: dict[str, float]) -> None:
+        if progress is not None:
+            progress({"fold": i + 1, **row})
+
+    started = time.perf_counter()
+    result = fit(
+        build_probe(spec, seed=config.seed),
+        data.subset(rest),
+        val,
+        config,
+        progress=tagged,
+        record_val_probs=True,
+        keep_states=config.final == "soup",
+        input_stats=stats,
+        reference=False,
+    )
+    curve = [epoch_score(spec, p, val.targets, config.monitor)[0] for p in result.val_probs]
+    seconds = time.perf_counter() - started
+    run = FoldRun(held, val.targets, result.val_probs, curve, result.best_epoch, seconds)
+    return run, result.epoch_states
 
 
 def calibrate_cv(
@@ -448,84 +344,6 @@ def _soup(
         drift=drift_reference(probe, data),
         soup_of=len(cv.fold_states),
     )
-
-
-@dataclass
-class DepthRow:
-    """One candidate depth: the probe reads every given layer up to ``depth``."""
-
-    depth: int
-    layers: list[int]
-    cv: CVResult
-    seconds: float
-
-    @property
-    def auprc(self) -> tuple[float, float]:
-        """Cross-validated AUPRC: ``(mean, spread)`` over the folds."""
-        s = self.cv.summary()
-        return s["auprc_mean"], s["auprc_std"]
-
-
-@dataclass
-class DepthSearch:
-    """What :func:`select_depth` tried and chose."""
-
-    rows: list[DepthRow]  # by depth, shallowest first
-    chosen: int  # the depth the final probe stops at
-    best: int  # the depth with the best mean AUPRC
-    epsilon: float
-
-    def row(self, depth: int) -> DepthRow:
-        return next(r for r in self.rows if r.depth == depth)
-
-    def table(self) -> list[dict[str, Any]]:
-        """One plain dict per candidate (for reports and JSON)."""
-        out = []
-        for r in self.rows:
-            s = r.cv.summary()
-            out.append(
-                {
-                    "depth": r.depth,
-                    "layers": r.layers,
-                    "auprc_mean": s["auprc_mean"],
-                    "auprc_std": s["auprc_std"],
-                    "f1_mean": s["f1_mean"],
-                    "f1_std": s["f1_std"],
-                    "epochs": r.cv.epochs,
-                    "seconds": round(r.seconds, 1),
-                    "chosen": r.depth == self.chosen,
-                }
-            )
-        return out
-
-
-def choose_depth(auprc: dict[int, float], epsilon: float) -> tuple[int, int]:
-    """``(chosen, best)``: the shallowest depth whose mean AUPRC is within ``epsilon`` of
-    the best one's, and the best one (the shallower of ties).
-
-    >>> choose_depth({8: 0.70, 15: 0.795, 30: 0.80}, 0.01)
-    (15, 30)
-    >>> choose_depth({8: 0.70, 15: 0.795, 30: 0.80}, 0.0)
-    (30, 30)
-    """
-    if not auprc:
-        raise ProbeError("no candidate depth to choose from")
-    if not epsilon >= 0.0:
-        raise ProbeError(f"epsilon must be >= 0, got {epsilon}")
-    top = max(auprc.values())
-    best = min(d for d, a in auprc.items() if a == top)
-    return min(d for d, a in auprc.items() if a >= top - epsilon), best
-
-
-def depth_candidates(layers: list[int], depths: list[int] | None = None) -> list[int]:
-    """Candidate deepest layers: every one of ``layers`` (sorted), or ``depths``, each of
-    which must be one of them (a probe stopping at depth ``d`` reads ``layers <= d``)."""
-    if depths is None:
-        return sorted(layers)
-    unknown = sorted(set(depths) - set(layers))
-    if unknown or not depths:
-        raise ProbeError(f"candidate depths {unknown or depths} are not among the layers {layers}")
-    return sorted(set(depths))
 
 
 def select_depth(

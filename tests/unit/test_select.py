@@ -10,11 +10,10 @@ import torch
 
 from probes import ProbeError
 from probes.offline.dataset import ProbeDataset
+from probes.offline.depth import choose_depth, depth_candidates
 from probes.offline.fit import FitConfig, predict_dataset
 from probes.offline.select import (
-    choose_depth,
     cross_validate,
-    depth_candidates,
     fit_cv,
     held_out,
     select_depth,

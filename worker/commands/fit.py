@@ -13,9 +13,10 @@ from worker.commands._fit_ensemble import run_ensemble
 
 if TYPE_CHECKING:
     from probes.offline.cache import HiddenStateCache
+    from probes.offline.cv import CVResult
+    from probes.offline.depth import DepthSearch
     from probes.offline.exit import ExitSearch
     from probes.offline.fit import FitConfig, FitResult
-    from probes.offline.select import CVResult, DepthSearch
     from schemas import OperatingPoint
     from worker.offline.fit_eval import ProbeOptions
 

@@ -23,10 +23,12 @@ from probes.checkpoint import WeightFormat
 from probes.ensemble import member_folder, write_ensemble
 from probes.files import atomic_write
 from probes.offline.cache import HiddenStateCache, features_for
+from probes.offline.cv import CVResult
 from probes.offline.dataset import ProbeDataset
+from probes.offline.depth import DepthSearch
 from probes.offline.ensemble import EnsembleFit, fit_ensemble_cv
 from probes.offline.fit import FitConfig, FitResult, fit
-from probes.offline.select import CVResult, DepthSearch, fit_cv, select_depth
+from probes.offline.select import fit_cv, select_depth
 from schemas import (
     LayerMix,
     OperatingPoint,
