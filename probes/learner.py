@@ -29,6 +29,7 @@ the evidence for it is strong.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -39,9 +40,12 @@ from lion_pytorch import Lion
 from torch import Tensor
 
 from probes.errors import ProbeError
+from probes.heads import remap_label_rows
 from probes.probe import Prepared, Probe, multiclass_columns
 
 __all__ = ["Learner"]
+
+log = logging.getLogger(__name__)
 
 
 class Learner:
@@ -199,3 +203,35 @@ class Learner:
     def predict_proba_many(self, hidden: Tensor, mask: Tensor | None = None) -> Tensor:
         """Probabilities ``[B, C]``; see :meth:`Probe.predict_proba_many`."""
         return self.probe.predict_proba_many(hidden, mask)
+
+    def momentum(self) -> dict[str, Tensor]:
+        """Lion's momentum per parameter name (safetensors-ready, on the CPU)."""
+        state = {}
+        for name, param in self.probe.named_parameters():
+            exp_avg = self.optimizer.state.get(param, {}).get("exp_avg")
+            if exp_avg is not None:
+                state[name] = exp_avg.detach().cpu().contiguous()
+        return state
+
+    def load_momentum(self, state: dict[str, Tensor], labels: Sequence[str] | None = None) -> int:
+        """Restore momentum saved by :meth:`momentum`; returns the tensors used (names or
+        shapes that no longer match are skipped).
+
+        ``labels``: the label order of the probe the state was saved from, when it may
+        differ from this probe's (a head added or removed since): the linear head's rows
+        then follow their labels, and a new label's rows start at zero momentum."""
+        params = dict(self.probe.named_parameters())
+        if labels is not None and list(labels) != list(self.probe.spec.labels):
+            try:
+                state = remap_label_rows(state, labels, self.probe.spec.labels)
+            except ProbeError as exc:
+                log.warning("optimizer state does not fit its labels (%s); skipping rows", exc)
+        stepped = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        used = 0
+        for name, exp_avg in state.items():
+            param = params.get(name)
+            # Parameters a frozen learner does not step have no state to restore.
+            if param is not None and id(param) in stepped and param.shape == exp_avg.shape:
+                self.optimizer.state[param]["exp_avg"] = exp_avg.to(param.device).clone()
+                used += 1
+        return used

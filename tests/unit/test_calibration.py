@@ -32,7 +32,8 @@ from probes.offline.fit import FitConfig
 from probes.offline.select import fit_cv
 from schemas import ExitSpec, HeadCalibration, HeadSpec, ProbeSpec
 from tests.unit.synthetic import FINGERPRINT, NUM_LAYERS, D, make_spec, toy_task
-from worker.learning.online_learner import LearningConfig, OnlineLearner
+from worker.learning.config import LearningConfig
+from worker.learning.online_learner import OnlineLearner
 
 
 def _binary_spec(**extra: object) -> ProbeSpec:

@@ -22,7 +22,7 @@ from probes import build_probe, load_checkpoint, save_checkpoint
 from schemas import ProbeSpec
 from worker.cli import main
 from worker.errors import ModelLoadError
-from worker.learning.online_learner import LearningConfig
+from worker.learning.config import LearningConfig
 from worker.llm.extract import HiddenStateExtractor
 from worker.llm.load import PACKAGED_MODELS, resolve_source
 from worker.llm.precision import resolve_state_dtype

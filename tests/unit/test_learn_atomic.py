@@ -12,7 +12,8 @@ import torch
 
 from probes import ProbeError, build_probe
 from tests.unit.synthetic import NUM_LAYERS, make_spec, toy_task
-from worker.learning.online_learner import LearningConfig, OnlineLearner
+from worker.learning.config import LearningConfig
+from worker.learning.online_learner import OnlineLearner
 
 
 def state(learner: OnlineLearner) -> dict[str, Any]:

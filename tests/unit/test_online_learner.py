@@ -10,7 +10,8 @@ from probes.heads import add_head
 from probes.learner import Learner
 from schemas import HeadSpec, TrainingCounters
 from tests.unit.synthetic import NUM_LAYERS, make_spec, toy_task
-from worker.learning.online_learner import Labeled, LearningConfig, OnlineLearner
+from worker.learning.config import LearningConfig
+from worker.learning.online_learner import Labeled, OnlineLearner
 from worker.llm.extract import Extraction
 from worker.settings import Settings
 

@@ -197,7 +197,7 @@ def test_defaults_are_the_settings_defaults() -> None:
 @pytest.mark.usefixtures("clean_env")
 def test_slices_default_to_the_settings_defaults() -> None:
     """Each default is stated once, in `Settings`: the slices' own defaults agree with it."""
-    from worker.learning.online_learner import LearningConfig
+    from worker.learning.config import LearningConfig
     from worker.rollout.policy import Policy
     from worker.store.evidence import EvidenceStore
 

@@ -29,74 +29,30 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from probes.calibration import fit_heads
 from probes.drift import probe_reference
-from probes.errors import ProbeError
-from probes.heads import remap_label_rows
-from probes.kinds.pooling import SUMMARIES
 from probes.learner import Learner
-from probes.metrics import choose_thresholds
 from probes.probe import Probe, keep_layers, slice_layer_state
-from schemas import DriftReference, OperatingPoint, StateDtype, TrainingCounters
-from worker.learning.replay import Example, Prequential, ReplayBuffer, collate_chunks
-from worker.llm.precision import resolve_state_dtype
-from worker.settings import DEFAULTS, Settings
+from schemas import DriftReference, TrainingCounters
+from worker.learning.config import LearningConfig
+from worker.learning.recalibrate import recalibrate
+from worker.learning.replay import (
+    Example,
+    Prequential,
+    ReplayBuffer,
+    collate_chunks,
+    input_stats,
+    replay_examples,
+    unusable_rows,
+)
 
 if TYPE_CHECKING:
     from worker.llm.extract import Extraction
 
+# LearningConfig lives in worker.learning.config; listed here for the benches that import it
+# from this module.
 __all__ = ["Labeled", "Learned", "LearningConfig", "OnlineLearner"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LearningConfig:
-    """The updater's learning settings; every default is the ``PROBEGUARD_*`` setting's
-    (``DEFAULTS``), so ``LearningConfig()`` and ``from_settings(Settings())`` agree."""
-
-    lr: float = DEFAULTS.learn_lr  # Lion learning rate (its step size is fixed: lr · sign)
-    weight_decay: float = DEFAULTS.learn_weight_decay
-    batch_size: int = DEFAULTS.learn_batch_size  # new examples per step; as many replayed join
-    steps_per_batch: int = DEFAULTS.learn_steps_per_batch  # Lion steps on each mini-batch
-    replay_size: int = DEFAULTS.replay_size  # class-balanced memory, examples
-    prequential_window: int = DEFAULTS.prequential_window  # test-then-train window, examples
-    stats_warmup: int = DEFAULTS.stats_warmup  # a fresh probe's normalization comes from these
-    ema_decay: float | None = DEFAULTS.ema_decay  # publish an EMA of the weights (None: weights)
-    calibrate_min_positives: int = DEFAULTS.calibrate_min_positives  # before a threshold moves
-    mix_entropy: float = DEFAULTS.learn_mix_entropy  # layer-mix entropy penalty (probes.learner)
-    layer_lr_scale: float = DEFAULTS.learn_layer_lr_scale  # lr multiplier of the mix scalars
-    freeze_shared: bool = DEFAULTS.learn_freeze_shared  # step the linear head alone
-    operating_point: OperatingPoint = DEFAULTS.flag_operating_point  # where thresholds go
-    # How replay stores hidden states (Settings.state_dtype resolved for the LLM: from_settings).
-    state_dtype: StateDtype = "float16"
-    # Drop the deepest layers whose scalar-mix weight stayed below this for
-    # `drop_layer_publishes` publishes in a row (0: never; see drop_negligible_layers).
-    drop_layer_weight: float = DEFAULTS.learn_drop_layer_weight
-    drop_layer_publishes: int = DEFAULTS.learn_drop_layer_publishes
-
-    @classmethod
-    def from_settings(cls, settings: Settings, *, model_type: str = "") -> LearningConfig:
-        """The learning settings; ``model_type`` (the LLM's ``config.model_type``) decides
-        what ``STATE_DTYPE=auto`` stores replay in (:func:`resolve_state_dtype`)."""
-        return cls(
-            lr=settings.learn_lr,
-            weight_decay=settings.learn_weight_decay,
-            batch_size=settings.learn_batch_size,
-            steps_per_batch=settings.learn_steps_per_batch,
-            replay_size=settings.replay_size,
-            prequential_window=settings.prequential_window,
-            stats_warmup=settings.stats_warmup,
-            ema_decay=settings.ema_decay,
-            calibrate_min_positives=settings.calibrate_min_positives,
-            mix_entropy=settings.learn_mix_entropy,
-            layer_lr_scale=settings.learn_layer_lr_scale,
-            freeze_shared=settings.learn_freeze_shared,
-            operating_point=settings.flag_operating_point,
-            state_dtype=resolve_state_dtype(settings.state_dtype, model_type),
-            drop_layer_weight=settings.learn_drop_layer_weight,
-            drop_layer_publishes=settings.learn_drop_layer_publishes,
-        )
 
 
 @dataclass(frozen=True)
@@ -195,7 +151,7 @@ class OnlineLearner:
         # Test, then train: the prequential score comes from the probe before this step.
         logits = self.probe.predict_logits_many(hidden, mask)  # [B, C], uncalibrated
         self.prequential.add(self.probe.probabilities(logits), targets, logits)
-        new = self._examples(hidden, mask, targets, buckets)
+        new = replay_examples(self.probe, hidden, mask, targets, buckets, self._dtype)
         steps_before = self.lion.steps
         if self.warmup is not None:
             self.warmup.extend(new)
@@ -234,37 +190,9 @@ class OnlineLearner:
         return Learned(steps=steps, examples=len(kept), unusable=unusable)
 
     def unusable_rows(self, hidden: Tensor, mask: Tensor) -> list[int]:
-        """Rows of ``hidden [L, B, T, D]`` that cannot be learned from: NaN or inf in the
-        example as replay keeps it (``state_dtype``: in fp16 values beyond 65504 count).
-        Not learned from: one such row would make every later loss non-finite."""
-        dtype = self._dtype
-        with torch.no_grad():
-            if self.probe.separable:
-                kept = SUMMARIES[self.probe.spec.token_pool](hidden, mask).to(dtype)  # [L, B, D]
-                ok = torch.isfinite(kept).all(dim=2).all(dim=0)  # [B]
-            else:
-                finite = torch.isfinite(hidden.to(dtype)) | ~mask[None, :, :, None]  # [L,B,T,D]
-                ok = finite.flatten(2).all(dim=2).all(dim=0)  # [B]
-        return [int(b) for b in (~ok).nonzero().flatten().tolist()]
-
-    def _examples(
-        self, hidden: Tensor, mask: Tensor, targets: Tensor, buckets: list[int]
-    ) -> list[Example]:
-        """What replay keeps: raw summaries ``[L, D]`` for separable pools, else the real
-        tokens ``[L, T, D]``; in ``state_dtype`` either way."""
-        if self.probe.separable:
-            with torch.no_grad():
-                raw = SUMMARIES[self.probe.spec.token_pool](hidden, mask)  # [L, B, D]
-                pooled = raw.to(self._dtype)
-            return [
-                Example(pooled[:, b].clone(), targets[b], bucket)
-                for b, bucket in enumerate(buckets)
-            ]
-        out = []
-        for b, bucket in enumerate(buckets):
-            real = mask[b].nonzero().flatten()
-            out.append(Example(hidden[:, b, real].to(self._dtype).clone(), targets[b], bucket))
-        return out
+        """Rows of ``hidden [L, B, T, D]`` not finite as replay keeps them
+        (:func:`worker.learning.replay.unusable_rows`)."""
+        return unusable_rows(self.probe, hidden, mask, self._dtype)
 
     def _train(self, new: list[Example]) -> None:
         bs = self.config.batch_size
@@ -281,12 +209,7 @@ class OnlineLearner:
             self.replay.add(fresh)
 
     def _set_stats(self, examples: list[Example]) -> None:
-        if examples[0].x.dim() == 2:
-            data = torch.stack([e.x.float() for e in examples])  # [N, L, D]
-        else:
-            data = torch.cat([e.x.float().transpose(0, 1) for e in examples])  # [N_tok, L, D]
-        mean, std = data.mean(dim=0), data.std(dim=0)
-        self.probe.set_input_stats(mean, torch.where(std > 1e-6, std, torch.ones_like(std)))
+        self.probe.set_input_stats(*input_stats(examples))
         log.info("input normalization fixed from %d examples", len(examples))
 
     def _update_ema(self) -> None:
@@ -318,51 +241,15 @@ class OnlineLearner:
     # --- publishing ------------------------------------------------------------------------
 
     def calibrate(self) -> None:
-        """Flag thresholds at the operating point (default: the F1 maximum) on the
-        prequential window: the online counterpart of ``fit`` choosing them out of fold. Each
-        label's threshold moves only once the window holds ``calibrate_min_positives`` of its
-        positives (0: never).
-
-        A probe that carries a calibration (``fit``'s, :mod:`probes.calibration`) has it
-        refitted first on the window's uncalibrated logits, head by head: a head whose window
-        rows hold ``calibrate_min_positives`` positives of each of its labels gets a new
-        temperature and bias (so all its labels get new thresholds too, chosen on the
-        probabilities under it). One without that evidence keeps both its calibration and
-        its thresholds, a pair that still makes the same decisions on the same logits; how
-        many labels the probe learned since its calibration was fitted is
-        ``calibration_age/<head>`` in :meth:`metrics` (the manifest). Refitting rather than
-        dropping it: dropping would throw the served scores back to the class-balanced
-        loss's scale (about half flagged) after a handful of labels, when the calibration
-        is still nearly right, and a threshold on a softmax over more than two labels has
-        no exact counterpart without it. A probe without a calibration gets none here."""
-        need = self.config.calibrate_min_positives
-        window = self.prequential.logit_window()
-        if not need or window is None:
-            return
-        logits, targets = window
-        spec = self.probe.spec
-        probs = torch.stack(list(self.prequential.probs))  # [N, C] as they were served
-        if spec.calibration:
-            refit = fit_heads(
-                spec, logits, targets, min_positives=need, labels_seen=self.counters.labels_seen
-            )
-            if refit:
-                self.probe.set_calibration({**spec.calibration, **refit})
-                spec = self.probe.spec
-            kept = sorted(set(spec.calibration) - set(refit))
-            if kept:
-                log.info(
-                    "calibration of heads %s kept: the window holds fewer than %d positives "
-                    "of one of their labels",
-                    kept,
-                    need,
-                )
-            probs = self.probe.probabilities(logits)  # the window under the calibration now
-        chosen = choose_thresholds(
-            spec, probs, targets, min_positives=need, point=self.config.operating_point
+        """Flag thresholds (and a calibrated probe's temperature and bias) refitted on the
+        prequential window at publish time: :func:`worker.learning.recalibrate.recalibrate`."""
+        recalibrate(
+            self.probe,
+            self.prequential,
+            min_positives=self.config.calibrate_min_positives,
+            labels_seen=self.counters.labels_seen,
+            point=self.config.operating_point,
         )
-        if chosen:
-            self.probe.set_thresholds({**spec.thresholds, **chosen})
 
     def drop_negligible_layers(self) -> list[int]:
         """Once per publish: drop the deepest layers whose mix weight has stayed below
@@ -433,15 +320,7 @@ class OnlineLearner:
         examples it learned from. The buffer holds every class equally; each example is
         weighted back to its class's share of the labels this learner has seen, so a stream
         that is 7 % toxic is not compared with a 50 % toxic reference."""
-        batches: list[tuple[Tensor, Tensor | None, Tensor | None]] = []
-        for bucket in self.replay.buckets if self.replay.per_bucket else []:
-            if not bucket:
-                continue
-            examples = list(bucket)
-            seen = self.bucket_seen.get(examples[0].bucket, 0) if self.bucket_seen else None
-            weight = 1.0 if seen is None else seen / len(examples)
-            for hidden, mask, _ in collate_chunks(examples, chunk=64):
-                batches.append((hidden, mask, torch.full((hidden.shape[1],), weight)))
+        batches = self.replay.weighted_chunks(self.bucket_seen)
         if not batches:
             return None
         device = next(probe.parameters()).device
@@ -449,41 +328,15 @@ class OnlineLearner:
         return probe_reference(probe, moved)
 
     def optimizer_state(self) -> dict[str, Tensor]:
-        """Lion's momentum per parameter name (safetensors-ready, on the CPU)."""
-        state = {}
-        for name, param in self.probe.named_parameters():
-            exp_avg = self.lion.optimizer.state.get(param, {}).get("exp_avg")
-            if exp_avg is not None:
-                state[name] = exp_avg.detach().cpu().contiguous()
-        return state
+        """Lion's momentum per parameter name (:meth:`probes.learner.Learner.momentum`)."""
+        return self.lion.momentum()
 
     def load_optimizer_state(
         self, state: dict[str, Tensor], labels: Sequence[str] | None = None
     ) -> int:
         """Restore momentum saved by :meth:`optimizer_state`; returns the tensors used
-        (names or shapes that no longer match are skipped).
-
-        ``labels``: the label order of the probe the state was saved from, when it may
-        differ from this probe's (a head added or removed since): the linear head's rows
-        then follow their labels, and a new label's rows start at zero momentum."""
-        params = dict(self.probe.named_parameters())
-        if labels is not None and list(labels) != list(self.probe.spec.labels):
-            try:
-                state = remap_label_rows(state, labels, self.probe.spec.labels)
-            except ProbeError as exc:
-                log.warning("optimizer state does not fit its labels (%s); skipping rows", exc)
-        used = 0
-        for name, exp_avg in state.items():
-            param = params.get(name)
-            # Parameters a frozen learner does not step have no state to restore.
-            stepped = param is not None and id(param) in self._stepped()
-            if param is not None and stepped and param.shape == exp_avg.shape:
-                self.lion.optimizer.state[param]["exp_avg"] = exp_avg.to(param.device).clone()
-                used += 1
-        return used
-
-    def _stepped(self) -> set[int]:
-        return {id(p) for group in self.lion.optimizer.param_groups for p in group["params"]}
+        (:meth:`probes.learner.Learner.load_momentum`: ``labels`` the saved probe's order)."""
+        return self.lion.load_momentum(state, labels)
 
     def snapshot(self) -> dict[str, Any]:
         """Cheap figures for views and reports (no tensors)."""

@@ -10,16 +10,27 @@ default, bf16 for LLMs whose activations exceed fp16's range).
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
+from probes.kinds.pooling import SUMMARIES
 from probes.metrics import evaluate
+from probes.probe import Probe
 from schemas import ProbeSpec
 
-__all__ = ["Example", "Prequential", "ReplayBuffer", "collate", "collate_chunks"]
+__all__ = [
+    "Example",
+    "Prequential",
+    "ReplayBuffer",
+    "collate",
+    "collate_chunks",
+    "input_stats",
+    "replay_examples",
+    "unusable_rows",
+]
 
 
 @dataclass(frozen=True)
@@ -27,6 +38,55 @@ class Example:
     x: Tensor  # [L, D] summaries or [L, T, D] tokens, fp16 or bf16
     target: Tensor  # [] int64 class index, or [C] float 0/1
     bucket: int  # class used for balancing (multilabel: first positive label, else C)
+
+
+def replay_examples(
+    probe: Probe,
+    hidden: Tensor,
+    mask: Tensor,
+    targets: Tensor,
+    buckets: list[int],
+    dtype: torch.dtype,
+) -> list[Example]:
+    """What replay keeps of a batch ``hidden [L, B, T, D]``, ``mask [B, T]``: raw summaries
+    ``[L, D]`` for separable pools, else the real tokens ``[L, T, D]``; in ``dtype``."""
+    if probe.separable:
+        with torch.no_grad():
+            raw = SUMMARIES[probe.spec.token_pool](hidden, mask)  # [L, B, D]
+            pooled = raw.to(dtype)
+        return [
+            Example(pooled[:, b].clone(), targets[b], bucket) for b, bucket in enumerate(buckets)
+        ]
+    out = []
+    for b, bucket in enumerate(buckets):
+        real = mask[b].nonzero().flatten()
+        out.append(Example(hidden[:, b, real].to(dtype).clone(), targets[b], bucket))
+    return out
+
+
+def unusable_rows(probe: Probe, hidden: Tensor, mask: Tensor, dtype: torch.dtype) -> list[int]:
+    """Rows of ``hidden [L, B, T, D]`` that cannot be learned from: NaN or inf in the
+    example as replay keeps it (in ``dtype``: in fp16 values beyond 65504 count).
+    Not learned from: one such row would make every later loss non-finite."""
+    with torch.no_grad():
+        if probe.separable:
+            kept = SUMMARIES[probe.spec.token_pool](hidden, mask).to(dtype)  # [L, B, D]
+            ok = torch.isfinite(kept).all(dim=2).all(dim=0)  # [B]
+        else:
+            finite = torch.isfinite(hidden.to(dtype)) | ~mask[None, :, :, None]  # [L,B,T,D]
+            ok = finite.flatten(2).all(dim=2).all(dim=0)  # [B]
+    return [int(b) for b in (~ok).nonzero().flatten().tolist()]
+
+
+def input_stats(examples: list[Example]) -> tuple[Tensor, Tensor]:
+    """``(mean, std)`` over the examples' rows (summaries) or tokens, for a fresh probe's
+    input normalization; a constant feature gets std 1."""
+    if examples[0].x.dim() == 2:
+        data = torch.stack([e.x.float() for e in examples])  # [N, L, D]
+    else:
+        data = torch.cat([e.x.float().transpose(0, 1) for e in examples])  # [N_tok, L, D]
+    mean, std = data.mean(dim=0), data.std(dim=0)
+    return mean, torch.where(std > 1e-6, std, torch.ones_like(std))
 
 
 def collate(examples: list[Example]) -> tuple[Tensor, Tensor | None, Tensor]:
@@ -94,6 +154,23 @@ class ReplayBuffer:
             bucket.clear()
             bucket.extend(cut)
 
+    def weighted_chunks(
+        self, seen: Counter[int] | None
+    ) -> list[tuple[Tensor, Tensor | None, Tensor]]:
+        """The stored examples as ``(hidden, mask, weights)`` chunks, each example weighted
+        back to its class's share of ``seen`` (examples learned per bucket; None or empty:
+        weight 1): the buffer holds every class equally, the stream does not."""
+        batches: list[tuple[Tensor, Tensor | None, Tensor]] = []
+        for bucket in self.buckets if self.per_bucket else []:
+            if not bucket:
+                continue
+            examples = list(bucket)
+            count = seen.get(examples[0].bucket, 0) if seen else None
+            weight = 1.0 if count is None else count / len(examples)
+            for hidden, mask, _ in collate_chunks(examples, chunk=64):
+                batches.append((hidden, mask, torch.full((hidden.shape[1],), weight)))
+        return batches
+
     def sample(self, n: int) -> list[Example]:
         """Up to ``n`` examples, classes in turn (random example within a class)."""
         filled = [b for b in self.buckets if b] if self.per_bucket else []
@@ -109,7 +186,7 @@ class ReplayBuffer:
 class Prequential:
     """The last ``window`` (probabilities, target) pairs, scored before learning from them,
     with the uncalibrated logits the probabilities came from (the updater refits a
-    calibration on them: :meth:`OnlineLearner.calibrate`)."""
+    calibration on them: :func:`worker.learning.recalibrate.recalibrate`)."""
 
     def __init__(self, spec: ProbeSpec, window: int) -> None:
         self.spec = spec

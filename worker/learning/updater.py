@@ -46,10 +46,11 @@ from worker.kafka.batch_loop import BatchLoop, Between, Item, Outgoing, Reject
 from worker.kafka.clients import ensure_topics
 from worker.kafka.runtime import RoleRuntime
 from worker.learning.admission import LabelAdmission
+from worker.learning.config import LearningConfig
 from worker.learning.labelers import ANONYMOUS, LabelerKeys
 from worker.learning.labels import label_truths, skip_reason
 from worker.learning.metrics import UpdaterMetrics
-from worker.learning.online_learner import Labeled, LearningConfig, OnlineLearner
+from worker.learning.online_learner import Labeled, OnlineLearner
 from worker.learning.resume import (
     default_spec,
     published_by_another,
