@@ -32,8 +32,8 @@ from worker.errors import StagesChanged
 from worker.kafka.records import Item, Outgoing
 from worker.llm.extract import HiddenStateExtractor
 from worker.llm.tiny import make_tiny_llm
-from worker.scoring.batch import ServedProbe
 from worker.scoring.scorer import Scorer
+from worker.scoring.served import ServedProbe
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry, Stages
 from worker.store.evidence import EvidenceStore, Truth

@@ -21,8 +21,8 @@ from worker.llm.extract import HiddenStateExtractor
 from worker.llm.tiny import make_tiny_llm
 from worker.rollout.changes import Rollout
 from worker.rollout.policy import Policy
-from worker.scoring.batch import sticky_fraction
 from worker.scoring.scorer import Scorer
+from worker.scoring.served import sticky_fraction
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.evidence import EvidenceStore

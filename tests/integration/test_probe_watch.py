@@ -22,8 +22,8 @@ from worker.llm.extract import HiddenStateExtractor
 from worker.llm.tiny import make_tiny_llm
 from worker.rollout.changes import Rollout
 from worker.scoring import probe_watch
-from worker.scoring.batch import ServedProbe
 from worker.scoring.probe_watch import ProbeWatcher
+from worker.scoring.served import ServedProbe
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.evidence import EvidenceStore
 from worker.store.redis import Breaker, Keys

@@ -31,8 +31,8 @@ from worker.learning.updater import Updater
 from worker.llm.extract import HiddenStateExtractor
 from worker.llm.tiny import make_tiny_llm, settings_env
 from worker.rollout.changes import Rollout
-from worker.scoring.batch import sticky_fraction
 from worker.scoring.scorer import Scorer
+from worker.scoring.served import sticky_fraction
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.evidence import EvidenceStore

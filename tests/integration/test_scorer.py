@@ -25,9 +25,9 @@ from worker.embedded import free_port
 from worker.kafka.clients import ensure_topics
 from worker.llm.extract import Extraction, HiddenStateExtractor
 from worker.llm.tiny import make_tiny_llm, settings_env
-from worker.scoring.batch import ServedProbe
 from worker.scoring.engine import ScoringEngine
 from worker.scoring.scorer import Scorer, ScorerMetrics
+from worker.scoring.served import ServedProbe
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 

@@ -15,7 +15,8 @@ from probes.probe import Prepared, build_probe
 from schemas import ChatMessage, CheckpointManifest, DecidedRecord, HeadSpec, ProbeSpec
 from worker.llm.extract import HiddenStateExtractor
 from worker.llm.tiny import make_tiny_llm
-from worker.scoring.batch import BatchScorer, ProbeSlot, ServedProbe
+from worker.scoring.batch import BatchScorer
+from worker.scoring.served import ProbeSlot, ServedProbe
 
 TEXTS = ["hello there", "XXXX ZZZZ !!!", "see you tomorrow", "QQQQ ####", "fine"]
 
@@ -139,7 +140,7 @@ def test_probes_pay_for_real_tokens_not_the_polls_longest_message(
     """A poll's states are padded to its longest message; the probe runs on length-sorted
     groups trimmed to their own width (at most PROBE_BATCH_TOKENS padded tokens per call),
     with the same scores as one call over the padded poll."""
-    import worker.scoring.batch as batch_module
+    import worker.scoring.probe_run as probe_run_module
 
     ex = HiddenStateExtractor(make_tiny_llm(), max_tokens=64)
     probe = served(ex, "toxicity", [1, 2], seed=3, pool=pool)
@@ -161,7 +162,7 @@ def test_probes_pay_for_real_tokens_not_the_polls_longest_message(
         return original(hidden, mask)
 
     probe.probe.predict_proba_pooled = recording  # type: ignore[method-assign]
-    monkeypatch.setattr(batch_module, "PROBE_BATCH_TOKENS", 128)
+    monkeypatch.setattr(probe_run_module, "PROBE_BATCH_TOKENS", 128)
     grouped = BatchScorer(ex, {"toxicity": ProbeSlot("toxicity", probe)}).score(msgs)
     widest = 61  # "<s>" + 60 characters
     assert len(calls) > 1 and all(b * t <= 128 or b == 1 for b, t in calls)
@@ -250,7 +251,7 @@ def test_the_cpu_the_llm_takes_is_counted_apart_from_the_rest() -> None:
 
 
 def test_off_the_cpu_the_probe_reads_a_calls_rows_in_one_call() -> None:
-    from worker.scoring.batch import PROBE_BATCH_TOKENS, probe_batch_tokens
+    from worker.scoring.probe_run import PROBE_BATCH_TOKENS, probe_batch_tokens
 
     assert probe_batch_tokens(torch.device("cpu")) == PROBE_BATCH_TOKENS  # groups by length
     assert probe_batch_tokens(torch.device("cuda", 0)) >= 256 * 256  # a call of 256 x 256
@@ -259,7 +260,7 @@ def test_off_the_cpu_the_probe_reads_a_calls_rows_in_one_call() -> None:
 def test_each_rows_head_results_are_its_own_when_rows_differ() -> None:
     from probes.decision import decide
     from schemas import DEFAULT_LIMITS, HeadResult
-    from worker.scoring.batch import _head_results, _judged_heads
+    from worker.scoring.probe_run import _head_results, _judged_heads
 
     spec = multi_head(Counting(), 1, {"toxic": 0.5, "spam": 0.5}).probe.spec
     probs = torch.tensor(  # columns toxic, spam, a, b

@@ -14,7 +14,8 @@ from probes.probe import build_probe
 from schemas import ChatMessage, CheckpointManifest, ExitSpec, ProbeSpec, TokenPool
 from worker.llm.extract import HiddenStateExtractor
 from worker.llm.tiny import make_tiny_llm
-from worker.scoring.batch import BatchScorer, ExitPolicy, ProbeSlot, ServedProbe
+from worker.scoring.batch import BatchScorer, ExitPolicy
+from worker.scoring.served import ProbeSlot, ServedProbe
 from worker.settings import Settings
 
 TEXTS = [f"message number {i} " + "x" * (i % 7) for i in range(24)]

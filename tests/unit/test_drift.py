@@ -26,9 +26,9 @@ from probes.probe import Probe
 from schemas import DRIFT_BINS, CheckpointManifest, DriftReference, utcnow
 from tests.unit.synthetic import FINGERPRINT, make_spec, toy_task
 from tests.unit.test_fit import spec_for, token_dataset
-from worker.scoring.batch import ServedProbe
 from worker.scoring.drift import DriftMonitor
 from worker.scoring.metrics import ScorerMetrics
+from worker.scoring.served import ServedProbe
 
 KEY = b"drift-test-key-0123456789abcdef!"
 

@@ -343,7 +343,8 @@ def test_explain_says_which_depth_decides_in_a_cascade(capsys, workspace: Path) 
 
     from probes import load_checkpoint
     from schemas import ChatMessage, ExitSpec
-    from worker.scoring.batch import BatchScorer, ExitPolicy, ProbeSlot, ServedProbe
+    from worker.scoring.batch import BatchScorer, ExitPolicy
+    from worker.scoring.served import ProbeSlot, ServedProbe
 
     llm = load_llm(Settings(model=str(workspace / "tiny-llama-0-own"), cache_dir=workspace / "c"))
     for allow_below, decided in ((1.0, "allow"), (0.0, None)):  # always / never exits

@@ -9,7 +9,7 @@ import pytest
 from schemas import CheckpointEvent, DecidedRecord, ProbeDecision, utcnow
 from tests.registry_helpers import num
 from worker.rollout.policy import Policy, Situation, next_action
-from worker.scoring.batch import sticky_fraction
+from worker.scoring.served import sticky_fraction
 from worker.store.checkpoints import Stages, live_lineage
 from worker.store.evidence_counts import Confusion, Evidence
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from schemas import ChatMessage, utcnow
-from worker.scoring.batch import BatchScorer, ProbeSlot, sticky_fraction
+from worker.scoring.batch import BatchScorer
 from worker.scoring.review_routing import ReviewPolicy, route
+from worker.scoring.served import ProbeSlot, sticky_fraction
 from worker.settings import Settings
 
 KEY = "a-deployment-key-nobody-outside-knows"

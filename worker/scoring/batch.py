@@ -31,7 +31,6 @@ counts it as evidence, per head over the heads each version judges (``BatchScore
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,15 +38,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from probes.decision import Decision, decide, flagging_heads
-from probes.drift import drift_score, pooled_rms
 from probes.exit import exit_probabilities, exits
-from probes.probe import Probe
 from schemas import (
     DEFAULT_LIMITS,
     ChatMessage,
-    CheckpointManifest,
-    HeadResult,
     Limits,
     ProbeDecision,
     ProbeResult,
@@ -55,52 +49,23 @@ from schemas import (
     ShadowResult,
 )
 from worker.llm.extract import ExitStage
-from worker.llm.plan import CUDA_BATCH_TOKENS, length_batches
+from worker.scoring.probe_run import ProbeRun, flag_score, flagged_heads, run_probe, run_probs
+from worker.scoring.served import ProbeSlot, ServedProbe, sticky_fraction
 from worker.settings import Settings
 
 if TYPE_CHECKING:
-    from worker.llm.extract import Extraction, HiddenStateExtractor
+    from worker.llm.extract import HiddenStateExtractor
     from worker.settings import Settings
 
+# ProbeSlot and ServedProbe live in worker.scoring.served; listed here for the engine and
+# the benches that import them from this module.
 __all__ = [
     "BatchScorer",
     "BatchScores",
     "ExitPolicy",
     "ProbeSlot",
     "ServedProbe",
-    "sticky_fraction",
 ]
-
-
-def sticky_fraction(key: str, salt: str = "") -> float:
-    """A stable number in [0, 1) for ``key``: the same key always lands on the same side."""
-    digest = hashlib.sha256(f"{salt}\x00{key}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
-
-
-@dataclass(frozen=True)
-class ServedProbe:
-    """A verified probe and the manifest it came with."""
-
-    probe: Probe
-    manifest: CheckpointManifest
-
-    @property
-    def version(self) -> int:
-        return self.manifest.version
-
-
-@dataclass
-class ProbeSlot:
-    """What one probe name serves right now."""
-
-    name: str
-    live: ServedProbe | None = None
-    canary: ServedProbe | None = None
-    canary_share: float = 0.0
-
-    def layers(self) -> set[int]:
-        return {layer for p in (self.live, self.canary) if p for layer in p.probe.layers}
 
 
 @dataclass(frozen=True)
@@ -217,16 +182,16 @@ class BatchScorer:
             ex = self.extractor.extract_staged(texts, layers, stage)
         t1, extract_cpu_s = time.perf_counter(), time.process_time() - cpu0
         out = BatchScores(results={}, errors=dict(ex.errors))
-        runs: dict[str, tuple[_Run, _Run | None]] = {}
+        runs: dict[str, tuple[ProbeRun, ProbeRun | None]] = {}
         bad: dict[int, str] = {}  # row -> why
         if ex.index:
             for slot in slots.values():
                 if slot.live is None:
                     continue
-                live = _run(slot.live, ex, layers, self.flag_heads, self.limits)
+                live = run_probe(slot.live, ex, layers, self.flag_heads, self.limits)
                 canary = None
                 if slot.canary is not None and slot.canary.version != slot.live.version:
-                    canary = _run(slot.canary, ex, layers, self.flag_heads, self.limits)
+                    canary = run_probe(slot.canary, ex, layers, self.flag_heads, self.limits)
                 runs[slot.name] = (live, canary)
                 for r in (live, canary):
                     if r is None:
@@ -312,10 +277,10 @@ class BatchScorer:
         positions = sorted(exited)
         payload = torch.stack([exited[p] for p in positions])  # [n, C] or [n, 2C]
         C = len(slot.live.probe.spec.labels)
-        live = _run_probs(slot.live, payload[:, :C], self.flag_heads, self.limits)
+        live = run_probs(slot.live, payload[:, :C], self.flag_heads, self.limits)
         canary = None
         if payload.shape[1] > C and slot.canary is not None:
-            canary = _run_probs(slot.canary, payload[:, C:], self.flag_heads, self.limits)
+            canary = run_probs(slot.canary, payload[:, C:], self.flag_heads, self.limits)
         for pos in positions:
             out.results[pos] = []
         self._score_slot(slot, live, canary, positions, messages, out, depth=depth)
@@ -323,8 +288,8 @@ class BatchScorer:
     def _score_slot(
         self,
         slot: ProbeSlot,
-        live: _Run,
-        canary: _Run | None,
+        live: ProbeRun,
+        canary: ProbeRun | None,
         positions: list[int],
         messages: Sequence[ChatMessage],
         out: BatchScores,
@@ -354,13 +319,13 @@ class BatchScorer:
             out.decisions[(pos, slot.name)] = ProbeDecision(
                 v=decided.served.version,
                 f=decided.flagged[row],
-                s=_score(decided, row),
+                s=flag_score(decided, row),
                 c=canary.served.version if canary is not None and not use_canary else None,
                 sv=shadowed.served.version if shadowed is not None else None,
                 sf=shadowed.flagged[row] if shadowed is not None else None,
-                ss=_score(shadowed, row) if shadowed is not None else None,
-                h=_flagged_heads(decided, row),
-                sh=_flagged_heads(shadowed, row),
+                ss=flag_score(shadowed, row) if shadowed is not None else None,
+                h=flagged_heads(decided, row),
+                sh=flagged_heads(shadowed, row),
             )
             result = ProbeResult.build(
                 self.limits,
@@ -377,170 +342,3 @@ class BatchScorer:
             out.results[pos].append(result)
             if decided.flag_score is not None:
                 out.flag_scores[(pos, slot.name)] = decided.flag_score[row]
-
-
-# Padded tokens per probe call (see _probabilities): on the CPU, where every padded token
-# costs compute, the extractor's default budget (`BATCH_TOKENS`, one home); elsewhere a
-# call's rows in one probe call, where each group would cost its own kernel launches.
-PROBE_BATCH_TOKENS: int = Settings.model_fields["batch_tokens"].default
-
-
-def probe_batch_tokens(device: torch.device) -> int:
-    """Padded tokens per probe call for states on ``device``."""
-    return PROBE_BATCH_TOKENS if device.type == "cpu" else CUDA_BATCH_TOKENS
-
-
-@dataclass
-class _Run:
-    served: ServedProbe
-    scores: list[dict[str, float]]
-    predicted: list[list[str]]
-    flagged: list[bool]
-    flag_score: list[float] | None  # highest probability among the flag labels, per row
-    non_finite: list[int]  # rows whose probabilities are NaN or inf
-    heads: list[dict[str, HeadResult]] | None = None  # per row, of a multi-head probe
-    # A multi-head probe's heads with a flag label (by its own spec, whatever the
-    # deployment's flag policy), and per row those that flagged: per-head evidence.
-    judged: tuple[str, ...] = ()
-    head_flags: list[list[str]] | None = None
-    rms: torch.Tensor = field(default_factory=lambda: torch.empty(0, 0))  # [L, B] (drift)
-    drift_score: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [B]
-    forward_s: float = 0.0  # seconds in the probe's own forward pass
-
-
-def _flagged_heads(run: _Run | None, row: int) -> list[str] | None:
-    return None if run is None or run.head_flags is None else run.head_flags[row]
-
-
-def _score(run: _Run, row: int) -> float | None:
-    if run.flag_score is None:
-        return None
-    return min(1.0, max(0.0, round(run.flag_score[row], 4)))
-
-
-def _select_layers(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``hidden[rows]`` for ``[L, B, T, D]``; a view (no copy) when the rows are contiguous."""
-    first = rows[0]
-    if rows == list(range(first, first + len(rows))):
-        return hidden[first : first + len(rows)]  # [L_probe, B, T, D], a view
-    return hidden.index_select(0, torch.tensor(rows, device=hidden.device))
-
-
-def _probabilities(
-    probe: Probe, hidden: torch.Tensor, mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``probe``'s probabilities ``[B, C]`` for ``hidden`` ``[L, B, T, D]``, and the RMS of
-    its pooled states ``[L, B]`` (for drift monitoring, from the same pass), run on
-    length-sorted groups of rows trimmed to their own width: a poll's padding (its longest
-    message's width, for every row) would otherwise cost the probe as much as real tokens,
-    and the MHA probe's attention its square. Rows do not interact, so the result is the
-    same as one call's."""
-    B, T = mask.shape
-    budget = probe_batch_tokens(hidden.device)
-    if budget >= B * T:
-        probs, pooled = probe.predict_proba_pooled(hidden, mask)
-        return probs, pooled_rms(pooled)
-    out: torch.Tensor | None = None
-    rms: torch.Tensor | None = None
-    for rows in length_batches(mask.sum(1).tolist(), budget):
-        index = torch.tensor(rows, device=mask.device)
-        part = mask.index_select(0, index)  # [b, T]
-        real = part.any(0).nonzero().flatten()  # columns any of these rows uses
-        lo, hi = (int(real[0]), int(real[-1]) + 1) if len(real) else (0, 1)
-        probs, pooled = probe.predict_proba_pooled(
-            hidden[:, :, lo:hi].index_select(1, index), part[:, lo:hi]
-        )
-        if out is None or rms is None:
-            out = probs.new_empty(B, probs.shape[1])
-            rms = torch.empty(pooled.shape[0], B, device=pooled.device)
-        out[index] = probs
-        rms[:, index] = pooled_rms(pooled)
-    assert out is not None and rms is not None
-    return out, rms
-
-
-def _head_results(
-    spec: ProbeSpec, decision: Decision, limits: Limits
-) -> list[dict[str, HeadResult]]:
-    names, flags = decision.label_names(spec), decision.head_flags(spec)
-    # Rows share outcomes (most flag nothing): one frozen HeadResult per distinct outcome
-    # of a head, not one validated model per row and head.
-    built: dict[tuple[str, tuple[str, ...], bool], HeadResult] = {}
-
-    def result(head: str, predicted: tuple[str, ...], flagged: bool) -> HeadResult:
-        key = (head, predicted, flagged)
-        if key not in built:
-            built[key] = HeadResult.build(limits, predicted=list(predicted), flagged=flagged)
-        return built[key]
-
-    columns = {h.name: flags[h.name].tolist() for h in spec.heads}
-    return [
-        {
-            h.name: result(
-                h.name,
-                tuple(x for x in names[row] if x in h.labels),
-                bool(columns[h.name][row]),
-            )
-            for h in spec.heads
-        }
-        for row in range(len(names))
-    ]
-
-
-def _judged_heads(spec: ProbeSpec, decision: Decision) -> tuple[tuple[str, ...], list[list[str]]]:
-    """The heads of ``spec`` (the version's own, unfiltered) that have a flag label, and per
-    row those of them that predicted one."""
-    judged = tuple(h.name for h in spec.heads if any(x in spec.flag_labels for x in h.labels))
-    flags = {h: f.tolist() for h, f in decision.head_flags(spec).items()}  # per head, [B]
-    rows = len(decision.flagged)
-    return judged, [[h for h in judged if flags[h][row]] for row in range(rows)]
-
-
-def _run(
-    served: ServedProbe,
-    ex: Extraction,
-    layers: tuple[int, ...],
-    flag_heads: frozenset[str] | None = None,
-    limits: Limits = DEFAULT_LIMITS,
-) -> _Run:
-    probe = served.probe
-    started = time.perf_counter()
-    hidden = _select_layers(ex.hidden, [layers.index(layer) for layer in probe.layers])
-    probs, rms = _probabilities(probe, hidden, ex.mask)
-    forward_s = time.perf_counter() - started
-    run = _run_probs(served, probs, flag_heads, limits, rms)
-    run.forward_s = forward_s
-    return run
-
-
-def _run_probs(
-    served: ServedProbe,
-    probs: torch.Tensor,
-    flag_heads: frozenset[str] | None = None,
-    limits: Limits = DEFAULT_LIMITS,
-    rms: torch.Tensor | None = None,
-) -> _Run:
-    """The results of probabilities ``[B, C]`` by ``served``'s spec; ``rms``: the pooled
-    states' RMS ``[L, B]`` for drift monitoring (None: rows decided by an exit head)."""
-    probe = served.probe
-    spec = flagging_heads(probe.spec, flag_heads)
-    probs = probs.float().cpu()  # [B, C]
-    non_finite = (~torch.isfinite(probs).all(dim=1)).nonzero().flatten().tolist()
-    probs = torch.nan_to_num(probs, nan=0.0, posinf=1.0, neginf=0.0)  # those rows go unused
-    decision = decide(spec, probs)
-    flag_idx = [spec.labels.index(label) for label in spec.flag_labels]
-    values = probs.tolist()
-    judged, head_flags = _judged_heads(probe.spec, decision) if spec.heads else ((), None)
-    return _Run(
-        served=served,
-        scores=[dict(zip(spec.labels, row, strict=True)) for row in values],
-        predicted=decision.label_names(spec),
-        flagged=[bool(f) for f in decision.flagged.tolist()],
-        flag_score=probs[:, flag_idx].max(dim=1).values.tolist() if flag_idx else None,
-        non_finite=non_finite,
-        heads=_head_results(spec, decision, limits) if spec.heads else None,
-        judged=judged,
-        head_flags=head_flags,
-        rms=rms.float().cpu() if rms is not None else torch.empty(0, 0),
-        drift_score=drift_score(probe.spec, probs),
-    )

@@ -23,8 +23,8 @@ from prometheus_client import Gauge
 
 from probes.drift import DriftWindow, score_bins
 from schemas import DriftSnapshot
-from worker.scoring.batch import ServedProbe
 from worker.scoring.metrics import ScorerMetrics
+from worker.scoring.served import ServedProbe
 
 __all__ = ["SNAPSHOT_EVERY_S", "DriftMonitor"]
 

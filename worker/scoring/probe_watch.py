@@ -48,7 +48,7 @@ from probes.checkpoint import probe_from_bytes
 from probes.errors import CheckpointError
 from schemas import LLMFingerprint
 from worker.errors import RegistryError, UnknownVersion
-from worker.scoring.batch import ProbeSlot, ServedProbe
+from worker.scoring.served import ProbeSlot, ServedProbe
 from worker.store.checkpoints import CheckpointRegistry, Stages
 from worker.store.redis import Breaker
 

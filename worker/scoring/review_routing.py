@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from worker.scoring.batch import sticky_fraction
+from worker.scoring.served import sticky_fraction
 
 if TYPE_CHECKING:
     from worker.settings import Settings
