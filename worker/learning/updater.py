@@ -29,7 +29,6 @@ cannot read go to the dead-letter topic. A fresh probe first collects
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -38,19 +37,17 @@ from typing import Any
 import redis
 from kafka.errors import KafkaError
 
-from probes import ProbeError, encode_target
-from probes.checkpoint import checkpoint_to_bytes
 from schemas import HumanLabel, ProbeSpec
 from worker.errors import Fenced, KafkaSetupError, RegistryError
 from worker.kafka.batch_loop import BatchLoop, Between, Item, Outgoing, Reject
 from worker.kafka.clients import ensure_topics
 from worker.kafka.runtime import RoleRuntime
-from worker.learning.admission import LabelAdmission
 from worker.learning.config import LearningConfig
-from worker.learning.labelers import ANONYMOUS, LabelerKeys
-from worker.learning.labels import label_truths, skip_reason
+from worker.learning.intake import LabelIntake
+from worker.learning.labels import label_truths
 from worker.learning.metrics import UpdaterMetrics
-from worker.learning.online_learner import Labeled, OnlineLearner
+from worker.learning.online_learner import OnlineLearner
+from worker.learning.publishing import prepare_publish, publish_version
 from worker.learning.resume import (
     default_spec,
     published_by_another,
@@ -64,7 +61,7 @@ from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.evidence import EvidenceStore
 from worker.store.lease import Lease, LeaseKeeper
-from worker.store.redis import Breaker, join_texts, keys_for, make_text_redis
+from worker.store.redis import Breaker, keys_for, make_text_redis
 
 __all__ = ["Updater", "default_spec"]  # default_spec: from worker.learning.resume
 
@@ -98,13 +95,11 @@ class Updater:
             redis_client, self.registry.lease_key, self.worker_id, settings.lease_ttl_ms
         )
         self.evidence = EvidenceStore.from_settings(redis_client, settings, cache=self.text_redis)
-        self.admission = LabelAdmission.from_settings(self.text_redis, settings, self.name)
-        raw_keys = settings.labeler_keys
-        self.labelers = LabelerKeys.parse(raw_keys.get_secret_value() if raw_keys else None)
+        self.metrics = UpdaterMetrics()
+        self.intake = LabelIntake(settings, self.text_redis, self.keys, self.metrics, self.name)
         self.rollout = Rollout(self.registry, self.evidence, actor=self.worker_id)
         self.policy = Policy.from_settings(settings)
         self._next_rollout = 0.0
-        self.metrics = UpdaterMetrics()
         self.runtime = RoleRuntime(
             settings,
             self.metrics.collector,
@@ -298,27 +293,8 @@ class Updater:
     def handle(self, items: list[Item[HumanLabel]]) -> Sequence[Outgoing | Reject]:
         learner = self._learner()
         spec = learner.probe.spec
-        rejects: list[Reject] = []
-        items = [self._attributed(i) for i in items if self._is_ours(i.value, spec)]
-        items = self._admitted(items, rejects)
-        texts = join_texts(self.text_redis, self.keys, [i.value for i in items])
-        sources: list[Item[HumanLabel]] = []
-        ready: list[Labeled] = []  # ready[k] is the label of sources[k]
-        for item, text in zip(items, texts, strict=True):
-            if text is None:
-                why = "no text in the label and none cached for the message"
-                rejects.append(Reject(item, "unjoinable", why))
-                continue
-            try:
-                label = item.value
-                target, bucket = encode_target(
-                    spec, label.all_labels, label.head, exhaustive=bool(label.exhaustive)
-                )
-            except ProbeError as exc:
-                rejects.append(Reject(item, "unknown_label", str(exc)))
-                continue
-            sources.append(item)
-            ready.append(Labeled(text, target, bucket))
+        intake = self.intake.take(items, spec)
+        rejects, sources, ready = intake.rejects, intake.sources, intake.ready
         self._credit(spec, [i.value for i in sources])
         if not ready:
             return rejects
@@ -333,44 +309,6 @@ class Updater:
         self.unpublished += learned.examples
         self.metrics.labels.inc(learned.examples)
         return rejects
-
-    def _is_ours(self, label: HumanLabel, spec: ProbeSpec) -> bool:
-        """Whether this probe should learn (or dead-letter) ``label`` (:func:`skip_reason`)."""
-        reason = skip_reason(label, spec, self.name, self.settings.probe_names)
-        if reason is not None:
-            self.metrics.skipped.labels(reason).inc()
-        return reason is None
-
-    def _attributed(self, item: Item[HumanLabel]) -> Item[HumanLabel]:
-        """``item`` with its labeler as quotas and the promotion rule count it: from its
-        signature when ``PROBEGUARD_LABELER_KEYS`` is set (:mod:`worker.learning.labelers`)."""
-        who = self.labelers.labeler(item.value, item.payload, item.headers)
-        if who == item.value.labeler_id:
-            return item
-        if who == ANONYMOUS:
-            self.metrics.labels_unsigned.inc()
-        return dataclasses.replace(item, value=item.value.model_copy(update={"labeler_id": who}))
-
-    def _admitted(
-        self, items: list[Item[HumanLabel]], rejects: list[Reject]
-    ) -> list[Item[HumanLabel]]:
-        """The items the gate admits; quarantined ones are added to ``rejects``, and both
-        kinds of refusal are counted per labeler (:mod:`worker.learning.admission`)."""
-        admitted = []
-        for item, verdict in zip(items, self.admission.admit(items), strict=True):
-            labeler = item.value.labeler_id
-            if verdict == "ok":
-                admitted.append(item)
-            elif verdict == "duplicate":
-                self.metrics.dropped(labeler, "duplicate")
-            else:
-                self.metrics.dropped(labeler, "quarantined")
-                why = (
-                    f"labeler {labeler[:200]!r} is past {self.settings.labeler_max_labels} "
-                    f"labels per {self.settings.labeler_window_s}s for {self.name}"
-                )
-                rejects.append(Reject(item, "quarantined", why))
-        return admitted
 
     def _learner(self) -> OnlineLearner:
         if self.learner is None or self.loop is None:
@@ -456,36 +394,20 @@ class Updater:
             )
             return None
         start = time.perf_counter()
-        dropped = learner.drop_negligible_layers()
-        if dropped:
-            reason = f"{reason}; dropped layers {dropped} (mix weight stayed negligible)"
-        learner.calibrate()
-        metrics = learner.metrics()
+        reason, metrics = prepare_publish(learner, reason)
         try:
-            version = self.registry.allocate_version()
-            probe = learner.publishable()
-            blob, manifest = checkpoint_to_bytes(
-                probe,
-                llm=self.extractor.fingerprint,
-                version=version,
-                parent=self.parent,
-                counters=learner.counters,
+            version, pruned = publish_version(
+                learner,
+                self.registry,
+                self.extractor,
+                self.settings,
+                self.keys,
                 metrics=metrics,
-                signing_key=self.settings.signing_key,
-                weights=self.settings.publish_weights,
-                drift=learner.drift_reference(probe),
-                deployment=self.keys.deployment,
-            )
-            self.registry.publish(
-                blob,
-                manifest,
+                parent=self.parent,
                 token=self.lease.token,
-                set_live=self.settings.rollout == "auto_live",
                 actor=self.worker_id,
                 reason=reason,
             )
-            self.registry.save_optimizer_state(version, learner.optimizer_state())
-            pruned = set(self.registry.prune(self.settings.keep_versions))
         except Fenced as exc:
             self.keeper.mark_lost(f"{exc}; another updater holds it")  # stops the loop
             return None
