@@ -49,7 +49,7 @@ class SlowProducer:
 def test_a_slow_acknowledgement_is_waited_for_not_sent_again() -> None:
     producer = SlowProducer(after_s=0.5)
     loop: BatchLoop[ChatMessage] = BatchLoop(
-        consumer=Any,  # _deliver never polls
+        consumer=Any,  # delivery never polls
         producer=producer,
         model=ChatMessage,
         handler=lambda items: [],
@@ -59,6 +59,6 @@ def test_a_slow_acknowledgement_is_waited_for_not_sent_again() -> None:
         produce_timeout_s=0.1,  # the loop waits less than the record takes
     )
     out = [Outgoing("verdicts", f"m-{i}".encode(), b"{}") for i in range(3)]
-    assert loop._deliver([(o, None) for o in out])
+    assert loop.delivery.deliver([(o, None) for o in out])
     assert sorted(k or b"" for k in producer.sends) == [b"m-0", b"m-1", b"m-2"]  # once each
     assert loop.stats.retries >= 1  # it did wait past produce_timeout_s

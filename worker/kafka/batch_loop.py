@@ -43,7 +43,6 @@ that a batch finishes well inside ``max_poll_interval_ms``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -58,6 +57,7 @@ from pydantic import ValidationError
 from schemas import DeadLetterKind, WireModel, describe_error
 from worker.errors import TransientError
 from worker.kafka.clients import close_producer
+from worker.kafka.delivery import Delivery, where
 from worker.kafka.records import (
     REFUSED,
     Between,
@@ -136,6 +136,16 @@ class BatchLoop(Generic[T]):
         self.last_failure = ""
         # Sticky transient failures (see TransientError.sticky) of the batch in hand.
         self.sticky_faults = 0
+        self.delivery = Delivery(
+            producer,
+            timeout_s=produce_timeout_s,
+            backoff_s=backoff_s,
+            stop_event=self.stop_event,
+            stats=self.stats,
+            failed=self._failed,
+            event=self._event,
+            dead=self._dead,
+        )
 
     @classmethod
     def for_topic(
@@ -223,13 +233,13 @@ class BatchLoop(Generic[T]):
         start = time.perf_counter()
         items, dead = self._decode(records)
         try:
-            inflight = self._launch(dead)
+            inflight = self.delivery.launch(dead)
             produced = 0
             for chunk in self._micro_batches(items, len(records) >= self.max_batch):
                 out = self._handle(chunk, self.max_attempts)
                 produced += len(out)
-                inflight += self._launch(out)  # sent now; acknowledged before the commit
-            if not self._deliver(inflight):
+                inflight += self.delivery.launch(out)  # sent now; acknowledged before the commit
+            if not self.delivery.deliver(inflight):
                 raise _Rewind
         except _Rewind:
             self._rewind(records)
@@ -308,7 +318,7 @@ class BatchLoop(Generic[T]):
                     log.warning("handler failed while stopping (%s); left for the next owner", why)
                     raise _Rewind from exc
                 if len(items) == 1 and attempt == attempts:
-                    log.exception("handler failed on %s; dead-lettering it", _where(items[0]))
+                    log.exception("handler failed on %s; dead-lettering it", where(items[0]))
                     return [self._dead(items[0], "processing", why)]
                 if attempt < attempts:
                     self._failed("retry_handler", why)
@@ -355,109 +365,6 @@ class BatchLoop(Generic[T]):
         return dead_letter(
             self.dead_letter_topic, source, key, payload, kind, message, self.worker_id
         )
-
-    def _launch(self, out: list[Outgoing]) -> list[tuple[Outgoing, Any]]:
-        """Send ``out`` without waiting (the producer's sender thread delivers it within
-        its linger); each record with its future, or None where the send itself failed
-        (:meth:`_deliver` sends it again and says why)."""
-        launched: list[tuple[Outgoing, Any]] = []
-        for o in out:
-            try:
-                launched.append((o, self.producer.send(o.topic, key=o.key, value=o.value)))
-            except KafkaError:
-                launched.append((o, None))
-        return launched
-
-    def _deliver(self, pending: list[tuple[Outgoing, Any]]) -> bool:
-        """Wait for the acknowledgement of every record of ``pending`` (each with the future
-        of its send, or None: not sent yet).
-
-        Records the broker did not acknowledge are sent again (only they) after a backoff;
-        refused ones are replaced (:meth:`_replacement`). A record still in flight after
-        ``produce_timeout_s`` (the producer may yet deliver it: its own delivery timeout
-        is longer) is waited on again, never sent a second time (review L9: a copy that
-        was merely slow landed beside its re-send). False only when the loop was stopped
-        before everything was acknowledged.
-        """
-        while pending:
-            again: list[tuple[Outgoing, Any]] = []
-            failures: list[str] = []
-            for o, exc, future in self._send(pending):
-                if future is not None:  # in flight: wait on the same send
-                    again.append((o, future))
-                    failures.append(f"still in flight after {self.produce_timeout_s:.0f} s")
-                elif isinstance(exc, REFUSED):
-                    replacement = self._replacement(o, exc)
-                    if replacement is not None:
-                        again.append((replacement, None))
-                else:
-                    again.append((o, None))
-                    failures.append(f"{type(exc).__name__}: {exc}")
-            if failures:
-                self._failed("retry_produce", failures[0])
-                log.error(
-                    "%d of %d records not acknowledged (%s); waiting or sending them again",
-                    len(failures),
-                    len(pending),
-                    failures[0],
-                )
-                if self.stop_event.wait(self.backoff_s):
-                    return False  # stopping: the next owner redoes the batch
-            pending = again
-        return True
-
-    def _send(
-        self, pending: list[tuple[Outgoing, Any]]
-    ) -> list[tuple[Outgoing, KafkaError | None, Any]]:
-        """Send the records of ``pending`` that have no send in flight yet, then wait for
-        every one: those that failed, with why, and those still in flight, with their
-        future (``(o, None, future)``)."""
-        failed: list[tuple[Outgoing, KafkaError | None, Any]] = []
-        sent = []
-        for o, future in pending:
-            if future is not None:
-                sent.append((o, future))
-                continue
-            try:
-                sent.append((o, self.producer.send(o.topic, key=o.key, value=o.value)))
-            except KafkaError as exc:  # e.g. larger than max_request_size (3.x raises here)
-                failed.append((o, exc, None))
-        with contextlib.suppress(KafkaError):  # each future below says what became of its record
-            self.producer.flush(self.produce_timeout_s)
-        for o, future in sent:
-            try:
-                future.get(timeout=self.produce_timeout_s)
-            except KafkaError as exc:
-                if not getattr(future, "is_done", True):
-                    failed.append((o, None, future))  # not failed: not acknowledged yet
-                else:
-                    failed.append((o, exc, None))
-        return failed
-
-    def _replacement(self, o: Outgoing, exc: KafkaError) -> Outgoing | None:
-        """What to send instead of a record the broker refused (None: nothing can be)."""
-        self.stats.refused += 1
-        self._event("refused")
-        why = f"{type(exc).__name__}: {exc}"
-        if o.fallback is not None:
-            log.error(
-                "the broker refused a record for %s (%s); sending a smaller one", o.topic, why
-            )
-            return o.fallback
-        if o.source is not None:
-            log.error(
-                "the broker refused a record for %s (%s); dead-lettering its input %s",
-                o.topic,
-                why,
-                _where(o.source),
-            )
-            return self._dead(
-                o.source, "refused", f"{why} (a {len(o.value)}-byte record for {o.topic})"
-            )
-        self.stats.dropped += 1
-        self._event("dropped")
-        log.error("the broker refused a record for %s (%s); nothing to send instead", o.topic, why)
-        return None
 
     def _track(self, records: list[Any]) -> None:
         for r in records:
@@ -511,7 +418,3 @@ class BatchLoop(Generic[T]):
     def _event(self, name: str) -> None:
         if self.on_event is not None:
             self.on_event(name)
-
-
-def _where(item: Item[Any]) -> str:
-    return f"{item.topic}:{item.partition}@{item.offset}"
