@@ -10,7 +10,8 @@
                       (the reviewers' side, :class:`~worker.review.desk.ReviewDesk`)
     flusher thread    an answer waits ``console_undo_s`` for an undo, then is produced on
                       the labels topic; after the broker's acknowledgement the item is
-                      marked done in Redis and its offset resolved
+                      marked done in Redis and its offset resolved (sender.py,
+                      :class:`~worker.review.sender.LabelSender`)
     consumer thread   commits, per partition, up to the oldest offset still open
                       (:class:`~worker.kafka.offsets.OffsetTracker`: items are answered in
                       any order, so the loop's own per-batch commits are off)
@@ -59,9 +60,9 @@ from schemas import ProbeSpec, ReviewRequest
 from worker.errors import TransientError
 from worker.kafka.batch_loop import BatchLoop, Item, Outgoing
 from worker.kafka.clients import consumer_lag, make_consumer, make_producer
-from worker.learning.labelers import CONSOLE_SIGNER, LabelerKeys
 from worker.review.claims import is_done
-from worker.review.desk import HeadChoice, Held, ReviewDesk, ReviewItem
+from worker.review.desk import HeadChoice, ReviewItem
+from worker.review.sender import LabelSender, failure
 from worker.settings import Settings
 
 __all__ = ["QueueStats", "ReviewItem", "ReviewQueue"]
@@ -92,10 +93,10 @@ class QueueStats:
         return self.waiting + self.claimed + self.lag
 
 
-class ReviewQueue(ReviewDesk):
+class ReviewQueue(LabelSender):
     """The console's queue: the reviewers' desk (:class:`ReviewDesk`) fed from the review
-    topic and emptied onto the labels topic; thread-safe (web requests call it from a
-    thread pool)."""
+    topic and emptied onto the labels topic (:class:`LabelSender`, the flusher thread);
+    thread-safe (web requests call it from a thread pool)."""
 
     def __init__(
         self,
@@ -109,17 +110,10 @@ class ReviewQueue(ReviewDesk):
         self.spec_of = spec_of or (lambda _probe, _version: None)
         self.worker_id = worker_id
         self.lag = 0
-        self.sent = 0
-        self.send_failures = 0
         self.requeued = 0
-        self.last_error = ""
         self._read_to: dict[TopicPartition, int] = {}  # positions of completed batches
-        self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self.producer: Any = None
         self.consumer: Any = None
-        raw_keys = settings.labeler_keys
-        self.labelers = LabelerKeys.parse(raw_keys.get_secret_value() if raw_keys else None)
         self.loop: BatchLoop[ReviewRequest] | None = None
         self.ready = threading.Event()  # the consumer has joined its group
         # Since when the consumer thread's iterations have failed (a broker or Redis that
@@ -320,7 +314,7 @@ class ReviewQueue(ReviewDesk):
                     s.topic_review, key=item.record_key, value=item.request.encode()
                 ).get(timeout=s.kafka_request_timeout_ms / 1000 + 60)
             except Exception as exc:  # kept aside; tried again after the next poll
-                why = f"skipped item {item.key} not put back: {_why(exc)}"
+                why = f"skipped item {item.key} not put back: {failure(exc)}"
                 log.warning("%s; retrying", why)
                 with self.lock:
                     self.requeuing.discard(item.key)
@@ -398,71 +392,6 @@ class ReviewQueue(ReviewDesk):
             except (redis.RedisError, OSError) as exc:
                 log.warning("claim on a moved item not released (%s); it expires", exc)
 
-    # --- the flusher thread ----------------------------------------------------
-
-    def _flush(self) -> None:
-        while not self._stop.wait(0.1):
-            try:
-                self._send_due()
-            except Exception as exc:  # keep the thread; _send_due keeps the answers
-                log.warning("sending labels: %s", exc)
-
-    def _send_due(self) -> None:
-        now = time.monotonic()
-        with self.lock:
-            due = [h for stack in self.held.values() for h in stack if h.due <= now]
-            for h in due:
-                self.held[h.reviewer].remove(h)
-                self.sending.add(h.item.key)
-        if not due:
-            return
-        topic = self.settings.topic_labels
-        futures = []
-        for i, h in enumerate(due):
-            mid = h.label.message_id
-            value = h.label.encode()
-            # Signed as the console's (its reviewers are signed in): the updater then counts
-            # each reviewer as a labeler of its own (console/<reviewer>).
-            signs = self.labelers.signs_for(CONSOLE_SIGNER)
-            headers = self.labelers.sign(CONSOLE_SIGNER, value) if signs else None
-            try:
-                futures.append(
-                    (
-                        h,
-                        self.producer.send(topic, key=mid.encode(), value=value, headers=headers),
-                    )
-                )
-            except Exception as exc:  # e.g. KafkaTimeoutError: no metadata within max_block_ms
-                for rest in due[i:]:  # the next sends would block as long: all wait a round
-                    self._retry(rest, f"label for {mid} not sent: {_why(exc)}")
-                break
-        for h, future in futures:
-            try:
-                future.get(timeout=self.settings.kafka_request_timeout_ms / 1000 + 60)
-            except Exception as exc:  # whatever it was, the answer is kept and sent again
-                self._retry(h, f"label for {h.label.message_id} not acknowledged: {_why(exc)}")
-                continue
-            self._acknowledged(h)
-
-    def _acknowledged(self, h: Held) -> None:
-        try:
-            self.claims.finish(h.item.key, h.reviewer)
-        except (redis.RedisError, OSError) as exc:  # only the restart shortcut is lost
-            log.warning("review item %s not marked done (%s)", h.item.key, exc)
-        with self.lock:
-            self.sending.discard(h.item.key)
-            self._drop(h.item)
-            self.sent += 1
-
-    def _retry(self, h: Held, why: str) -> None:
-        log.warning("%s; retrying", why)
-        with self.lock:
-            self.sending.discard(h.item.key)
-            h.due = time.monotonic() + 2.0
-            self.held.setdefault(h.reviewer, []).insert(0, h)
-            self.send_failures += 1
-            self.last_error = why[:300]
-
 
 class _Revoked(ConsumerRebalanceListener):
     def __init__(self, queue: ReviewQueue) -> None:
@@ -484,7 +413,3 @@ def _positions(consumer: Any) -> dict[TopicPartition, int]:
         if position is not None:
             out[tp] = position
     return out
-
-
-def _why(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
