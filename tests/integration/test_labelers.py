@@ -21,7 +21,8 @@ from worker.learning.labelers import LabelerKeys
 from worker.learning.updater import Updater
 from worker.rollout.changes import Rollout
 from worker.rollout.policy import Policy
-from worker.rollout.status import gather, gather_version, render_version
+from worker.rollout.status import gather, gather_version
+from worker.rollout.status_text import render_version
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.redis import join_texts

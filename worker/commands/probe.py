@@ -158,7 +158,8 @@ def _model(ctx: ProbeContext, args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from worker.rollout.status import gather, render_status
+    from worker.rollout.status import gather
+    from worker.rollout.status_text import render_status
 
     ctx = probe_context(args)
     report = gather(ctx.registry, ctx.evidence, limit=max(1, args.versions), settings=ctx.settings)
@@ -170,7 +171,8 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from worker.rollout.status import gather_version, render_version
+    from worker.rollout.status import gather_version
+    from worker.rollout.status_text import render_version
 
     ctx = probe_context(args)
     detail = gather_version(ctx.registry, ctx.evidence, args.version)
@@ -222,7 +224,7 @@ def _unpin(args: argparse.Namespace) -> int:
 
 
 def _history(args: argparse.Namespace) -> int:
-    from worker.rollout.status import render_history
+    from worker.rollout.status_text import render_history
 
     ctx = probe_context(args)
     events = [e for _, e in ctx.registry.history(max(1, args.count) * (1 if args.all else 20))]
