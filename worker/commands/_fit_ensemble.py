@@ -35,7 +35,7 @@ def run_ensemble(
 ) -> int:
     """``fit`` with several ``--cache``: one probe per LLM, averaged (``--out`` an ensemble)."""
     from probes.files import atomic_write
-    from worker.offline.fit_eval import fit_probe_ensemble, save_ensemble_fit
+    from worker.offline.fit_ensemble import fit_probe_ensemble, save_ensemble_fit
 
     _refuse_single_probe_flags(args, folds)
     fitted, specs = fit_probe_ensemble(

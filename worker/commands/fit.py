@@ -49,7 +49,8 @@ def _run(args: argparse.Namespace) -> int:
     from probes.ensemble import is_ensemble
     from probes.offline.cache import HiddenStateCache
     from schemas import OperatingPoint
-    from worker.offline.fit_eval import fit_summary, save_fit, write_fit_report
+    from worker.offline.fit_eval import save_fit
+    from worker.offline.fit_report import fit_summary, write_fit_report
     from worker.settings import load_settings
 
     _apply_deprecated(args)

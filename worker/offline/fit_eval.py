@@ -1,12 +1,13 @@
 """Offline training glue between caches, the probe library and checkpoints.
 
 The CLI command ``fit`` is a thin wrapper over these functions, which the benchmark
-scripts call directly; evaluation (``eval``) is in :mod:`worker.offline.evaluate`.
+scripts call directly; an ensemble over several LLMs' caches is
+:mod:`worker.offline.fit_ensemble`, what ``fit`` reports of a fit
+:mod:`worker.offline.fit_report`, evaluation (``eval``) :mod:`worker.offline.evaluate`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,18 +21,14 @@ from probes import (
     save_checkpoint,
 )
 from probes.checkpoint import WeightFormat
-from probes.ensemble import member_folder, write_ensemble
-from probes.files import atomic_write
 from probes.offline.cache import HiddenStateCache, features_for
 from probes.offline.cv import CVResult
 from probes.offline.dataset import ProbeDataset
 from probes.offline.depth import DepthSearch
-from probes.offline.ensemble import EnsembleFit, fit_ensemble_cv
 from probes.offline.fit import FitConfig, FitResult, fit
 from probes.offline.select import fit_cv, select_depth
 from schemas import (
     LayerMix,
-    OperatingPoint,
     ProbeSpec,
     TokenPool,
     TrainingCounters,
@@ -44,15 +41,12 @@ __all__ = [
     "dir_size",
     "fit_probe",
     "fit_probe_depth",
-    "fit_probe_ensemble",
-    "fit_summary",
     "load_split",
+    "log_progress",
     "prepare",
     "print_depth_table",
-    "save_ensemble_fit",
     "save_fit",
     "val_figures",
-    "write_fit_report",
 ]
 
 log = logging.getLogger(__name__)
@@ -166,7 +160,7 @@ def fit_probe(
         else f"a {val_fraction:.0%} validation split",
     )
     if val_cache is None and folds >= 2:
-        return fit_cv(spec, data, config, folds=folds, calibrate=calibrate, progress=_log_progress)
+        return fit_cv(spec, data, config, folds=folds, calibrate=calibrate, progress=log_progress)
     if val_cache is not None:
         if val_cache.manifest.llm != cache.manifest.llm:
             raise OfflineError(
@@ -176,7 +170,7 @@ def fit_probe(
         val = load_split(val_cache, opts.token_pool, layers, opts.target).relabel(train.labels)
     else:
         train, val = _split(data, val_fraction, config.seed)
-    return fit(build_probe(spec, seed=config.seed), train, val, config, _log_progress), None
+    return fit(build_probe(spec, seed=config.seed), train, val, config, log_progress), None
 
 
 def prepare(cache: HiddenStateCache, opts: ProbeOptions) -> tuple[ProbeSpec, ProbeDataset]:
@@ -223,89 +217,10 @@ def fit_probe_depth(
             epsilon=epsilon,
             depths=depths,
             calibrate=calibrate,
-            progress=_log_progress,
+            progress=log_progress,
         )
     except ProbeError as exc:
         raise OfflineError(str(exc)) from exc
-
-
-def fit_probe_ensemble(
-    caches: list[HiddenStateCache],
-    opts: ProbeOptions,
-    config: FitConfig,
-    *,
-    folds: int = 3,
-    calibrate: bool = True,
-) -> tuple[EnsembleFit, list[ProbeSpec]]:
-    """One probe of ``opts`` per cache (the same labeled rows, each cache from another LLM,
-    each probe over its own cache's layers), fit by ``folds``-fold cross-validation on the
-    same folds, thresholds on their mean out-of-fold probabilities
-    (:func:`probes.offline.ensemble.fit_ensemble_cv`). Returns the fit and the specs."""
-    llms = [c.manifest.llm for c in caches]
-    if len({llm.digest for llm in llms}) != len(llms):
-        raise OfflineError(
-            "two of the caches were built with the same LLM: an ensemble holds one probe per "
-            "LLM, so give one cache of the same rows per LLM"
-        )
-    if opts.layers is not None:
-        raise OfflineError(
-            "--layers names one LLM's layers; with several caches each probe reads every "
-            "layer its own cache holds"
-        )
-    prepared = [prepare(c, opts) for c in caches]
-    specs = [spec for spec, _ in prepared]
-    for cache, (spec, data) in zip(caches, prepared, strict=True):
-        log.info(
-            "fit %s on %s: %d rows, layers %s, %d-fold cross-validation",
-            spec.name,
-            cache.manifest.llm.model_id,
-            len(data),
-            list(spec.layers),
-            folds,
-        )
-
-    def progress(member: int, row: dict[str, float]) -> None:
-        _log_progress({"member": member, **row})
-
-    try:
-        fitted = fit_ensemble_cv(
-            specs,
-            [data for _, data in prepared],
-            config,
-            folds=folds,
-            calibrate=calibrate,
-            progress=progress,
-        )
-    except ProbeError as exc:
-        raise OfflineError(str(exc)) from exc
-    return fitted, specs
-
-
-def save_ensemble_fit(
-    fitted: EnsembleFit,
-    out: Path,
-    caches: list[HiddenStateCache],
-    *,
-    signing_key: bytes | None = None,
-    weights: WeightFormat = "fp32",
-) -> list[str]:
-    """Write each member as a checkpoint in its own folder of ``out`` (:func:`save_fit`)
-    and ``out/ensemble.json`` over them; returns the members' folder names."""
-    folders = []
-    for i, ((result, cv), cache) in enumerate(zip(fitted.members, caches, strict=True)):
-        folder = member_folder(i, cache.manifest.llm.model_id)
-        save_fit(result, out / folder, cache, signing_key=signing_key, cv=cv, weights=weights)
-        folders.append(folder)
-    report = fitted.oof_report
-    write_ensemble(
-        out,
-        fitted.members[0][0].probe.spec.name,
-        folders,
-        fitted.thresholds,
-        metrics={**val_figures(report), "train_seconds": fitted.seconds},
-        signing_key=signing_key,
-    )
-    return folders
 
 
 def _spec(
@@ -331,7 +246,8 @@ def _spec(
         raise OfflineError(f"invalid probe options: {exc}") from exc
 
 
-def _log_progress(row: dict[str, float]) -> None:
+def log_progress(row: dict[str, float]) -> None:
+    """A fit's progress row (epoch, fold, scores) as one log line."""
     log.info(
         ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
     )
@@ -384,80 +300,6 @@ def save_fit(
         signing_key=signing_key,
         weights=weights,
         drift=result.drift,
-    )
-
-
-def fit_summary(
-    result: FitResult,
-    out: Path,
-    opts: ProbeOptions,
-    *,
-    selection: str,
-    point: OperatingPoint,
-    cv: CVResult | None = None,
-    depth: DepthSearch | None = None,
-) -> dict[str, Any]:
-    """What ``fit`` reports of a fit saved to ``out``: the probe, the validation figures
-    (cross-validated ones with ``cv``; recall at 1 % FPR and ECE beside F1 and AUPRC), how
-    it was selected, the depth search's choice, the calibration per head ({}: none)."""
-    report = result.val_report
-    summary = {
-        "checkpoint": str(out),
-        "probe": result.probe.spec.name,
-        "token_pool": opts.token_pool,
-        "layer_mix": opts.layer_mix,
-        "layers": list(result.probe.layers),
-        "parameters": result.probe.num_parameters(),
-        "epochs": result.epochs,
-        "best_epoch": result.best_epoch,
-        "final": f"soup of {result.soup_of} folds" if result.soup_of else "trained",
-        "train_seconds": round(result.seconds, 2),
-        "thresholds": result.probe.spec.thresholds,
-        **val_figures(report),
-        "val_accuracy": report["accuracy"],
-        "val_macro_f1": report["macro_f1"],
-        "headline": report["headline"],
-        "layer_entropy": result.probe.layer_entropy(),
-        "selection": selection,
-        "operating_point": str(point),
-    }
-    if depth is not None:
-        summary.update(
-            depth_chosen=depth.chosen, depth_best=depth.best, depth_epsilon=depth.epsilon
-        )
-    if cv is not None:
-        summary.update({f"cv_{k}": v for k, v in cv.summary().items()})
-        summary.update({f"cv_{k}": v for k, v in cv.calibration_report.items()})
-    summary["calibration"] = {
-        name: {"temperature": round(c.temperature, 4), "bias": c.bias}
-        for name, c in result.probe.spec.calibration.items()
-    }
-    return summary
-
-
-def write_fit_report(
-    out: Path,
-    summary: dict[str, Any],
-    result: FitResult,
-    *,
-    cv: CVResult | None = None,
-    depth: DepthSearch | None = None,
-) -> None:
-    """``out/fit-report.json``: the summary, the training history, the validation report,
-    each fold and the depth table."""
-    atomic_write(
-        out / "fit-report.json",
-        json.dumps(
-            {
-                "summary": summary,
-                "history": result.history,
-                "val_report": result.val_report,
-                "folds": [vars(f) for f in cv.folds] if cv is not None else [],
-                "depth": depth.table() if depth is not None else None,
-            },
-            default=str,
-            indent=1,
-        ),
     )
 
 
