@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas import HumanLabel, Verdict, utcnow
-from worker.demo.run import embedded_stack, run_names
+from worker.demo.stack import embedded_stack, run_names
 from worker.guard import Guard, GuardedReply
 from worker.kafka.clients import ensure_topics, make_producer
 from worker.learning.updater import Updater

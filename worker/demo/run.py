@@ -18,21 +18,18 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kafka import KafkaConsumer
-from pydantic import SecretStr
-
 from probes import spread_layers
 from probes.files import atomic_write, private_dir
-from schemas import ChatMessage, HumanLabel, LabeledText, ProbeSpec, Verdict, utcnow
+from schemas import LabeledText, ProbeSpec
 from worker.defaults import serving_default
 from worker.demo.figures import Observed, final_figures, snapshot
-from worker.embedded import EmbeddedBroker, EmbeddedRedis
-from worker.kafka.clients import ensure_topics, make_producer, reader_config
+from worker.demo.stack import embedded_stack, run_names
+from worker.demo.traffic import Observer, Replay
+from worker.kafka.clients import ensure_topics
 from worker.learning.updater import Updater
 from worker.llm.extract import HiddenStateExtractor
 from worker.offline.labeled import read_labeled
@@ -41,7 +38,7 @@ from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.redis import Keys, make_redis
 
-__all__ = ["DemoOptions", "DemoRun", "default_data", "embedded_stack", "run_demo", "run_names"]
+__all__ = ["DemoOptions", "DemoRun", "default_data", "run_demo"]
 
 log = logging.getLogger(__name__)
 
@@ -107,42 +104,6 @@ def demo_spec(
         labels=labels,
         flag_labels=flags,
     )
-
-
-@contextlib.contextmanager
-def embedded_stack(base: Settings, *, keep: bool = False) -> Iterator[Settings]:
-    """``base`` pointed at a broker and a Redis: the configured ones
-    (``PROBEGUARD_KAFKA_BOOTSTRAP``, ``PROBEGUARD_REDIS_URL``), else embedded ones started
-    here and stopped at the end (``keep``: left running)."""
-    broker = redis_server = None
-    updates: dict[str, Any] = {}
-    try:
-        if "kafka_bootstrap" not in base.model_fields_set:
-            broker = EmbeddedBroker().start()
-            updates["kafka_bootstrap"] = broker.bootstrap
-        if base.redis_url is None:
-            redis_server = EmbeddedRedis().start()
-            updates["redis_url"] = SecretStr(redis_server.url)  # model_copy won't convert
-        yield base.model_copy(update=updates)
-    finally:
-        if keep:
-            for name, svc in (("broker", broker), ("redis", redis_server)):
-                if svc is not None:
-                    log.info("--keep: %s left running (pid %s)", name, svc.pid)
-        else:
-            for svc in (broker, redis_server):
-                if svc is not None:
-                    svc.stop()
-
-
-def run_names(tag: str) -> dict[str, str]:
-    """Settings that give one run its own Redis key prefix, topics and consumer groups."""
-    names = {"redis_prefix": tag}
-    for topic in ("chat", "labels", "verdicts", "review", "dead_letter"):
-        names[f"topic_{topic}"] = f"{tag}.{topic.replace('_', '-')}"
-    for group in ("scorer", "updater", "console"):
-        names[f"group_{group}"] = f"{tag}-{group}"
-    return names
 
 
 class DemoRun:
@@ -214,8 +175,22 @@ class DemoRun:
             threading.Thread(target=r.run, name=n, daemon=True)
             for n, r in (("updater", self.updater), ("scorer", self.scorer))
         ]
-        threads.append(threading.Thread(target=self._observe, name="observer", daemon=True))
-        threads.append(threading.Thread(target=self._replay, name="replay", daemon=True))
+        observer = Observer(settings, self.obs, self.stop)
+        o = self.opts
+        replay = Replay(
+            settings,
+            self.rows,
+            self.run_id,
+            self.obs,
+            self.stop,
+            self.replay_done,
+            repeat=o.repeat,
+            rate=o.rate,
+            label_share=o.label_share,
+            label_delay_s=o.label_delay_s,
+        )
+        threads.append(threading.Thread(target=observer.run, name="observer", daemon=True))
+        threads.append(threading.Thread(target=replay.run, name="replay", daemon=True))
         for t in threads:
             t.start()
         return threads
@@ -260,100 +235,6 @@ class DemoRun:
                 role.stop()
         for t in threads:
             t.join(60)
-
-    # --- threads -------------------------------------------------------------
-
-    def _replay(self) -> None:
-        settings = self.settings
-        assert settings is not None
-        producer = make_producer(settings)
-        pending: list[tuple[float, HumanLabel]] = []
-        interval = 1.0 / self.opts.rate if self.opts.rate > 0 else 0.0
-        n = 0
-        try:
-            for rep in range(self.opts.repeat):
-                for i, row in enumerate(self.rows):
-                    if self.stop.is_set():
-                        return
-                    mid = f"{self.run_id}-{rep}-{i}"
-                    msg = ChatMessage.build(
-                        settings.limits,
-                        message_id=mid,
-                        conversation_id=f"conv-{i % 17}",
-                        text=row.text[: settings.max_text_chars],
-                        created_at=utcnow(),
-                    )
-                    with self.obs.lock:
-                        self.obs.sent[mid] = time.time()
-                    producer.send(settings.topic_chat, key=mid.encode(), value=msg.encode())
-                    share = self.opts.label_share  # label every message where the share ticks over
-                    if int((n + 1) * share) > int(n * share):
-                        pending.append(
-                            (
-                                time.time() + self.opts.label_delay_s,
-                                HumanLabel.build(
-                                    settings.limits,
-                                    message_id=mid,
-                                    probe="demo",
-                                    label=row.label,
-                                    labeler_id="demo-reviewer",
-                                    created_at=utcnow(),
-                                    text=msg.text,
-                                ),
-                            )
-                        )
-                        with self.obs.lock:
-                            self.obs.truth[mid] = str(row.label)
-                    n += 1
-                    pending = self._send_due(producer, pending, settings.topic_labels)
-                    self.stop.wait(interval)
-            while pending and not self.stop.is_set():
-                pending = self._send_due(producer, pending, settings.topic_labels)
-                self.stop.wait(0.1)
-        finally:
-            producer.flush(30)
-            producer.close()
-            self.replay_done.set()
-
-    def _send_due(
-        self, producer: Any, pending: list[tuple[float, HumanLabel]], topic: str
-    ) -> list[tuple[float, HumanLabel]]:
-        now = time.time()
-        for _, label in (p for p in pending if p[0] <= now):
-            producer.send(topic, key=label.message_id.encode(), value=label.encode())
-            with self.obs.lock:
-                self.obs.labels_sent += 1
-        return [p for p in pending if p[0] > now]
-
-    def _observe(self) -> None:
-        settings = self.settings
-        assert settings is not None
-        consumer = KafkaConsumer(
-            settings.topic_verdicts,
-            settings.topic_review,
-            settings.topic_dead_letter,
-            **reader_config(settings),
-        )
-        try:
-            while not self.stop.is_set():
-                for tp, records in consumer.poll(timeout_ms=200).items():
-                    self._record(tp.topic, records)
-        finally:
-            consumer.close()
-
-    def _record(self, topic: str, records: list[Any]) -> None:
-        settings = self.settings
-        assert settings is not None
-        now = time.time()
-        with self.obs.lock:
-            if topic == settings.topic_verdicts:
-                for r in records:
-                    v = Verdict.decode(r.value)
-                    self.obs.verdicts.setdefault(v.message_id, (now, v))
-            elif topic == settings.topic_review:
-                self.obs.reviews += len(records)
-            else:
-                self.obs.dead_letters += len(records)
 
 
 def run_demo(
