@@ -14,6 +14,16 @@ from schemas.cache import (
     StateDtype,
     SummaryKind,
 )
+from schemas.checkpoint import (
+    CheckpointEvent,
+    CheckpointManifest,
+    EnsembleManifest,
+    EnsembleMember,
+    EventKind,
+    LLMFingerprint,
+    Stage,
+    TrainingCounters,
+)
 from schemas.drift import DRIFT_BINS, DriftReference, DriftSnapshot
 from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.messages import (
@@ -30,21 +40,13 @@ from schemas.messages import (
 )
 from schemas.operating_point import OperatingPoint
 from schemas.probe import (
-    CheckpointEvent,
-    CheckpointManifest,
-    EnsembleManifest,
-    EnsembleMember,
-    EventKind,
     ExitSpec,
     HeadCalibration,
     HeadSpec,
     LayerMix,
-    LLMFingerprint,
     ProbeSpec,
-    Stage,
     Task,
     TokenPool,
-    TrainingCounters,
 )
 from schemas.rollout import DecidedRecord, ProbeDecision
 

@@ -13,8 +13,8 @@ from pydantic import (
 )
 
 from schemas.base import WireModel
+from schemas.checkpoint import LLMFingerprint
 from schemas.limits import LabelName
-from schemas.probe import LLMFingerprint
 
 __all__ = [
     "CacheEncryption",
