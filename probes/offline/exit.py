@@ -164,46 +164,10 @@ def search_exit(
     soups: dict[int, dict[str, Tensor]] = {}
     alone: dict[int, float] = {}  # each layer's exit head alone, out of fold (AUPRC)
     for k in candidates:
-        view = _exit_view(spec, ExitSpec(layer=k, token_pool=pool))
-        one = _exit_rows(data, k, pool)
-        # Every fold standardizes by all rows' statistics and starts from one seed, so the
-        # fold heads average into one (the soup), as fit_cv's final probe does.
-        stats = one.input_stats() if config.standardize else None
-        logits = torch.empty(len(data), len(spec.labels))
-        states: list[dict[str, Tensor]] = []
-        for f in range(folds):
-            held = (fold == f).nonzero().flatten()
-            train = (fold != f).nonzero().flatten()
-            trained = fit(
-                build_probe(view, seed=config.seed),
-                one.subset(train),
-                None,
-                exit_config,
-                input_stats=stats,
-                reference=False,
-            ).probe.eval()
-            logits[held] = _logits(trained, one, held)
-            states.append(trained.state_dict())
-        soups[k] = mean_state(states)
-        temperature, bias = fit_calibration(spec, logits, data.targets)
-        probs = calibrated(spec, logits, temperature, bias)
-        risk = flag_risk(spec, probs).double().numpy()
-        early = _flag_score(spec, probs.double().numpy())
-        alone[k] = average_precision(y, early)
-        for t in THRESHOLDS:
-            exited = risk < t
-            share = float(exited.mean())
-            tokens = None if lengths is None else float(lengths[exited].sum() / lengths.sum())
-            auprc = average_precision(y, np.where(exited, early, full))
-            cost = exit_cost(k, deepest, share if tokens is None else tokens)
-            missed = float(exited[y].mean()) if y.any() else 0.0
-            rows.append(ExitRow(k, t, temperature, share, auprc, cost, bias, missed, tokens))
-    ok = [
-        r
-        for r in rows
-        if r.auprc >= full_auprc - epsilon and r.missed <= max_missed and r.cost <= 1 - min_saving
-    ]
-    chosen = min(ok, key=lambda r: (r.cost, -r.auprc)) if ok else None
+        logits, soups[k] = _fold_heads(spec, data, k, pool, fold, folds, config, exit_config)
+        layer_rows, alone[k] = _threshold_rows(spec, k, logits, data.targets, y, full, lengths)
+        rows += layer_rows
+    chosen = _choose(rows, full_auprc - epsilon, max_missed, 1 - min_saving)
     search = ExitSearch(full_auprc, rows, chosen, epsilon=epsilon, pool=pool)
     if chosen is None:
         search.notes.append(
@@ -217,20 +181,125 @@ def search_exit(
         bias=chosen.bias,
         allow_below=chosen.allow_below,
     )
-    one = _exit_rows(data, chosen.layer, pool)
+    soup, floor = soups[chosen.layer], alone[chosen.layer]
+    head = _served_head(spec, data, exit_spec, chosen, soup, floor, y, config)
+    if head is None:
+        search.notes.append("the soup of the fold exit heads fell apart: refit on every row")
+        head = _refit_head(spec, data, exit_spec, config, exit_config)
+    search.probe = attach_exit(probe, head, exit_spec)
+    return search
+
+
+def _choose(
+    rows: list[ExitRow], min_auprc: float, max_missed: float, max_cost: float
+) -> ExitRow | None:
+    """The cheapest row (then the best AUPRC) whose cascade keeps ``min_auprc``, misses at
+    most ``max_missed`` of the flagged rows and costs at most ``max_cost``; None: none."""
+    ok = [r for r in rows if r.auprc >= min_auprc and r.missed <= max_missed and r.cost <= max_cost]
+    return min(ok, key=lambda r: (r.cost, -r.auprc)) if ok else None
+
+
+def _fold_heads(
+    spec: ProbeSpec,
+    data: ProbeDataset,
+    k: int,
+    pool: TokenPool,
+    fold: Tensor,
+    folds: int,
+    config: FitConfig,
+    exit_config: FitConfig,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Layer ``k``'s exit head fitted on each fold's complement: its out-of-fold logits
+    ``[N, C]`` and the soup of the fold heads' weights."""
+    view = _exit_view(spec, ExitSpec(layer=k, token_pool=pool))
+    one = _exit_rows(data, k, pool)
+    # Every fold standardizes by all rows' statistics and starts from one seed, so the
+    # fold heads average into one (the soup), as fit_cv's final probe does.
+    stats = one.input_stats() if config.standardize else None
+    logits = torch.empty(len(data), len(spec.labels))
+    states: list[dict[str, Tensor]] = []
+    for f in range(folds):
+        held = (fold == f).nonzero().flatten()
+        train = (fold != f).nonzero().flatten()
+        trained = fit(
+            build_probe(view, seed=config.seed),
+            one.subset(train),
+            None,
+            exit_config,
+            input_stats=stats,
+            reference=False,
+        ).probe.eval()
+        logits[held] = _logits(trained, one, held)
+        states.append(trained.state_dict())
+    return logits, mean_state(states)
+
+
+def _threshold_rows(
+    spec: ProbeSpec,
+    k: int,
+    logits: Tensor,
+    targets: Tensor,
+    y: np.ndarray,
+    full: np.ndarray,
+    lengths: np.ndarray | None,
+) -> tuple[list[ExitRow], float]:
+    """Layer ``k``'s exit head calibrated on its out-of-fold ``logits``, then one row per
+    threshold of :data:`THRESHOLDS` (the cascade's AUPRC, cost and misses when it exits
+    below it); and the head's AUPRC alone."""
+    deepest = spec.deepest_layer
+    temperature, bias = fit_calibration(spec, logits, targets)
+    probs = calibrated(spec, logits, temperature, bias)
+    risk = flag_risk(spec, probs).double().numpy()
+    early = _flag_score(spec, probs.double().numpy())
+    rows = []
+    for t in THRESHOLDS:
+        exited = risk < t
+        share = float(exited.mean())
+        tokens = None if lengths is None else float(lengths[exited].sum() / lengths.sum())
+        auprc = average_precision(y, np.where(exited, early, full))
+        cost = exit_cost(k, deepest, share if tokens is None else tokens)
+        missed = float(exited[y].mean()) if y.any() else 0.0
+        rows.append(ExitRow(k, t, temperature, share, auprc, cost, bias, missed, tokens))
+    return rows, average_precision(y, early)
+
+
+def _served_head(
+    spec: ProbeSpec,
+    data: ProbeDataset,
+    exit_spec: ExitSpec,
+    chosen: ExitRow,
+    soup: dict[str, Tensor],
+    alone: float,
+    y: np.ndarray,
+    config: FitConfig,
+) -> Probe | None:
+    """The chosen layer's exit head as the soup of its fold heads, or None when that soup
+    ranks the rows worse than the fold heads did alone (then the caller refits)."""
+    one = _exit_rows(data, chosen.layer, exit_spec.token_pool)
     view = _exit_view(spec, exit_spec)
     head = build_probe(view, seed=config.seed)
-    head.load_state_dict(soups[chosen.layer])
+    head.load_state_dict(soup)
     head.eval()
     # As fit_cv's soup: fold heads that left the shared basin average to weights that rank
     # the rows they all trained on worse than each ranked rows it never saw.
     soup_logits = _logits(head, one, torch.arange(len(data)))
     seen = calibrated(spec, soup_logits, chosen.temperature, chosen.bias).double().numpy()
-    if not average_precision(y, _flag_score(spec, seen)) >= alone[chosen.layer]:
-        search.notes.append("the soup of the fold exit heads fell apart: refit on every row")
-        head = fit(build_probe(view, seed=config.seed), one, None, exit_config).probe.eval()
-    search.probe = attach_exit(probe, head, exit_spec)
-    return search
+    if not average_precision(y, _flag_score(spec, seen)) >= alone:
+        return None
+    return head
+
+
+def _refit_head(
+    spec: ProbeSpec,
+    data: ProbeDataset,
+    exit_spec: ExitSpec,
+    config: FitConfig,
+    exit_config: FitConfig,
+) -> Probe:
+    """The exit head fitted once on every row (when the fold heads' soup fell apart)."""
+    one = _exit_rows(data, exit_spec.layer, exit_spec.token_pool)
+    view = _exit_view(spec, exit_spec)
+    return fit(build_probe(view, seed=config.seed), one, None, exit_config).probe.eval()
 
 
 def _exit_rows(data: ProbeDataset, layer: int, pool: str) -> ProbeDataset:
