@@ -259,33 +259,13 @@ def fit(
     every epoch's weights (for cross-validation, which picks the epoch from several folds'
     curves); ``input_stats`` standardizes by these instead of the training split's;
     ``reference=False`` skips the drift statistics (a fold model is never served)."""
-    splits = [("train", train)] + ([("validation", val)] if val is not None else [])
-    for name, data in splits:
-        if data.layers != list(probe.spec.layers) or data.labels != list(probe.spec.labels):
-            raise ProbeError(
-                f"{name} data has layers {data.layers} and labels {data.labels}; the probe reads "
-                f"layers {probe.spec.layers} with labels {probe.spec.labels}"
-            )
-        if len(data) == 0:
-            raise ProbeError(f"the {name} split is empty")
+    _check_splits(probe, train, val)
     started = time.perf_counter()
     g = torch.Generator().manual_seed(config.seed)
     if config.standardize:
         probe.set_input_stats(*(input_stats or train.input_stats()))
     probe.pool.gradient_checkpointing = config.gradient_checkpointing
-    weights = class_weights(train) if config.balance == "weights" else None
-    learner = Learner(
-        probe,
-        lr=config.lr,
-        weight_decay=config.weight_decay,
-        class_weights=weights,
-        layer_lr_scale=config.layer_lr_scale,
-        mix_entropy=config.mix_entropy,
-    )
-    best_score, best_state, best_epoch = float("-inf"), None, 0
-    history: list[dict[str, float]] = []
-    val_probs: list[Tensor] = []
-    epoch_states: list[dict[str, Tensor]] = []
+    learner = _learner(probe, train, config)
     # Balanced sampling draws other rows every epoch, so its batches are padded per step.
     prepadded = (
         _Prepadded(train, config.batch_size, g)
@@ -304,35 +284,12 @@ def fit(
         order = _epoch_order(train, config, g)
         return (train.batch(idx) for idx in _batches(train, config.batch_size, order, g))
 
+    run = _Epochs(record_val_probs=record_val_probs, keep_states=keep_states)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)  # dropout
-        for epoch in range(1, config.max_epochs + 1):
-            losses = []
-            for hidden, mask, y in epoch_batches():
-                losses.append(learner.learn_many(hidden, mask, y))
-            row: dict[str, float] = {"epoch": epoch, "train_loss": sum(losses) / len(losses)}
-            if keep_states:
-                epoch_states.append(copy.deepcopy(probe.state_dict()))
-            if val is None:
-                history.append(row)
-                if progress is not None:
-                    progress(row)
-                continue
-            probs = predict_dataset(probe, val, prepadded=val_prepadded)
-            if record_val_probs:
-                val_probs.append(probs)
-            score, logged = epoch_score(probe.spec, probs, val.targets, config.monitor)
-            row.update(logged)
-            history.append(row)
-            if progress is not None:
-                progress(row)
-            if score > best_score:
-                best_score, best_epoch = score, epoch
-                best_state = copy.deepcopy(probe.state_dict())
-            elif epoch - best_epoch >= config.patience:
-                break
-    if best_state is not None:
-        probe.load_state_dict(best_state)
+        run.train(probe, learner, epoch_batches, val, val_prepadded, config, progress)
+    if run.best_state is not None:
+        probe.load_state_dict(run.best_state)
     probe.eval()
     report: dict[str, Any] = {}
     if val is not None:
@@ -341,6 +298,7 @@ def fit(
             choose_thresholds(probe.spec, probs, val.targets, point=config.operating_point)
         )
         report = evaluate(probe.spec, probs, val.targets)
+    history, best_epoch = run.history, run.best_epoch
     return FitResult(
         probe=probe,
         best_epoch=best_epoch if val is not None else len(history),
@@ -352,7 +310,87 @@ def fit(
         train_rows=len(train),
         train_counts=dict(zip(train.labels, train.class_counts().tolist(), strict=True)),
         history=history,
-        val_probs=val_probs,
-        epoch_states=epoch_states,
+        val_probs=run.val_probs,
+        epoch_states=run.epoch_states,
         drift=drift_reference(probe, train) if reference else None,
     )
+
+
+def _learner(probe: Probe, train: ProbeDataset, config: FitConfig) -> Learner:
+    """Lion over ``probe`` as ``config`` asks (class weights from ``train`` when balancing
+    by weights)."""
+    weights = class_weights(train) if config.balance == "weights" else None
+    return Learner(
+        probe,
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        class_weights=weights,
+        layer_lr_scale=config.layer_lr_scale,
+        mix_entropy=config.mix_entropy,
+    )
+
+
+def _check_splits(probe: Probe, train: ProbeDataset, val: ProbeDataset | None) -> None:
+    """Refuse a split the probe cannot read (other layers or labels) or an empty one."""
+    splits = [("train", train)] + ([("validation", val)] if val is not None else [])
+    for name, data in splits:
+        if data.layers != list(probe.spec.layers) or data.labels != list(probe.spec.labels):
+            raise ProbeError(
+                f"{name} data has layers {data.layers} and labels {data.labels}; the probe reads "
+                f"layers {probe.spec.layers} with labels {probe.spec.labels}"
+            )
+        if len(data) == 0:
+            raise ProbeError(f"the {name} split is empty")
+
+
+@dataclass
+class _Epochs:
+    """The epochs of one :func:`fit`: its history, the best epoch on validation (early
+    stopping) and, when asked, each epoch's validation probabilities and weights."""
+
+    record_val_probs: bool = False
+    keep_states: bool = False
+    history: list[dict[str, float]] = field(default_factory=list)
+    val_probs: list[Tensor] = field(default_factory=list)
+    epoch_states: list[dict[str, Tensor]] = field(default_factory=list)
+    best_score: float = float("-inf")
+    best_state: dict[str, Tensor] | None = None
+    best_epoch: int = 0
+
+    def train(
+        self,
+        probe: Probe,
+        learner: Learner,
+        epoch_batches: Callable[[], Iterator[Batch]],
+        val: ProbeDataset | None,
+        val_prepadded: _Prepadded | None,
+        config: FitConfig,
+        progress: Callable[[dict[str, float]], None] | None,
+    ) -> None:
+        """Up to ``config.max_epochs`` epochs; with ``val``, stop after ``patience`` epochs
+        without a better monitored score."""
+        for epoch in range(1, config.max_epochs + 1):
+            losses = []
+            for hidden, mask, y in epoch_batches():
+                losses.append(learner.learn_many(hidden, mask, y))
+            row: dict[str, float] = {"epoch": epoch, "train_loss": sum(losses) / len(losses)}
+            if self.keep_states:
+                self.epoch_states.append(copy.deepcopy(probe.state_dict()))
+            if val is None:
+                self.history.append(row)
+                if progress is not None:
+                    progress(row)
+                continue
+            probs = predict_dataset(probe, val, prepadded=val_prepadded)
+            if self.record_val_probs:
+                self.val_probs.append(probs)
+            score, logged = epoch_score(probe.spec, probs, val.targets, config.monitor)
+            row.update(logged)
+            self.history.append(row)
+            if progress is not None:
+                progress(row)
+            if score > self.best_score:
+                self.best_score, self.best_epoch = score, epoch
+                self.best_state = copy.deepcopy(probe.state_dict())
+            elif epoch - self.best_epoch >= config.patience:
+                break
