@@ -18,6 +18,16 @@ class ScorerMetrics:
 
     def __init__(self) -> None:
         r = self.collector = CollectorRegistry()
+        # Registered in this order (the order of the exposition): traffic, time, decisions,
+        # dependencies, drift.
+        self._traffic(r)
+        self._time(r)
+        self._decisions(r)
+        self._dependencies(r)
+        self._drift(r)
+
+    def _traffic(self, r: CollectorRegistry) -> None:
+        """Messages in, dead letters, micro-batch sizes."""
         self.messages = Counter("probeguard_scorer_messages", "Messages scored", registry=r)
         self.dead_letters = Counter(
             "probeguard_scorer_dead_letters", "Payloads dead-lettered", ["kind"], registry=r
@@ -30,6 +40,9 @@ class ScorerMetrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128),
             registry=r,
         )
+
+    def _time(self, r: CollectorRegistry) -> None:
+        """Where a message's time goes: queued, to its verdict, the batch, the LLM, probes."""
         # Produce-to-verdict time, from each record's Kafka timestamp (the producer's clock):
         # how long it queued before its micro-batch was scored, and until its verdict was
         # handed to the producer (issue 26: verdicts leave per micro-batch).
@@ -67,6 +80,9 @@ class ScorerMetrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1),
             registry=r,
         )
+
+    def _decisions(self, r: CollectorRegistry) -> None:
+        """Review requests, flags, the versions served and the checkpoints refused."""
         self.reviews = Counter(
             "probeguard_scorer_reviews", "Review requests routed", ["reason"], registry=r
         )
@@ -91,6 +107,9 @@ class ScorerMetrics:
             ["probe"],
             registry=r,
         )
+
+    def _dependencies(self, r: CollectorRegistry) -> None:
+        """The broker (consumer lag) and Redis (failed and skipped writes)."""
         self.lag = Gauge(
             "probeguard_scorer_consumer_lag", "Records behind the high watermark", registry=r
         )
@@ -105,8 +124,9 @@ class ScorerMetrics:
             registry=r,
         )
 
-        # Drift (worker.scoring.drift): per served version with training statistics, once
-        # its window holds DRIFT_MIN_MESSAGES; the series go when the version stops serving.
+    def _drift(self, r: CollectorRegistry) -> None:
+        """Drift (worker.scoring.drift): per served version with training statistics, once
+        its window holds DRIFT_MIN_MESSAGES; the series go when the version stops serving."""
         self.drift_shift = Gauge(
             "probeguard_scorer_drift_mean_shift",
             "Standardized mean shift of the pooled hidden state's RMS, last DRIFT_WINDOW "
