@@ -26,6 +26,14 @@ def register(sub: argparse._SubParsersAction) -> None:
             "the end, also after Ctrl-C."
         ),
     )
+    _replay_args(p)
+    _output_args(p)
+    _chat_args(p)
+    p.set_defaults(func=_run)
+
+
+def _replay_args(p: argparse.ArgumentParser) -> None:
+    """What is replayed: the labeled file, how often, how fast, how much of it is labeled."""
     p.add_argument(
         "--data",
         type=Path,
@@ -58,6 +66,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="delay before a message's label arrives (default: %(default)s)",
     )
     p.add_argument("--flag-labels", help="comma-separated labels that mean 'flag' (default: guess)")
+
+
+def _output_args(p: argparse.ArgumentParser) -> None:
+    """Where the report goes, what is left running, the console beside it, the time limit."""
     p.add_argument(
         "--out",
         type=Path,
@@ -82,6 +94,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=1800,
         help="stop and report after this long (default: %(default)s)",
     )
+
+
+def _chat_args(p: argparse.ArgumentParser) -> None:
+    """``--chat``: the inline guard instead of the replay."""
     chat = p.add_argument_group(
         "chat (--chat)",
         "Chat with the default LLM (SmolLM2-Instruct) moderated inline by the guard: the "
@@ -102,7 +118,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=64,
         help="longest reply, tokens (default: %(default)s)",
     )
-    p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
