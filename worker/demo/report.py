@@ -308,63 +308,13 @@ def _head_flags(fig_data: dict[str, Any]) -> str:
 def write_report(fig_data: dict[str, Any], out: Path, *, title: str = "probeguard demo") -> Path:
     """Write the plots, ``figures.json`` and ``index.html`` into ``out``; returns the page."""
     private_dir(out)
-    images = [
-        plot_learning(fig_data, out / "learning.png"),
-        plot_confusion(fig_data, out / "confusion.png"),
-        plot_latency(fig_data, out / "latency.png"),
-        plot_throughput(fig_data, out / "throughput.png"),
-    ]
-    lw = fig_data.get("layer_weights") or {}
-    if lw:
-        images.append(
-            plot_layer_weights(
-                lw["layers"],
-                lw["weights"],
-                out / "layer_weights.png",
-                title="learned layer weights",
-            ).name
-        )
-    use = fig_data.get("class_layers") or {}
-    keep = [i for i, n in enumerate(use.get("rows", [])) if n > 0]  # labels with data only
-    if keep:
-        images.append(
-            plot_class_layers(
-                [use["labels"][i] for i in keep],
-                use["layers"],
-                [use["shares"][i] for i in keep],
-                out / "class_layers.png",
-                title="per-label layer use: each layer's share of the label's logit gap "
-                f"(replay buffer, {sum(use['rows'])} labeled messages)",
-            ).name
-        )
+    imgs = _figures_html(_plots(fig_data, out))
     headline = "\n".join(
         f'<tr><td>{html.escape(what)}</td><td>{n}</td><td class="f1">{_esc(a)}</td>'
         f'<td class="f1">{_esc(b)}</td><td class="f1">{_esc(c)}</td></tr>'
         for what, n, a, b, c in headline_rows(fig_data)
     )
-    rows: list[tuple[str, Any]] = [
-        (label, f"{fig_data[key]:.1f}" if key.endswith(("_s", "_ms")) else fig_data[key])
-        for key, label in _TABLE_KEYS
-    ]
-    versions = fig_data["versions"]
-    if versions:
-        last = versions[-1]
-        rows += [
-            ("versions published", len(versions)),
-            ("final version", f"v{last['version']}"),
-            ("updater test-then-train F1 (last version)", last["f1"]),
-            ("updater test-then-train AUPRC (last version)", last["auprc"]),
-        ]
-    table = "\n".join(f"<tr><td>{html.escape(str(k))}</td><td>{_esc(v)}</td></tr>" for k, v in rows)
-    # Latency and throughput two a row; the rest whole (a layer plot over every layer of
-    # the default's 31 is too wide for half a row: its labels shrank below reading size).
-    small = [name for name in images if name in {"latency.png", "throughput.png"}]
-    wide = [name for name in images if name not in small]
-    imgs = "\n".join(f'<figure><img src="{name}" alt="{name}"></figure>' for name in wide)
-    imgs += '<div class="grid">' + "".join(
-        f'<figure><img src="{name}" alt="{name}"></figure>' for name in small
-    )
-    imgs += "</div>"
+    table = _run_table(fig_data)
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>body{{font-family:sans-serif;max-width:62em;margin:2em auto;padding:0 1em;color:#222}}
@@ -394,6 +344,72 @@ runs ahead of the served versions, which are published every few labels.</p>
     slim = {k: v for k, v in fig_data.items() if k not in ("latency_ms", "arrivals_s")}
     atomic_write(out / "figures.json", json.dumps(slim, indent=1, default=str))
     return out / "index.html"
+
+
+def _plots(fig_data: dict[str, Any], out: Path) -> list[str]:
+    """Draw the report's plots into ``out``; their file names (the layer plots only when
+    the run has their data)."""
+    images = [
+        plot_learning(fig_data, out / "learning.png"),
+        plot_confusion(fig_data, out / "confusion.png"),
+        plot_latency(fig_data, out / "latency.png"),
+        plot_throughput(fig_data, out / "throughput.png"),
+    ]
+    lw = fig_data.get("layer_weights") or {}
+    if lw:
+        images.append(
+            plot_layer_weights(
+                lw["layers"],
+                lw["weights"],
+                out / "layer_weights.png",
+                title="learned layer weights",
+            ).name
+        )
+    use = fig_data.get("class_layers") or {}
+    keep = [i for i, n in enumerate(use.get("rows", [])) if n > 0]  # labels with data only
+    if keep:
+        images.append(
+            plot_class_layers(
+                [use["labels"][i] for i in keep],
+                use["layers"],
+                [use["shares"][i] for i in keep],
+                out / "class_layers.png",
+                title="per-label layer use: each layer's share of the label's logit gap "
+                f"(replay buffer, {sum(use['rows'])} labeled messages)",
+            ).name
+        )
+    return images
+
+
+def _run_table(fig_data: dict[str, Any]) -> str:
+    """The run's figures and the versions it published, as table rows."""
+    rows: list[tuple[str, Any]] = [
+        (label, f"{fig_data[key]:.1f}" if key.endswith(("_s", "_ms")) else fig_data[key])
+        for key, label in _TABLE_KEYS
+    ]
+    versions = fig_data["versions"]
+    if versions:
+        last = versions[-1]
+        rows += [
+            ("versions published", len(versions)),
+            ("final version", f"v{last['version']}"),
+            ("updater test-then-train F1 (last version)", last["f1"]),
+            ("updater test-then-train AUPRC (last version)", last["auprc"]),
+        ]
+    return "\n".join(f"<tr><td>{html.escape(str(k))}</td><td>{_esc(v)}</td></tr>" for k, v in rows)
+
+
+def _figures_html(images: list[str]) -> str:
+    """The plots as figures: latency and throughput side by side, the others full width."""
+    # Latency and throughput two a row; the rest whole (a layer plot over every layer of
+    # the default's 31 is too wide for half a row: its labels shrank below reading size).
+    small = [name for name in images if name in {"latency.png", "throughput.png"}]
+    wide = [name for name in images if name not in small]
+    imgs = "\n".join(f'<figure><img src="{name}" alt="{name}"></figure>' for name in wide)
+    imgs += '<div class="grid">' + "".join(
+        f'<figure><img src="{name}" alt="{name}"></figure>' for name in small
+    )
+    return imgs + "</div>"
 
 
 def _fmt(v: Any) -> str:
