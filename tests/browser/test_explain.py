@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from tests.browser.conftest import Stack, sign_in
-from worker.explain.breakdown import explain, source_from_registry, verify
+from worker.explain.breakdown import explain
+from worker.explain.source import source_from_registry, verify
 from worker.llm.extract import HiddenStateExtractor
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from tests.browser.conftest import Stack, sign_in
-from worker.explain.breakdown import ExplainOptions, explain, source_from_registry, verify
+from worker.explain.breakdown import ExplainOptions, explain
 from worker.explain.render import rank_class
+from worker.explain.source import source_from_registry, verify
 from worker.llm.extract import HiddenStateExtractor
 from worker.llm.tiny import NUM_LAYERS, make_tiny_llm
 

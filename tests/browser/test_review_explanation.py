@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from tests.browser.conftest import Stack, sign_in
-from worker.explain.breakdown import ExplainOptions, explain, source_from_registry, verify
+from worker.explain.breakdown import ExplainOptions, explain
+from worker.explain.source import source_from_registry, verify
 from worker.llm.extract import HiddenStateExtractor
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]

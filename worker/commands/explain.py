@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from worker.commands._common import offline_errors, print_json, settings_with
 
 if TYPE_CHECKING:
-    from worker.explain.breakdown import ProbeSource
+    from worker.explain.source import ProbeSource
     from worker.settings import Settings
 
 __all__ = ["register"]
@@ -93,7 +93,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 @offline_errors
 def _run(args: argparse.Namespace) -> int:
     from worker.errors import ExplainError, ExtractionInputError
-    from worker.explain.breakdown import ExplainOptions, explain, verify
+    from worker.explain.breakdown import ExplainOptions, explain
+    from worker.explain.source import verify
     from worker.llm.extract import HiddenStateExtractor, clean_text
     from worker.llm.load import load_llm
 
@@ -152,7 +153,7 @@ def _run(args: argparse.Namespace) -> int:
 def _text(args: argparse.Namespace, settings: Settings) -> str:
     if args.message_id is None:
         return str(args.text)
-    from worker.explain.breakdown import cached_text
+    from worker.explain.source import cached_text
     from worker.store.redis import keys_for, make_text_redis
 
     with make_text_redis(settings) as client:
@@ -160,7 +161,7 @@ def _text(args: argparse.Namespace, settings: Settings) -> str:
 
 
 def _source(args: argparse.Namespace, settings: Settings) -> ProbeSource:
-    from worker.explain.breakdown import source_from_checkpoint, source_from_registry
+    from worker.explain.source import source_from_checkpoint, source_from_registry
 
     if args.checkpoint is not None:
         return source_from_checkpoint(args.checkpoint)

@@ -19,13 +19,8 @@ from typing import TYPE_CHECKING, Any
 from probes.errors import ProbeError
 from schemas import ProbeSpec
 from worker.errors import ExplainError, ProbeguardError, RegistryError
-from worker.explain.breakdown import (
-    ExplainOptions,
-    explain,
-    resolve_version,
-    source_from_registry,
-    verify,
-)
+from worker.explain.breakdown import ExplainOptions, explain
+from worker.explain.source import resolve_version, source_from_registry, verify
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.redis import Keys, keys_for

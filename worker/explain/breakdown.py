@@ -11,9 +11,9 @@
                               tokens compared at the lens position)
 
 The probe comes from a checkpoint directory or from the Redis registry, and is verified
-like a scorer verifies it (sha256, then the LLM fingerprint). The verdict in the report is
-the scorer's own computation (``predict_proba_many`` + ``decide``); the per-layer scores
-recombine into its logits exactly (mix-weighted sum).
+like a scorer verifies it (sha256, then the LLM fingerprint): :mod:`worker.explain.source`.
+The verdict in the report is the scorer's own computation (``predict_proba_many`` +
+``decide``); the per-layer scores recombine into its logits exactly (mix-weighted sum).
 
 Example::
 
@@ -26,12 +26,10 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from probes.checkpoint import MANIFEST_FILE, TENSORS_FILE, probe_from_bytes
 from probes.decision import decide
 from probes.explain import layer_breakdown, token_weights
 from worker.errors import ExplainError, ExtractionInputError, LensUnavailable
@@ -41,31 +39,8 @@ if TYPE_CHECKING:
     from probes.probe import Probe
     from schemas import CheckpointManifest, ProbeSpec
     from worker.llm.extract import HiddenStateExtractor
-    from worker.store.checkpoints import CheckpointRegistry
-    from worker.store.redis import Keys
 
-__all__ = [
-    "ExplainOptions",
-    "ProbeSource",
-    "cached_text",
-    "explain",
-    "lens_layers",
-    "resolve_version",
-    "source_from_checkpoint",
-    "source_from_registry",
-    "token_id",
-    "verify",
-]
-
-
-@dataclass(frozen=True)
-class ProbeSource:
-    """A checkpoint's two blobs, not yet verified, and where they came from."""
-
-    blob: bytes
-    manifest_json: bytes
-    where: str  # "checkpoint PATH" or "registry live v3"
-    deployment: str | None = None  # the registry's key prefix (its signatures are bound)
+__all__ = ["ExplainOptions", "explain", "lens_layers", "token_id"]
 
 
 @dataclass(frozen=True)
@@ -79,78 +54,6 @@ class ExplainOptions:
     rank: str | None = None  # rank this token at every layer x position (a token's text)
     rank_next: bool = False  # rank each position's actual next token instead
     compare: tuple[str, str] | None = None  # two candidate tokens at the lens position
-
-
-def source_from_checkpoint(path: Path) -> ProbeSource:
-    """A checkpoint directory (``probeguard fit --out``), or a file inside one."""
-    directory = path.parent if path.is_file() else path
-    try:
-        blob = (directory / TENSORS_FILE).read_bytes()
-        manifest = (directory / MANIFEST_FILE).read_bytes()
-    except OSError as exc:
-        raise ExplainError(
-            f"cannot read checkpoint {str(path)!r}: {exc.strerror or exc} (expected a "
-            f"directory with {TENSORS_FILE} and {MANIFEST_FILE}, as `probeguard fit` writes)"
-        ) from exc
-    return ProbeSource(blob, manifest, f"checkpoint {directory}")
-
-
-def source_from_registry(
-    registry: CheckpointRegistry, stage: str, version: int | None
-) -> ProbeSource:
-    """``version``, else the version at ``stage`` (``live`` or ``canary``)."""
-    version, where = resolve_version(registry, stage, version)
-    stored = registry.get(version)  # UnknownVersion / integrity errors name the version
-    return ProbeSource(stored.blob, stored.manifest_json, where, registry.keys.deployment)
-
-
-def resolve_version(
-    registry: CheckpointRegistry, stage: str, version: int | None
-) -> tuple[int, str]:
-    """``version``, else the version at ``stage``, and how to name it (``registry live v3``);
-    nothing downloaded (a caller with the verified probe cached needs no blob)."""
-    if version is None:
-        stages = registry.stages()
-        version = stages.live if stage == "live" else stages.canary
-        if version is None:
-            what = "live version" if stage == "live" else "canary on trial"
-            raise ExplainError(
-                f"probe {registry.probe!r} has no {what} in the registry (prefix "
-                f"{registry.keys.prefix!r}); publish one with `probeguard train`, name one "
-                "with --version, or explain a file with --checkpoint"
-            )
-        where = f"registry {stage} v{version}"
-    else:
-        where = f"registry v{version}"
-    return version, where
-
-
-def cached_text(client: Any, keys: Keys, message_id: str) -> str:
-    """The text scorers cached for ``message_id`` (``{prefix}:text:{id}``)."""
-    raw = client.get(keys.text(message_id))
-    if raw is None:
-        raise ExplainError(
-            f"no cached text for message id {message_id!r} under {keys.text(message_id)!r} "
-            "(never scored, or older than PROBEGUARD_TEXT_CACHE_TTL_S); pass the text instead"
-        )
-    return bytes(raw).decode("utf-8", errors="replace")
-
-
-def verify(
-    source: ProbeSource, extractor: HiddenStateExtractor, signing_key: bytes | None = None
-) -> tuple[Probe, CheckpointManifest]:
-    """The probe, verified as a scorer would: hash, LLM fingerprint and, with a key, the
-    HMAC signature (raises ``probes.IncompatibleCheckpoint`` etc.): a registry version's
-    bound to its deployment, or unbound (published before binding; shown, never served)."""
-    probe, manifest = probe_from_bytes(
-        source.blob,
-        source.manifest_json,
-        extractor.fingerprint,
-        signing_key=signing_key,
-        deployment=source.deployment,
-        unbound_ok=True,
-    )
-    return probe.float().eval(), manifest
 
 
 def lens_layers(num_layers: int, every: int) -> tuple[int, ...]:
@@ -221,10 +124,29 @@ def explain(
         "compare": None,
         "exit": _exit(probe, hidden, mask),
     }
-    index = _position(opts.position, len(positions))
+    states = None
     if lens is not None:
         lens_idx = [wanted.index(layer) for layer in wanted_lens]
         states = ex.hidden[lens_idx, 0][:, positions]  # [L_lens, n, D], real tokens in order
+    _add_lens(report, lens, lens_note, states, wanted_lens, ids, tokens, opts)
+    return report
+
+
+def _add_lens(
+    report: dict[str, Any],
+    lens: LogitLens | None,
+    lens_note: Any,
+    states: torch.Tensor | None,
+    wanted_lens: tuple[int, ...],
+    ids: list[int],
+    tokens: list[str],
+    opts: ExplainOptions,
+) -> None:
+    """The logit lens at the chosen position and the Ecco views (``rank``, ``compare``) into
+    ``report``; without a lens, why not, where they were asked for. ``states``: the lens
+    layers' states of the real tokens ``[L_lens, n, D]`` (None without a lens)."""
+    index = _position(opts.position, len(ids))
+    if lens is not None and states is not None:
         rows = lens.top_k(states[:, index], wanted_lens, opts.top_k)
         report["lens"].update(
             position=index,
@@ -241,7 +163,6 @@ def explain(
             report["rank"] = missing
         if opts.compare is not None:
             report["compare"] = missing
-    return report
 
 
 def token_id(tokenizer: Any, token: str) -> int:
