@@ -1,2 +1,3 @@
-"""How a verdict forms: the per-layer breakdown (breakdown.py) and its terminal/HTML
-rendering (render.py)."""
+"""How a verdict forms: the per-layer breakdown (breakdown.py), the probe it explains
+(source.py: a checkpoint or a registry version, verified) and its terminal/HTML rendering
+(render.py)."""

@@ -1,5 +1,5 @@
 """Kafka plumbing: client factories (``clients``), the at-least-once batch loop every role
-runs (``batch_loop``), an out-of-order offset tracker for inputs answered one at a time
-(``offsets``: the review queue), and what each long-running role shares around it
-(``runtime``: :class:`~worker.kafka.runtime.RoleRuntime`, with health, metrics server and
-stop)."""
+runs (``batch_loop``; its send side, resending until acknowledged, ``delivery``), an
+out-of-order offset tracker for inputs answered one at a time (``offsets``: the review
+queue), and what each long-running role shares around it (``runtime``:
+:class:`~worker.kafka.runtime.RoleRuntime`, with health, metrics server and stop)."""
