@@ -54,7 +54,8 @@ from probes.offline.cache import HiddenStateCache
 from probes.offline.dataset import ProbeDataset
 from schemas import HeadSpec, ProbeSpec
 from worker.defaults import find_default
-from worker.learning.online_learner import LearningConfig, OnlineLearner
+from worker.learning.config import LearningConfig
+from worker.learning.online_learner import OnlineLearner
 from worker.offline.default_recipe import default_spec, split_of
 
 HEAD = HeadSpec(name="jailbreak", task="multilabel", labels=["jailbreaking"])

@@ -44,7 +44,8 @@ from probes.offline.select import held_out
 from probes.targets import encode_target
 from schemas import ProbeSpec
 from worker.defaults import find_default
-from worker.learning.online_learner import LearningConfig, OnlineLearner
+from worker.learning.config import LearningConfig
+from worker.learning.online_learner import OnlineLearner
 from worker.learning.resume import default_spec
 from worker.offline.default_probe import load_source
 from worker.offline.default_recipe import SOURCES

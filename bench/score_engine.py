@@ -119,7 +119,7 @@ def arch(args: argparse.Namespace, settings: Any) -> tuple[Any, Any]:
     """The configured LLM's config and tokenizer (from ``--arch``, or its own files)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from worker.llm.load import resolve_source
+    from worker.llm.source import resolve_source
 
     if args.arch is not None:
         config = AutoConfig.from_pretrained(args.arch)

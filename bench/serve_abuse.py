@@ -94,6 +94,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "would not; 10-19 leaves the cores to the server and the valid clients",
     )
     p.add_argument(
+        "--hostile-cpus",
+        default="",
+        help="pin the hostile clients' process to these CPUs (comma-separated, e.g. 1) and the "
+        "server with the valid clients to the others, in every phase: the attackers' own "
+        "work then takes none of the server's cores, as from another machine (default: "
+        "no pinning)",
+    )
+    p.add_argument(
         "--tiny",
         action="store_true",
         help="a tiny random LLM (worker/llm/tiny.py) and a random probe published for it: "
@@ -212,6 +220,8 @@ def _client_process(
                 )
     if role == "hostile" and args["hostile_nice"]:
         os.nice(args["hostile_nice"])  # the attackers' CPU is theirs, not the server's
+    if role == "hostile" and args["hostile_cpus"]:
+        os.sched_setaffinity(0, args["hostile_cpus"])
     conn.send("warm")
     while (phase := conn.recv()) is not None:
         stop = threading.Event()
@@ -259,6 +269,12 @@ def _client_process(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    hostile_cpus = {int(c) for c in args.hostile_cpus.split(",") if c.strip()}
+    if hostile_cpus:
+        rest = os.sched_getaffinity(0) - hostile_cpus
+        if not rest:
+            raise SystemExit(f"--hostile-cpus {args.hostile_cpus} leaves the server no CPU")
+        os.sched_setaffinity(0, rest)  # before any thread: the server's threads inherit it
     import httpx2
 
     from probes.metrics import percentile
@@ -317,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                 for k in ("warmup", "valid", "seconds", "stalled", "hostile_nice")
             }
             options["max_requests"] = args.max_requests
+            options["hostile_cpus"] = hostile_cpus
             options["kinds"] = set(args.kinds.split(","))
             pipes: list[Any] = []
             procs: list[Any] = []
@@ -387,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "valid_clients": args.valid,
         "hostile_nice": args.hostile_nice,
+        "hostile_cpus": sorted(hostile_cpus),
         "kinds": args.kinds,
         "valid": {
             "idle": {

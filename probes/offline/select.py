@@ -75,7 +75,6 @@ from schemas import HeadCalibration, ProbeSpec
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "CVResult",
     "calibrate_cv",
     "cross_validate",
     "fit_cv",

@@ -48,9 +48,7 @@ from worker.learning.replay import (
 if TYPE_CHECKING:
     from worker.llm.extract import Extraction
 
-# LearningConfig lives in worker.learning.config; listed here for the benches that import it
-# from this module.
-__all__ = ["Labeled", "Learned", "LearningConfig", "OnlineLearner"]
+__all__ = ["Labeled", "Learned", "OnlineLearner"]
 
 log = logging.getLogger(__name__)
 

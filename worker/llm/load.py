@@ -75,7 +75,7 @@ if TYPE_CHECKING:
     from worker.settings import Settings
 
 # LoadedLLM and find_layer_stack live in worker.llm.model, the precision functions in
-# worker.llm.precision, resolve_source in worker.llm.source; they stay importable from here.
+# worker.llm.precision; they stay importable from here.
 __all__ = [
     "LoadedLLM",
     "apply_autocast",
@@ -85,7 +85,6 @@ __all__ = [
     "quantize_llm",
     "resolve_autocast",
     "resolve_device",
-    "resolve_source",
 ]
 
 log = logging.getLogger(__name__)

@@ -34,10 +34,11 @@ from probes.decision import decide
 from probes.files import atomic_write
 from probes.metrics import average_precision, evaluate
 from probes.offline.cache import HiddenStateCache
+from probes.offline.cv import CVResult
 from probes.offline.dataset import ProbeDataset
 from probes.offline.fit import FitConfig, FitResult, predict_dataset
 from probes.offline.multitask import as_multitask, multitask_targets
-from probes.offline.select import CVResult, fit_cv
+from probes.offline.select import fit_cv
 from schemas import ProbeSpec, StateDtype, TokenPool, TrainingCounters
 from worker.errors import OfflineError
 from worker.offline.build_cache import ExtractorLike, build_cache, default_token_layers
