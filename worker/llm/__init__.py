@@ -1,7 +1,9 @@
 """The frozen LLM: everything that imports transformers.
 
-Finding the weights (``source``), loading, GGUF dequantizing and autocast (``load``), the
-LLM's fingerprint hashes (``fingerprint``), hidden-state extraction (``extract``; a text's
+Finding the weights (``source``), loading and GGUF dequantizing (``load``), the loaded
+model and its layer stack (``model``), device, dtype and autocast (``precision``), the
+LLM's fingerprint hashes (``fingerprint``), the canonical text and the chat form
+(``canonical``, ``chat_form``), hidden-state extraction (``extract``; a text's
 cleaning and tokens are ``text``, the cut into passes ``plan``, the forward pass and its
 early exit ``forward``), the logit lens (``lens``), and a tiny random LLM built in-process
 for the tests and the benches (``tiny``).
