@@ -19,9 +19,8 @@ from schemas import ProbeResult, Verdict, utcnow
 from tests.conftest import RedisNamespace
 from tests.serve_helpers import publish
 from worker.embedded import EmbeddedBroker
-from worker.scoring.engine import Judged
+from worker.kafka.outbox import QUEUE_RECORDS, Outbox
 from worker.serve.bodies import INLINE_BYTES
-from worker.serve.outbox import QUEUE_RECORDS, Outbox
 
 pytestmark = pytest.mark.integration
 
@@ -358,10 +357,8 @@ def test_stopping_with_the_broker_away_is_bounded(settings) -> None:
     queue, behind sends that each blocked 60 s on a broker that was away: SIGTERM took
     ~90 s. Now it drops what is queued (counted) and returns within its timeout."""
     with EmbeddedBroker() as broker:
-        s = settings.model_copy(
-            update={"kafka_bootstrap": broker.bootstrap, "serve_verdicts": True}
-        )
-        outbox = Outbox(s, CollectorRegistry()).start()
+        s = settings.model_copy(update={"kafka_bootstrap": broker.bootstrap})
+        outbox = Outbox(s, CollectorRegistry(), verdicts=True, reviews=False).start()
     # The broker is gone before the first record: each send waits for metadata.
     result = ProbeResult(probe="p", version=1, scores={"ok": 1.0}, predicted=["ok"], flagged=False)
     n = QUEUE_RECORDS + 50
@@ -378,7 +375,7 @@ def test_stopping_with_the_broker_away_is_bounded(settings) -> None:
         )
         for i in range(n)
     }
-    outbox.put(Judged(verdicts=verdicts, errors={}), [])
+    outbox.put_judged(verdicts, [])
     errors: list[BaseException] = []
 
     def stop() -> None:

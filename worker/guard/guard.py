@@ -56,13 +56,13 @@ import torch
 from schemas import ChatMessage, Verdict, utcnow
 from worker.errors import ConfigError, ExtractionInputError
 from worker.guard.tap import StateTap
+from worker.kafka.outbox import Outbox
 from worker.llm.chat_form import turn_ids
 from worker.llm.extract import ExitStage, Extraction, HiddenStateExtractor, clean_text
 from worker.llm.load import load_llm
 from worker.llm.model import LoadedLLM
 from worker.scoring.engine import Retain, ScoringEngine
 from worker.scoring.metrics import ScorerMetrics
-from worker.serve.outbox import Outbox
 from worker.settings import Settings
 
 __all__ = ["Guard", "GuardedReply"]
@@ -222,13 +222,7 @@ class Guard:
                 f"the inline guard generates text, and this model has no LM head "
                 f"({llm.lm_head_missing}); load it with load_llm(settings, lm_head=True)"
             )
-        settings = settings.model_copy(
-            update={
-                "probe_watch": "thread",
-                "serve_verdicts": settings.guard_verdicts,
-                "serve_review": settings.guard_review,
-            }
-        )
+        settings = settings.model_copy(update={"probe_watch": "thread"})
         self.settings = settings
         self.llm = llm
         self.model: Any = llm.causal
@@ -242,7 +236,13 @@ class Guard:
             worker_id=worker_id or f"guard-{settings.resolved_worker_id()}",
             metrics=self.metrics,
         )
-        self.outbox = Outbox(settings, self.metrics.collector)
+        self.outbox = Outbox(
+            settings,
+            self.metrics.collector,
+            verdicts=settings.guard_verdicts,
+            reviews=settings.guard_review,
+            name="guard-outbox",
+        )
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._stack = contextlib.ExitStack()
@@ -462,7 +462,7 @@ class Guard:
             self.extractor.captured = None
             self.extractor.tap = None
         if send:
-            self.outbox.put(judged, [message])
+            self.outbox.put_judged(judged.verdicts, judged.reviews)
         if 0 in judged.errors:
             turn.errors.append(f"{message.message_id}: {judged.errors[0]}")
         return judged.verdicts.get(0)

@@ -28,6 +28,7 @@ from worker.errors import KafkaSetupError
 from worker.kafka.batch_loop import BatchLoop, Item, Outgoing, Reject
 from worker.kafka.clients import consumer_lag, ensure_topics
 from worker.kafka.early_join import EarlyJoin
+from worker.kafka.judged import judged_records
 from worker.kafka.runtime import RoleRuntime
 from worker.llm.extract import HiddenStateExtractor
 from worker.scoring.batch import BatchScorer
@@ -199,17 +200,15 @@ class Scorer:
         tokens = sum(counts) + sum(self._tokens.pop(_where(i), 0) for i in items)
         self.planner.observe(tokens, done - started)
         _observe_since(self.metrics.verdict_seconds, items, done)
-        s = self.settings
         out: list[Outgoing | Reject] = [
             Reject(items[pos], "unscorable", reason) for pos, reason in judged.errors.items()
         ]
-        out.extend(
-            Outgoing(s.topic_verdicts, v.message_id.encode(), v.encode(), source=items[pos])
-            for pos, v in judged.verdicts.items()
-        )
-        out.extend(
-            Outgoing(s.topic_review, r.message_id.encode(), r.encode(), source=items[pos])
-            for pos, r in judged.reviews
+        out += judged_records(
+            judged.verdicts,
+            judged.reviews,
+            verdict_topic=self.settings.topic_verdicts,
+            review_topic=self.settings.topic_review,
+            source=items.__getitem__,
         )
         return out
 

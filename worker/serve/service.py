@@ -5,7 +5,7 @@
 uses (the same probes, hot-swapped by the same watcher; the same canary assignment,
 evidence, decided records and review budget), the
 :class:`~worker.serve.batcher.MicroBatcher` that scores concurrent requests together on
-one thread, the Kafka :class:`~worker.serve.outbox.Outbox`, the API keys and the per-key
+one thread, the Kafka :class:`~worker.kafka.outbox.Outbox`, the API keys and the per-key
 rate limiter. A route refuses a request by raising :class:`ApiError`.
 """
 
@@ -22,6 +22,7 @@ import redis
 
 from schemas import ChatMessage, ProbeSpec
 from worker.errors import ExtractionInputError
+from worker.kafka.outbox import Outbox
 from worker.llm.extract import HiddenStateExtractor, clean_text
 from worker.scoring.engine import Retain, ScoringEngine
 from worker.scoring.metrics import ScorerMetrics
@@ -30,7 +31,6 @@ from worker.serve.batcher import Expired, MicroBatcher, Scored
 from worker.serve.bodies import Parser
 from worker.serve.errors import ApiError
 from worker.serve.keys import KeyRing, RateLimiter
-from worker.serve.outbox import Outbox
 from worker.settings import Settings
 
 __all__ = ["ApiError", "Service"]
@@ -64,7 +64,13 @@ class Service:
             worker_id=worker_id or f"serve-{settings.resolved_worker_id()}",
             metrics=self.metrics,
         )
-        self.outbox = Outbox(settings, self.collector)
+        self.outbox = Outbox(
+            settings,
+            self.collector,
+            verdicts=settings.serve_verdicts,
+            reviews=settings.serve_review,
+            name="serve-outbox",
+        )
         self.batcher = MicroBatcher(
             lambda messages, retain: self.engine.judge(
                 messages, retain=retain, review=settings.serve_review
@@ -73,7 +79,7 @@ class Service:
             max_batch=settings.serve_max_batch,
             max_wait_s=settings.serve_max_wait_ms / 1000.0,
             pass_tokens=settings.serve_pass_tokens,
-            after=self.outbox.put,
+            after=lambda judged, _: self.outbox.put_judged(judged.verdicts, judged.reviews),
         )
         self.limiter = RateLimiter(settings.serve_rate_per_key, settings.serve_rate_burst)
         self.tokens = RateLimiter(settings.serve_tokens_per_key, settings.serve_tokens_burst)

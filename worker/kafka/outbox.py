@@ -1,7 +1,9 @@
-"""What ``probeguard serve`` sends to Kafka, off the request path: review requests
-(``PROBEGUARD_SERVE_REVIEW``) and verdicts (``PROBEGUARD_SERVE_VERDICTS``).
+"""What the front doors without a batch loop send to Kafka, off the request path: the
+verdicts and review requests of ``probeguard serve`` (``PROBEGUARD_SERVE_VERDICTS``,
+``PROBEGUARD_SERVE_REVIEW``) and of the inline guard (``PROBEGUARD_GUARD_VERDICTS``,
+``PROBEGUARD_GUARD_REVIEW``), encoded by :func:`~worker.kafka.judged.judged_records`.
 
-The scoring thread hands each judged batch to :meth:`Outbox.put`, which never blocks: a
+The scoring thread hands each judged batch to :meth:`Outbox.put_judged`, which never blocks: a
 bounded queue feeds one sender thread and its idempotent producer, and when the queue is
 full (the broker away for long) records are dropped and counted
 (``probeguard_serve_outbox_dropped_total``): an HTTP answer never waits on the broker. A
@@ -21,13 +23,15 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
-from schemas import ChatMessage
+from schemas import ReviewRequest, Verdict
 from worker.kafka.clients import close_producer, ensure_topics, make_producer
-from worker.scoring.engine import Judged
+from worker.kafka.judged import judged_records
+from worker.kafka.records import Outgoing
 from worker.settings import Settings
 
 __all__ = ["Outbox"]
@@ -37,11 +41,23 @@ QUEUE_RECORDS = 10_000
 
 
 class Outbox:
-    def __init__(self, settings: Settings, collector: CollectorRegistry) -> None:
+    """``verdicts``, ``reviews``: whether each kind is sent (the role's own settings);
+    ``name``: its sender thread's."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        collector: CollectorRegistry,
+        *,
+        verdicts: bool,
+        reviews: bool,
+        name: str = "outbox",
+    ) -> None:
         self.settings = settings
-        self.reviews = settings.serve_review
-        self.verdicts = settings.serve_verdicts
-        self._queue: queue.Queue[tuple[str, bytes, bytes] | None] = queue.Queue(QUEUE_RECORDS)
+        self.verdict_topic = settings.topic_verdicts if verdicts else None
+        self.review_topic = settings.topic_review if reviews else None
+        self.name = name
+        self._queue: queue.Queue[Outgoing | None] = queue.Queue(QUEUE_RECORDS)
         self._thread: threading.Thread | None = None
         self._producer: Any = None
         self._stopping = threading.Event()
@@ -56,17 +72,19 @@ class Outbox:
         )
 
     @property
+    def topics(self) -> list[str]:
+        return [t for t in (self.review_topic, self.verdict_topic) if t is not None]
+
+    @property
     def enabled(self) -> bool:
-        return self.reviews or self.verdicts
+        return bool(self.topics)
 
     def start(self) -> Outbox:
         if not self.enabled:
             return self
-        s = self.settings
-        wanted = ((s.topic_review, self.reviews), (s.topic_verdicts, self.verdicts))
-        ensure_topics(s, [topic for topic, on in wanted if on])
-        self._producer = make_producer(s)
-        self._thread = threading.Thread(target=self._run, name="serve-outbox", daemon=True)
+        ensure_topics(self.settings, self.topics)
+        self._producer = make_producer(self.settings)
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
         return self
 
@@ -93,40 +111,41 @@ class Outbox:
             except queue.Empty:
                 return
             if record is not None:
-                self.dropped.labels(record[0]).inc()
+                self.dropped.labels(record.topic).inc()
 
-    def put(self, judged: Judged, messages: list[ChatMessage]) -> None:
-        """Queue the batch's records (never blocks; drops and counts when full)."""
+    def put_judged(
+        self, verdicts: Mapping[int, Verdict], reviews: Iterable[tuple[int, ReviewRequest]]
+    ) -> None:
+        """Queue a judged batch's records, of the kinds this outbox sends (never blocks)."""
         if self._thread is None or self._stopping.is_set():
             return
-        s = self.settings
-        records: list[tuple[str, bytes, bytes]] = []
-        if self.verdicts:
-            records += [
-                (s.topic_verdicts, v.message_id.encode(), v.encode())
-                for v in judged.verdicts.values()
-            ]
-        if self.reviews:
-            records += [
-                (s.topic_review, r.message_id.encode(), r.encode()) for _, r in judged.reviews
-            ]
+        self.put(
+            judged_records(
+                verdicts, reviews, verdict_topic=self.verdict_topic, review_topic=self.review_topic
+            )
+        )
+
+    def put(self, records: Iterable[Outgoing]) -> None:
+        """Queue records (never blocks; drops and counts when full)."""
+        if self._thread is None or self._stopping.is_set():
+            return
         for record in records:
             try:
                 self._queue.put_nowait(record)
             except queue.Full:
-                self.dropped.labels(record[0]).inc()
+                self.dropped.labels(record.topic).inc()
 
     def _run(self) -> None:
         while not self._stopping.is_set():
             record = self._queue.get()
             if record is None or self._stopping.is_set():
                 if record is not None:
-                    self.dropped.labels(record[0]).inc()
+                    self.dropped.labels(record.topic).inc()
                 self._drop_queued()
                 return
-            topic, key, value = record
+            topic = record.topic
             try:
-                future = self._producer.send(topic, key=key, value=value)
+                future = self._producer.send(topic, key=record.key, value=record.value)
                 future.add_callback(lambda _m, t=topic: self.sent.labels(t).inc())
                 future.add_errback(lambda exc, t=topic: self._failed(t, exc))
             except Exception as exc:  # a record the producer refuses costs only itself
