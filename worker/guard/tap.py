@@ -1,8 +1,7 @@
 """Hidden states taken from a model's own forward passes while it generates.
 
-:class:`StateTap` hooks the blocks whose outputs the probes read (the same hidden-state
-indices as :mod:`worker.llm.extract`: ``0`` the embedding output, ``i`` block ``i``'s
-output, ``num_layers`` the base model's ``last_hidden_state``) and keeps:
+:class:`StateTap` hooks the layers the probes read (:func:`worker.llm.hooks.layer_hooks`,
+the extractor's own hooks and indices) and keeps:
 
 - from the prefill, the prompt's states over one span of positions (the text the probe
   judges, see :mod:`worker.guard.guard`), for those layers only;
@@ -16,11 +15,11 @@ time (batch 1): the hooks are on modules that every caller of the model shares.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
 
 import torch
 
+from worker.llm.hooks import layer_hooks
 from worker.llm.model import LoadedLLM
 
 __all__ = ["StateTap"]
@@ -76,29 +75,5 @@ class StateTap:
     @contextlib.contextmanager
     def attached(self) -> Iterator[StateTap]:
         """The hooks, for the duration of the block (removed however it ends)."""
-        stack, top = self.llm.layer_stack, self.llm.num_layers
-        handles = []
-
-        def before_first(_module: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
-            self._sink(0, args[0] if args else kw["hidden_states"])
-
-        def after(layer: int) -> Callable[..., None]:
-            def hook(_module: Any, _args: Any, output: Any) -> None:
-                if hasattr(output, "last_hidden_state"):  # the base model's output (top)
-                    output = output.last_hidden_state
-                self._sink(layer, output[0] if isinstance(output, tuple) else output)
-
-            return hook
-
-        try:
-            if 0 in self.layers:
-                handles.append(stack[0].register_forward_pre_hook(before_first, with_kwargs=True))
-            for i in self.layers:
-                if 0 < i < top:
-                    handles.append(stack[i - 1].register_forward_hook(after(i)))
-                elif i == top:
-                    handles.append(self.llm.model.register_forward_hook(after(i)))
+        with layer_hooks(self.llm, self.layers, self._sink):
             yield self
-        finally:
-            for handle in handles:
-                handle.remove()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from worker.llm.hooks import Sink, layer_hooks
 from worker.llm.plan import Piece, span_mask
 
 if TYPE_CHECKING:
@@ -33,8 +34,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-Sink = Callable[[int, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -93,52 +92,34 @@ def forward_pass(
 ) -> bool:
     """One forward pass that hands each wanted layer to ``sink`` and stops at the deepest.
 
-    Hooks on the blocks capture the states (no ``output_hidden_states``, which would
-    keep every layer alive); the hook on the deepest wanted block raises
-    :class:`_EarlyExit`. The top index is the model's own ``last_hidden_state``.
+    Hooks capture the states (:func:`~worker.llm.hooks.layer_hooks`; no
+    ``output_hidden_states``, which would keep every layer alive); the deepest wanted
+    layer's raises :class:`_EarlyExit`.
     With ``resume``, the blocks up to its layer are skipped (see :class:`Resume`).
     Returns whether the blocks return tuples (what a later resume must mimic).
     """
-    stack, top = llm.layer_stack, llm.num_layers
     deepest = max(wanted)
-    handles = []
-    as_tuple = [False]
 
-    def before_first(_module: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
-        sink(0, args[0] if args else kw["hidden_states"])
-        if deepest == 0:
+    def stop_at_deepest(layer: int, states: torch.Tensor) -> None:
+        sink(layer, states)
+        if layer == deepest:
             raise _EarlyExit
 
-    def after(layer: int) -> Callable[..., None]:
-        def hook(_module: Any, _args: Any, output: Any) -> None:
-            as_tuple[0] = isinstance(output, tuple)
-            sink(layer, output[0] if isinstance(output, tuple) else output)
-            if layer == deepest:
-                raise _EarlyExit
-
-        return hook
-
-    skipped = list(stack)[: resume.layer] if resume is not None else []
+    skipped = list(llm.layer_stack)[: resume.layer] if resume is not None else []
     # A block may carry a forward of its own already (e.g. accelerate's device hooks).
     own = [block.__dict__.get("forward") for block in skipped]
     try:
         for i, block in enumerate(skipped):
             block.forward = _pass_through(resume, last=i == len(skipped) - 1)
-        if 0 in wanted:
-            handles.append(stack[0].register_forward_pre_hook(before_first, with_kwargs=True))
-        handles += [stack[i - 1].register_forward_hook(after(i)) for i in wanted if 0 < i < top]
-        autocast = llm.autocast
-        try:
-            with torch.autocast(llm.device.type, dtype=autocast, enabled=autocast is not None):
-                output = llm.model(**kwargs)
-        except _EarlyExit:
-            return as_tuple[0]
-        if top in wanted:
-            sink(top, output.last_hidden_state)
-        return as_tuple[0]
+        with layer_hooks(llm, wanted, stop_at_deepest) as hooks:
+            autocast = llm.autocast
+            try:
+                with torch.autocast(llm.device.type, dtype=autocast, enabled=autocast is not None):
+                    llm.model(**kwargs)
+            except _EarlyExit:
+                pass
+            return hooks.as_tuple
     finally:
-        for handle in handles:
-            handle.remove()
         for block, forward in zip(skipped, own, strict=True):
             if forward is None:
                 del block.forward  # the class's forward again
