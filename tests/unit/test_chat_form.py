@@ -70,6 +70,21 @@ def content_ids(text: str) -> list[int]:
     return list(tiny_tokenizer()(text, add_special_tokens=False)["input_ids"])
 
 
+def test_one_frame_says_what_is_pooled_for_the_extractor_and_the_guard() -> None:
+    tok = tiny_tokenizer()
+    turn = turn_ids(tok)
+    text = content_ids("hi")
+    chat_form, raw_inside = turn.frame(), turn.frame(pool_suffix=False)
+    ids = chat_form.ids(text)
+    assert ids == raw_inside.ids(text) == content_ids(CONTEXT + "hi" + SUFFIX)
+    start, end = chat_form.span(len(text))
+    assert ids[start:end] == content_ids("hi" + SUFFIX)  # what the extractor outputs
+    start, end = raw_inside.span(len(text))
+    assert ids[start:end] == text  # the text alone: raw-form probes in the guard
+    ex = HiddenStateExtractor(make_tiny_llm(), max_tokens=64, text_form="chat")
+    assert ex.token_ids("hi") == ids[slice(*chat_form.span(len(text)))]
+
+
 # --- states --------------------------------------------------------------------------------
 
 

@@ -116,7 +116,7 @@ def test_chunk_plan_properties(n: int, max_tokens: int, max_chunks: int, keep: s
     assert [t for c in chunks for t in c] == truncate(content, budget * max_chunks, keep)  # type: ignore[arg-type]
     pieces, lengths = ex._plan([content])
     assert lengths == [sum(len(p.ids) for p in pieces)]
-    assert all(len(p.ids) <= max_tokens and p.ids[0] == ex._prefix[0] for p in pieces)
+    assert all(len(p.ids) <= max_tokens and p.ids[0] == ex._frame.prefix[0] for p in pieces)
 
 
 _LLM = make_tiny_llm()

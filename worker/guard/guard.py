@@ -343,13 +343,12 @@ class Guard:
             system_prompt=self.settings.chat_system_prompt,
         )
         content = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        ids = [*turn.context, *content, *turn.suffix]
-        start = len(turn.context)
         # Chat form: the text and the suffix, as the probes were trained; raw: the text alone.
-        end = len(ids) if self.settings.text_form == "chat" else start + len(content)
+        frame = turn.frame(pool_suffix=self.settings.text_form == "chat")
+        ids = frame.ids(content)
         with self._lock:
             layers = self.engine.batch_scorer.layers()
-            tap = StateTap(self.llm, layers, (start, end), self.extractor.dtype)
+            tap = StateTap(self.llm, layers, frame.span(len(content)), self.extractor.dtype)
             last = generate.get("max_new_tokens")
             state = _Turn(self, tap, prompt, uuid.uuid4().hex, len(ids), last)
             out = self._generate(ids, tap, state, generate)

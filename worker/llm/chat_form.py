@@ -18,10 +18,15 @@ The text itself is tokenized alone, so ``context + ids(text) + suffix`` is the s
 sequence for the extractor (training, the Kafka scorer) and for the guard (generation),
 by construction; tokenizing the rendered string in one go could merge across the seams.
 
+Which of those ids a probe pools is :class:`Frame`'s to say, for the extractor's inputs
+and the guard's prompts alike.
+
 Example::
 
     turn = turn_ids(tokenizer)                 # the template's default system prompt
-    ids = turn.context + tokenizer.encode(text, add_special_tokens=False) + turn.suffix
+    frame = turn.frame()
+    content = tokenizer.encode(text, add_special_tokens=False)
+    ids, (start, end) = frame.ids(content), frame.span(len(content))
     turn.key                                   # "chat-3f2a...": names the form
 """
 
@@ -34,10 +39,42 @@ from typing import Any
 
 from worker.errors import ConfigError
 
-__all__ = ["PLACEHOLDER", "ChatTurn", "turn_ids"]
+__all__ = ["PLACEHOLDER", "ChatTurn", "Frame", "turn_ids"]
 
 # Stands for the text while the template renders; no template or text contains it.
 PLACEHOLDER = "\u2063probeguard-text\u2063"
+
+
+@dataclass(frozen=True)
+class Frame:
+    """The ids a model input puts around a text's own ids, and the span a probe pools.
+
+    ``context`` runs first and is never pooled (the chat form's template before the text);
+    ``prefix`` and ``suffix`` are pooled with the text (a raw text's special tokens; the
+    chat form's end of turn and assistant header, where the model has read the whole turn),
+    the suffix only with ``pool_suffix`` (the guard reading raw-form probes inside the
+    template pools the text alone).
+    """
+
+    context: tuple[int, ...] = ()
+    prefix: tuple[int, ...] = ()
+    suffix: tuple[int, ...] = ()
+    pool_suffix: bool = True
+
+    def ids(self, content: Sequence[int]) -> list[int]:
+        """What the model runs for a text whose own ids are ``content``."""
+        return [*self.context, *self.prefix, *content, *self.suffix]
+
+    def span(self, n: int) -> tuple[int, int]:
+        """``[start, end)`` of :meth:`ids` that the probe pools, for ``n`` content ids."""
+        start = len(self.context)
+        tail = len(self.suffix) if self.pool_suffix else 0
+        return start, start + len(self.prefix) + n + tail
+
+    @property
+    def size(self) -> int:
+        """Ids put around every text."""
+        return len(self.context) + len(self.prefix) + len(self.suffix)
 
 
 @dataclass(frozen=True)
@@ -53,6 +90,11 @@ class ChatTurn:
         the same ids around a text (the fingerprint's ``text_form``)."""
         body = ",".join(map(str, self.context)) + "|" + ",".join(map(str, self.suffix))
         return "chat-" + hashlib.sha256(body.encode()).hexdigest()[:16]
+
+    def frame(self, *, pool_suffix: bool = True) -> Frame:
+        """The turn's ids as a :class:`Frame`: the context runs, the text and (with
+        ``pool_suffix``, as chat-form probes are trained) the suffix are pooled."""
+        return Frame(self.context, (), self.suffix, pool_suffix)
 
 
 def turn_ids(

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self, cast
 import torch
 
 from worker.errors import ConfigError, DeviceError, ExtractionError, ExtractionInputError
-from worker.llm.chat_form import ChatTurn, turn_ids
+from worker.llm.chat_form import ChatTurn, Frame, turn_ids
 from worker.llm.forward import (
     Block,
     ExitStage,
@@ -170,16 +170,13 @@ class HiddenStateExtractor:
         self._pad_id = int(tokenizer.pad_token_id)
         self.text_form = text_form
         self._turn: ChatTurn | None = None
-        self._context: list[int] = []  # run before every piece, not output
-        self._prefix: list[int]
-        self._suffix: list[int]
         if text_form == "chat":
             self._turn = turn_ids(tokenizer, system_prompt=chat_system_prompt)
-            self._context, self._prefix = list(self._turn.context), []
-            self._suffix = list(self._turn.suffix)
+            self._frame = self._turn.frame()  # the context runs before every piece, not output
         else:
-            self._prefix, self._suffix = special_affixes(tokenizer)
-        around = len(self._context) + len(self._prefix) + len(self._suffix)
+            prefix, suffix = special_affixes(tokenizer)
+            self._frame = Frame((), tuple(prefix), tuple(suffix))
+        around = self._frame.size
         self._budget = max_tokens - around  # content tokens
         if self._budget < 1:
             raise ConfigError(
@@ -418,14 +415,14 @@ class HiddenStateExtractor:
         """Pieces to run, and each row's output token count (the context left out)."""
         pieces: list[Piece] = []
         lengths: list[int] = []
-        skip = len(self._context)
         for row, content in enumerate(contents):
             offset = 0
             chunks = self._chunks(content)
             for chunk in chunks:
-                ids = self._context + self._prefix + chunk + self._suffix
+                ids = self._frame.ids(chunk)
+                skip, end = self._frame.span(len(chunk))  # end: all of ids
                 pieces.append(Piece(row, offset, ids, skip, len(chunks)))
-                offset += len(ids) - skip
+                offset += end - skip
             lengths.append(offset)
         return pieces, lengths
 
