@@ -56,7 +56,7 @@ import logging
 import math
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Self, cast
 
 import torch
@@ -110,6 +110,20 @@ class Extraction:
     def layer(self, index: int) -> torch.Tensor:
         """``[B_ok, T, D]`` states of hidden-state index ``index`` (one of ``layers``)."""
         return self.hidden[self.layers.index(index)]
+
+    @classmethod
+    def of_one(cls, hidden: torch.Tensor, layers: Sequence[int]) -> Extraction:
+        """One text's states ``[L, 1, n, D]`` of ``layers``, every position its own (the
+        inline guard's, taken from the serving model's own passes)."""
+        mask = torch.ones(1, hidden.shape[2], dtype=torch.bool, device=hidden.device)
+        return cls(hidden=hidden, mask=mask, layers=tuple(layers), index=[0])
+
+    def select(self, layers: Sequence[int]) -> Extraction | None:
+        """These states for ``layers``, in that order; None when one of them is not held."""
+        if not set(layers) <= set(self.layers):
+            return None
+        pick = [self.layers.index(layer) for layer in layers]  # [L_sel]
+        return replace(self, hidden=self.hidden[pick], layers=tuple(layers))
 
 
 class HiddenStateExtractor:

@@ -54,7 +54,7 @@ from worker.scoring.served import ProbeSlot, ServedProbe, sticky_fraction
 from worker.settings import Settings
 
 if TYPE_CHECKING:
-    from worker.llm.extract import HiddenStateExtractor
+    from worker.llm.extract import Extraction, HiddenStateExtractor
     from worker.settings import Settings
 
 # ProbeSlot and ServedProbe live in worker.scoring.served; listed here for the engine and
@@ -118,6 +118,9 @@ class BatchScores:
     drift: dict[tuple[str, int], tuple[ServedProbe, torch.Tensor, torch.Tensor]] = field(
         default_factory=dict
     )
+    # (probe, version) -> the spec of each version served when the batch was scored (what
+    # a result's labels mean, however the watcher swaps since)
+    specs: dict[tuple[str, int], ProbeSpec] = field(default_factory=dict)
 
 
 class BatchScorer:
@@ -167,21 +170,30 @@ class BatchScorer:
         key = msg.conversation_id or msg.message_id
         return sticky_fraction(key, slot.name + self.route_salt) < slot.canary_share
 
-    def score(self, messages: Sequence[ChatMessage]) -> BatchScores:
+    def score(
+        self, messages: Sequence[ChatMessage], states: Extraction | None = None
+    ) -> BatchScores:
         """Every probe's result per message; a message some probe cannot score (its
         probabilities are not finite, e.g. a half-precision overflow) is named in
-        ``errors`` instead, and costs no other message its result."""
+        ``errors`` instead, and costs no other message its result.
+
+        ``states``: the messages' states, already computed (the inline guard's, from the
+        serving model's own passes); used when they hold every layer the served probes
+        read, else (a probe swapped in that reads others) the extractor runs as without."""
         slots = self.slots  # one snapshot for the whole batch: no batch mixes versions
         layers = self.layers(slots)
         t0, cpu0 = time.perf_counter(), time.process_time()
-        texts = [m.text for m in messages]
-        stage = self._exit_stage(slots, layers, messages)
-        if stage is None:
-            ex = self.extractor.extract(texts, layers)
-        else:
-            ex = self.extractor.extract_staged(texts, layers, stage)
+        ex = states.select(layers) if states is not None else None
+        if ex is None:
+            ex = self._extract(slots, layers, messages)
         t1, extract_cpu_s = time.perf_counter(), time.process_time() - cpu0
         out = BatchScores(results={}, errors=dict(ex.errors))
+        out.specs = {
+            (name, p.version): p.probe.spec
+            for name, slot in slots.items()
+            for p in (slot.live, slot.canary)
+            if p is not None
+        }
         runs: dict[str, tuple[ProbeRun, ProbeRun | None]] = {}
         bad: dict[int, str] = {}  # row -> why
         if ex.index:
@@ -217,6 +229,18 @@ class BatchScorer:
         forward_s = sum(r.forward_s for pair in runs.values() for r in pair if r is not None)
         out.build_s = max(0.0, out.probe_s - forward_s)
         return out
+
+    def _extract(
+        self,
+        slots: Mapping[str, ProbeSlot],
+        layers: tuple[int, ...],
+        messages: Sequence[ChatMessage],
+    ) -> Extraction:
+        texts = [m.text for m in messages]
+        stage = self._exit_stage(slots, layers, messages)
+        if stage is None:
+            return self.extractor.extract(texts, layers)
+        return self.extractor.extract_staged(texts, layers, stage)
 
     def _exit_stage(
         self,

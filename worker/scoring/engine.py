@@ -29,7 +29,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import redis
 
@@ -37,7 +37,7 @@ from probes.checkpoint import load_checkpoint
 from schemas import ChatMessage, DecidedRecord, ProbeDecision, ReviewRequest, Verdict, utcnow
 from worker.defaults import missing, serving_default
 from worker.errors import ConfigError
-from worker.llm.extract import HiddenStateExtractor
+from worker.llm.extract import Extraction, HiddenStateExtractor
 from worker.scoring import review_routing
 from worker.scoring.batch import BatchScorer, BatchScores, ExitPolicy, ServedProbe
 from worker.scoring.drift import DriftMonitor
@@ -89,8 +89,12 @@ class ScoringEngine:
         worker_id: str,
         metrics: ScorerMetrics,
         text_redis: redis.Redis | None = None,
+        watch: Literal["thread", "poll"] | None = None,
     ) -> None:
+        """``watch``: how the probe watcher follows the registry (None: ``probe_watch``;
+        a front door without a batch loop to poll it watches on a thread)."""
         self.settings = settings
+        self.threaded = (watch or settings.probe_watch) == "thread"
         self.extractor = extractor
         self.redis: Any = redis_client
         # The per-message cache: its own Redis when configured (see make_text_redis).
@@ -150,15 +154,18 @@ class ScoringEngine:
         retain: Sequence[Retain] | None = None,
         review: bool = True,
         sources: Sequence[tuple[str, int, int]] | None = None,
+        states: Extraction | None = None,
     ) -> Judged:
         """Score ``messages``; verdicts, review requests within budget (``review``: none
         are asked for, and the shared budget is left alone, when nobody will send them),
         texts and decisions written for label joins and evidence, as each message's
         ``retain`` allows (``Retain.ALL`` for every message by default). ``sources``: each
         message's Kafka record (topic, partition, offset), so a redelivered one is counted
-        and charged once (:meth:`EvidenceStore.record_scored`)."""
+        and charged once (:meth:`EvidenceStore.record_scored`). ``states``: the messages'
+        hidden states, already computed (the inline guard's); the extractor runs only
+        when they lack a layer the served probes read (:meth:`BatchScorer.score`)."""
         start = time.perf_counter()
-        scores = self.batch_scorer.score(messages)
+        scores = self.batch_scorer.score(messages, states)
         elapsed = time.perf_counter() - start
         latency_ms = elapsed * 1000.0
         keep = [Retain.ALL] * len(messages) if retain is None else list(retain)
@@ -376,10 +383,6 @@ class ScoringEngine:
             log.warning("could not record the load of %s v%d (%s)", name, version, exc)
 
     # --- probes --------------------------------------------------------------
-
-    @property
-    def threaded(self) -> bool:
-        return self.settings.probe_watch == "thread"
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
