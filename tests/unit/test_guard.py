@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import string
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 
 from probes.probe import build_probe
+from schemas import ChatMessage, utcnow
 from tests.conftest import RedisNamespace
 from tests.registry_helpers import publish_probe, toxicity_spec
 from worker.errors import ConfigError
@@ -18,6 +20,7 @@ from worker.guard import Guard, GuardedReply
 from worker.llm.extract import HiddenStateExtractor
 from worker.llm.model import LoadedLLM
 from worker.llm.tiny import make_tiny_gemma3, make_tiny_llm
+from worker.scoring.engine import Retain
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 
@@ -202,20 +205,30 @@ def test_the_tap_keeps_only_the_probes_layers_over_the_texts_span(llm: LoadedLLM
     assert torch.allclose(tap.reply_states()[1, 0], full[2][0, 6:8], atol=1e-5)
 
 
-def test_states_the_turn_did_not_keep_are_extracted_by_a_forward_of_its_own(
-    llm: LoadedLLM,
+def test_states_handed_to_judge_are_scored_and_missing_layers_extracted(
+    llm: LoadedLLM, redis_ns: RedisNamespace
 ) -> None:
-    from worker.guard.guard import _Captured
-    from worker.llm.extract import Extraction
+    """``ScoringEngine.judge(states=)``, the guard's way in: states that hold the probe's
+    layers are scored as they are (the verdict judged from the text, on the tiny model);
+    states that lack one (a probe swapped in that reads other layers) are not, and the
+    engine's own pass gives the text's verdict."""
+    with run(llm, redis_ns, "toxic", 1.0) as (guard, _):  # the probe reads layers 1 and 4
+        engine = guard.engine
+        message = ChatMessage(
+            message_id="m", conversation_id="c", text="hello there", created_at=utcnow()
+        )
 
-    captured = _Captured.for_llm(llm, Settings())
-    plain = HiddenStateExtractor.for_llm(llm, Settings())
-    want = plain.extract(["hello"], [1, 3])
-    hidden = want.hidden[:1] + 1.0  # layer 1 only, and marked
-    captured.captured = Extraction(hidden=hidden, mask=want.mask, layers=(1,), index=[0])
-    assert torch.equal(captured.extract(["hello"], [1]).hidden, hidden)  # handed over
-    got = captured.extract(["hello"], [1, 3])  # a probe swapped in that reads layer 3 too
-    assert torch.allclose(got.hidden, want.hidden)
+        def toxic(**kw: Any) -> float:
+            judged = engine.judge([message], retain=[Retain.NOTHING], review=False, **kw)
+            return judged.verdicts[0].results[0].scores["toxic"]
+
+        from_text = toxic()
+        ex = engine.extractor.extract([message.text], [4, 1, 2])  # more, in another order
+        assert toxic(states=ex) == pytest.approx(from_text, abs=1e-6)
+        marked = replace(ex, hidden=ex.hidden + 1.0)
+        assert abs(toxic(states=marked) - from_text) > 1e-6  # handed over, not recomputed
+        partial = replace(marked, hidden=marked.hidden[1:], layers=(1, 2))  # no layer 4
+        assert toxic(states=partial) == pytest.approx(from_text, abs=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -226,7 +239,6 @@ def test_in_the_chat_form_inline_scores_equal_the_scorers(
 ) -> None:
     # Gemma 3: sliding-window layers shorter than the prompts, a hybrid cache in generate.
     llm = make_tiny_gemma3(lm_head=True) if arch == "gemma3" else chat_llm()
-    from schemas import ChatMessage, utcnow
     from worker.scoring.engine import ScoringEngine
     from worker.scoring.metrics import ScorerMetrics
 
@@ -276,24 +288,40 @@ def test_raw_probes_inside_the_template_are_called_approximate(
     assert warned == (form == "raw")
 
 
-def test_the_guards_own_pass_after_a_swap_adds_nothing_to_the_turns_states() -> None:
+def test_the_guards_own_pass_after_a_swap_runs_without_the_turns_hooks(
+    llm: LoadedLLM, redis_ns: RedisNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 45: after a mid-turn hot swap to a probe that reads other layers, the guard's
-    fallback pass ran on the serving model with the turn's hooks attached, and its states
-    were kept as if a reply token had been decoded."""
-    from worker.guard.guard import _Captured
+    fallback pass ran on the serving model with the turn's hooks attached (first its states
+    were kept as if a reply token had been decoded; then the hooks were paused, still
+    attached). Now the hooks are off while the engine judges, and on again after."""
+    from worker.guard.guard import _Turn
     from worker.guard.tap import StateTap
-    from worker.llm.extract import Extraction
 
-    model = make_tiny_llm()
-    ex = _Captured.for_llm(model, Settings(max_tokens=16))
-    ids = model.tokenizer("hello there", return_tensors="pt")["input_ids"]
-    tap = StateTap(model, [1], (0, ids.shape[1]), torch.float32)
-    with tap.attached(), torch.inference_mode():
-        model.model(input_ids=ids)  # the prefill: the prompt's states
-        hidden = tap.prompt_states()
-        mask = torch.ones(1, hidden.shape[2], dtype=torch.bool)
-        ex.captured = Extraction(hidden=hidden, mask=mask, layers=(1,), index=[0])
-        ex.tap = tap
-        out = ex.extract_staged(["hello there"], [2], None)  # layer 2 was not captured
-    assert out.layers == (2,) and out.index == [0]  # scored by a pass of its own
+    def hooks() -> int:
+        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in llm.model.modules())
+
+    with run(llm, redis_ns, "toxic", 1.0) as (guard, _):  # the probe now reads layers 1, 4
+        extractor = guard.engine.extractor
+        seen: list[int] = []
+        own = extractor.extract
+
+        def spied(*args: Any, **kw: Any) -> Any:
+            seen.append(hooks())
+            return own(*args, **kw)
+
+        monkeypatch.setattr(extractor, "extract", spied)
+        ids = llm.tokenizer("hello there", return_tensors="pt")["input_ids"]
+        baseline = hooks()
+        tap = StateTap(llm, [1], (0, ids.shape[1]), torch.float32)  # the turn's: layer 1
+        message = ChatMessage(
+            message_id="m", conversation_id="c", text="hello there", created_at=utcnow()
+        )
+        turn = _Turn(guard, tap, message, "r", ids.shape[1])
+        with tap.attached(), torch.no_grad():
+            llm.model(input_ids=ids)  # the prefill: the prompt's states
+            verdict = guard._judge(message, tap.prompt_states(), Retain.NOTHING, turn, send=False)
+            assert hooks() == baseline + 1  # the turn's hook, back for the next token
+    assert verdict is not None and turn.errors == []
+    assert seen == [baseline]  # a pass of its own (layer 4 was not kept), no hook on
     assert tap.decoded == 0 and tap.steps[1] == []  # and none of it kept as reply tokens

@@ -41,7 +41,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -56,13 +55,12 @@ import torch
 from schemas import ChatMessage, Verdict, utcnow
 from worker.errors import ConfigError, ExtractionInputError
 from worker.guard.tap import StateTap
-from worker.kafka.outbox import Outbox
 from worker.llm.chat_form import turn_ids
-from worker.llm.extract import ExitStage, Extraction, HiddenStateExtractor, clean_text
+from worker.llm.extract import Extraction, HiddenStateExtractor, clean_text
 from worker.llm.load import load_llm
 from worker.llm.model import LoadedLLM
-from worker.scoring.engine import Retain, ScoringEngine
-from worker.scoring.metrics import ScorerMetrics
+from worker.scoring.engine import Retain
+from worker.scoring.front import FrontDoor, FrontSettings
 from worker.settings import Settings
 
 __all__ = ["Guard", "GuardedReply"]
@@ -90,30 +88,6 @@ class GuardedReply:
     def flagged(self) -> bool:
         """Some verdict flagged (``annotate``: the app marks the reply)."""
         return any(v is not None and v.decision == "flag" for v in (self.prompt, self.reply))
-
-
-class _Captured(HiddenStateExtractor):
-    """The engine's extractor in the guard: it hands over the states the serving model's own
-    forward passes left in :attr:`captured`; without them (say a probe swapped in that reads
-    other layers) it runs a forward pass of its own, like the scorer's."""
-
-    captured: Extraction | None = None
-    tap: StateTap | None = None  # the turn's hooks: paused while its own pass runs
-
-    def extract_staged(
-        self,
-        texts: Sequence[str | bytes],
-        layers: Sequence[int],
-        exit_stage: ExitStage | None,
-    ) -> Extraction:
-        cap = self.captured
-        if cap is None or len(texts) != 1 or not set(layers) <= set(cap.layers):
-            # The serving model's modules still carry the turn's hooks: this pass must not
-            # add its states to the reply's.
-            with self.tap.paused() if self.tap is not None else contextlib.nullcontext():
-                return super().extract_staged(texts, layers, exit_stage)
-        pick = [cap.layers.index(layer) for layer in layers]  # no cascade: all is computed
-        return Extraction(hidden=cap.hidden[pick], mask=cap.mask, layers=tuple(layers), index=[0])
 
 
 class _Held:
@@ -222,30 +196,18 @@ class Guard:
                 f"the inline guard generates text, and this model has no LM head "
                 f"({llm.lm_head_missing}); load it with load_llm(settings, lm_head=True)"
             )
-        settings = settings.model_copy(update={"probe_watch": "thread"})
         self.settings = settings
         self.llm = llm
         self.model: Any = llm.causal
         self.tokenizer: Any = llm.tokenizer
-        self.extractor = _Captured.for_llm(llm, settings)
-        self.metrics = ScorerMetrics()
-        self.engine = ScoringEngine(
-            settings,
-            self.extractor,
-            redis_client,
-            worker_id=worker_id or f"guard-{settings.resolved_worker_id()}",
-            metrics=self.metrics,
+        # Its states come from the serving model's own passes; it runs a pass of its own
+        # only for a probe swapped in mid-turn that reads other layers.
+        extractor = HiddenStateExtractor.for_llm(llm, settings)
+        self.door = FrontDoor(
+            settings, extractor, redis_client, FrontSettings.guard(settings), worker_id=worker_id
         )
-        self.outbox = Outbox(
-            settings,
-            self.metrics.collector,
-            verdicts=settings.guard_verdicts,
-            reviews=settings.guard_review,
-            name="guard-outbox",
-        )
+        self.engine = self.door.engine
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._stack = contextlib.ExitStack()
 
     @classmethod
     def from_settings(cls, settings: Settings, redis_client: redis.Redis | None = None) -> Guard:
@@ -266,20 +228,11 @@ class Guard:
                 "bench/text_form.md); train on PROBEGUARD_TEXT_FORM=chat for the scorer's "
                 "scores (the packaged default ships a chat-form one)"
             )
-        self._stack.enter_context(self.engine.watching())
-        self.outbox.start()
-        self._stack.callback(self.outbox.stop)
-        self._stack.callback(self._stop.set)
-        threading.Thread(
-            target=self.engine.wait_for_probes,
-            args=(self._stop, lambda: None),
-            name="guard-probes",
-            daemon=True,
-        ).start()
+        self.door.start()
         return self
 
     def stop(self) -> None:
-        self._stack.close()
+        self.door.stop()
 
     def __enter__(self) -> Guard:
         return self.start()
@@ -289,7 +242,7 @@ class Guard:
 
     def ready(self) -> bool:
         """Every probe has a live version to score with."""
-        return self.engine.batch_scorer.ready()
+        return self.door.ready()
 
     def wait_ready(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -348,7 +301,7 @@ class Guard:
         ids = frame.ids(content)
         with self._lock:
             layers = self.engine.batch_scorer.layers()
-            tap = StateTap(self.llm, layers, frame.span(len(content)), self.extractor.dtype)
+            tap = StateTap(self.llm, layers, frame.span(len(content)), self.engine.extractor.dtype)
             last = generate.get("max_new_tokens")
             state = _Turn(self, tap, prompt, uuid.uuid4().hex, len(ids), last)
             out = self._generate(ids, tap, state, generate)
@@ -448,20 +401,18 @@ class Guard:
         *,
         send: bool = True,
     ) -> Verdict | None:
-        """Score ``message`` from ``states`` ``[L, 1, n, D]`` through the engine."""
-        mask = torch.ones(1, states.shape[2], dtype=torch.bool, device=states.device)
-        layers = turn.tap.layers
-        self.extractor.captured = Extraction(hidden=states, mask=mask, layers=layers, index=[0])
-        self.extractor.tap = turn.tap
-        try:
-            judged = self.engine.judge(
-                [message], retain=[retain], review=send and self.settings.guard_review
+        """Score ``message`` from ``states`` ``[L, 1, n, D]`` through the engine, with the
+        turn's hooks off: a pass of the engine's own (a probe swapped in that reads other
+        layers) is no part of the generation."""
+        with turn.tap.detached():
+            judged = self.door.judge(
+                [message],
+                [retain],
+                review=send,
+                states=Extraction.of_one(states, turn.tap.layers),
             )
-        finally:
-            self.extractor.captured = None
-            self.extractor.tap = None
         if send:
-            self.outbox.put_judged(judged.verdicts, judged.reviews)
+            self.door.send(judged)
         if 0 in judged.errors:
             turn.errors.append(f"{message.message_id}: {judged.errors[0]}")
         return judged.verdicts.get(0)

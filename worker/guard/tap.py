@@ -37,7 +37,7 @@ class StateTap:
         self.dtype = dtype
         self.prompt: dict[int, torch.Tensor] = {}  # layer -> [n, D]
         self.steps: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.layers}
-        self._paused = False
+        self._hooks: contextlib.ExitStack | None = None  # while attached
 
     @property
     def decoded(self) -> int:
@@ -53,19 +53,7 @@ class StateTap:
         m = self.decoded
         return torch.stack([torch.cat(self.steps[layer][:m]) for layer in self.layers]).unsqueeze(1)
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[StateTap]:
-        """Forward passes in the block are not the generation's (the guard's own fallback
-        pass after a hot swap to a probe that reads other layers): keep nothing of them."""
-        was, self._paused = self._paused, True
-        try:
-            yield self
-        finally:
-            self._paused = was
-
     def _sink(self, layer: int, states: torch.Tensor) -> None:  # states: [1, t, D]
-        if self._paused:
-            return
         if layer not in self.prompt:
             start, end = self.span
             self.prompt[layer] = states[0, start:end].detach().to(self.dtype, copy=True)
@@ -75,5 +63,30 @@ class StateTap:
     @contextlib.contextmanager
     def attached(self) -> Iterator[StateTap]:
         """The hooks, for the duration of the block (removed however it ends)."""
-        with layer_hooks(self.llm, self.layers, self._sink):
+        self._attach()
+        try:
             yield self
+        finally:
+            self._detach()
+
+    @contextlib.contextmanager
+    def detached(self) -> Iterator[StateTap]:
+        """No hooks in the block, attached again after it: forward passes there are not
+        the generation's (the engine's own pass after a hot swap to a probe that reads
+        other layers) and must neither add states nor run the turn's hooks."""
+        was = self._hooks is not None
+        self._detach()
+        try:
+            yield self
+        finally:
+            if was:
+                self._attach()
+
+    def _attach(self) -> None:
+        self._hooks = contextlib.ExitStack()
+        self._hooks.enter_context(layer_hooks(self.llm, self.layers, self._sink))
+
+    def _detach(self) -> None:
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            hooks.close()

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 from prometheus_client import CollectorRegistry, Histogram
 
-from schemas import ChatMessage, ReviewRequest, Verdict
+from schemas import ChatMessage, ProbeSpec, ReviewRequest, Verdict
 from worker.scoring.engine import Judged, Retain
 
 __all__ = ["Expired", "MicroBatcher", "Scored"]
@@ -51,6 +51,8 @@ class Scored:
     verdicts: dict[int, Verdict]
     errors: dict[int, str]
     reviews: list[ReviewRequest] = field(default_factory=list)
+    # (probe, version) -> the spec of each version that scored it (what its labels mean)
+    specs: dict[tuple[str, int], ProbeSpec] = field(default_factory=dict)
 
 
 @dataclass
@@ -275,6 +277,7 @@ class MicroBatcher:
             whole.verdicts.update({i + shift: v for i, v in judged.verdicts.items() if i in own})
             whole.errors.update({i + shift: e for i, e in judged.errors.items() if i in own})
             whole.reviews += [r for i, r in judged.reviews if i in own]
+            whole.specs.update(judged.scores.specs if judged.scores is not None else {})
             p.whole.done += n
             if p.whole.done >= p.whole.size:
                 p.future.set_result(whole)

@@ -35,16 +35,9 @@ def conversation_key(value: str | None, fallback: str) -> str:
 def as_message(
     message_id: str, conversation: str, text: str, param: str, limits: Limits
 ) -> ChatMessage:
-    """The input as a chat message, checked against the configured ``limits`` (a text
-    over the default limit but within ``PROBEGUARD_MAX_TEXT_CHARS`` is scored)."""
-    max_chars = limits.max_text_chars
-    if len(text) > max_chars:
-        raise ApiError(
-            413,
-            f"{param} has {len(text)} characters; at most {max_chars} (PROBEGUARD_MAX_TEXT_CHARS)",
-            param=param,
-            code="text_too_long",
-        )
+    """The input as a chat message, checked once, by the schema, against the configured
+    ``limits`` (a text over the default limit but within ``PROBEGUARD_MAX_TEXT_CHARS`` is
+    scored); a text over its limit is a 413, any other refusal a 400."""
     try:
         return ChatMessage.build(
             limits,
@@ -54,6 +47,15 @@ def as_message(
             created_at=utcnow(),
         )
     except ValidationError as exc:
+        max_chars = limits.max_text_chars
+        if len(text) > max_chars:  # what the schema refused (its other checks are moot)
+            raise ApiError(
+                413,
+                f"{param} has {len(text)} characters; at most {max_chars} "
+                "(PROBEGUARD_MAX_TEXT_CHARS)",
+                param=param,
+                code="text_too_long",
+            ) from None
         raise ApiError(400, describe_error(exc)[1], param=param) from None
 
 

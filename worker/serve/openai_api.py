@@ -81,11 +81,10 @@ def register(app: FastAPI, handle: Handler, service: Service) -> None:
             service.charge(caller.limit_key, sum(counts))
             scored = await service.score(batch, [retain] * len(batch), counts)
             results = [messages.probe_result(scored, i, probe) for i in range(len(texts))]
-            spec = service.spec(probe, results[0].version)
             out = ModerationResponse(
                 id=rid,
                 model=f"{probe}@v{results[0].version}",
-                results=[_result(r, spec) for r in results],
+                results=[_result(r, scored.specs[(probe, r.version)]) for r in results],
             )
             return JSONResponse(out.model_dump(mode="json"))
 

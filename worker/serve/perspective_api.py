@@ -86,7 +86,7 @@ def register(app: FastAPI, handle: Handler, service: Service) -> None:
             if not text.strip():
                 raise ApiError(400, "Comment must be non-empty.", param="comment.text")
             probe = service.probe_for(None)
-            attributes = _attributes(req, service.spec(probe, None), probe)
+            attributes = _attributes(req, service.live_spec(probe), probe)
             mid = _client_message_id(caller, req.clientToken, s.limits)
             mid = mid or f"pc-{uuid.uuid4().hex}"
             conversation = messages.conversation_key(

@@ -1,19 +1,19 @@
 """What the routes of ``probeguard serve`` use (:mod:`worker.serve.openai_api`,
 :mod:`worker.serve.perspective_api`, built into one app by :mod:`worker.serve.app`).
 
-:class:`Service` holds the :class:`~worker.scoring.engine.ScoringEngine` the Kafka scorer
-uses (the same probes, hot-swapped by the same watcher; the same canary assignment,
-evidence, decided records and review budget), the
+:class:`Service` holds a :class:`~worker.scoring.front.FrontDoor` (the
+:class:`~worker.scoring.engine.ScoringEngine` the Kafka scorer uses: the same probes,
+hot-swapped by the same watcher; the same canary assignment, evidence, decided records
+and review budget; and the Kafka outbox, as the inline guard has), the
 :class:`~worker.serve.batcher.MicroBatcher` that scores concurrent requests together on
-one thread, the Kafka :class:`~worker.kafka.outbox.Outbox`, the API keys and the per-key
-rate limiter. A route refuses a request by raising :class:`ApiError`.
+one thread, the API keys and the per-key rate limiter. A route refuses a request by
+raising :class:`ApiError`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
 from collections.abc import Sequence
 
@@ -22,10 +22,9 @@ import redis
 
 from schemas import ChatMessage, ProbeSpec
 from worker.errors import ExtractionInputError
-from worker.kafka.outbox import Outbox
 from worker.llm.extract import HiddenStateExtractor, clean_text
-from worker.scoring.engine import Retain, ScoringEngine
-from worker.scoring.metrics import ScorerMetrics
+from worker.scoring.engine import Retain
+from worker.scoring.front import FrontDoor, FrontSettings
 from worker.serve.auth import Authenticator
 from worker.serve.batcher import Expired, MicroBatcher, Scored
 from worker.serve.bodies import Parser
@@ -51,35 +50,20 @@ class Service:
         keys: KeyRing | None,
         worker_id: str | None = None,
     ) -> None:
-        # The watcher always runs on its own thread here: there is no batch loop to poll it.
-        settings = settings.model_copy(update={"probe_watch": "thread"})
         self.settings = settings
         self.keys = keys
-        self.metrics = ScorerMetrics()
-        self.collector = self.metrics.collector
-        self.engine = ScoringEngine(
-            settings,
-            extractor,
-            redis_client,
-            worker_id=worker_id or f"serve-{settings.resolved_worker_id()}",
-            metrics=self.metrics,
+        self.door = FrontDoor(
+            settings, extractor, redis_client, FrontSettings.serve(settings), worker_id=worker_id
         )
-        self.outbox = Outbox(
-            settings,
-            self.collector,
-            verdicts=settings.serve_verdicts,
-            reviews=settings.serve_review,
-            name="serve-outbox",
-        )
+        self.engine = self.door.engine
+        self.collector = self.door.metrics.collector
         self.batcher = MicroBatcher(
-            lambda messages, retain: self.engine.judge(
-                messages, retain=retain, review=settings.serve_review
-            ),
+            lambda messages, retain: self.door.judge(messages, retain),
             self.collector,
             max_batch=settings.serve_max_batch,
             max_wait_s=settings.serve_max_wait_ms / 1000.0,
             pass_tokens=settings.serve_pass_tokens,
-            after=lambda judged, _: self.outbox.put_judged(judged.verdicts, judged.reviews),
+            after=lambda judged, _: self.door.send(judged),
         )
         self.limiter = RateLimiter(settings.serve_rate_per_key, settings.serve_rate_burst)
         self.tokens = RateLimiter(settings.serve_tokens_per_key, settings.serve_tokens_burst)
@@ -90,28 +74,19 @@ class Service:
             self.collector,
         )
         self.parser = Parser(self.collector)
-        self.stop_event = threading.Event()
         self._stack = contextlib.ExitStack()
 
     # --- lifecycle -------------------------------------------------------------
 
     def start(self) -> None:
-        self._stack.enter_context(self.engine.watching())
-        self.outbox.start()
-        self._stack.callback(self.outbox.stop)
+        # Listen at once; /readyz says when a probe is served (published, bootstrap or
+        # the packaged default), and requests before then get a 503 with Retry-After.
+        self.door.start()
+        self._stack.callback(self.door.stop)
         self.batcher.start()
         self._stack.callback(self.batcher.stop)
         self._stack.callback(self.auth.close)
         self._stack.callback(self.parser.close)
-        self._stack.callback(self.stop_event.set)
-        # Listen at once; /readyz says when a probe is served (published, bootstrap or
-        # the packaged default), and requests before then get a 503 with Retry-After.
-        threading.Thread(
-            target=self.engine.wait_for_probes,
-            args=(self.stop_event, lambda: None),
-            name="serve-probes",
-            daemon=True,
-        ).start()
 
     def stop(self) -> None:
         self._stack.close()
@@ -130,15 +105,13 @@ class Service:
             code="model_not_found",
         )
 
-    def spec(self, probe: str, version: int | None) -> ProbeSpec:
-        """The spec of ``probe``'s served ``version`` (None: the live one)."""
-        slot = self.engine.watcher.slots[probe]
-        for p in (slot.live, slot.canary):
-            if p is not None and (version is None or p.version == version):
-                return p.probe.spec
-        if slot.live is None:
+    def live_spec(self, probe: str) -> ProbeSpec:
+        """The spec of ``probe``'s live version, before scoring (what a request may ask
+        of it); a scored result's own is in :attr:`Scored.specs`."""
+        live = self.engine.watcher.slots[probe].live
+        if live is None:
             raise ApiError(503, "no probe is loaded yet", retry_after_s=1.0)
-        return slot.live.probe.spec  # swapped since: the labels are the same or near
+        return live.probe.spec
 
     async def measure(self, texts: Sequence[str]) -> list[int]:
         """The tokens each text costs the LLM (0: nothing in it the model can read), counted
@@ -177,7 +150,7 @@ class Service:
         ``PROBEGUARD_SERVE_TIMEOUT_S`` is a 503 and is never scored; one whose batch has
         started is answered when the batch ends (its inputs are cached and counted by
         then: a 503 would make the caller send them again)."""
-        if not self.engine.batch_scorer.ready():
+        if not self.door.ready():
             raise ApiError(503, "no probe is loaded yet", code="not_ready", retry_after_s=1.0)
         timeout_s = self.settings.serve_timeout_s
         future = self.batcher.submit(messages, retain, time.monotonic() + timeout_s, costs)
