@@ -2,7 +2,8 @@
 batch, verdicts, review routing, and what a label needs later.
 
 The Kafka scorer (:mod:`worker.scoring.scorer`) and the HTTP server
-(:mod:`worker.serve`) both hold one :class:`ScoringEngine`: a batch of
+(:mod:`worker.serve`, and the inline guard, through :mod:`worker.scoring.front`) each hold
+one :class:`ScoringEngine`: a batch of
 :class:`~schemas.ChatMessage` goes in, :meth:`ScoringEngine.judge` scores it with every
 served probe (:class:`~worker.scoring.batch.BatchScorer`), builds one :class:`Verdict` per
 message, routes uncertain and audit-sampled messages to review (rate-limited across every
@@ -15,38 +16,37 @@ left to the front end.
 How much of a message stays behind is its :class:`Retain`: ``ALL`` (the scorer's
 messages), ``COUNT`` (Perspective's ``doNotStore``: no text, no decided record, no review
 request; its decision still counts in the aggregate evidence counters, which hold no text)
-or ``NOTHING`` (inputs derived from another, such as a Perspective span).
+or ``NOTHING`` (inputs derived from another, such as a Perspective span). The Redis writes
+are its :class:`~worker.scoring.ledger.Ledger`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import redis
 
 from probes.checkpoint import load_checkpoint
-from schemas import ChatMessage, DecidedRecord, ProbeDecision, ReviewRequest, Verdict, utcnow
+from schemas import ChatMessage, ReviewRequest, Verdict, utcnow
 from worker.defaults import missing, serving_default
 from worker.errors import ConfigError
 from worker.llm.extract import Extraction, HiddenStateExtractor
 from worker.scoring import review_routing
 from worker.scoring.batch import BatchScorer, BatchScores, ExitPolicy, ServedProbe
 from worker.scoring.drift import DriftMonitor
+from worker.scoring.ledger import Ledger, Retain
 from worker.scoring.metrics import ScorerMetrics
 from worker.scoring.probe_watch import ProbeWatcher
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
-from worker.store.evidence import EvidenceStore, Judgement, ReviewBudget, ReviewCandidate
-from worker.store.redis import Breaker, keys_for, make_text_redis
+from worker.store.redis import keys_for, make_text_redis
 
 __all__ = ["Judged", "Retain", "ScoringEngine"]
 
@@ -54,16 +54,6 @@ log = logging.getLogger(__name__)
 # With the watcher thread, serve the packaged default only once the registry has been read
 # (or after this long without Redis): a published live version wins from the first message.
 DEFAULT_AFTER_S = 5.0
-# A scorer's drift window in Redis outlives it by this much (the console reads recent ones).
-DRIFT_SNAPSHOT_TTL_S = 3600
-
-
-class Retain(enum.IntEnum):
-    """What of a judged message is kept (each level keeps what the ones below keep)."""
-
-    NOTHING = 0
-    COUNT = 1  # its decision in the version's evidence counters
-    ALL = 2  # and its text and decision for label joins; it may be queued for review
 
 
 @dataclass
@@ -96,18 +86,26 @@ class ScoringEngine:
         self.settings = settings
         self.threaded = (watch or settings.probe_watch) == "thread"
         self.extractor = extractor
-        self.redis: Any = redis_client
-        # The per-message cache: its own Redis when configured (see make_text_redis).
-        self.text_redis: Any = text_redis or make_text_redis(settings, redis_client)
         self.keys = keys_for(settings)
         self.worker_id = worker_id
         self.metrics = metrics
         metrics.serving(settings.probe_names)
-        self.evidence = EvidenceStore.from_settings(redis_client, settings, cache=self.text_redis)
-        # One breaker for every best-effort Redis call: after a failure, batches skip Redis
-        # for a few seconds rather than each waiting on a socket timeout.
-        self.redis_breaker = Breaker()
-        self.text_breaker = Breaker()  # the text cache fails on its own (e.g. full)
+        self.review_policy = review_routing.ReviewPolicy.from_settings(settings)
+        self.drift = DriftMonitor(
+            metrics, window=settings.drift_window, min_messages=settings.drift_min_messages
+        )
+        self.ledger = Ledger(
+            settings,
+            redis_client,
+            # The per-message cache: its own Redis when configured (see make_text_redis).
+            text_redis or make_text_redis(settings, redis_client),
+            keys=self.keys,
+            worker_id=worker_id,
+            metrics=metrics,
+            drift=self.drift,
+            review_policy=self.review_policy,
+        )
+        self.redis_breaker = self.ledger.redis_breaker  # the watcher's too
         registries = {
             n: CheckpointRegistry(redis_client, self.keys, n, signing_key=settings.signing_key)
             for n in settings.probe_names
@@ -122,8 +120,8 @@ class ScoringEngine:
             # read must never look like a dead connection.
             block_ms=min(1000, int(settings.redis_socket_timeout_s * 500)),
             on_swap=lambda name, stage, v: self.metrics.version.labels(name, stage).set(v),
-            on_refused=self._refused,
-            on_loaded=self._loaded,
+            on_refused=self.ledger.refused,
+            on_loaded=self.ledger.loaded,
             on_untrusted=lambda name, why: self.metrics.untrusted.labels(name).inc(),
             breaker=self.redis_breaker,
         )
@@ -135,11 +133,6 @@ class ScoringEngine:
             limits=settings.limits,
             route_salt=settings.routing_salt,
             exit_policy=ExitPolicy.from_settings(settings),
-        )
-        self.review_policy = review_routing.ReviewPolicy.from_settings(settings)
-        self.local_review_budget = review_routing.LocalBudget(self.review_policy)
-        self.drift = DriftMonitor(
-            metrics, window=settings.drift_window, min_messages=settings.drift_min_messages
         )
         # probe -> the packaged default folder served while nothing is published (None: none
         # for this LLM), decided once at start.
@@ -190,7 +183,7 @@ class ScoringEngine:
                     self.metrics.flags.labels(r.probe).inc()
         candidates = self._candidates(messages, scores, keep) if review else []
         self.drift.observe(scores.drift)
-        admitted = self._record(scores, latency_ms, keep, sources, candidates)
+        admitted = self.ledger.record(scores, latency_ms, keep, sources, candidates)
         self.metrics.reviews_dropped.inc(len(candidates) - len(admitted))
         for _, req in admitted:
             self.metrics.reviews.labels(req.reason).inc()
@@ -201,7 +194,7 @@ class ScoringEngine:
             scores=scores,
             elapsed_s=elapsed,
         )
-        self._remember(messages, scores, keep)
+        self.ledger.remember(messages, scores, keep)
         n = len(scores.results)
         self.metrics.messages.inc(n)
         self.metrics.batch_size.observe(len(messages))
@@ -240,147 +233,6 @@ class ScoringEngine:
                 )
                 candidates.append((pos, request))
         return candidates
-
-    def _record(
-        self,
-        scores: BatchScores,
-        latency_ms: float,
-        keep: list[Retain],
-        sources: Sequence[tuple[str, int, int]] | None,
-        candidates: list[tuple[int, ReviewRequest]],
-    ) -> list[tuple[int, ReviewRequest]]:
-        """Evidence per version, the review budget and the drift windows due, in one script
-        (one round trip): each
-        message counts, and each review request is charged, once per Kafka record however
-        often it is delivered. Returns the review requests the budget admits: a fixed window
-        of ``review_window_s`` seconds shared by every scorer, so a flood cannot swamp the
-        reviewers however many scorers run.
-
-        Best-effort behind the breaker: while Redis fails, evidence is lost and reviews pass
-        this scorer's own window of ``review_local_max_per_window`` instead (held back, they
-        would never reach a human: the batch's offsets are committed; all admitted, they
-        could flood the reviewers).
-        """
-        decisions: dict[int, dict[str, ProbeDecision]] = defaultdict(dict)
-        for (pos, probe), d in scores.decisions.items():
-            if keep[pos] >= Retain.COUNT:
-                decisions[pos][probe] = d
-        if not decisions and not candidates:
-            return []
-        if not self.redis_breaker.ready():
-            self.metrics.redis_skipped.inc()
-            return self._admit_locally(candidates)
-        positions = sorted(decisions.keys() | {pos for pos, _ in candidates})
-        index = {pos: i for i, pos in enumerate(positions)}
-        judged = [
-            Judgement(sources[pos] if sources is not None else None, decisions.get(pos, {}))
-            for pos in index
-        ]
-        policy = self.review_policy
-        budget = ReviewBudget(
-            self.keys.review_budget(policy.window(time.time())),
-            policy.max_per_window,
-            2 * policy.window_s,
-        )
-        wanted = [ReviewCandidate(index[pos], r.probe, r.message_id) for pos, r in candidates]
-        try:
-            ok = self.evidence.record_scored(
-                judged,
-                latency_ms,
-                heads=scores.heads,
-                reviews=wanted,
-                budget=budget,
-                hashes=[
-                    (self.keys.drift(probe, version), self.worker_id, snap.encode().decode(), ttl)
-                    for (probe, version), snap in self.drift.snapshots(utcnow())
-                    for ttl in (DRIFT_SNAPSHOT_TTL_S,)
-                ],
-            )
-        except (redis.RedisError, OSError) as exc:
-            self.metrics.redis_errors.inc()
-            self.redis_breaker.trip(exc)
-            log.warning(
-                "evidence and review budget unavailable (%s); admitting up to %d reviews per "
-                "window locally",
-                exc,
-                policy.local_max_per_window,
-            )
-            return self._admit_locally(candidates)
-        return [c for c, admit in zip(candidates, ok, strict=True) if admit]
-
-    def _admit_locally(
-        self, candidates: list[tuple[int, ReviewRequest]]
-    ) -> list[tuple[int, ReviewRequest]]:
-        """The candidates this scorer's own budget admits while the shared one is away."""
-        return candidates[: self.local_review_budget.admit(len(candidates), time.time())]
-
-    def _remember(
-        self, messages: Sequence[ChatMessage], scores: BatchScores, keep: list[Retain]
-    ) -> None:
-        """Text and decisions per message, for label joins: best-effort, one round trip to
-        the text cache behind its own breaker (a full cache costs label joins, never the
-        batch, nor the evidence)."""
-        by_pos: dict[int, dict[str, ProbeDecision]] = defaultdict(dict)
-        for (pos, probe), d in scores.decisions.items():
-            if keep[pos] >= Retain.ALL:
-                by_pos[pos][probe] = d
-        if any(keep[pos] >= Retain.ALL for pos in scores.results):
-            self._cache_texts(messages, scores, by_pos, keep)
-
-    def _cache_texts(
-        self,
-        messages: Sequence[ChatMessage],
-        scores: BatchScores,
-        by_pos: dict[int, dict[str, ProbeDecision]],
-        keep: list[Retain],
-    ) -> None:
-        # On the registry's own Redis, the text cache also waits out that Redis's breaker:
-        # tripped by the probe watcher or another write, it means the server is away, and
-        # a write now would only cost the batch one more socket timeout.
-        shared = self.text_redis is self.redis
-        if not self.text_breaker.ready() or (shared and not self.redis_breaker.ready()):
-            self.metrics.redis_skipped.inc()
-            return
-        ttl, cap = self.settings.text_cache_ttl_s, self.settings.text_cache_max_bytes
-        try:
-            pipe = self.text_redis.pipeline(transaction=False)
-            for pos in scores.results:
-                if keep[pos] < Retain.ALL:
-                    continue
-                msg = messages[pos]
-                text = msg.text.encode()
-                # Both are written once (NX): the first text and the first judgement of a
-                # message id stay together. A redelivery scored after a hot swap must not
-                # move a label's credit to a version whose evidence never counted the
-                # message (the first delivery's script counted it), and a reused id must
-                # not put another text beside the first one's decision: a label joined to
-                # it would train on a text that was never judged so.
-                if len(text) <= cap:
-                    pipe.set(self.keys.text(msg.message_id), text, ex=ttl, nx=True)
-                if by_pos.get(pos):
-                    record = DecidedRecord(p=by_pos[pos]).encode()
-                    pipe.set(self.keys.decided(msg.message_id), record, ex=ttl, nx=True)
-            pipe.execute()
-            self.text_breaker.reset()
-        except (redis.RedisError, OSError) as exc:
-            self.metrics.redis_errors.inc()
-            self.text_breaker.trip(exc)
-            log.warning("text cache write failed (%s); labels may need to carry text", exc)
-
-    def _refused(self, name: str, version: int, why: str) -> None:
-        self.metrics.refused.labels(name).inc()
-        try:
-            self.evidence.record_refusal(name, version, f"{self.worker_id}: {why}")
-        except (redis.RedisError, OSError) as exc:
-            self.metrics.redis_errors.inc()
-            log.warning("could not record the refusal of %s v%d (%s)", name, version, exc)
-
-    def _loaded(self, name: str, version: int) -> None:
-        try:
-            self.evidence.record_load(name, version)
-        except (redis.RedisError, OSError) as exc:
-            self.metrics.redis_errors.inc()
-            log.warning("could not record the load of %s v%d (%s)", name, version, exc)
 
     # --- probes --------------------------------------------------------------
 
@@ -482,19 +334,4 @@ class ScoringEngine:
             if folder is not None and versions.get(name, {}).get("live") == 0
         ]
         note = f" ({'; '.join(packaged)} until a version is published)" if packaged else ""
-        return True, f"serving {versions}{note}{self._degraded()}"
-
-    def _degraded(self) -> str:
-        """What a Redis outage costs while scoring goes on (for ``/readyz``: still ready,
-        since every message is scored; the note says what is missing)."""
-        notes = []
-        registry = self.redis_breaker.outage()
-        if registry is not None:
-            notes.append(
-                f"Redis {registry}: serving the last good probes; no evidence, and review "
-                "requests within this scorer's local quota, until it answers"
-            )
-        cache = self.text_breaker.outage()
-        if cache is not None:
-            notes.append(f"the text cache {cache}: labels must carry their text")
-        return "".join(f"; degraded: {n}" for n in notes)
+        return True, f"serving {versions}{note}{self.ledger.degraded()}"
