@@ -32,9 +32,10 @@ How a text becomes tokens:
    context runs (it conditions every state, takes positions ``0..``, and counts toward
    ``max_tokens``) but is not part of the output row; the suffix is. Every chunk gets both.
 
-Batching (:mod:`worker.llm.plan`): the pieces of all texts are sorted by length and cut
-into micro-batches by count, padded tokens and fill. The forward pass
-(:mod:`worker.llm.forward`) runs only up to the deepest wanted layer. Position ids
+Batching (:mod:`worker.llm.plan`, which also cuts the chunks): the pieces of all texts are
+sorted by length and cut into micro-batches by count, padded tokens and fill. The forward
+pass (:mod:`worker.llm.forward`, which also runs each micro-batch and tells a device fault
+from a bad text) runs only up to the deepest wanted layer. Position ids
 come from the attention mask, so a text's hidden states do not depend on its batch or the
 padding side (within floating-point tolerance). Each output row holds its text's tokens
 contiguously, padded on the tokenizer's ``padding_side``; padded positions are zero and
@@ -51,9 +52,7 @@ Example::
 from __future__ import annotations
 
 import inspect
-import itertools
 import logging
-import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -61,22 +60,17 @@ from typing import TYPE_CHECKING, Any, Literal, Self, cast
 
 import torch
 
-from worker.errors import ConfigError, DeviceError, ExtractionError, ExtractionInputError
+from worker.errors import ConfigError, ExtractionError, ExtractionInputError
 from worker.llm.chat_form import ChatTurn, Frame, turn_ids
 from worker.llm.forward import (
-    Block,
     ExitStage,
-    Resume,
-    Sink,
     Staged,
-    continuing,
-    device_fault,
-    forward_pass,
-    free_device_memory,
+    run_isolating,
+    run_micro_batch,
 )
 from worker.llm.load import LoadedLLM, load_llm
-from worker.llm.plan import Batching, Piece, length_batches, span_mask
-from worker.llm.text import Truncation, clean_text, special_affixes, tokenize_texts, truncate
+from worker.llm.plan import Batching, Piece, chunk, length_batches, plan_pieces, span_mask
+from worker.llm.text import TokenMemo, Truncation, clean_text, special_affixes
 
 if TYPE_CHECKING:
     from schemas import LLMFingerprint
@@ -204,9 +198,9 @@ class HiddenStateExtractor:
         self._pass_positions = "position_ids" in params
         self._pass_no_cache = "use_cache" in params
         self._lock = threading.Lock()
-        # text -> its content ids, or why it has none (see _tokenize); insertion-ordered
-        self._memo: dict[str | bytes, list[int] | str] = {}
-        self._memo_lock = threading.Lock()
+        self._memo = TokenMemo(
+            tokenizer, max_tokens=self._budget * max_chunks, keep=truncation, size=_MEMO_TEXTS
+        )
 
     @classmethod
     def from_settings(cls, settings: Settings) -> HiddenStateExtractor:
@@ -321,7 +315,7 @@ class HiddenStateExtractor:
                 chunked = {p.row for p in pieces if p.offset > 0}
                 staged = Staged(exit_stage, index, frozenset(chunked))
             for batch in self._micro_batches(pieces):
-                failed.update(self._run_isolating(batch, wanted, hidden, starts, staged))
+                failed.update(run_isolating(self._run, batch, wanted, hidden, starts, staged))
         exited = {} if staged is None else staged.exited
         exited = {row: v for row, v in exited.items() if row not in failed}
         if failed or exited:
@@ -387,68 +381,16 @@ class HiddenStateExtractor:
     def _tokenize(
         self, texts: Sequence[str | bytes], errors: dict[int, str]
     ) -> list[tuple[int, list[int]]]:
-        """``(input position, content token ids)`` of every text that survives cleaning.
-
-        The last :data:`_MEMO_TEXTS` texts' outcomes are remembered: the scorer counts a
-        poll's tokens to cut it (:meth:`token_counts`), then extracts the same texts, and
-        each text is cleaned and tokenized once."""
-        known: dict[int, list[int] | str] = {}
-        with self._memo_lock:
-            for pos, item in enumerate(texts):
-                if isinstance(item, str | bytes) and (hit := self._memo.get(item)) is not None:
-                    known[pos] = hit
-        todo = [pos for pos in range(len(texts)) if pos not in known]
-        fresh: dict[int, str] = {}
-        found = tokenize_texts(
-            self.llm.tokenizer,
-            [texts[pos] for pos in todo],
-            fresh,
-            max_tokens=self._budget * self.max_chunks,
-            keep=self.truncation,
-        )
-        outcome: dict[int, list[int] | str] = {todo[i]: ids for i, ids in found}
-        outcome.update({todo[i]: why for i, why in fresh.items()})
-        with self._memo_lock:
-            for pos, result in outcome.items():
-                item = texts[pos]
-                if isinstance(item, str | bytes):
-                    self._memo[item] = result
-            while len(self._memo) > _MEMO_TEXTS:
-                del self._memo[next(iter(self._memo))]  # the oldest first
-        outcome.update(known)
-        out: list[tuple[int, list[int]]] = []
-        for pos in sorted(outcome):
-            result = outcome[pos]
-            if isinstance(result, str):
-                errors[pos] = result
-            else:
-                out.append((pos, result))
-        return out
+        """``(input position, content token ids)`` of every text that survives cleaning
+        (each text cleaned and tokenized once across calls: :class:`TokenMemo`)."""
+        return self._memo(texts, errors)
 
     def _plan(self, contents: list[list[int]]) -> tuple[list[Piece], list[int]]:
         """Pieces to run, and each row's output token count (the context left out)."""
-        pieces: list[Piece] = []
-        lengths: list[int] = []
-        for row, content in enumerate(contents):
-            offset = 0
-            chunks = self._chunks(content)
-            for chunk in chunks:
-                ids = self._frame.ids(chunk)
-                skip, end = self._frame.span(len(chunk))  # end: all of ids
-                pieces.append(Piece(row, offset, ids, skip, len(chunks)))
-                offset += end - skip
-            lengths.append(offset)
-        return pieces, lengths
+        return plan_pieces(contents, self._frame, self._chunks)
 
     def _chunks(self, content: list[int]) -> list[list[int]]:
-        budget = self._budget
-        if len(content) <= budget:
-            return [content]
-        content = truncate(content, budget * self.max_chunks, self.truncation)
-        n = math.ceil(len(content) / budget)
-        size, extra = divmod(len(content), n)  # near-equal: the first `extra` get one more
-        bounds = [i * size + min(i, extra) for i in range(n + 1)]
-        return [content[a:b] for a, b in itertools.pairwise(bounds)]
+        return chunk(content, self._budget, self.max_chunks, self.truncation)
 
     def _micro_batches(self, pieces: list[Piece]) -> list[list[Piece]]:
         groups = length_batches(
@@ -458,45 +400,6 @@ class HiddenStateExtractor:
 
     # --- running the model ----------------------------------------------------------------
 
-    def _run_isolating(
-        self,
-        batch: list[Piece],
-        wanted: tuple[int, ...],
-        hidden: torch.Tensor,
-        starts: list[int],
-        staged: Staged | None = None,
-    ) -> dict[int, str]:
-        """Run a micro-batch; if it fails, run its pieces alone. Returns failed rows.
-
-        A device fault is no verdict on the texts: out of memory first retries smaller
-        micro-batches, then (like any other device error) raises :class:`DeviceError`.
-        """
-        try:
-            self._run(batch, wanted, hidden, starts, staged)
-            return {}
-        except Exception as exc:
-            fault = device_fault(exc)
-            if fault == "oom" and len(batch) > 1:
-                log.warning("micro-batch of %d ran out of device memory; halving it", len(batch))
-                free_device_memory()
-                half = len(batch) // 2
-                return {
-                    **self._run_isolating(batch[:half], wanted, hidden, starts, staged),
-                    **self._run_isolating(batch[half:], wanted, hidden, starts, staged),
-                }
-            if fault is not None:
-                raise DeviceError(
-                    f"device fault in the forward pass: {exc!r}", sticky=fault == "device"
-                ) from exc
-            if len(batch) == 1:
-                log.warning("extraction failed for one text: %s", exc, exc_info=True)
-                return {batch[0].row: str(ExtractionInputError("failed", repr(exc)))}
-            log.warning("micro-batch of %d failed (%r); retrying one by one", len(batch), exc)
-        failed: dict[int, str] = {}
-        for piece in batch:
-            failed.update(self._run_isolating([piece], wanted, hidden, starts, staged))
-        return failed
-
     def _run(
         self,
         batch: list[Piece],
@@ -505,87 +408,19 @@ class HiddenStateExtractor:
         starts: list[int],
         staged: Staged | None = None,
     ) -> None:
-        b, t = len(batch), max(len(p.ids) for p in batch)
-        if self.buckets is not None:
-            t = next((w for w in self.buckets if w >= t), t)
-        left, pad = self._left_pad, self._pad_id
-        # One tensor from nested lists: no per-row tensor and copy.
-        input_ids = torch.tensor(  # [b, t]
-            [
-                [pad] * (t - len(p.ids)) + p.ids if left else p.ids + [pad] * (t - len(p.ids))
-                for p in batch
-            ],
-            dtype=torch.long,
-        )
-        lengths = [len(p.ids) for p in batch]
-        attention = span_mask([t - n if left else 0 for n in lengths], lengths, t).long()
-        # (micro-batch row, first output position there, output row, position there, length):
-        # the chat form's context runs (attention covers it) but is not output.
-        spans: list[tuple[int, int, int, int, int]] = []
-        for r, piece in enumerate(batch):
-            n = len(piece.ids)
-            lo = t - n if left else 0
-            first = starts[piece.row] + piece.offset
-            spans.append((r, lo + piece.skip, piece.row, first, n - piece.skip))
-        slot = {layer: i for i, layer in enumerate(wanted)}
-        whole = all(p.chunks == 1 for p in batch)  # no row shares its output with another pass
-
-        def sink_to(spans: list[tuple[int, int, int, int, int]]) -> Sink:
-            block = None
-            if whole and self.scatter:
-                block = Block.plan(spans, hidden.device, self.llm.device)
-
-            def sink(layer: int, states: torch.Tensor) -> None:  # states: [b, t, D]
-                out = hidden[slot[layer]]  # [B_ok, T, D]
-                if block is not None:
-                    block.write(out, states)
-                    return
-                for r, lo, row, first, n in spans:  # a chunked text's piece: its own place
-                    out[row, first : first + n].copy_(states[r, lo : lo + n])
-
-            return sink
-
-        if staged is None:
-            forward_pass(self.llm, self._model_inputs(input_ids, attention), wanted, sink_to(spans))
-            return
-        k = staged.stage.layer
-        low = tuple(i for i in wanted if i <= k)
-        captured: list[torch.Tensor] = []
-        low_sink = sink_to(spans)
-
-        def capture(layer: int, states: torch.Tensor) -> None:
-            if layer == k:
-                captured.append(states)
-            if layer in slot:
-                low_sink(layer, states)
-
-        as_tuple = forward_pass(
+        run_micro_batch(
             self.llm,
-            self._model_inputs(input_ids, attention),
-            (*low, k) if k not in low else low,
-            capture,
+            batch,
+            wanted,
+            hidden,
+            starts,
+            staged,
+            pad_id=self._pad_id,
+            left_pad=self._left_pad,
+            buckets=self.buckets,
+            scatter=self.scatter,
+            model_inputs=self._model_inputs,
         )
-        states = captured[0]  # [b, t, D]: hidden-state index k of every row
-        # The stage pools what the full probe pools: the output positions, not the context.
-        output = torch.zeros(b, t, dtype=torch.bool)  # [b, t]
-        for r, lo, _, _, n in spans:
-            output[r, lo : lo + n] = True
-        go = continuing(staged, batch, states, output.to(states.device))
-        if not go:
-            return
-        # The continuing rows, without the padding only the exited rows needed.
-        width = int(attention[go].sum(-1).max())
-        cols = slice(t - width, t) if self._left_pad else slice(0, width)
-        rows = torch.tensor(go)
-        shift = t - width if self._left_pad else 0
-        kept = [
-            (i, lo - shift, row, first, n)
-            for i, (_, lo, row, first, n) in enumerate(spans[r] for r in go)
-        ]
-        resume = Resume(k, states[rows.to(states.device)][:, cols], as_tuple)
-        high = tuple(i for i in wanted if i > k)
-        inputs = self._model_inputs(input_ids[rows][:, cols], attention[rows][:, cols])
-        forward_pass(self.llm, inputs, high, sink_to(kept), resume)
 
     def _model_inputs(self, input_ids: torch.Tensor, attention: torch.Tensor) -> dict[str, Any]:
         model_device = self.llm.device

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from worker.errors import DeviceError, ExtractionInputError
 from worker.llm.hooks import Sink, layer_hooks
 from worker.llm.plan import Piece, span_mask
 
@@ -31,6 +32,8 @@ __all__ = [
     "device_fault",
     "forward_pass",
     "free_device_memory",
+    "run_isolating",
+    "run_micro_batch",
 ]
 
 log = logging.getLogger(__name__)
@@ -125,6 +128,150 @@ def forward_pass(
                 del block.forward  # the class's forward again
             else:
                 block.forward = forward
+
+
+def run_isolating(
+    run: Callable[[list[Piece], tuple[int, ...], torch.Tensor, list[int], Staged | None], None],
+    batch: list[Piece],
+    wanted: tuple[int, ...],
+    hidden: torch.Tensor,
+    starts: list[int],
+    staged: Staged | None = None,
+) -> dict[int, str]:
+    """``run`` a micro-batch (:func:`run_micro_batch`'s arguments); if it fails, run its
+    pieces alone. Returns the failed output rows, each with why.
+
+    A device fault is no verdict on the texts: out of memory first retries smaller
+    micro-batches, then (like any other device error) raises :class:`DeviceError`.
+    """
+    try:
+        run(batch, wanted, hidden, starts, staged)
+        return {}
+    except Exception as exc:
+        fault = device_fault(exc)
+        if fault == "oom" and len(batch) > 1:
+            log.warning("micro-batch of %d ran out of device memory; halving it", len(batch))
+            free_device_memory()
+            half = len(batch) // 2
+            return {
+                **run_isolating(run, batch[:half], wanted, hidden, starts, staged),
+                **run_isolating(run, batch[half:], wanted, hidden, starts, staged),
+            }
+        if fault is not None:
+            raise DeviceError(
+                f"device fault in the forward pass: {exc!r}", sticky=fault == "device"
+            ) from exc
+        if len(batch) == 1:
+            log.warning("extraction failed for one text: %s", exc, exc_info=True)
+            return {batch[0].row: str(ExtractionInputError("failed", repr(exc)))}
+        log.warning("micro-batch of %d failed (%r); retrying one by one", len(batch), exc)
+    failed: dict[int, str] = {}
+    for piece in batch:
+        failed.update(run_isolating(run, [piece], wanted, hidden, starts, staged))
+    return failed
+
+
+def run_micro_batch(
+    llm: LoadedLLM,
+    batch: list[Piece],
+    wanted: tuple[int, ...],
+    hidden: torch.Tensor,
+    starts: list[int],
+    staged: Staged | None,
+    *,
+    pad_id: int,
+    left_pad: bool,
+    buckets: tuple[int, ...] | None,
+    scatter: bool,
+    model_inputs: Callable[[torch.Tensor, torch.Tensor], dict[str, Any]],
+) -> None:
+    """Run one micro-batch of an extraction's pieces and write their output states into
+    ``hidden`` ``[L_sel, B_ok, T, D]`` (row ``piece.row`` from column ``starts[row]``):
+    padded on the left or right to its longest piece (or the next of ``buckets``); with
+    ``staged``, the rows its exit stage decides stop at its layer and the others resume
+    from there in a smaller batch. ``scatter``: one gather and scatter per layer
+    (:class:`Block`) rather than a copy per row, when the spans line up."""
+    b, t = len(batch), max(len(p.ids) for p in batch)
+    if buckets is not None:
+        t = next((w for w in buckets if w >= t), t)
+    left, pad = left_pad, pad_id
+    # One tensor from nested lists: no per-row tensor and copy.
+    input_ids = torch.tensor(  # [b, t]
+        [
+            [pad] * (t - len(p.ids)) + p.ids if left else p.ids + [pad] * (t - len(p.ids))
+            for p in batch
+        ],
+        dtype=torch.long,
+    )
+    lengths = [len(p.ids) for p in batch]
+    attention = span_mask([t - n if left else 0 for n in lengths], lengths, t).long()
+    # (micro-batch row, first output position there, output row, position there, length):
+    # the chat form's context runs (attention covers it) but is not output.
+    spans: list[tuple[int, int, int, int, int]] = []
+    for r, piece in enumerate(batch):
+        n = len(piece.ids)
+        lo = t - n if left else 0
+        first = starts[piece.row] + piece.offset
+        spans.append((r, lo + piece.skip, piece.row, first, n - piece.skip))
+    slot = {layer: i for i, layer in enumerate(wanted)}
+    whole = all(p.chunks == 1 for p in batch)  # no row shares its output with another pass
+
+    def sink_to(spans: list[tuple[int, int, int, int, int]]) -> Sink:
+        block = None
+        if whole and scatter:
+            block = Block.plan(spans, hidden.device, llm.device)
+
+        def sink(layer: int, states: torch.Tensor) -> None:  # states: [b, t, D]
+            out = hidden[slot[layer]]  # [B_ok, T, D]
+            if block is not None:
+                block.write(out, states)
+                return
+            for r, lo, row, first, n in spans:  # a chunked text's piece: its own place
+                out[row, first : first + n].copy_(states[r, lo : lo + n])
+
+        return sink
+
+    if staged is None:
+        forward_pass(llm, model_inputs(input_ids, attention), wanted, sink_to(spans))
+        return
+    k = staged.stage.layer
+    low = tuple(i for i in wanted if i <= k)
+    captured: list[torch.Tensor] = []
+    low_sink = sink_to(spans)
+
+    def capture(layer: int, states: torch.Tensor) -> None:
+        if layer == k:
+            captured.append(states)
+        if layer in slot:
+            low_sink(layer, states)
+
+    as_tuple = forward_pass(
+        llm,
+        model_inputs(input_ids, attention),
+        (*low, k) if k not in low else low,
+        capture,
+    )
+    states = captured[0]  # [b, t, D]: hidden-state index k of every row
+    # The stage pools what the full probe pools: the output positions, not the context.
+    output = torch.zeros(b, t, dtype=torch.bool)  # [b, t]
+    for r, lo, _, _, n in spans:
+        output[r, lo : lo + n] = True
+    go = continuing(staged, batch, states, output.to(states.device))
+    if not go:
+        return
+    # The continuing rows, without the padding only the exited rows needed.
+    width = int(attention[go].sum(-1).max())
+    cols = slice(t - width, t) if left else slice(0, width)
+    rows = torch.tensor(go)
+    shift = t - width if left else 0
+    kept = [
+        (i, lo - shift, row, first, n)
+        for i, (_, lo, row, first, n) in enumerate(spans[r] for r in go)
+    ]
+    resume = Resume(k, states[rows.to(states.device)][:, cols], as_tuple)
+    high = tuple(i for i in wanted if i > k)
+    inputs = model_inputs(input_ids[rows][:, cols], attention[rows][:, cols])
+    forward_pass(llm, inputs, high, sink_to(kept), resume)
 
 
 def _pass_through(resume: Resume | None, *, last: bool) -> Callable[..., Any]:

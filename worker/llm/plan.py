@@ -1,27 +1,43 @@
 """How a call's texts are cut into forward passes (the extractor's micro-batches, and the
 scorer's planner cutting a backlog the same way).
 
-The pieces of all texts are sorted by length (longest first) and cut into
-micro-batches of at most ``batch_size`` pieces and at most ``batch_tokens`` padded tokens
-(pieces × the longest piece in the micro-batch), so short texts are not padded to long
-ones and a long text runs alone rather than inflating a batch of short ones; a piece
-shorter than ``batch_min_fill`` × the micro-batch's longest starts a new one, so padding
-never outweighs a row's own tokens that much (chat lengths are skewed: a batch of 8
-ToxicChat texts padded to its longest held 3.7× its real tokens).
+Each text's ids become one piece, or one per chunk of a long text (:func:`chunk`), each
+in its :class:`~worker.llm.chat_form.Frame` (:func:`plan_pieces`). The pieces of all
+texts are sorted by length (longest first) and cut into micro-batches of at most
+``batch_size`` pieces and at most ``batch_tokens`` padded tokens (pieces × the longest
+piece in the micro-batch), so short texts are not padded to long ones and a long text
+runs alone rather than inflating a batch of short ones; a piece shorter than
+``batch_min_fill`` × the micro-batch's longest starts a new one, so padding never
+outweighs a row's own tokens that much (chat lengths are skewed: a batch of 8 ToxicChat
+texts padded to its longest held 3.7× its real tokens).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from worker.llm.text import Truncation, truncate
+
 if TYPE_CHECKING:
+    from worker.llm.chat_form import Frame
     from worker.settings import Settings
 
-__all__ = ["CUDA_BATCH_TOKENS", "Batching", "Piece", "length_batches", "span_mask", "token_buckets"]
+__all__ = [
+    "CUDA_BATCH_TOKENS",
+    "Batching",
+    "Piece",
+    "chunk",
+    "length_batches",
+    "plan_pieces",
+    "span_mask",
+    "token_buckets",
+]
 
 # Padded tokens per forward pass on CUDA unless BATCH_TOKENS is set: 256 texts of 256
 # tokens, one pass per scoring call. The forward there is launch-bound up to ~64 texts
@@ -111,6 +127,37 @@ class Piece:
     ids: list[int]  # what the model runs: context, special tokens and the text's tokens
     skip: int = 0  # leading ids run but not output (the chat form's context)
     chunks: int = 1  # pieces of its row: 1, the piece is the whole row
+
+
+def plan_pieces(
+    contents: list[list[int]], frame: Frame, chunks: Callable[[list[int]], list[list[int]]]
+) -> tuple[list[Piece], list[int]]:
+    """The pieces to run for each row's content ids (cut by ``chunks``, each put in
+    ``frame``), and each row's output token count (the frame's context left out)."""
+    pieces: list[Piece] = []
+    lengths: list[int] = []
+    for row, content in enumerate(contents):
+        offset = 0
+        parts = chunks(content)
+        for part in parts:
+            ids = frame.ids(part)
+            skip, end = frame.span(len(part))  # end: all of ids
+            pieces.append(Piece(row, offset, ids, skip, len(parts)))
+            offset += end - skip
+        lengths.append(offset)
+    return pieces, lengths
+
+
+def chunk(content: list[int], budget: int, max_chunks: int, keep: Truncation) -> list[list[int]]:
+    """``content`` whole when it fits ``budget`` ids, else truncated to ``max_chunks``
+    budgets and cut into near-equal chunks of at most ``budget`` ids."""
+    if len(content) <= budget:
+        return [content]
+    content = truncate(content, budget * max_chunks, keep)
+    n = math.ceil(len(content) / budget)
+    size, extra = divmod(len(content), n)  # near-equal: the first `extra` get one more
+    bounds = [i * size + min(i, extra) for i in range(n + 1)]
+    return [content[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 def span_mask(starts: Sequence[int], lengths: Sequence[int], width: int) -> torch.Tensor:

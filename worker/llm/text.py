@@ -16,13 +16,21 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections.abc import Sequence
 from typing import Any, Literal, TypeVar
 
 from worker.errors import ConfigError, ExtractionInputError
 from worker.llm.canonical import canonical_text
 
-__all__ = ["Truncation", "clean_text", "special_affixes", "tokenize_texts", "truncate"]
+__all__ = [
+    "TokenMemo",
+    "Truncation",
+    "clean_text",
+    "special_affixes",
+    "tokenize_texts",
+    "truncate",
+]
 
 log = logging.getLogger(__name__)
 
@@ -135,3 +143,57 @@ def tokenize_texts(
 def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     enc = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)
     return [list(ids) for ids in enc["input_ids"]]
+
+
+class TokenMemo:
+    """:func:`tokenize_texts` that remembers the outcomes (ids, or why none) of the last
+    ``size`` texts: the scorer counts a poll's tokens to cut it, then extracts the same
+    texts, and each text is cleaned and tokenized once. One per tokenizer and limits;
+    safe to share between threads."""
+
+    def __init__(self, tokenizer: Any, *, max_tokens: int, keep: Truncation, size: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_tokens = max_tokens
+        self.keep: Truncation = keep
+        self.size = size
+        # text -> its content ids, or why it has none; insertion-ordered (oldest first)
+        self._known: dict[str | bytes, list[int] | str] = {}
+        self._lock = threading.Lock()
+
+    def __call__(
+        self, texts: Sequence[str | bytes], errors: dict[int, str]
+    ) -> list[tuple[int, list[int]]]:
+        """As :func:`tokenize_texts`: ``(input position, content ids)`` of every text that
+        has some, and why each other one has none in ``errors``."""
+        known: dict[int, list[int] | str] = {}
+        with self._lock:
+            for pos, item in enumerate(texts):
+                if isinstance(item, str | bytes) and (hit := self._known.get(item)) is not None:
+                    known[pos] = hit
+        todo = [pos for pos in range(len(texts)) if pos not in known]
+        fresh: dict[int, str] = {}
+        found = tokenize_texts(
+            self.tokenizer,
+            [texts[pos] for pos in todo],
+            fresh,
+            max_tokens=self.max_tokens,
+            keep=self.keep,
+        )
+        outcome: dict[int, list[int] | str] = {todo[i]: ids for i, ids in found}
+        outcome.update({todo[i]: why for i, why in fresh.items()})
+        with self._lock:
+            for pos, result in outcome.items():
+                item = texts[pos]
+                if isinstance(item, str | bytes):
+                    self._known[item] = result
+            while len(self._known) > self.size:
+                del self._known[next(iter(self._known))]  # the oldest first
+        outcome.update(known)
+        out: list[tuple[int, list[int]]] = []
+        for pos in sorted(outcome):
+            result = outcome[pos]
+            if isinstance(result, str):
+                errors[pos] = result
+            else:
+                out.append((pos, result))
+        return out
