@@ -1,4 +1,5 @@
-"""Small helpers for integration tests: produce raw records, drain a topic."""
+"""Small helpers for tests that touch Kafka: produce raw records, drain a topic, a verdict
+to send."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 from kafka import KafkaConsumer
 
+from schemas import ProbeResult, Verdict, utcnow
 from worker.kafka.clients import client_config, make_producer, reader_config
 from worker.settings import Settings
 
@@ -63,3 +65,18 @@ def committed_total(settings: Settings, group: str, topic: str) -> int:
         return sum(consumer.committed(TopicPartition(topic, p)) or 0 for p in parts)
     finally:
         consumer.close()
+
+
+def allow_verdict(message_id: str) -> Verdict:
+    """A verdict that allows ``message_id`` (one probe ``p`` v1, label ``ok``)."""
+    result = ProbeResult(probe="p", version=1, scores={"ok": 1.0}, predicted=["ok"], flagged=False)
+    return Verdict(
+        verdict_id=Verdict.make_id(message_id, [result]),
+        message_id=message_id,
+        conversation_id="c",
+        decision="allow",
+        results=[result],
+        latency_ms=1.0,
+        worker_id="w",
+        scored_at=utcnow(),
+    )

@@ -15,8 +15,8 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
-from schemas import ProbeResult, Verdict, utcnow
 from tests.conftest import RedisNamespace
+from tests.kafka_helpers import allow_verdict
 from tests.serve_helpers import publish
 from worker.embedded import EmbeddedBroker
 from worker.kafka.outbox import QUEUE_RECORDS, Outbox
@@ -360,21 +360,8 @@ def test_stopping_with_the_broker_away_is_bounded(settings) -> None:
         s = settings.model_copy(update={"kafka_bootstrap": broker.bootstrap})
         outbox = Outbox(s, CollectorRegistry(), verdicts=True, reviews=False).start()
     # The broker is gone before the first record: each send waits for metadata.
-    result = ProbeResult(probe="p", version=1, scores={"ok": 1.0}, predicted=["ok"], flagged=False)
     n = QUEUE_RECORDS + 50
-    verdicts = {
-        i: Verdict(
-            verdict_id=Verdict.make_id(f"m-{i}", [result]),
-            message_id=f"m-{i}",
-            conversation_id="c",
-            decision="allow",
-            results=[result],
-            latency_ms=1.0,
-            worker_id="w",
-            scored_at=utcnow(),
-        )
-        for i in range(n)
-    }
+    verdicts = {i: allow_verdict(f"m-{i}") for i in range(n)}
     outbox.put_judged(verdicts, [])
     errors: list[BaseException] = []
 

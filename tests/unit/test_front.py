@@ -12,6 +12,7 @@ from probes.probe import build_probe
 from schemas import ChatMessage, utcnow
 from tests.conftest import RedisNamespace
 from tests.registry_helpers import publish_probe, toxicity_spec
+from tests.unit.test_guard import guard_settings
 from worker.llm.extract import HiddenStateExtractor
 from worker.llm.tiny import make_tiny_llm
 from worker.scoring.engine import Judged, Retain
@@ -31,15 +32,11 @@ def test_review_requests_are_asked_for_only_when_the_role_sends_them(
     redis_ns: RedisNamespace, review: bool
 ) -> None:
     llm = make_tiny_llm()
-    settings = Settings(
-        redis_url=redis_ns.url,
-        redis_prefix=redis_ns.prefix,
-        probes="toxicity",
-        default_probe=False,
+    settings = guard_settings(
+        redis_ns,
         probe_watch="poll",  # the door watches on a thread all the same
         review_audit_share=1.0,  # every message is audited
-        guard_verdicts=False,  # no broker: the outbox stays off
-        guard_review=review,
+        guard_review=review,  # (no verdicts: with no broker the outbox stays off)
     )
     extractor = HiddenStateExtractor.for_llm(llm, settings)
     registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
@@ -58,14 +55,7 @@ def test_review_requests_are_asked_for_only_when_the_role_sends_them(
 
 def test_start_and_stop_take_the_threads_with_them(redis_ns: RedisNamespace) -> None:
     llm = make_tiny_llm()
-    settings = Settings(
-        redis_url=redis_ns.url,
-        redis_prefix=redis_ns.prefix,
-        probes="toxicity",
-        default_probe=False,
-        guard_verdicts=False,
-        guard_review=False,
-    )
+    settings = guard_settings(redis_ns)
     door = FrontDoor(
         settings,
         HiddenStateExtractor.for_llm(llm, settings),

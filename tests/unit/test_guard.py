@@ -55,6 +55,13 @@ def no_blanks(llm: LoadedLLM) -> list[int]:
     return [vocab[c] for c in string.whitespace if c in vocab]
 
 
+def guard_settings(redis_ns: RedisNamespace, **kw: Any) -> Settings:
+    """One probe (``toxicity``), no packaged default, nothing sent to Kafka (no broker)."""
+    quiet = {"guard_verdicts": False, "guard_review": False}
+    fields: dict[str, Any] = {"probes": "toxicity", "default_probe": False, **quiet, **kw}
+    return Settings(redis_url=redis_ns.url, redis_prefix=redis_ns.prefix, **fields)
+
+
 @contextlib.contextmanager
 def run(
     llm: LoadedLLM,
@@ -71,15 +78,7 @@ def run(
     options = {"max_new_tokens": kw.pop("max_new_tokens", 8), "do_sample": False}
     options["suppress_tokens"] = no_blanks(llm)
     options.update(kw.pop("generate", {}))
-    settings = Settings(
-        redis_url=redis_ns.url,
-        redis_prefix=redis_ns.prefix,
-        probes="toxicity",
-        default_probe=False,
-        guard_verdicts=False,
-        guard_review=False,
-        **kw,
-    )
+    settings = guard_settings(redis_ns, **kw)
     registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
     trained_on = HiddenStateExtractor.for_llm(llm, settings).fingerprint  # raw or chat form
     publish_probe(registry, trained_on, probe=build_probe(spec, seed=1))

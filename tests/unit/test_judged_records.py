@@ -5,23 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from schemas import ProbeResult, ReviewRequest, Verdict, utcnow
+from schemas import ReviewRequest, Verdict, utcnow
+from tests.kafka_helpers import allow_verdict
 from worker.kafka.judged import judged_records
 from worker.kafka.records import Item
-
-
-def verdict(mid: str) -> Verdict:
-    result = ProbeResult(probe="p", version=1, scores={"ok": 1.0}, predicted=["ok"], flagged=False)
-    return Verdict(
-        verdict_id=Verdict.make_id(mid, [result]),
-        message_id=mid,
-        conversation_id="c",
-        decision="allow",
-        results=[result],
-        latency_ms=1.0,
-        worker_id="w",
-        scored_at=utcnow(),
-    )
 
 
 def review(mid: str) -> ReviewRequest:
@@ -37,10 +24,10 @@ def review(mid: str) -> ReviewRequest:
 
 
 def test_verdicts_then_reviews_keyed_by_message_id_each_answering_its_input() -> None:
-    verdicts = {0: verdict("a"), 2: verdict("c")}
+    verdicts = {0: allow_verdict("a"), 2: allow_verdict("c")}
     reviews = [(2, review("c"))]
     items: list[Item[Any]] = [
-        Item(value=verdict(m), topic="in", partition=0, offset=i, key=None, timestamp_ms=0)
+        Item(value=allow_verdict(m), topic="in", partition=0, offset=i, key=None, timestamp_ms=0)
         for i, m in enumerate("abc")
     ]
     out = judged_records(
@@ -53,7 +40,7 @@ def test_verdicts_then_reviews_keyed_by_message_id_each_answering_its_input() ->
 
 
 def test_a_kind_without_a_topic_is_not_sent() -> None:
-    verdicts, reviews = {0: verdict("a")}, [(0, review("a"))]
+    verdicts, reviews = {0: allow_verdict("a")}, [(0, review("a"))]
     only = judged_records(verdicts, reviews, verdict_topic=None, review_topic="r")
     assert [(o.topic, o.source) for o in only] == [("r", None)]
     assert judged_records(verdicts, reviews, verdict_topic=None, review_topic=None) == []

@@ -16,6 +16,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -44,32 +45,25 @@ class Retain(enum.IntEnum):
     ALL = 2  # and its text and decision for label joins; it may be queued for review
 
 
+@dataclass
 class Ledger:
-    """The Redis writes of one engine (``redis_client``: the registry's; ``text_redis``:
-    the text cache's, the same one unless configured apart)."""
+    """The Redis writes of one engine (``redis``: the registry's; ``text_redis``: the text
+    cache's, the same one unless configured apart)."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        redis_client: redis.Redis,
-        text_redis: redis.Redis,
-        *,
-        keys: Keys,
-        worker_id: str,
-        metrics: ScorerMetrics,
-        drift: DriftMonitor,
-        review_policy: review_routing.ReviewPolicy,
-    ) -> None:
-        self.settings = settings
-        self.redis: Any = redis_client
-        self.text_redis: Any = text_redis
-        self.keys = keys
-        self.worker_id = worker_id
-        self.metrics = metrics
-        self.drift = drift
-        self.review_policy = review_policy
-        self.local_review_budget = review_routing.LocalBudget(review_policy)
-        self.evidence = EvidenceStore.from_settings(redis_client, settings, cache=text_redis)
+    settings: Settings
+    redis: Any
+    text_redis: Any
+    keys: Keys
+    worker_id: str
+    metrics: ScorerMetrics
+    drift: DriftMonitor
+    review_policy: review_routing.ReviewPolicy
+
+    def __post_init__(self) -> None:
+        self.local_review_budget = review_routing.LocalBudget(self.review_policy)
+        self.evidence = EvidenceStore.from_settings(
+            self.redis, self.settings, cache=self.text_redis
+        )
         # One breaker for every best-effort Redis call: after a failure, batches skip Redis
         # for a few seconds rather than each waiting on a socket timeout.
         self.redis_breaker = Breaker()
