@@ -9,10 +9,12 @@ keeps only what the served probes read:
 1. **The prompt.** After the prefill, the live probe (hot-swapped from Redis by the
    scorer's own watcher, its LLM fingerprint checked against this model) scores the user's
    turn, and the prompt's :class:`~schemas.Verdict` goes out exactly as a scorer's does
-   (:class:`~worker.scoring.engine.ScoringEngine`: verdicts topic, review queue within the
-   shared budget, evidence, decided records, text cache), so labels, the updater and canary
-   rollout work unchanged. With ``guard_on_flag=refuse`` a flagged prompt gets
-   ``guard_refusal`` and no reply (one token was sampled; it is discarded).
+   (:meth:`ScoringEngine.judge(states=...) <worker.scoring.engine.ScoringEngine.judge>`,
+   through the :class:`~worker.scoring.front.FrontDoor` ``serve`` has too: verdicts
+   topic, review queue within the shared budget, evidence, decided records, text cache),
+   so labels, the updater and canary rollout work unchanged. With
+   ``guard_on_flag=refuse`` a flagged prompt gets ``guard_refusal`` and no reply (one
+   token was sampled; it is discarded).
 2. **The reply, as it streams.** Every ``guard_stream_every`` generated tokens the reply so
    far is scored from the states decoding produced; with ``refuse`` a flag stops
    generation and the reply is withheld. When generation ends the whole reply gets one
