@@ -33,26 +33,27 @@ from worker.kafka.outbox import Outbox
 from worker.llm.extract import Extraction, HiddenStateExtractor
 from worker.scoring.engine import Judged, Retain, ScoringEngine
 from worker.scoring.metrics import ScorerMetrics
-from worker.settings import Settings
+from worker.settings import GuardSettings, ServeSettings, Settings
 
 __all__ = ["FrontDoor", "FrontSettings"]
 
 
 @dataclass(frozen=True)
 class FrontSettings:
-    """What a front door reads of its role's settings."""
+    """What a front door reads of its role's settings section (``ServeSettings``,
+    ``GuardSettings``): the rest of those sections is the role's own."""
 
     role: Literal["serve", "guard"]  # names its worker id and its threads
     verdicts: bool  # each verdict goes to the verdicts topic
     review: bool  # review requests are asked for (within the shared budget) and sent
 
     @classmethod
-    def serve(cls, settings: Settings) -> FrontSettings:
+    def serve(cls, settings: ServeSettings) -> FrontSettings:
         """``PROBEGUARD_SERVE_VERDICTS`` and ``PROBEGUARD_SERVE_REVIEW``."""
         return cls("serve", settings.serve_verdicts, settings.serve_review)
 
     @classmethod
-    def guard(cls, settings: Settings) -> FrontSettings:
+    def guard(cls, settings: GuardSettings) -> FrontSettings:
         """``PROBEGUARD_GUARD_VERDICTS`` and ``PROBEGUARD_GUARD_REVIEW``."""
         return cls("guard", settings.guard_verdicts, settings.guard_review)
 
