@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from schemas import ChatMessage, HeadSpec, ProbeResult, ProbeSpec, Verdict, utcnow
 from worker.errors import ConfigError
+from worker.scoring.batch import BatchScores
 from worker.scoring.engine import Judged, Retain
 from worker.serve.auth import Authenticator
 from worker.serve.batcher import Expired, MicroBatcher
@@ -252,7 +253,9 @@ class RecordingJudge:
             )
             for i, m in enumerate(messages)
         }
-        return Judged(verdicts=verdicts, errors={})
+        specs = {("p", 1): moderation_spec()}  # the version that scored this batch
+        scores = BatchScores(results={}, errors={}, specs=specs)
+        return Judged(verdicts=verdicts, errors={}, scores=scores)
 
 
 def batcher(judge: RecordingJudge, **kw: float) -> MicroBatcher:
@@ -272,6 +275,17 @@ def test_requests_arriving_within_the_wait_share_a_batch_and_get_their_own_resul
     assert judge.batches == [["m0", "m1", "m2"]]
     assert [v.message_id for v in one.verdicts.values()] == ["m0"]
     assert {i: v.message_id for i, v in two.verdicts.items()} == {0: "m1", 1: "m2"}
+
+
+def test_a_request_carries_the_spec_of_the_version_that_scored_it() -> None:
+    """The OpenAI route answers each result with its version's spec from here: the watcher,
+    asked after scoring, may serve another version by then."""
+    b = batcher(RecordingJudge(), max_wait_s=0.0)
+    try:
+        scored = b.submit([msg(0)], [Retain.ALL]).result(5)
+    finally:
+        b.stop()
+    assert scored.specs == {("p", 1): moderation_spec()}
 
 
 def test_a_request_never_splits_and_a_full_batch_does_not_wait() -> None:
