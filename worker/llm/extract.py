@@ -69,7 +69,15 @@ from worker.llm.forward import (
     run_micro_batch,
 )
 from worker.llm.load import LoadedLLM, load_llm
-from worker.llm.plan import Batching, Piece, chunk, length_batches, plan_pieces, span_mask
+from worker.llm.plan import (
+    Batching,
+    Padding,
+    Piece,
+    chunk,
+    length_batches,
+    plan_pieces,
+    span_mask,
+)
 from worker.llm.text import TokenMemo, Truncation, clean_text, special_affixes
 
 if TYPE_CHECKING:
@@ -408,6 +416,7 @@ class HiddenStateExtractor:
         starts: list[int],
         staged: Staged | None = None,
     ) -> None:
+        padding = Padding(self._pad_id, self._left_pad, self.buckets)
         run_micro_batch(
             self.llm,
             batch,
@@ -415,11 +424,9 @@ class HiddenStateExtractor:
             hidden,
             starts,
             staged,
-            pad_id=self._pad_id,
-            left_pad=self._left_pad,
-            buckets=self.buckets,
+            padding,
+            self._model_inputs,
             scatter=self.scatter,
-            model_inputs=self._model_inputs,
         )
 
     def _model_inputs(self, input_ids: torch.Tensor, attention: torch.Tensor) -> dict[str, Any]:

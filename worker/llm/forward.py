@@ -17,7 +17,7 @@ import torch
 
 from worker.errors import DeviceError, ExtractionInputError
 from worker.llm.hooks import Sink, layer_hooks
-from worker.llm.plan import Piece, span_mask
+from worker.llm.plan import Padding, Piece, span_mask
 
 if TYPE_CHECKING:
     from worker.llm.load import LoadedLLM
@@ -178,23 +178,19 @@ def run_micro_batch(
     hidden: torch.Tensor,
     starts: list[int],
     staged: Staged | None,
-    *,
-    pad_id: int,
-    left_pad: bool,
-    buckets: tuple[int, ...] | None,
-    scatter: bool,
+    padding: Padding,
     model_inputs: Callable[[torch.Tensor, torch.Tensor], dict[str, Any]],
+    *,
+    scatter: bool,
 ) -> None:
     """Run one micro-batch of an extraction's pieces and write their output states into
     ``hidden`` ``[L_sel, B_ok, T, D]`` (row ``piece.row`` from column ``starts[row]``):
-    padded on the left or right to its longest piece (or the next of ``buckets``); with
+    padded as ``padding`` says, made the model's arguments by ``model_inputs``; with
     ``staged``, the rows its exit stage decides stop at its layer and the others resume
     from there in a smaller batch. ``scatter``: one gather and scatter per layer
     (:class:`Block`) rather than a copy per row, when the spans line up."""
-    b, t = len(batch), max(len(p.ids) for p in batch)
-    if buckets is not None:
-        t = next((w for w in buckets if w >= t), t)
-    left, pad = left_pad, pad_id
+    b, t = len(batch), padding.width(max(len(p.ids) for p in batch))
+    left, pad = padding.left, padding.pad_id
     # One tensor from nested lists: no per-row tensor and copy.
     input_ids = torch.tensor(  # [b, t]
         [

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CUDA_BATCH_TOKENS",
     "Batching",
+    "Padding",
     "Piece",
     "chunk",
     "length_batches",
@@ -116,6 +117,25 @@ def length_batches(
         else:
             current.append(i)
     return batches
+
+
+@dataclass(frozen=True)
+class Padding:
+    """How a micro-batch's pieces are padded into one input: with ``pad_id``, on the left
+    or the right, up to its longest piece or the next of ``buckets`` (positions come from
+    the attention mask, so the states do not change)."""
+
+    pad_id: int
+    left: bool
+    buckets: tuple[int, ...] | None = None
+
+    def width(self, longest: int) -> int:
+        """The input's width for a longest piece of ``longest`` ids.
+
+        >>> Padding(0, left=False, buckets=(16, 32)).width(20), Padding(0, left=True).width(20)
+        (32, 20)
+        """
+        return next((w for w in self.buckets or () if w >= longest), longest)
 
 
 @dataclass(frozen=True, slots=True)
