@@ -189,7 +189,7 @@ def run_micro_batch(
     ``staged``, the rows its exit stage decides stop at its layer and the others resume
     from there in a smaller batch. ``scatter``: one gather and scatter per layer
     (:class:`Block`) rather than a copy per row, when the spans line up."""
-    b, t = len(batch), padding.width(max(len(p.ids) for p in batch))
+    t = padding.width(max(len(p.ids) for p in batch))
     left, pad = padding.left, padding.pad_id
     # One tensor from nested lists: no per-row tensor and copy.
     input_ids = torch.tensor(  # [b, t]
@@ -229,7 +229,29 @@ def run_micro_batch(
 
     if staged is None:
         forward_pass(llm, model_inputs(input_ids, attention), wanted, sink_to(spans))
-        return
+    else:
+        _staged_pass(
+            llm, staged, batch, wanted, (input_ids, attention), spans, sink_to, model_inputs, left
+        )
+
+
+def _staged_pass(
+    llm: LoadedLLM,
+    staged: Staged,
+    batch: list[Piece],
+    wanted: tuple[int, ...],
+    inputs: tuple[torch.Tensor, torch.Tensor],
+    spans: list[tuple[int, int, int, int, int]],
+    sink_to: Callable[[list[tuple[int, int, int, int, int]]], Sink],
+    model_inputs: Callable[[torch.Tensor, torch.Tensor], dict[str, Any]],
+    left: bool,
+) -> None:
+    """:func:`run_micro_batch` with an exit stage: every row runs up to the stage's layer;
+    the rows it decides stop there, the others resume from its states in a smaller batch
+    (without the padding only the exited rows needed). ``inputs``: the micro-batch's
+    ``input_ids`` and ``attention`` ``[b, t]``; ``spans`` and ``sink_to`` as there."""
+    input_ids, attention = inputs
+    b, t = input_ids.shape
     k = staged.stage.layer
     low = tuple(i for i in wanted if i <= k)
     captured: list[torch.Tensor] = []
@@ -238,7 +260,7 @@ def run_micro_batch(
     def capture(layer: int, states: torch.Tensor) -> None:
         if layer == k:
             captured.append(states)
-        if layer in slot:
+        if layer in wanted:
             low_sink(layer, states)
 
     as_tuple = forward_pass(
@@ -266,8 +288,8 @@ def run_micro_batch(
     ]
     resume = Resume(k, states[rows.to(states.device)][:, cols], as_tuple)
     high = tuple(i for i in wanted if i > k)
-    inputs = model_inputs(input_ids[rows][:, cols], attention[rows][:, cols])
-    forward_pass(llm, inputs, high, sink_to(kept), resume)
+    rest = model_inputs(input_ids[rows][:, cols], attention[rows][:, cols])
+    forward_pass(llm, rest, high, sink_to(kept), resume)
 
 
 def _pass_through(resume: Resume | None, *, last: bool) -> Callable[..., Any]:
