@@ -223,6 +223,9 @@ def test_states_handed_to_judge_are_scored_and_missing_layers_extracted(
 
         from_text = toxic()
         ex = engine.extractor.extract([message.text], [4, 1, 2])  # more, in another order
+        picked = ex.select([1, 4])  # what the probe reads, in its order, as handed over
+        assert picked is not None and picked.layers == (1, 4)
+        assert torch.equal(picked.hidden, ex.hidden[[1, 0]]) and ex.select([1, 3]) is None
         assert toxic(states=ex) == pytest.approx(from_text, abs=1e-6)
         marked = replace(ex, hidden=ex.hidden + 1.0)
         assert abs(toxic(states=marked) - from_text) > 1e-6  # handed over, not recomputed
