@@ -143,7 +143,8 @@ def build_scorer(llm: Any, settings: Any) -> Any:
     from probes.probe import build_probe
     from schemas import CheckpointManifest
     from worker.llm.extract import HiddenStateExtractor
-    from worker.scoring.batch import BatchScorer, ProbeSlot, ServedProbe
+    from worker.scoring.batch import BatchScorer
+    from worker.scoring.served import ProbeSlot, ServedProbe
 
     extractor = HiddenStateExtractor.for_llm(llm, settings)
     manifest = CheckpointManifest.model_validate_json((DEFAULT_PROBE / "manifest.json").read_text())

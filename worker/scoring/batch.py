@@ -55,17 +55,8 @@ from worker.settings import Settings
 
 if TYPE_CHECKING:
     from worker.llm.extract import Extraction, HiddenStateExtractor
-    from worker.settings import Settings
 
-# ProbeSlot and ServedProbe live in worker.scoring.served; listed here for the engine and
-# the benches that import them from this module.
-__all__ = [
-    "BatchScorer",
-    "BatchScores",
-    "ExitPolicy",
-    "ProbeSlot",
-    "ServedProbe",
-]
+__all__ = ["BatchScorer", "BatchScores", "ExitPolicy"]
 
 
 @dataclass(frozen=True)

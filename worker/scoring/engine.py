@@ -39,11 +39,12 @@ from worker.defaults import missing, serving_default
 from worker.errors import ConfigError
 from worker.llm.extract import Extraction, HiddenStateExtractor
 from worker.scoring import review_routing
-from worker.scoring.batch import BatchScorer, BatchScores, ExitPolicy, ServedProbe
+from worker.scoring.batch import BatchScorer, BatchScores, ExitPolicy
 from worker.scoring.drift import DriftMonitor
 from worker.scoring.ledger import Ledger, Retain
 from worker.scoring.metrics import ScorerMetrics
 from worker.scoring.probe_watch import ProbeWatcher
+from worker.scoring.served import ServedProbe
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry
 from worker.store.redis import keys_for, make_text_redis
