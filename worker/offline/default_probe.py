@@ -323,7 +323,42 @@ def build_default(
         measured[s.dataset] = measure(
             probe, load_source(s, spec, cache_root, data_root, extractor, key, dtype)
         )
-    card = {
+    card = _card(
+        spec,
+        probe,
+        extractor,
+        loaded,
+        fitted,
+        measured,
+        noncommercial=noncommercial,
+        budget=budget,
+        pool=pool,
+        folds=folds,
+        seed=config.seed,
+        started=started,
+    )
+    atomic_write(out / "card.json", json.dumps(card, indent=1) + "\n")
+    return BuildResult(out, card)
+
+
+def _card(
+    spec: ProbeSpec,
+    probe: Probe,
+    extractor: ExtractorLike,
+    loaded: list[Loaded],
+    fitted: DefaultFit,
+    measured: dict[str, Any],
+    *,
+    noncommercial: bool,
+    budget: float,
+    pool: TokenPool,
+    folds: int,
+    seed: int,
+    started: float,
+) -> dict[str, Any]:
+    """The data card that ships beside the weights: licenses and rows of every source, the
+    operating points, how the fit went and what the shipped probe measures held out."""
+    return {
         "name": spec.name,
         "llm": extractor.fingerprint.model_id,
         # The chat form's key (the template's ids around the text); absent: the raw form.
@@ -351,13 +386,11 @@ def build_default(
             "folds": folds,
             "epochs": fitted.cv.epochs,
             "seconds": round(fitted.result.seconds, 1),
-            "seed": config.seed,
+            "seed": seed,
         },
         "held_out": measured,
         "built_seconds": round(time.time() - started, 1),
     }
-    atomic_write(out / "card.json", json.dumps(card, indent=1) + "\n")
-    return BuildResult(out, card)
 
 
 _SPLITS = ("train", "validation", "held_out")
