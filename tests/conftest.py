@@ -22,7 +22,7 @@ import redis
 
 # The LLM's autocast default ("auto") depends on the CPU (bfloat16 where it is native):
 # tests run float32 everywhere, so exact-equality checks hold on any machine, and the
-# autocast tests (tests/unit/test_autocast.py) ask for it explicitly. Worker processes that
+# autocast tests (tests/unit/llm/test_autocast.py) ask for it explicitly. Worker processes that
 # tests start inherit this.
 os.environ["PROBEGUARD_AUTOCAST"] = "off"
 

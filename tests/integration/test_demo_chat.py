@@ -14,7 +14,7 @@ from probes.probe import build_probe
 from tests.conftest import RedisNamespace
 from tests.process_helpers import wait_until
 from tests.registry_helpers import toxicity_spec
-from tests.unit.test_guard import chat_llm, no_blanks
+from tests.unit.guard.test_guard import chat_llm, no_blanks
 from worker.demo.chat import PROBE, ChatOptions, run_chat, shown
 from worker.settings import Settings
 from worker.store.checkpoints import CheckpointRegistry

@@ -17,7 +17,7 @@ from tests.integration.test_updater import fast, label
 from tests.kafka_helpers import drain, produce_raw
 from tests.process_helpers import Threaded, wait_until
 from tests.registry_helpers import publish_probe, toxicity_spec
-from tests.unit.test_guard import chat_llm, no_blanks
+from tests.unit.guard.test_guard import chat_llm, no_blanks
 from worker.guard import Guard
 from worker.kafka.clients import ensure_topics
 from worker.learning.updater import Updater

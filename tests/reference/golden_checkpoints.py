@@ -3,7 +3,7 @@
 ``golden/<pool>-<mix>/`` holds a checkpoint (``tensors.safetensors`` + ``manifest.json``,
 signed with :data:`KEY`) of every token pool and every layer mix, plus ``inputs.safetensors``
 (hidden states and mask) and ``expected.json`` (the probabilities the writing release
-computed for them). ``tests/unit/test_checkpoint.py`` loads them with the current code
+computed for them). ``tests/unit/probes/test_checkpoint.py`` loads them with the current code
 and compares: renaming a state-dict key, changing a spec default, the manifest schema,
 the signature or the format tag breaks it. When a format change is deliberate, add a
 new golden directory (and a migration); do not rewrite these. Written by::

@@ -1,5 +1,5 @@
 """For the tests of deploy/alerts.yml and deploy/grafana-dashboard.json
-(tests/unit/test_alerts.py, tests/unit/test_dashboard.py): the Prometheus names the code
+(tests/unit/deploy/test_alerts.py, tests/unit/deploy/test_dashboard.py): the Prometheus names the code
 exports, read from its source; the metric names a PromQL expression uses; promtool.
 
 Read statically, so a metric defined anywhere under ``worker/`` counts without starting

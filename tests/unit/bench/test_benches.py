@@ -15,7 +15,7 @@ import pytest
 
 from worker.llm.tiny import NUM_LAYERS, make_tiny_llm
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+BENCH = Path(__file__).resolve().parents[3] / "bench"
 
 
 def load_bench(name: str) -> ModuleType:

@@ -15,7 +15,7 @@ from worker.console.web import safe_next
 from worker.errors import ConfigError
 from worker.kafka.offsets import OffsetTracker
 
-TEMPLATES = Path(__file__).parents[2] / "worker" / "console" / "templates"
+TEMPLATES = Path(__file__).parents[3] / "worker" / "console" / "templates"
 
 
 def test_users_roles_and_passwords() -> None:

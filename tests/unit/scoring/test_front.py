@@ -12,7 +12,7 @@ from probes.probe import build_probe
 from schemas import ChatMessage, utcnow
 from tests.conftest import RedisNamespace
 from tests.registry_helpers import publish_probe, toxicity_spec
-from tests.unit.test_guard import guard_settings
+from tests.unit.guard.test_guard import guard_settings
 from worker.llm.extract import HiddenStateExtractor
 from worker.llm.tiny import make_tiny_llm
 from worker.scoring.engine import Judged, Retain

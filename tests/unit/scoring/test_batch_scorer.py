@@ -119,7 +119,7 @@ def test_a_nan_row_costs_that_row_only() -> None:
 def test_the_forward_pass_stops_at_the_deepest_layer_a_served_probe_reads() -> None:
     """A shallower probe (e.g. from `fit --depth auto`) is a cheaper forward: blocks above
     the deepest layer that the live or canary probe reads never run."""
-    from tests.unit.test_extract import count_block_calls
+    from tests.unit.llm.test_extract import count_block_calls
 
     ex = Counting()
     shallow = served(ex, "toxicity", [1, 2], seed=1)

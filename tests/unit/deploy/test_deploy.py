@@ -32,7 +32,7 @@ from worker.kafka.batch_loop import BatchLoop
 from worker.kafka.clients import all_topics
 from worker.settings import Settings
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 COMPOSE = DEPLOY / "docker-compose.yml"

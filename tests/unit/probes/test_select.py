@@ -19,7 +19,7 @@ from probes.offline.select import (
     select_depth,
     stratified_folds,
 )
-from tests.unit.test_fit import spec_for, token_dataset
+from tests.unit.probes.test_fit import spec_for, token_dataset
 
 
 def test_folds_are_stratified_and_cover_every_row() -> None:

@@ -12,7 +12,7 @@ from pydantic import SecretStr, ValidationError
 
 from worker.settings import Settings
 
-SECRET = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "secret.yaml"
+SECRET = Path(__file__).resolve().parents[3] / "deploy" / "k8s" / "secret.yaml"
 
 
 def shipped(name: str) -> str:

@@ -27,7 +27,7 @@ from worker.llm.source import resolve_source
 from worker.llm.tiny import make_tiny_llm, tiny_model, tiny_tokenizer
 from worker.settings import Settings
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def sha256_of(path: Path) -> str:

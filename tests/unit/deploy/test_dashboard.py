@@ -14,7 +14,7 @@ import yaml
 
 from tests.unit.prometheus_helpers import exposed, metric_names, promtool
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json"
+DASHBOARD = Path(__file__).resolve().parents[3] / "deploy" / "grafana-dashboard.json"
 # Issue 27: msg/s, p99 latency, lag, stalled, versions served, flags by probe, dead
 # letters, reviews, refusals, serve requests by code; drift (item 4).
 WANTED = {

@@ -104,9 +104,9 @@ def test_keys_are_namespaced() -> None:
 
 
 def test_configuration_page_documents_every_setting() -> None:
-    """docs/configuration.md is generated (tests/unit/test_docs.py checks it is current);
+    """docs/configuration.md is generated (tests/unit/project/test_docs.py checks it is current);
     this pins that the generator leaves no setting out."""
-    page = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+    page = (Path(__file__).parents[3] / "docs" / "configuration.md").read_text()
     missing = [n for n in Settings.model_fields if f"`PROBEGUARD_{n.upper()}`" not in page]
     assert not missing, f"docs/configuration.md lacks: {missing}"
 
@@ -168,7 +168,7 @@ def test_keys_docstring_table_lists_every_key() -> None:
         method = getattr(keys, name)
         key = method(*["{}"] * len(inspect.signature(method).parameters))
         assert key in documented, f"Keys.{name}() builds {key}, missing from the table"
-    architecture = (Path(__file__).parents[2] / "docs" / "architecture.md").read_text()
+    architecture = (Path(__file__).parents[3] / "docs" / "architecture.md").read_text()
     assert "worker/store/redis.py" in architecture and "`Keys`" in architecture
 
 

@@ -158,7 +158,7 @@ def test_fit_errors_are_clear(capsys, caches, workspace) -> None:
 def test_probe_table_bench_runs(capsys, caches) -> None:
     import importlib.util
 
-    path = Path(__file__).resolve().parents[2] / "bench" / "probe_table.py"
+    path = Path(__file__).resolve().parents[3] / "bench" / "probe_table.py"
     spec = importlib.util.spec_from_file_location("probe_table", path)
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
@@ -174,7 +174,7 @@ def test_quality_bench_runs_with_a_held_out_split(capsys, workspace) -> None:
     """bench/quality.py builds its caches, cross-validates, scores held-out rows and a peer."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[2] / "bench" / "quality.py"
+    path = Path(__file__).resolve().parents[3] / "bench" / "quality.py"
     spec = importlib.util.spec_from_file_location("quality", path)
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
@@ -276,7 +276,7 @@ def test_fit_writes_int8_checkpoints_that_eval_reads(capsys, caches, workspace) 
 def _bench(name: str):
     import importlib.util
 
-    path = Path(__file__).resolve().parents[2] / "bench" / f"{name}.py"
+    path = Path(__file__).resolve().parents[3] / "bench" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

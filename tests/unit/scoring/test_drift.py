@@ -25,7 +25,7 @@ from probes.offline.fit import FitConfig, fit
 from probes.probe import Probe
 from schemas import DRIFT_BINS, CheckpointManifest, DriftReference, utcnow
 from tests.unit.synthetic import FINGERPRINT, make_spec, toy_task
-from tests.unit.test_fit import spec_for, token_dataset
+from tests.unit.probes.test_fit import spec_for, token_dataset
 from worker.scoring.drift import DriftMonitor
 from worker.scoring.metrics import ScorerMetrics
 from worker.scoring.served import ServedProbe

@@ -129,7 +129,7 @@ def test_thresholds_travel_in_the_spec() -> None:
     assert loaded.spec.thresholds == {"toxic": 0.3}
 
 
-GOLDEN = Path(__file__).parents[1] / "reference" / "golden"
+GOLDEN = Path(__file__).parents[2] / "reference" / "golden"
 
 
 @pytest.mark.parametrize("kind", sorted(p.name for p in GOLDEN.iterdir() if p.is_dir()))

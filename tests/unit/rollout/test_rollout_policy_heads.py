@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from tests.registry_helpers import num
-from tests.unit.test_rollout_policy import GOOD_LIVE, POLICY, conf, on_trial
+from tests.unit.rollout.test_rollout_policy import GOOD_LIVE, POLICY, conf, on_trial
 from worker.rollout.policy import Policy, next_action
 from worker.store.evidence_counts import Confusion, Evidence
 

@@ -30,7 +30,7 @@ from worker.learning.metrics import UpdaterMetrics
 from worker.scoring.metrics import ScorerMetrics
 from worker.settings import Settings
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy"
 RULES = DEPLOY / "alerts.yml"
 RULE_TESTS = DEPLOY / "alerts_test.yml"
