@@ -1,6 +1,6 @@
 """For the tests of deploy/alerts.yml and deploy/grafana-dashboard.json
-(tests/unit/deploy/test_alerts.py, tests/unit/deploy/test_dashboard.py): the Prometheus names the code
-exports, read from its source; the metric names a PromQL expression uses; promtool.
+(tests/unit/deploy/test_alerts.py, tests/unit/deploy/test_dashboard.py): the Prometheus
+names the code exports, read from its source; the metric names a PromQL expression uses; promtool.
 
 Read statically, so a metric defined anywhere under ``worker/`` counts without starting
 the role that defines it: every ``Counter``/``Gauge``/``Histogram``/``Summary`` call with a

@@ -24,8 +24,8 @@ from probes.drift import (
 from probes.offline.fit import FitConfig, fit
 from probes.probe import Probe
 from schemas import DRIFT_BINS, CheckpointManifest, DriftReference, utcnow
-from tests.unit.synthetic import FINGERPRINT, make_spec, toy_task
 from tests.unit.probes.test_fit import spec_for, token_dataset
+from tests.unit.synthetic import FINGERPRINT, make_spec, toy_task
 from worker.scoring.drift import DriftMonitor
 from worker.scoring.metrics import ScorerMetrics
 from worker.scoring.served import ServedProbe
