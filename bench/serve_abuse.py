@@ -102,6 +102,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "no pinning)",
     )
     p.add_argument(
+        "--key-scheme",
+        choices=["sha256", "scrypt"],
+        default="sha256",
+        help="how the keys' entries are hashed (%(default)s; scrypt: entries made before, "
+        "each wrong key a 16 MiB scrypt)",
+    )
+    p.add_argument(
         "--tiny",
         action="store_true",
         help="a tiny random LLM (worker/llm/tiny.py) and a random probe published for it: "
@@ -285,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker.store.redis import make_redis
 
     prefix = f"bench-abuse-{uuid.uuid4().hex[:8]}"
-    made = {name: new_key(name) for name in ("good", "tenant", "alpha")}
+    made = {name: new_key(name, args.key_scheme) for name in ("good", "tenant", "alpha")}
     settings = Settings(
         redis_url=args.redis_url,
         redis_prefix=prefix,
@@ -405,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         "valid_clients": args.valid,
         "hostile_nice": args.hostile_nice,
         "hostile_cpus": sorted(hostile_cpus),
+        "key_scheme": args.key_scheme,
         "kinds": args.kinds,
         "valid": {
             "idle": {

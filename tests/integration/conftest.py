@@ -8,7 +8,7 @@ import pytest
 
 from tests.conftest import RedisNamespace
 from tests.serve_helpers import PROBE, Served, extractor, ready
-from worker.serve.keys import KeyRing, new_key
+from worker.serve.keys import KeyRing, Scheme, new_key
 from worker.serve.server import ModerationServer
 from worker.settings import Settings
 
@@ -16,7 +16,8 @@ from worker.settings import Settings
 @pytest.fixture
 def serve(settings: Settings, redis_ns: RedisNamespace) -> Iterator:
     """``serve(**overrides)`` starts ``probeguard serve`` on a free port with one key
-    (``names``: one key per name; ``auth=False``: none) and waits until it is ready."""
+    (``names``: one key per name; ``auth=False``: none; ``key_scheme="scrypt"``: entries
+    as they were made before SHA-256) and waits until it is ready."""
     started: list[Served] = []
 
     def start(
@@ -24,9 +25,10 @@ def serve(settings: Settings, redis_ns: RedisNamespace) -> Iterator:
         auth: bool = True,
         names: tuple[str, ...] = ("tests",),
         max_tokens: int = 64,
+        key_scheme: Scheme = "sha256",
         **overrides: object,
     ) -> Served:
-        made = {n: new_key(n) for n in names} if auth else {}
+        made = {n: new_key(n, key_scheme) for n in names} if auth else {}
         keys = {n: key for n, (key, _) in made.items()}
         entries = ",".join(entry for _, entry in made.values())
         s = settings.model_copy(update={"probes": PROBE, "serve_port": 0, **overrides})

@@ -122,9 +122,10 @@ def test_wrong_keys_on_a_real_name_run_at_most_two_scrypts_at_once(
     serve, redis_ns: RedisNamespace
 ) -> None:
     """Issue 45: scrypt calls (16 MiB each) ran on up to 40 threads: 32 threads of wrong
-    keys on a real key name grew RSS by 0.36 GB and held a valid request ~22 s."""
+    keys on a real key name grew RSS by 0.36 GB and held a valid request ~22 s. (Entries
+    made before SHA-256: scrypt ones still verify, rationed.)"""
     publish(redis_ns)
-    served = serve(names=("alpha",))
+    served = serve(names=("alpha",), key_scheme="scrypt")
     ok = served.http.post("/v1/moderations", json={"input": "hello"})
     assert ok.status_code == 200  # alpha's key is verified and remembered
     codes: list[int] = []
@@ -144,6 +145,28 @@ def test_wrong_keys_on_a_real_name_run_at_most_two_scrypts_at_once(
     assert ring is not None and 1 <= ring.peak <= 2
     assert served.http.post("/v1/moderations", json={"input": "hello"}).status_code == 200
     assert served.metric('probeguard_serve_key_checks_total{result="scrypt_wrong"}') == 24
+
+
+def test_wrong_keys_on_a_real_name_cost_no_scrypt_with_sha256_entries(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """Issue 45: each wrong key on a real name cost a scrypt (16 MiB, ~0.1 s of CPU), so a
+    flood of them still cost the valid key 2.8x its p99 once rationed. A key is 192
+    random bits: its entry is a salted SHA-256 now, checked on the loop in microseconds."""
+    publish(redis_ns)
+    served = serve(names=("alpha",), serve_new_keys_per_address=1000.0, serve_new_keys_burst=1000)
+    codes = []
+    with served.client("", local_address="127.0.0.3") as attacker:
+        for i in range(40):
+            headers = {"Authorization": f"Bearer pg.alpha.{i:048x}"}
+            r = attacker.post("/v1/moderations", json={"input": "x"}, headers=headers)
+            codes.append(r.status_code)
+    assert codes == [401] * 40
+    ring = served.server.service.keys
+    assert ring is not None and ring.peak == 0 and ring.check_s is None  # no scrypt ran
+    assert served.metric('probeguard_serve_key_checks_total{result="sha256_wrong"}') == 40
+    assert served.http.post("/v1/moderations", json={"input": "hello"}).status_code == 200
+    assert served.metric('probeguard_serve_key_checks_total{result="sha256_ok"}') == 1
 
 
 def _analyze_with_token(served, name: str, text: str, token: str = "comment-1") -> str:
@@ -441,7 +464,7 @@ def test_an_unknown_key_name_is_refused_like_a_known_one_without_a_scrypt(
     as a check takes here (measured once, on a throwaway key); the time itself is in
     bench/serve_abuse.py, not here."""
     publish(redis_ns)
-    served = serve(names=("alpha",))
+    served = serve(names=("alpha",), key_scheme="scrypt")
     ring = served.server.service.keys
     assert ring is not None and ring.check_s is None
     with served.client(f"pg.nobody.{'1' * 48}") as c:

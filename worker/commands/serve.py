@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="print a new API key and its PROBEGUARD_SERVE_API_KEYS entry",
         description=(
             "Prints a new random API key on the first line (give it to the client; it is "
-            "stored nowhere) and its settings entry NAME:scrypt$... on the second (join "
+            "stored nowhere) and its settings entry NAME:sha256$... on the second (join "
             "entries with commas into PROBEGUARD_SERVE_API_KEYS)."
         ),
     )

@@ -8,10 +8,14 @@ unauthenticated traffic kept from hurting authenticated traffic.
   IPv6 address counts by its /64), so one address's junk cannot spend another's.
 - An unseen key whose name no entry has is refused without scrypt, after as long as a
   scrypt check takes here, so response times do not tell which names exist.
-- Scrypt itself (16 MiB, ~0.1 s each) runs on at most ``SCRYPT_THREADS`` threads, at a
-  lower CPU priority than the scoring (:mod:`worker.serve.niced`); at most
-  ``SCRYPT_QUEUE`` more unseen keys wait for them, and the rest get a 503 with
-  ``Retry-After``, so a flood of wrong keys on a real name costs bounded memory and CPU.
+- A key's entry is a salted SHA-256 (:mod:`worker.serve.keys`): checked on the event
+  loop in microseconds, so a flood of wrong keys on a real name costs about what junk does.
+- Entries made before are scrypt (16 MiB, ~0.1 s each): while any is configured, checks
+  run on at most ``SCRYPT_THREADS`` threads, at a lower CPU priority than the scoring
+  (:mod:`worker.serve.niced`); at most ``SCRYPT_QUEUE`` more unseen keys wait for them, and
+  the rest get a 503 with ``Retry-After``, so such a flood costs bounded memory and CPU.
+  Every refusal of an unseen key then answers after as long as a scrypt check takes, a
+  SHA-256 entry's included, so the time does not tell which names exist or how.
 
 Identities come from here only: the key's name (or, without keys, the client address),
 never from anything the client writes in its body.
@@ -81,8 +85,9 @@ class Authenticator:
         self.checks = Counter(
             "probeguard_serve_key_checks",
             "API keys presented, by what their check found (verified, refused: from memory; "
-            "malformed; unknown_name; scrypt_ok, scrypt_wrong; limited: too many unseen "
-            "keys from the address; busy: too many waiting for scrypt)",
+            "malformed; unknown_name; sha256_ok, sha256_wrong, scrypt_ok, scrypt_wrong; "
+            "limited: too many unseen keys from the address; busy: too many waiting for "
+            "scrypt)",
             ["result"],
             registry=collector,
         )
@@ -119,27 +124,38 @@ class Authenticator:
     async def _check(self, key: str) -> str | None:
         assert self.keys is not None
         ring = self.keys
+        if not ring.slow:  # SHA-256 entries only: microseconds, on the loop
+            return self._checked(key, ring.check(key))
         if self._waiting >= SCRYPT_THREADS + SCRYPT_QUEUE:
             self.checks.labels("busy").inc()
             raise ApiError(
                 503, "too many new API keys being checked", code="busy", retry_after_s=1.0
             )
-        if not ring.names_an_entry(key):
-            # No scrypt (nor a place in its queue), but as late as a check would answer
-            # now, queue included: the time of a refusal must not tell which names exist.
+        if not ring.names_an_entry(key) or ring.fast(key):
+            # No scrypt (nor a place in its queue), but as late as one would answer now,
+            # queue included: the time of a refusal must not tell which names exist.
             check_s = ring.check_s
             if check_s is None:
                 check_s = await self._scrypt.run(ring.calibrate)
+            name = ring.check(key)
             await anyio.sleep(check_s * (1 + self._waiting // SCRYPT_THREADS))
-            ring.refuse(key)
-            self.checks.labels("unknown_name").inc()
-            return None
+            return self._checked(key, name)
         self._waiting += 1
         try:
             name = await self._scrypt.run(ring.verify, key)
         finally:
             self._waiting -= 1
         self.checks.labels("scrypt_ok" if name else "scrypt_wrong").inc()
+        return name
+
+    def _checked(self, key: str, name: str | None) -> str | None:
+        """Count a check that ran no scrypt; ``name``: what it found."""
+        assert self.keys is not None
+        if name is not None:
+            result = "sha256_ok"
+        else:
+            result = "sha256_wrong" if self.keys.names_an_entry(key) else "unknown_name"
+        self.checks.labels(result).inc()
         return name
 
     def close(self) -> None:

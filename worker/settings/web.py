@@ -87,8 +87,9 @@ class ServeSettings(Section):
     )
     serve_api_keys: SecretStr | None = Field(
         None,
-        description="`name:scrypt$...` entries, comma-separated, from `probeguard serve key "
-        "NAME` (secret). Unset: `serve` refuses to start unless `--no-auth`.",
+        description="`name:sha256$...` entries, comma-separated, from `probeguard serve key "
+        "NAME` (secret; `name:scrypt$...` entries made before still verify, with scrypt). "
+        "Unset: `serve` refuses to start unless `--no-auth`.",
     )
     serve_max_wait_ms: Annotated[float, Field(ge=0.0, le=1000.0)] = Field(
         5.0,

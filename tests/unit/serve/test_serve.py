@@ -19,29 +19,43 @@ from worker.scoring.batch import BatchScores
 from worker.scoring.engine import Judged, Retain
 from worker.serve.auth import Authenticator
 from worker.serve.batcher import Expired, MicroBatcher
-from worker.serve.keys import KeyRing, RateLimiter, Seen, new_key
+from worker.serve.keys import KeyRing, RateLimiter, Scheme, Seen, new_key
 from worker.serve.mapping import attribute_labels, category_labels
 from worker.serve.niced import NICE
 from worker.serve.perspective_api import _spans
 from worker.serve.server import is_loopback
 
 
-def test_a_new_key_verifies_against_its_entry_only() -> None:
-    key, entry = new_key("chat-app")
-    other_key, other = new_key("forum")
-    assert key.startswith("pg.chat-app.") and entry.startswith("chat-app:scrypt$")
+@pytest.mark.parametrize("scheme", ["sha256", "scrypt"])
+def test_a_new_key_verifies_against_its_entry_only(scheme: Scheme) -> None:
+    """New entries are salted SHA-256; scrypt entries made before verify as they did."""
+    key, entry = new_key("chat-app", scheme)
+    other_key, other = new_key("forum", scheme)
+    assert key.startswith("pg.chat-app.") and entry.startswith(f"chat-app:{scheme}$")
     assert key not in entry  # only the hash is configured
     ring = KeyRing.parse(f"{entry}, {other}")
+    assert ring.slow == (scheme == "scrypt")
     assert ring.check(key) == "chat-app"
     assert ring.check(other_key) == "forum"
     assert ring.check(key[:-1] + ("0" if key[-1] != "0" else "1")) is None
     assert ring.check(other_key.replace("forum", "chat-app")) is None  # another entry's hash
     assert ring.check("") is None and ring.check("Bearer x") is None
-    assert "scrypt" not in repr(ring)
+    assert scheme not in repr(ring)
+
+
+def test_a_mixed_ring_checks_each_entry_by_its_own_scheme() -> None:
+    """A deployment moving to SHA-256 entries keeps its scrypt ones meanwhile."""
+    fast_key, fast = new_key("new")
+    slow_key, slow = new_key("old", "scrypt")
+    ring = KeyRing.parse(f"{fast},{slow}")
+    assert ring.slow and ring.fast(fast_key) and not ring.fast(slow_key)
+    assert ring.check(fast_key) == "new" and ring.peak == 0  # no scrypt for a SHA-256 entry
+    assert ring.check(slow_key) == "old" and ring.peak == 1
+    assert ring.check(f"pg.new.{'0' * 48}") is None and ring.peak == 1
 
 
 def test_a_checked_key_is_remembered() -> None:
-    key, entry = new_key("a")
+    key, entry = new_key("a", "scrypt")
     ring = KeyRing.parse(entry)
     assert ring.lookup(key) == (Seen.UNSEEN, None)
     assert ring.verify(key) == "a"
@@ -69,7 +83,7 @@ def test_refused_keys_cannot_evict_a_verified_key() -> None:
 def test_scrypt_checks_run_below_the_scoring_threads_cpu_priority() -> None:
     """Issue 45: wrong keys on a real name cost the valid key 3x its p99 (scrypt releases
     the GIL: what the checks take is CPU). They now run niced, so the scoring wins."""
-    key, entry = new_key("a")
+    key, entry = new_key("a", "scrypt")
     ring = KeyRing.parse(entry)
     seen: list[int] = []
     verify = ring.verify
@@ -97,7 +111,7 @@ def test_scrypt_checks_run_below_the_scoring_threads_cpu_priority() -> None:
 
 
 def test_malformed_keys_and_unknown_names_cost_no_scrypt() -> None:
-    _, entry = new_key("a")
+    _, entry = new_key("a", "scrypt")
     ring = KeyRing.parse(entry)
     for junk in ("", "Bearer x", "pg.a.0", "pg.a." + "0" * 47 + "g", f"pg.b.{'0' * 48}"):
         assert ring.check(junk) is None
@@ -109,8 +123,9 @@ def test_malformed_keys_and_unknown_names_cost_no_scrypt() -> None:
 @pytest.mark.parametrize(
     ("raw", "why"),
     [
-        ("nocolon", "expected name:scrypt"),
+        ("nocolon", "expected name:sha256"),
         ("a:plain-password", "not a scrypt hash"),
+        ("a:sha256$AAAA$AAAA", "not a sha256"),
         ("a:scrypt$1000$8$1$AAAA$AAAA", "power of two"),
         ("bad name:scrypt$1024$8$1$AAAA$AAAA", "expected name"),
     ],
