@@ -18,7 +18,7 @@ from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 from worker.errors import KafkaSetupError
-from worker.settings import Settings
+from worker.settings import KafkaSettings
 
 __all__ = [
     "all_topics",
@@ -34,7 +34,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def client_config(settings: Settings) -> dict[str, Any]:
+def client_config(settings: KafkaSettings) -> dict[str, Any]:
     """Connection and security options shared by producers, consumers and admin clients."""
     cfg: dict[str, Any] = {
         "bootstrap_servers": [s.strip() for s in settings.kafka_bootstrap.split(",") if s.strip()],
@@ -58,7 +58,7 @@ def client_config(settings: Settings) -> dict[str, Any]:
     return cfg
 
 
-def all_topics(settings: Settings) -> list[str]:
+def all_topics(settings: KafkaSettings) -> list[str]:
     """Every topic probeguard reads or writes."""
     return [
         settings.topic_chat,
@@ -69,7 +69,7 @@ def all_topics(settings: Settings) -> list[str]:
     ]
 
 
-def make_admin(settings: Settings) -> KafkaAdminClient:
+def make_admin(settings: KafkaSettings) -> KafkaAdminClient:
     try:
         return KafkaAdminClient(**client_config(settings))
     except KafkaError as exc:
@@ -77,7 +77,7 @@ def make_admin(settings: Settings) -> KafkaAdminClient:
 
 
 def ensure_topics(
-    settings: Settings,
+    settings: KafkaSettings,
     topics: Iterable[str] | None = None,
     partitions: int | None = None,
 ) -> list[str]:
@@ -119,7 +119,7 @@ def ensure_topics(
         admin.close()
 
 
-def make_producer(settings: Settings, **overrides: Any) -> KafkaProducer:
+def make_producer(settings: KafkaSettings, **overrides: Any) -> KafkaProducer:
     """An idempotent, acks=all producer; ``overrides`` win over the defaults."""
     cfg = client_config(settings)
     cfg.update(
@@ -157,7 +157,7 @@ def close_producer(producer: KafkaProducer, timeout_s: float) -> bool:
     return sent
 
 
-def reader_config(settings: Settings) -> dict[str, Any]:
+def reader_config(settings: KafkaSettings) -> dict[str, Any]:
     """``client_config`` for a consumer that reads a topic from the start outside any group
     (views, benchmarks, tests), with the settings' fetch wait."""
     return {
@@ -169,7 +169,7 @@ def reader_config(settings: Settings) -> dict[str, Any]:
 
 
 def make_consumer(
-    settings: Settings,
+    settings: KafkaSettings,
     group_id: str,
     topics: Iterable[str] = (),
     **overrides: Any,

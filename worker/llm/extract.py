@@ -82,7 +82,7 @@ from worker.llm.text import TokenMemo, Truncation, clean_text, special_affixes
 
 if TYPE_CHECKING:
     from schemas import LLMFingerprint
-    from worker.settings import Settings
+    from worker.settings import LLMSettings
 
 # ExitStage (forward), Truncation and clean_text (text): callers import them from here.
 __all__ = ["ExitStage", "Extraction", "HiddenStateExtractor", "Truncation", "clean_text"]
@@ -211,12 +211,12 @@ class HiddenStateExtractor:
         )
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> HiddenStateExtractor:
+    def from_settings(cls, settings: LLMSettings) -> HiddenStateExtractor:
         """Load ``settings.model`` and wrap it with the settings' batching and truncation."""
         return cls.for_llm(load_llm(settings), settings)
 
     @classmethod
-    def for_llm(cls, llm: LoadedLLM, settings: Settings) -> Self:
+    def for_llm(cls, llm: LoadedLLM, settings: LLMSettings) -> Self:
         """Wrap a loaded ``llm`` with the settings' batching (for its device, see
         :meth:`~worker.llm.plan.Batching.for_device`) and truncation."""
         batching = Batching.for_device(settings, llm.device)

@@ -72,7 +72,7 @@ from worker.llm.source import ModelSource, resolve_source
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from worker.settings import Settings
+    from worker.settings import LLMSettings
 
 # LoadedLLM and find_layer_stack live in worker.llm.model, the precision functions in
 # worker.llm.precision; they stay importable from here.
@@ -97,7 +97,7 @@ _DEQUANT_MANIFEST = "probeguard-cache.json"  # one dequantized entry (not a Cach
 _CPU = torch.device("cpu")
 
 
-def load_llm(settings: Settings, *, lm_head: bool = False) -> LoadedLLM:
+def load_llm(settings: LLMSettings, *, lm_head: bool = False) -> LoadedLLM:
     """Load the configured LLM, frozen, on ``settings.device`` in ``settings.dtype``.
 
     ``lm_head=True`` also keeps the language-model head (``LoadedLLM.lm_head``) for analyst

@@ -26,7 +26,7 @@ from worker.llm.text import Truncation, truncate
 
 if TYPE_CHECKING:
     from worker.llm.chat_form import Frame
-    from worker.settings import Settings
+    from worker.settings import LLMSettings
 
 __all__ = [
     "CUDA_BATCH_TOKENS",
@@ -57,7 +57,7 @@ class Batching:
     buckets: tuple[int, ...] | None = None  # widths a pass is padded up to (None: its longest)
 
     @classmethod
-    def for_device(cls, settings: Settings, device: torch.device) -> Batching:
+    def for_device(cls, settings: LLMSettings, device: torch.device) -> Batching:
         """The settings' batching for an LLM on ``device``: as set on the CPU (length-sorted
         token budgets, measured there: ``bench/batching.py``); on CUDA, what the settings
         leave at its default is one pass per call, up to :data:`CUDA_BATCH_TOKENS` padded

@@ -16,7 +16,7 @@ from redis.retry import Retry
 
 from schemas import HumanLabel
 from worker.errors import ConfigError, TransientError
-from worker.settings import RESERVED_PROBE_NAMES, Settings
+from worker.settings import RESERVED_PROBE_NAMES, Settings, StoreSettings
 
 __all__ = [
     "Breaker",
@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 
-def make_redis(settings: Settings, url: str | None = None, **overrides: Any) -> redis.Redis:
+def make_redis(settings: StoreSettings, url: str | None = None, **overrides: Any) -> redis.Redis:
     """A client for ``url`` (default: ``settings.redis_url``).
 
     RESP2 is used on purpose: redis-py's RESP3 parser is ~8x slower on
@@ -343,6 +343,6 @@ def join_texts(text_redis: Any, keys: Keys, labels: list[HumanLabel]) -> list[st
     return [v.decode() if v is not None else lb.text for lb, v in zip(labels, values, strict=True)]
 
 
-def keys_for(settings: Settings) -> Keys:
+def keys_for(settings: StoreSettings) -> Keys:
     """The key layout under ``settings.redis_prefix``, bound to its deployment id."""
     return Keys(settings.redis_prefix, settings.deployment_id)
