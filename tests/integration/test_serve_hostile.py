@@ -104,6 +104,7 @@ def test_junk_keys_from_one_address_cost_another_address_nothing(
         serve_rate_burst=5,
         serve_new_keys_per_address=0.01,
         serve_new_keys_burst=5,
+        serve_refusal_delay_s=0.0,  # the 429s at once: this test is about who gets them
     )
     codes = []
     for i in range(40):
@@ -299,6 +300,45 @@ def _read_all(sock: socket.socket) -> bytes:
     while chunk := sock.recv(65536):
         out += chunk
     return out
+
+
+def test_a_declared_large_body_is_charged_before_it_is_read(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """Issue 45: a key over its rate with a 1 MB body had the body read (and a 429 after
+    it), 948 of them in 20 s from one tenant (bench/serve_abuse.py --kinds bodies). Its
+    Content-Length is now charged first: refused before a byte of the body arrives."""
+    publish(redis_ns)
+    served = serve(serve_rate_per_key=0.001, serve_rate_burst=10, serve_body_timeout_s=20.0)
+    assert served.http.post("/v1/moderations", json={"input": "hi"}).status_code == 200
+    sock = _connect(served, "127.0.0.3")
+    sock.sendall(
+        b"POST /v1/moderations HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        + (served.key or "").encode()
+        + b"\r\nContent-Type: application/json\r\nContent-Length: 1000000\r\n\r\n"
+    )  # a whole burst's worth (10), and 9 are left; the body never comes
+    t0 = time.monotonic()
+    answer = _read_all(sock)
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 429"), answer[:200]
+    assert b"each 64 KiB of body counts as one more request" in answer
+    assert time.monotonic() - t0 < 10  # not after the body's 20 s timeout (a 408)
+
+
+def test_a_429_is_answered_after_its_retry_after_so_a_flood_slows_itself(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """Issue 45: a tenant ignoring its 429s sent ~40 refused requests a second; each cost a
+    connection, its headers and the app's routing. A 429 now waits out its Retry-After (up
+    to SERVE_REFUSAL_DELAY_S) and names what is left of it."""
+    publish(redis_ns)
+    served = serve(serve_rate_per_key=0.01, serve_rate_burst=1, serve_refusal_delay_s=0.6)
+    assert served.http.post("/v1/moderations", json={"input": "hi"}).status_code == 200
+    t0 = time.monotonic()
+    r = served.http.post("/v1/moderations", json={"input": "hi"})
+    waited = time.monotonic() - t0
+    assert r.status_code == 429 and waited >= 0.5, (r.status_code, waited)
+    assert 90 <= int(r.headers["Retry-After"]) <= 100  # ~100 s to refill, less the wait
 
 
 def test_stalled_connections_are_closed_and_capped_per_address(

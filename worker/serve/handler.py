@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import Counter, Histogram
@@ -21,6 +22,7 @@ from pydantic import BaseModel
 from worker.serve.auth import Caller
 from worker.serve.bodies import BodyReader
 from worker.serve.errors import ApiError
+from worker.serve.keys import RateLimiter
 
 if TYPE_CHECKING:
     from worker.serve.service import Service
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["BODY_UNIT", "Dialect", "Handler", "Work", "body_schema", "error_response"]
 
 BODY_UNIT = 64 * 1024  # each this many bytes of a body count as one more request
+REFUSALS_HELD = 256  # rate-limited requests held at once for their Retry-After (see _hold)
 
 Work = Callable[[bytes, Caller], Awaitable[Response]]
 
@@ -84,6 +87,7 @@ class Handler:
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=service.collector,
         )
+        self._held = 0  # 429s waiting out their Retry-After now
         self.reader = BodyReader(
             s.serve_max_body_bytes,
             s.serve_body_timeout_s,
@@ -99,32 +103,20 @@ class Handler:
             caller = await self.service.auth.caller(
                 request, _presented_key(request), lambda code: _key_refusal(dialect, code)
             )
-            wait = limiter.take(caller.limit_key)
-            if wait > 0:
-                raise ApiError(
-                    429,
-                    f"rate limit of {s.serve_rate_per_key:g} requests/s for this key reached "
-                    "(PROBEGUARD_SERVE_RATE_PER_KEY)",
-                    code="rate_limit_exceeded",
-                    retry_after_s=wait,
-                )
+            # A large body costs more to read and parse: one more request per BODY_UNIT
+            # bytes, charged before it is read where Content-Length declares it (never more
+            # than the burst: a configured burst below it must still admit it).
+            upfront = min(_declared_length(request) // BODY_UNIT, s.serve_rate_burst - 1)
+            _charge(limiter, caller.limit_key, 1 + upfront, s.serve_rate_per_key)
             reading = True
             body = await self.reader.read(request)
-            # A large body costs more to parse: one more request per BODY_UNIT bytes.
-            # (never more than the burst: a configured burst below it must still admit it)
-            extra = min(len(body) // BODY_UNIT, s.serve_rate_burst)
-            wait = limiter.take(caller.limit_key, cost=extra) if extra else 0.0
-            if wait > 0:
-                raise ApiError(
-                    429,
-                    f"rate limit of {s.serve_rate_per_key:g} requests/s for this key reached "
-                    f"(PROBEGUARD_SERVE_RATE_PER_KEY; each {BODY_UNIT // 1024} KiB of body "
-                    "counts as one more request)",
-                    code="rate_limit_exceeded",
-                    retry_after_s=wait,
-                )
+            extra = min(len(body) // BODY_UNIT, s.serve_rate_burst) - upfront
+            if extra > 0:  # a body its headers did not declare (chunked)
+                _charge(limiter, caller.limit_key, extra, s.serve_rate_per_key)
             response = await work(body, caller)
         except ApiError as e:
+            if e.status == 429 and e.retry_after_s:
+                await self._hold(e)
             # Refused before its body was read: drop a small body to keep the connection;
             # a large one is not worth reading (the connection closes: a client that sends
             # it again reconnects, within its address's connection rate).
@@ -134,6 +126,45 @@ class Handler:
         self.requests_total.labels(dialect.name, str(response.status_code)).inc()
         self.request_seconds.labels(dialect.name).observe(time.perf_counter() - t0)
         return response
+
+    async def _hold(self, e: ApiError) -> None:
+        """A 429 is answered after the ``Retry-After`` it would name, up to
+        ``SERVE_REFUSAL_DELAY_S``, and names what is left of it: a client that retries the
+        moment it is refused (a flood) then asks once per delay per connection, and one
+        that honours ``Retry-After`` is not made to wait longer than a second more. At most
+        ``REFUSALS_HELD`` wait at once; the rest are answered at once."""
+        assert e.retry_after_s is not None
+        delay = min(e.retry_after_s, self.settings.serve_refusal_delay_s)
+        if delay <= 0 or self._held >= REFUSALS_HELD:
+            return
+        self._held += 1
+        try:
+            await anyio.sleep(delay)
+        finally:
+            self._held -= 1
+        e.retry_after_s = max(0.0, e.retry_after_s - delay)
+
+
+def _declared_length(request: Request) -> int:
+    """The body's ``Content-Length`` (0 when absent or not a plain number)."""
+    length = request.headers.get("content-length", "")
+    return int(length) if length.isdigit() and len(length) < 19 else 0
+
+
+def _charge(limiter: RateLimiter, key: str, cost: int, rate: float) -> None:
+    """Take ``cost`` from ``key``'s bucket, or refuse with a 429 saying when to retry."""
+    wait = limiter.take(key, cost=cost)
+    if wait > 0:
+        body = (
+            f"; each {BODY_UNIT // 1024} KiB of body counts as one more request" if cost > 1 else ""
+        )
+        raise ApiError(
+            429,
+            f"rate limit of {rate:g} requests/s for this key reached "
+            f"(PROBEGUARD_SERVE_RATE_PER_KEY{body})",
+            code="rate_limit_exceeded",
+            retry_after_s=wait,
+        )
 
 
 def _presented_key(request: Request) -> str:

@@ -138,9 +138,11 @@ class ServeSettings(Section):
     serve_refusal_delay_s: Annotated[float, Field(ge=0.0, le=60.0)] = Field(
         1.0,
         description="A connection refused by the caps above gets its 503 after this many "
-        "seconds (its `Retry-After`), unread; at most 256 wait so at once, the rest are "
-        "answered at once. A client that reconnects the moment it is refused then opens one "
-        "connection a second per connection it holds. `0`: answer at once.",
+        "seconds (its `Retry-After`), unread; a request over its key's rate limits gets its "
+        "429 after its `Retry-After`, up to this many seconds, and names what is left of it. "
+        "At most 256 of each wait so at once, the rest are answered at once. A client that "
+        "retries the moment it is refused then asks once per delay per connection. `0`: "
+        "answer at once.",
     )
     serve_body_timeout_s: Annotated[float, Field(gt=0.0, le=600.0)] = Field(
         30.0,
