@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import multiprocessing
 import os
 import threading
@@ -33,6 +34,7 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect, Request
 
 from schemas import describe_error
+from schemas.moderation_api import HARD_MAX_INPUTS
 from worker.serve.errors import ApiError
 from worker.serve.niced import NICE
 
@@ -177,10 +179,25 @@ def _refusal_fields(ref: str, body: bytes, max_inputs: int) -> dict[str, Any] | 
     module, name = ref.split(":")
     model = getattr(importlib.import_module(module), name)
     try:
+        _count_inputs(body, max_inputs)
         _validate(model, body, max_inputs)
     except ApiError as e:
         return {"status": e.status, "message": e.message, "code": e.code, "param": e.param}
     return None
+
+
+def _count_inputs(body: bytes, max_inputs: int) -> None:
+    """A list ``input`` longer than the schema allows (``HARD_MAX_INPUTS``) is refused on its
+    length alone, as the schema would refuse it: the JSON parser reads 0.9 MB of items in
+    ~17 ms where validating them took ~49 ms. Anything else (not JSON, another shape, a
+    length within the ceiling) is left to the schema's own errors."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return
+    items = data.get("input") if isinstance(data, dict) else None
+    if isinstance(items, list) and len(items) > HARD_MAX_INPUTS:
+        raise _too_many_inputs(len(items), max_inputs)
 
 
 def _validate(model: type[Any], body: bytes, max_inputs: int) -> Any:
@@ -197,13 +214,7 @@ def _refusal(exc: ValidationError, max_inputs: int) -> ApiError:
         field = str(err["loc"][0]) if err["loc"] else ""
         ctx = err.get("ctx") or {}
         if err["type"] == "too_long" and field == "input":
-            n = ctx.get("actual_length", "too many")
-            return ApiError(
-                413,
-                f"{n} inputs; at most {max_inputs} per request (PROBEGUARD_SERVE_MAX_INPUTS)",
-                param="input",
-                code="too_many_inputs",
-            )
+            return _too_many_inputs(ctx.get("actual_length", "too many"), max_inputs)
         if err["type"] == "string_too_long" and field in {"input", "comment"}:
             param = "input" if field == "input" else "comment.text"
             return ApiError(
@@ -216,3 +227,12 @@ def _refusal(exc: ValidationError, max_inputs: int) -> ApiError:
     kind, why = describe_error(exc)
     message = f"the body is not JSON: {why}" if kind == "invalid_json" else why
     return ApiError(400, message, code=kind)
+
+
+def _too_many_inputs(n: object, max_inputs: int) -> ApiError:
+    return ApiError(
+        413,
+        f"{n} inputs; at most {max_inputs} per request (PROBEGUARD_SERVE_MAX_INPUTS)",
+        param="input",
+        code="too_many_inputs",
+    )
