@@ -96,11 +96,7 @@ def _invalid(hashed: str) -> str | None:
     return scrypt.invalid(hashed)
 
 
-def _matches(key: str, hashed: str) -> bool:
-    parts = _sha256_parts(hashed)
-    if parts is None:
-        return scrypt.check(key, hashed)
-    salt, want = parts
+def _sha256_matches(key: str, salt: bytes, want: bytes) -> bool:
     return hmac.compare_digest(hashlib.sha256(salt + key.encode()).digest(), want)
 
 
@@ -109,8 +105,10 @@ class KeyRing:
 
     def __init__(self, entries: dict[str, str]) -> None:
         self._hashes = entries  # name -> sha256 or scrypt hash
+        # The SHA-256 entries' salt and digest, decoded once: name -> (salt, digest).
+        self._sha256 = {n: p for n, h in entries.items() if (p := _sha256_parts(h)) is not None}
         # Any scrypt entry: checks are slow, and run rationed on threads (worker.serve.auth).
-        self.slow = any(not h.startswith("sha256$") for h in entries.values())
+        self.slow = len(self._sha256) < len(entries)
         # Good keys: at most one per entry (a hash matches one key), so never evicted.
         self._verified: dict[bytes, str] = {}
         self._refused: OrderedDict[bytes, None] = OrderedDict()
@@ -178,7 +176,7 @@ class KeyRing:
     def fast(self, key: str) -> bool:
         """Whether ``key``'s entry is a SHA-256 one (a check in microseconds)."""
         m = _KEY.fullmatch(key)
-        return m is not None and self._hashes.get(m.group(1), "").startswith("sha256$")
+        return m is not None and m.group(1) in self._sha256
 
     def verify(self, key: str) -> str | None:
         """Check ``key`` against its entry (a scrypt one off the event loop) and remember
@@ -188,8 +186,8 @@ class KeyRing:
         if m is None or hashed is None:
             self.refuse(key)
             return None
-        if hashed.startswith("sha256$"):
-            good = _matches(key, hashed)
+        if (parts := self._sha256.get(m.group(1))) is not None:
+            good = _sha256_matches(key, *parts)
         else:
             with self._lock:
                 self.running += 1
@@ -219,7 +217,7 @@ class KeyRing:
     def calibrate(self) -> float:
         """How long a scrypt check takes here (runs one on a throwaway key the first time:
         the time an unknown name's refusal waits so that it looks like a check)."""
-        slow = [h for h in self._hashes.values() if not h.startswith("sha256$")]
+        slow = [h for n, h in self._hashes.items() if n not in self._sha256]
         if self.check_s is None and slow:
             hashed = slow[0]
             t0 = time.perf_counter()
