@@ -38,10 +38,16 @@ from schemas.moderation_api import HARD_MAX_INPUTS
 from worker.serve.errors import ApiError
 from worker.serve.niced import NICE
 
-__all__ = ["INLINE_BYTES", "PARSE_THREADS", "BodyReader", "Parser"]
+__all__ = ["INLINE_BYTES", "PARSE_THREADS", "BodyReader", "Parser", "declared_length"]
 
 PARSE_THREADS = 2  # bodies validated at once (a third waits; the event loop never does)
 INLINE_BYTES = 64 * 1024  # larger bodies are checked in a worker process first
+
+
+def declared_length(request: Request) -> int:
+    """The body's ``Content-Length`` (0 when absent or not a plain number)."""
+    length = request.headers.get("content-length", "")
+    return int(length) if length.isdigit() and len(length) < 19 else 0
 
 
 class BodyReader:
@@ -72,8 +78,7 @@ class BodyReader:
             code="request_timeout",
             close=True,
         )
-        length = request.headers.get("content-length", "")
-        declared = int(length) if length.isdigit() and len(length) < 19 else 0
+        declared = declared_length(request)
         if declared > self.drain_bytes:
             raise too_large  # not worth reading: the client may see the connection reset
         body = bytearray()

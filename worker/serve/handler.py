@@ -20,7 +20,7 @@ from prometheus_client import Counter, Histogram
 from pydantic import BaseModel
 
 from worker.serve.auth import Caller
-from worker.serve.bodies import BodyReader
+from worker.serve.bodies import BodyReader, declared_length
 from worker.serve.errors import ApiError
 from worker.serve.keys import RateLimiter
 
@@ -106,7 +106,7 @@ class Handler:
             # A large body costs more to read and parse: one more request per BODY_UNIT
             # bytes, charged before it is read where Content-Length declares it (never more
             # than the burst: a configured burst below it must still admit it).
-            upfront = min(_declared_length(request) // BODY_UNIT, s.serve_rate_burst - 1)
+            upfront = min(declared_length(request) // BODY_UNIT, s.serve_rate_burst - 1)
             _charge(limiter, caller.limit_key, 1 + upfront, s.serve_rate_per_key)
             reading = True
             body = await self.reader.read(request)
@@ -143,12 +143,6 @@ class Handler:
         finally:
             self._held -= 1
         e.retry_after_s = max(0.0, e.retry_after_s - delay)
-
-
-def _declared_length(request: Request) -> int:
-    """The body's ``Content-Length`` (0 when absent or not a plain number)."""
-    length = request.headers.get("content-length", "")
-    return int(length) if length.isdigit() and len(length) < 19 else 0
 
 
 def _charge(limiter: RateLimiter, key: str, cost: int, rate: float) -> None:
