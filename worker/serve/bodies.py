@@ -22,7 +22,6 @@ import asyncio
 import importlib
 import json
 import multiprocessing
-import os
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -36,7 +35,7 @@ from starlette.requests import ClientDisconnect, Request
 from schemas import describe_error
 from schemas.moderation_api import HARD_MAX_INPUTS
 from worker.serve.errors import ApiError
-from worker.serve.niced import NICE
+from worker.serve.niced import lower_priority
 
 __all__ = ["INLINE_BYTES", "PARSE_THREADS", "BodyReader", "Parser", "declared_length"]
 
@@ -165,8 +164,7 @@ class Parser:
                 self._pool = ProcessPoolExecutor(
                     PARSE_THREADS,
                     mp_context=multiprocessing.get_context("spawn"),
-                    initializer=os.nice,
-                    initargs=(NICE,),
+                    initializer=lower_priority,
                 )
             return self._pool
 

@@ -19,6 +19,7 @@ from worker.scoring.batch import BatchScores
 from worker.scoring.engine import Judged, Retain
 from worker.serve.auth import Authenticator
 from worker.serve.batcher import Expired, MicroBatcher
+from worker.serve.bodies import Parser
 from worker.serve.keys import KeyRing, RateLimiter, Scheme, Seen, new_key
 from worker.serve.mapping import attribute_labels, category_labels
 from worker.serve.niced import NICE
@@ -82,14 +83,17 @@ def test_refused_keys_cannot_evict_a_verified_key() -> None:
 @pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
 def test_scrypt_checks_run_below_the_scoring_threads_cpu_priority() -> None:
     """Issue 45: wrong keys on a real name cost the valid key 3x its p99 (scrypt releases
-    the GIL: what the checks take is CPU). They now run niced, so the scoring wins."""
+    the GIL: what the checks take is CPU). They now run niced and under SCHED_IDLE, so the
+    scoring wins the core the moment it wakes."""
     key, entry = new_key("a", "scrypt")
     ring = KeyRing.parse(entry)
     seen: list[int] = []
+    policies: list[int] = []
     verify = ring.verify
 
     def recording(k: str) -> str | None:
         seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        policies.append(os.sched_getscheduler(threading.get_native_id()))
         return verify(k)
 
     ring.verify = recording  # type: ignore[method-assign,assignment]
@@ -108,6 +112,20 @@ def test_scrypt_checks_run_below_the_scoring_threads_cpu_priority() -> None:
     base = os.getpriority(os.PRIO_PROCESS, 0)
     assert base < 19, "the suite already runs at the lowest priority: nothing to lower"
     assert seen == [min(19, base + NICE)] * 2  # Linux caps nice at 19 (a niced test run)
+    assert policies == [os.SCHED_IDLE] * 2
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="SCHED_IDLE is Linux's")
+def test_large_bodies_are_checked_in_processes_that_run_only_when_the_server_is_idle() -> None:
+    """Issue 45: niced 10, the body checker still took slices of a core that the valid
+    key's requests waited behind (1 MB bodies: 3.6x its idle p99); under SCHED_IDLE it
+    runs only when nothing else wants the core."""
+    parser = Parser(CollectorRegistry())
+    try:
+        pool = parser._workers()
+        assert pool.submit(os.sched_getscheduler, 0).result(timeout=60) == os.SCHED_IDLE
+    finally:
+        parser.close()
 
 
 def test_malformed_keys_and_unknown_names_cost_no_scrypt() -> None:
