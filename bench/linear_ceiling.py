@@ -7,7 +7,7 @@ that is the recipe or the states: one binary logistic regression (unsafe vs beni
 every shippable source, the roles the recipe gives them; development rows only, as
 :func:`worker.offline.default_probe.split_of` splits them) per feature set:
 
-- one layer's summary (``--pool``: the mean over the text's tokens, or the last token),
+- one layer's summary (``--pool``: the mean over the text's tokens, the last token, or both),
   standardized, for each of ``--layers``;
 - every listed layer's summary side by side (``concat``);
 - all-MiniLM-L6-v2 embeddings of the same rows (``--no-minilm`` skips them).
@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from default_probe import TOXICCHAT, texts_of  # bench/default_probe.py
 from quality import peer_features  # bench/quality.py: all-MiniLM-L6-v2 embeddings
 
@@ -51,7 +52,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-root", type=Path, required=True, help="<dataset>/train.jsonl texts")
     p.add_argument("--toxicchat", type=Path, required=True, help="ToxicChat's cache (all rows)")
     p.add_argument("--layers", default="6,14,22,30", help="layers read one at a time")
-    p.add_argument("--pool", choices=["mean", "last"], default="mean")
+    p.add_argument(
+        "--pool",
+        choices=["mean", "last", "mean+last"],
+        default="mean",
+        help="the summary read (mean+last: both side by side; in the prompt form the last "
+        "token is the end of the prompt, where the model has read the whole message)",
+    )
     p.add_argument("--c-grid", default="1e-4,3e-4,1e-3,1e-2,1e-1,1", help="C values tried")
     p.add_argument("--no-minilm", action="store_true", help="skip the MiniLM embeddings")
     return p.parse_args(argv)
@@ -61,7 +68,12 @@ def rows_of(source: Source, directory: Path, pool: str, layers: list[int], dev: 
     """The cached rows of ``source`` with a role (benign 0, unsafe 1): their ids,
     targets and ``pool`` summaries of ``layers`` ([L, N, D] float32)."""
     cache = HiddenStateCache(directory)
-    data = cache.dataset(pool, layers)  # type: ignore[arg-type]
+    pools = pool.split("+")
+    summaries = []
+    for one in pools:
+        data = cache.dataset(one, layers)  # type: ignore[arg-type]
+        assert data.summaries is not None
+        summaries.append(data.summaries)
     benign, unsafe = set(source.benign), set(source.unsafe)
     keep, y = [], []
     for i, (rid, names) in enumerate(zip(data.ids, cache.row_labels(), strict=True)):
@@ -69,8 +81,7 @@ def rows_of(source: Source, directory: Path, pool: str, layers: list[int], dev: 
         if role is not None and (not dev or split_of(rid) != "held_out"):
             keep.append(i)
             y.append(role)
-    assert data.summaries is not None
-    x = data.summaries[:, keep].float().numpy()
+    x = torch.cat(summaries, dim=-1)[:, keep].float().numpy()
     return {"ids": [data.ids[i] for i in keep], "y": np.array(y), "x": x}
 
 

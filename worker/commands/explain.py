@@ -128,6 +128,7 @@ def _run(args: argparse.Namespace) -> int:
         max_chunks=settings.max_chunks,
         text_form=settings.text_form,
         chat_system_prompt=settings.chat_system_prompt,
+        text_prompt=settings.text_prompt,
     )
     probe, manifest = verify(source, extractor, settings.signing_key)
     opts = ExplainOptions(

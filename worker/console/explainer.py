@@ -158,6 +158,7 @@ class Explainer:
             max_chunks=s.max_chunks,
             text_form=s.text_form,
             chat_system_prompt=s.chat_system_prompt,
+            text_prompt=s.text_prompt,
         )
 
     # --- explanations ------------------------------------------------------------

@@ -127,12 +127,12 @@ def load_default(
 
 
 def folder_name(llm: LLMFingerprint, *, noncommercial: bool = False) -> str:
-    """The folder a default for ``llm`` is built into: the model file's stem, ``-chat`` for
-    the chat text form, ``-noncommercial`` for the build with non-commercial data, e.g.
-    ``smollm2-135m-instruct-chat``. (The lookup goes by the manifest's fingerprint, not the
-    name: the name is for people.)"""
+    """The folder a default for ``llm`` is built into: the model file's stem, ``-chat`` or
+    ``-prompt`` for those text forms, ``-noncommercial`` for the build with non-commercial
+    data, e.g. ``smollm2-135m-instruct-chat``. (The lookup goes by the manifest's
+    fingerprint, not the name: the name is for people.)"""
     stem = llm.model_id.rsplit("/", 1)[-1].split(".")[0].lower()
-    form = "" if llm.text_form is None else "-chat"
+    form = "" if llm.text_form is None else "-" + llm.text_form.split("-", 1)[0]
     return f"{stem}{form}{'-noncommercial' if noncommercial else ''}"
 
 
@@ -146,7 +146,9 @@ def _claims(folder: Path) -> LLMFingerprint | None:
 
 
 def _form(llm: LLMFingerprint) -> str:
-    return "the raw text form" if llm.text_form is None else f"the chat form {llm.text_form}"
+    if llm.text_form is None:
+        return "the raw text form"
+    return f"the {llm.text_form.split('-', 1)[0]} form {llm.text_form}"
 
 
 def shipped(root: Path | None = None) -> dict[str, str]:
@@ -163,8 +165,8 @@ def missing(llm: LLMFingerprint, root: Path | None = None) -> str:
     """Why no packaged default serves ``llm``: what this process reads, what ships."""
     offered = "; ".join(f"{k}: {v}" for k, v in shipped(root).items()) or "none"
     hint = (
-        " (a chat-form default matches only the template and system prompt it was built "
-        "with: PROBEGUARD_CHAT_SYSTEM_PROMPT changes the form)"
+        " (a chat- or prompt-form default matches only the template and prompt it was built "
+        "with: PROBEGUARD_CHAT_SYSTEM_PROMPT and PROBEGUARD_TEXT_PROMPT change the form)"
         if llm.text_form is not None
         else ""
     )

@@ -223,12 +223,13 @@ class Guard:
 
     def start(self) -> Guard:
         """The probe watcher and the Kafka outbox; probes load in the background."""
-        if self.settings.text_form == "raw":
+        if self.settings.text_form != "chat":
             log.warning(
-                "the inline guard reads raw-text probes inside the chat template: scores are "
+                "the inline guard reads %s-form probes inside the chat template: scores are "
                 "approximate (on ToxicChat a raw MHA probe loses 17 AUPRC points there, "
                 "bench/text_form.md); train on PROBEGUARD_TEXT_FORM=chat for the scorer's "
-                "scores (the packaged default ships a chat-form one)"
+                "scores (the packaged default ships a chat-form one)",
+                self.settings.text_form,
             )
         self.door.start()
         return self
@@ -298,7 +299,8 @@ class Guard:
             system_prompt=self.settings.chat_system_prompt,
         )
         content = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        # Chat form: the text and the suffix, as the probes were trained; raw: the text alone.
+        # Chat form: the text and the suffix, as the probes were trained; raw and prompt
+        # forms: the text alone (the prompt's suffix is not in the chat template).
         frame = turn.frame(pool_suffix=self.settings.text_form == "chat")
         ids = frame.ids(content)
         with self._lock:

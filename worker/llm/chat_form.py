@@ -39,7 +39,7 @@ from typing import Any
 
 from worker.errors import ConfigError
 
-__all__ = ["PLACEHOLDER", "ChatTurn", "Frame", "turn_ids"]
+__all__ = ["PLACEHOLDER", "ChatTurn", "Frame", "prompt_ids", "turn_ids"]
 
 # Stands for the text while the template renders; no template or text contains it.
 PLACEHOLDER = "\u2063probeguard-text\u2063"
@@ -83,13 +83,14 @@ class ChatTurn:
 
     context: tuple[int, ...]
     suffix: tuple[int, ...]
+    form: str = "chat"  # or "prompt": the text inside a prompt of the settings' (prompt_ids)
 
     @property
     def key(self) -> str:
-        """``chat-`` and 16 hex digits of the ids' sha256: two forms with the same key put
-        the same ids around a text (the fingerprint's ``text_form``)."""
+        """The form and 16 hex digits of the ids' sha256 (``chat-3f2a...``): two forms with
+        the same key put the same ids around a text (the fingerprint's ``text_form``)."""
         body = ",".join(map(str, self.context)) + "|" + ",".join(map(str, self.suffix))
-        return "chat-" + hashlib.sha256(body.encode()).hexdigest()[:16]
+        return f"{self.form}-" + hashlib.sha256(body.encode()).hexdigest()[:16]
 
     def frame(self, *, pool_suffix: bool = True) -> Frame:
         """The turn's ids as a :class:`Frame`: the context runs, the text and (with
@@ -123,8 +124,18 @@ def turn_ids(
     if not isinstance(rendered, str) or rendered.count(PLACEHOLDER) != 1:
         raise ConfigError("the chat template does not render the user's text exactly once")
     before, after = rendered.split(PLACEHOLDER)
+    return ChatTurn(_ids(tokenizer, before), _ids(tokenizer, after))
 
-    def ids(part: str) -> tuple[int, ...]:
-        return tuple(tokenizer(part, add_special_tokens=False)["input_ids"]) if part else ()
 
-    return ChatTurn(ids(before), ids(after))
+def prompt_ids(tokenizer: Any, template: str) -> ChatTurn:
+    """The ids around a text put into ``template`` where ``{text}`` stands (the prompt
+    form, ``PROBEGUARD_TEXT_PROMPT``): what comes before runs unpooled, what comes after is
+    pooled with the text. Each side is tokenized alone, as the chat form's are."""
+    if template.count("{text}") != 1:
+        raise ConfigError(f"the text prompt must hold {{text}} exactly once: {template!r}")
+    before, after = template.split("{text}")
+    return ChatTurn(_ids(tokenizer, before), _ids(tokenizer, after), form="prompt")
+
+
+def _ids(tokenizer: Any, part: str) -> tuple[int, ...]:
+    return tuple(tokenizer(part, add_special_tokens=False)["input_ids"]) if part else ()

@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self, cast
 import torch
 
 from worker.errors import ConfigError, ExtractionError, ExtractionInputError
-from worker.llm.chat_form import ChatTurn, Frame, turn_ids
+from worker.llm.chat_form import ChatTurn, Frame, prompt_ids, turn_ids
 from worker.llm.forward import (
     ExitStage,
     Staged,
@@ -79,6 +79,7 @@ from worker.llm.plan import (
     span_mask,
 )
 from worker.llm.text import TokenMemo, Truncation, clean_text, special_affixes
+from worker.settings.llm import PROMPT_TEMPLATE
 
 if TYPE_CHECKING:
     from schemas import LLMFingerprint
@@ -137,7 +138,8 @@ class HiddenStateExtractor:
     be shared between threads.
 
     ``text_form="chat"`` puts each text into the tokenizer's chat template as a user turn
-    after ``chat_system_prompt`` (None: the template's default); see the module docstring.
+    after ``chat_system_prompt`` (None: the template's default); ``"prompt"`` into
+    ``text_prompt`` where ``{text}`` stands; see the module docstring.
     """
 
     def __init__(
@@ -154,11 +156,12 @@ class HiddenStateExtractor:
         scatter: bool | None = None,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
-        text_form: Literal["raw", "chat"] = "raw",
+        text_form: Literal["raw", "chat", "prompt"] = "raw",
         chat_system_prompt: str | None = None,
+        text_prompt: str = PROMPT_TEMPLATE,
     ) -> None:
-        if text_form not in ("raw", "chat"):
-            raise ConfigError(f"text_form must be 'raw' or 'chat', not {text_form!r}")
+        if text_form not in ("raw", "chat", "prompt"):
+            raise ConfigError(f"text_form must be 'raw', 'chat' or 'prompt', not {text_form!r}")
         if truncation not in ("head", "head_tail"):
             raise ConfigError(f"truncation must be 'head' or 'head_tail', not {truncation!r}")
         if batch_size < 1 or max_chunks < 1 or (batch_tokens is not None and batch_tokens < 1):
@@ -186,8 +189,12 @@ class HiddenStateExtractor:
         self._pad_id = int(tokenizer.pad_token_id)
         self.text_form = text_form
         self._turn: ChatTurn | None = None
-        if text_form == "chat":
-            self._turn = turn_ids(tokenizer, system_prompt=chat_system_prompt)
+        if text_form in ("chat", "prompt"):
+            self._turn = (
+                turn_ids(tokenizer, system_prompt=chat_system_prompt)
+                if text_form == "chat"
+                else prompt_ids(tokenizer, text_prompt)
+            )
             self._frame = self._turn.frame()  # the context runs before every piece, not output
         else:
             prefix, suffix = special_affixes(tokenizer)
@@ -231,6 +238,7 @@ class HiddenStateExtractor:
             max_chunks=settings.max_chunks,
             text_form=settings.text_form,
             chat_system_prompt=settings.chat_system_prompt,
+            text_prompt=settings.text_prompt,
         )
 
     @property
@@ -259,7 +267,7 @@ class HiddenStateExtractor:
 
     @property
     def fingerprint(self) -> LLMFingerprint:
-        """The LLM's fingerprint, with the chat form's key as ``text_form`` (raw: None):
+        """The LLM's fingerprint, with the chat or prompt form's key as ``text_form`` (raw: None):
         states of one form are not the other's, so probes of one are refused on the other."""
         if self._turn is None:
             return self.llm.fingerprint

@@ -86,15 +86,16 @@ class ExtractorLike(Protocol):
 def llm_variant(extractor: ExtractorLike) -> str:
     """How the extractor's LLM computes, as :func:`cache_dir_for` names it: ``"int8"``
     (``PROBEGUARD_LLM_QUANTIZE``), ``"bf16"`` / ``"fp16"`` (``PROBEGUARD_AUTOCAST``), or
-    ``"none"`` (as loaded); ``"chat"`` after it (``"none-chat"``, ``"bf16-chat"``) for the
-    chat text form (``PROBEGUARD_TEXT_FORM``)."""
+    ``"none"`` (as loaded); the text form after it (``"none-chat"``, ``"bf16-prompt"``) for
+    the chat and prompt forms (``PROBEGUARD_TEXT_FORM``)."""
     fingerprint = extractor.fingerprint
     if fingerprint.quantization is not None:
         variant = "int8"
     else:
         autocast = getattr(extractor, "autocast", None)
         variant = {"bfloat16": "bf16", "float16": "fp16"}.get(autocast or "", "none")
-    return variant if fingerprint.text_form is None else f"{variant}-chat"
+    form = fingerprint.text_form
+    return variant if form is None else f"{variant}-{form.split('-', 1)[0]}"
 
 
 def cache_dir_for(data: Path, root: Path, model: str, variant: str = "none") -> Path:

@@ -8,12 +8,13 @@ one per item. At most ``PARSE_THREADS`` bodies are validated at once, off the ev
 
 - a body of at most ``INLINE_BYTES`` (every ordinary request) on a worker thread;
 - a larger one first in one of ``PARSE_THREADS`` worker processes at the lowest CPU
-  priority (``SCHED_IDLE``, :mod:`worker.serve.niced`; started on the first such body). pydantic holds the GIL while it validates, so a client
-  sending megabyte bodies of wrong items (~40-90 ms each) took the interpreter from the
-  scoring thread and the event loop; in a process of its own it takes only CPU, and only
-  what the server leaves idle. Only a body the schema accepts is then validated again here, which for valid
-  text costs about a millisecond per megabyte. What crosses between the processes is the
-  body as ``bytes`` and the refusal's fields: no client data is ever unpickled as objects.
+  priority (``SCHED_IDLE``, :mod:`worker.serve.niced`; started on the first such body).
+  pydantic holds the GIL while it validates, so a client sending megabyte bodies of wrong
+  items (~40-90 ms each) took the interpreter from the scoring thread and the event loop;
+  in a process of its own it takes only CPU, and only what the server leaves idle. Only a
+  body the schema accepts is then validated again here, which for valid text costs about a
+  millisecond per megabyte. What crosses between the processes is the body as ``bytes``
+  and the refusal's fields: no client data is ever unpickled as objects.
 """
 
 from __future__ import annotations

@@ -14,6 +14,12 @@ from worker.settings.base import (
     default_cache_dir,
 )
 
+# PromptEOL's prompt (Jiang et al., 2023): asked to sum a text up in one word, a causal LM
+# gathers what the text means into the state at the end of the prompt. On SmolLM2 a linear
+# read of that state and the text's mean transfers to ToxicChat at AUPRC ~0.45, the bare
+# text's mean ~0.38 (docs/default-probe.md).
+PROMPT_TEMPLATE = 'This message: "{text}" means in one word: "'
+
 
 class LLMSettings(Section):
     """The frozen LLM every role that reads hidden states loads."""
@@ -117,7 +123,7 @@ class LLMSettings(Section):
     )
     # The LLM fingerprint records the chat form (its template's ids): probes must be trained
     # on states of the same form.
-    text_form: Literal["raw", "chat"] = Field(
+    text_form: Literal["raw", "chat", "prompt"] = Field(
         "raw",
         description="The text the LLM reads for a message. `raw`: the bare text (with the "
         "tokenizer's own special tokens). `chat`: the text as a user turn of the tokenizer's "
@@ -125,7 +131,10 @@ class LLMSettings(Section):
         "a chat model serving it reads it; the probe pools the text and the ids after it, "
         "not the system prompt and header before it (they still condition every state; "
         "`MAX_TOKENS` counts them). Use `chat` to train probes for a guard that reads the "
-        "serving model's own states. The LLM fingerprint records the form, so probes and "
+        "serving model's own states. `prompt`: the text inside `TEXT_PROMPT` (by default a "
+        "prompt that asks the model to sum the message up in one word, so the state after "
+        "it reads the whole message); the probe pools the text and the ids after it. "
+        "The LLM fingerprint records the form, so probes and "
         "caches of one form are refused in the other: switching means retraining. The "
         "packaged default ships in both forms (the chat one for the template's default "
         "system prompt): each form serves its own.",
@@ -136,6 +145,13 @@ class LLMSettings(Section):
         "Unset: the template's own default (if it has one). Part of the form: changing it "
         "changes the fingerprint, and the packaged chat-form default (built with the "
         "template's default) is not served under another prompt.",
+    )
+    text_prompt: Annotated[str, Field(min_length=7, max_length=2000)] = Field(
+        PROMPT_TEMPLATE,
+        description="With `TEXT_FORM=prompt`: the prompt the text is put into, where "
+        "`{text}` stands (exactly once). The ids before the text run but are not pooled; the "
+        "text and the ids after it are. Part of the form: changing it changes the "
+        "fingerprint.",
     )
     exit: Literal["on", "off"] = Field(
         "on",
@@ -158,6 +174,11 @@ class LLMSettings(Section):
 
     @model_validator(mode="after")
     def _llm_consistent(self) -> LLMSettings:
+        if self.text_prompt.count("{text}") != 1:
+            raise ValueError(
+                f"text_prompt must hold {{text}} exactly once (where the message goes), not "
+                f"{self.text_prompt!r}"
+            )
         if self.llm_quantize != "none" and (
             self.device.startswith(("cuda", "mps")) or self.dtype != "float32"
         ):

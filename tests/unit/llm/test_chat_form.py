@@ -17,13 +17,15 @@ from probes.errors import IncompatibleCheckpoint
 from probes.probe import build_probe
 from schemas import LLMFingerprint
 from tests.registry_helpers import toxicity_spec
+from worker.defaults import folder_name
 from worker.errors import ConfigError
-from worker.llm.chat_form import turn_ids
+from worker.llm.chat_form import prompt_ids, turn_ids
 from worker.llm.extract import ExitStage, HiddenStateExtractor
 from worker.llm.load import LoadedLLM
 from worker.llm.tiny import NUM_LAYERS, make_tiny_llm, tiny_tokenizer
 from worker.offline.build_cache import llm_variant
 from worker.settings import Settings
+from worker.settings.llm import PROMPT_TEMPLATE
 
 ALL = list(range(NUM_LAYERS + 1))
 TEXTS = ["hello", "a much longer text, with punctuation!", "mid size", "x"]
@@ -230,3 +232,52 @@ def test_chat_caches_live_apart() -> None:
     llm = make_tiny_llm()
     assert llm_variant(HiddenStateExtractor(llm, max_tokens=64)) == "none"
     assert llm_variant(chat(llm)) == "none-chat"
+
+
+# --- the prompt form -----------------------------------------------------------------------
+
+
+def test_the_prompt_form_runs_the_text_inside_the_prompt_and_pools_it_and_what_follows() -> None:
+    """PROBEGUARD_TEXT_FORM=prompt (issue 42): the text inside ``TEXT_PROMPT``; the ids
+    before it run unpooled, the text and the ids after it (where the model has read the
+    whole message) are the output, as a pass by hand computes them."""
+    llm = make_tiny_llm()
+    template = "Message: {text} -> verdict:"
+    ex = HiddenStateExtractor(llm, max_tokens=128, text_form="prompt", text_prompt=template)
+    turn = prompt_ids(llm.tokenizer, template)
+    assert turn.context == tuple(content(llm, "Message: "))
+    assert turn.suffix == tuple(content(llm, " -> verdict:"))
+    out = ex.extract(TEXTS, layers=ALL)
+    assert out.mask.sum(1).tolist() == [len(t) + len(turn.suffix) for t in TEXTS]
+    for row, text in enumerate(TEXTS):
+        want = by_hand(llm, list(turn.context), content(llm, text) + list(turn.suffix))
+        torch.testing.assert_close(out.hidden[:, row][:, out.mask[row]], want, rtol=0, atol=1e-5)
+    assert ex.token_counts(["hi"]) == [len("Message: hi -> verdict:")]
+
+
+def test_the_prompt_is_part_of_the_form(tmp_path: Path) -> None:
+    """Probes of one prompt are refused under another: the key names the form and the ids."""
+    llm = make_tiny_llm()
+    one = HiddenStateExtractor(llm, max_tokens=64, text_form="prompt").fingerprint
+    other = HiddenStateExtractor(
+        llm, max_tokens=64, text_form="prompt", text_prompt="{text} means:"
+    ).fingerprint
+    assert one.text_form is not None and one.text_form.startswith("prompt-")
+    assert other.text_form is not None and other.text_form != one.text_form
+    assert one.digest != chat(llm).fingerprint.digest != llm.fingerprint.digest
+    assert llm_variant(HiddenStateExtractor(llm, max_tokens=64, text_form="prompt")) == (
+        "none-prompt"
+    )
+    assert folder_name(one).endswith("-prompt")
+    make_tiny_llm(tmp_path)
+    settings = Settings(
+        model=str(tmp_path / "tiny-llama-0"), cache_dir=tmp_path / "c", text_form="prompt"
+    )
+    assert settings.text_prompt == PROMPT_TEMPLATE
+    ex = HiddenStateExtractor.from_settings(settings)
+    assert ex.fingerprint.text_form == prompt_ids(ex.llm.tokenizer, PROMPT_TEMPLATE).key
+    for bad in ("no placeholder here", "{text} and {text}"):
+        with pytest.raises(ValidationError, match="exactly once"):
+            Settings(text_form="prompt", text_prompt=bad)
+        with pytest.raises(ConfigError, match="exactly once"):
+            prompt_ids(llm.tokenizer, bad)
