@@ -152,7 +152,7 @@ class ServeSettings(Section):
     serve_rate_per_key: Annotated[float, Field(gt=0.0)] = Field(
         50.0,
         description="Requests per second each API key may send, per server process "
-        "(over it: 429 with `Retry-After`); each 64 KiB of a body counts as one more.",
+        "(over it: 429 with `Retry-After`); each 16 KiB of a body counts as one more.",
     )
     serve_rate_burst: Annotated[int, Field(ge=1)] = Field(
         100, description="Requests an API key may send at once above its rate."
