@@ -31,6 +31,8 @@ How a text becomes tokens:
    (the template's ids before and after the text, instead of the special tokens). The
    context runs (it conditions every state, takes positions ``0..``, and counts toward
    ``max_tokens``) but is not part of the output row; the suffix is. Every chunk gets both.
+   ``text_form="prompt"`` does the same with ``text_prompt`` (the ids before and after
+   ``{text}``), PromptEOL's "means in one word" prompt by default.
 
 Batching (:mod:`worker.llm.plan`, which also cuts the chunks): the pieces of all texts are
 sorted by length and cut into micro-batches by count, padded tokens and fill. The forward
