@@ -345,6 +345,21 @@ def test_a_large_body_costs_a_request_per_16_kib_of_the_keys_rate(
     assert left == 20 - (1 + len(body) // (16 * 1024)) == 1
 
 
+def test_a_body_declared_over_the_burst_is_charged_the_burst_once(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """A declared body is charged at most the burst before it is read (so a key whose
+    burst is below a large body's cost can still send it); it was then charged one more
+    after reading, and refused with a 429 it had already paid for."""
+    publish(redis_ns)
+    served = serve(serve_rate_per_key=0.001, serve_rate_burst=10, serve_refusal_delay_s=0)
+    body = json.dumps({"input": [1] * 100_000})  # 300 KB: 19 units, over the burst of 10
+    r = served.http.post(
+        "/v1/moderations", content=body, headers={"Content-Type": "application/json"}
+    )
+    assert r.status_code == 413, r.text[:200]  # too many inputs, not a 429
+
+
 def test_a_429_is_answered_after_its_retry_after_so_a_flood_slows_itself(
     serve, redis_ns: RedisNamespace
 ) -> None:
@@ -403,8 +418,8 @@ def test_large_bodies_count_against_their_keys_request_rate(
     """Issue 45: a 1 MB body cost one request of the key's 50/s however long it took to
     read and validate, so one key's stream of them took the CPU from every other key."""
     publish(redis_ns)
-    served = serve(names=("alpha", "beta"), serve_rate_per_key=0.001, serve_rate_burst=40)
-    body = b'{"input": [' + b",".join([b"1"] * 450_000) + b"]}"  # ~0.9 MB: 1 + 13 requests
+    served = serve(names=("alpha", "beta"), serve_rate_per_key=0.001, serve_rate_burst=120)
+    body = b'{"input": [' + b",".join([b"1"] * 450_000) + b"]}"  # ~0.9 MB: 1 + 54 requests
     with served.client(served.keys["alpha"]) as alpha:
         codes = [alpha.post("/v1/moderations", content=body).status_code for _ in range(4)]
     assert codes[:2] == [413, 413] and codes[2:] == [429, 429], codes

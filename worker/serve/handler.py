@@ -113,7 +113,7 @@ class Handler:
             _charge(limiter, caller.limit_key, 1 + upfront, s.serve_rate_per_key)
             reading = True
             body = await self.reader.read(request)
-            extra = min(len(body) // BODY_UNIT, s.serve_rate_burst) - upfront
+            extra = min(len(body) // BODY_UNIT, s.serve_rate_burst - 1) - upfront
             if extra > 0:  # a body its headers did not declare (chunked)
                 _charge(limiter, caller.limit_key, extra, s.serve_rate_per_key)
             response = await work(body, caller)
