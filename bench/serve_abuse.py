@@ -8,7 +8,10 @@ server's GIL, and the attackers' Python never holds the measuring clients') run,
 of ``--seconds`` seconds:
 
 - ``--valid`` closed-loop clients of key ``good`` (from 127.0.0.1), one short text per
-  ``POST /v1/moderations``, and a ``/healthz`` probe every 100 ms;
+  ``POST /v1/moderations``, each at most ``--valid-rate`` a second (together under the
+  key's rate: until 2026-12-05 they were not paced, and with the tiny model a 429 ended
+  each client a second or two into every phase, unseen), and a ``/healthz`` probe every
+  100 ms;
 - in the ``abuse`` phases, at the same time, four hostile clients, each from a loopback
   address of its own (as distinct hosts would be): ``tenant`` sending 1 MB invalid bodies
   (``{"input": [1, 1, …]}``) in a closed loop on 2 connections (127.0.0.11); a flood of junk
@@ -71,6 +74,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=20.0, help="per phase (%(default)s)")
     p.add_argument("--rounds", type=int, default=2, help="idle+abuse pairs (%(default)s)")
     p.add_argument("--valid", type=int, default=2, help="valid closed-loop clients (%(default)s)")
+    p.add_argument(
+        "--valid-rate",
+        type=float,
+        default=10.0,
+        help="most requests a second per valid client (%(default)s): together under the "
+        "key's PROBEGUARD_SERVE_RATE_PER_KEY (50), so that no valid request is refused",
+    )
     p.add_argument("--stalled", type=int, default=50, help="stalled connections (%(default)s)")
     p.add_argument(
         "--max-requests",
@@ -123,18 +133,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # --- the clients (a process of their own) ------------------------------------------------
 
 
-def _valid(url: str, key: str, stop: threading.Event, out: list[float]) -> None:
+def _valid(
+    url: str, key: str, stop: threading.Event, out: list[float], rate: float, failed: list[str]
+) -> None:
+    """One short request at a time, at most ``rate`` a second (the key's rate limit is
+    not what is measured). A request that is not answered 200 ends the client and is
+    reported: the run then stops with it (a thread's SystemExit would pass unseen)."""
     import httpx2
 
     with httpx2.Client(base_url=url, timeout=120, headers={"Authorization": f"Bearer {key}"}) as h:
         i = 0
+        due = time.perf_counter()
         while not stop.is_set():
             t0 = time.perf_counter()
             r = h.post("/v1/moderations", json={"input": TEXTS[i % len(TEXTS)]})
             if r.status_code != 200:
-                raise SystemExit(f"a valid request answered {r.status_code}: {r.text[:200]}")
+                failed.append(f"a valid request answered {r.status_code}: {r.text[:200]}")
+                return
             out.append(1000 * (time.perf_counter() - t0))
             i += 1
+            due = max(due + 1.0 / rate, time.perf_counter())
+            stop.wait(due - time.perf_counter())
 
 
 def _healthz(url: str, stop: threading.Event, out: list[float]) -> None:
@@ -236,10 +255,14 @@ def _client_process(
         health: list[float] = []
         codes: dict[str, dict[int, int]] = {k: {} for k in ("bodies", "junk", "wrong")}
         stalled = {"opened": 0, "closed_by_server": 0, "failed": 0}
+        failed: list[str] = []
         threads = []
         if role == "valid":
             threads += [
-                threading.Thread(target=_valid, args=(url, keys["good"], stop, latency[i]))
+                threading.Thread(
+                    target=_valid,
+                    args=(url, keys["good"], stop, latency[i], args["valid_rate"], failed),
+                )
                 for i in range(args["valid"])
             ]
             threads.append(threading.Thread(target=_healthz, args=(url, stop, health)))
@@ -264,6 +287,7 @@ def _client_process(
         conn.send(
             {
                 "latency_ms": [x for lat in latency for x in lat],
+                "failed": failed,
                 "healthz_ms": health,
                 "codes": codes,
                 "stalled": stalled,
@@ -337,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             keys = {name: key for name, (key, _) in made.items()}
             options = {
                 k: getattr(args, k)
-                for k in ("warmup", "valid", "seconds", "stalled", "hostile_nice")
+                for k in ("warmup", "valid", "valid_rate", "seconds", "stalled", "hostile_nice")
             }
             options["max_requests"] = args.max_requests
             options["hostile_cpus"] = hostile_cpus
@@ -365,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
                     for pipe in pipes:
                         pipe.send(phase)
                     got, hostile = (pipe.recv() for pipe in pipes)
+                    if got["failed"]:
+                        raise SystemExit(f"[round {r + 1}] {phase}: {got['failed'][0]}")
                     got.update(codes=hostile["codes"], stalled=hostile["stalled"])
                     got.update(phase=phase, round=r + 1, load_before=load, t0=t0)
                     got["rss_max_mb"] = max((m for t, m in samples if t >= t0), default=rss_mb())
