@@ -436,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds_per_phase": args.seconds,
         "rounds": args.rounds,
         "valid_clients": args.valid,
+        "valid_rate": args.valid_rate,
         "hostile_nice": args.hostile_nice,
         "hostile_cpus": sorted(hostile_cpus),
         "key_scheme": args.key_scheme,

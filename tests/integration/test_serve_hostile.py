@@ -328,9 +328,9 @@ def test_a_declared_large_body_is_charged_before_it_is_read(
 def test_a_large_body_costs_a_request_per_16_kib_of_the_keys_rate(
     serve, redis_ns: RedisNamespace
 ) -> None:
-    """Issue 45: at one request per 64 KiB a tenant's key sent four 1 MB bodies a second,
-    each read and checked by the server (its valid neighbours' p99 3.3-4.7x idle with
-    bench/serve_abuse.py --tiny). A 300 KB body now costs 19 of the burst, not 5."""
+    """Issue 45: at one request per 64 KiB a tenant's key had four 1 MB bodies a second
+    read and checked by the server (bench/serve_abuse.py: 120 a run, now 30). A 300 KB
+    body now costs 19 of the burst, not 5."""
     publish(redis_ns)
     served = serve(serve_rate_per_key=0.001, serve_rate_burst=20, serve_refusal_delay_s=0)
     body = json.dumps({"input": [1] * 100_000})  # 300 KB of too many inputs: a 413
