@@ -56,8 +56,8 @@ class LLMFingerprint(WireModel):
     # states differ, so a probe trained on one is refused on the other.
     quantization: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")] | None = None
     # The text the model reads around a message, e.g. "chat-3f2a..." (the chat template's
-    # ids around it, :mod:`worker.llm.chat_form`); None: the bare text. States differ, so a
-    # probe trained on one form is refused on the other.
+    # ids around it, :mod:`worker.llm.chat_form`) or "prompt-..." (a prompt's); None: the
+    # bare text. States differ, so a probe trained on one form is refused on the other.
     text_form: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")] | None = None
 
     @model_serializer(mode="wrap")
@@ -69,6 +69,12 @@ class LLMFingerprint(WireModel):
             if data.get(name) is None:
                 data.pop(name, None)
         return data
+
+    @property
+    def form(self) -> str | None:
+        """The kind of ``text_form`` (``"chat"``, ``"prompt"``; None: the bare text), which
+        names cache variants and packaged-default folders."""
+        return None if self.text_form is None else self.text_form.split("-", 1)[0]
 
     @property
     def digest(self) -> str:

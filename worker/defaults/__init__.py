@@ -132,7 +132,7 @@ def folder_name(llm: LLMFingerprint, *, noncommercial: bool = False) -> str:
     data, e.g. ``smollm2-135m-instruct-chat``. (The lookup goes by the manifest's
     fingerprint, not the name: the name is for people.)"""
     stem = llm.model_id.rsplit("/", 1)[-1].split(".")[0].lower()
-    form = "" if llm.text_form is None else "-" + llm.text_form.split("-", 1)[0]
+    form = "" if llm.form is None else f"-{llm.form}"
     return f"{stem}{form}{'-noncommercial' if noncommercial else ''}"
 
 
@@ -146,9 +146,7 @@ def _claims(folder: Path) -> LLMFingerprint | None:
 
 
 def _form(llm: LLMFingerprint) -> str:
-    if llm.text_form is None:
-        return "the raw text form"
-    return f"the {llm.text_form.split('-', 1)[0]} form {llm.text_form}"
+    return "the raw text form" if llm.form is None else f"the {llm.form} form {llm.text_form}"
 
 
 def shipped(root: Path | None = None) -> dict[str, str]:

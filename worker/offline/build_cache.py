@@ -94,8 +94,7 @@ def llm_variant(extractor: ExtractorLike) -> str:
     else:
         autocast = getattr(extractor, "autocast", None)
         variant = {"bfloat16": "bf16", "float16": "fp16"}.get(autocast or "", "none")
-    form = fingerprint.text_form
-    return variant if form is None else f"{variant}-{form.split('-', 1)[0]}"
+    return variant if fingerprint.form is None else f"{variant}-{fingerprint.form}"
 
 
 def cache_dir_for(data: Path, root: Path, model: str, variant: str = "none") -> Path:
