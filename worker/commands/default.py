@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from worker.commands._common import offline_errors
+from worker.commands._common import layer_list, offline_errors
 
 __all__ = ["register"]
 
@@ -65,6 +65,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "token's states, in the chat form the end of the assistant header)",
     )
     build.add_argument(
+        "--layers",
+        type=layer_list,
+        default=None,
+        help="hidden-state indices the probe mixes, e.g. 24-30 or 22,26,30 (default: every "
+        "layer for mean, max and last; the cached token layers for gate and mha)",
+    )
+    build.add_argument(
         "--budget",
         type=float,
         default=None,
@@ -106,6 +113,7 @@ def _build(args: argparse.Namespace) -> int:
         noncommercial=args.noncommercial,
         config=config,
         pool=args.pool or POOL,
+        layers=args.layers,
         budget=BUDGET if args.budget is None else args.budget,
         folds=args.folds,
         key=settings.cache_key_bytes,

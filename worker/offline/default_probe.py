@@ -283,6 +283,7 @@ def build_default(
     noncommercial: bool = False,
     config: FitConfig = FitConfig(max_epochs=25, patience=4),
     pool: TokenPool = POOL,
+    layers: Sequence[int] | None = None,
     budget: float = BUDGET,
     folds: int = 4,
     key: bytes | None = None,
@@ -301,9 +302,16 @@ def build_default(
     # token-level pools read the layers the cache stores token by token.
     top = extractor.num_layers
     summary = pool in ("mean", "max", "last")
-    layers = list(range(top + 1)) if summary else default_token_layers(top)
+    cached = list(range(top + 1)) if summary else default_token_layers(top)
+    if layers is None:
+        layers = cached
+    elif not layers or set(layers) - set(cached):
+        raise OfflineError(
+            f"layers {sorted(set(layers) - set(cached)) or '(none)'} are not among the ones "
+            f"the cache stores for the {pool} pool: {cached}"
+        )
     spec = default_spec(
-        extractor.fingerprint.hidden_size, layers, noncommercial=noncommercial, pool=pool
+        extractor.fingerprint.hidden_size, list(layers), noncommercial=noncommercial, pool=pool
     )
     loaded = [load_source(s, spec, cache_root, data_root, extractor, key, dtype) for s in sources]
     log.info("default: %d rows in %d sources", sum(len(x.data) for x in loaded), len(loaded))
@@ -383,6 +391,7 @@ def _card(
         ],
         "fit": {
             "pool": pool,
+            "layers": list(spec.layers),
             "folds": folds,
             "epochs": fitted.cv.epochs,
             "seconds": round(fitted.result.seconds, 1),

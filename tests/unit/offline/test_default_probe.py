@@ -18,7 +18,7 @@ from probes.offline.cache import HiddenStateCache
 from probes.offline.dataset import ProbeDataset
 from probes.offline.fit import FitConfig
 from tests.unit.offline_helpers import tiny_extractor
-from worker.errors import ConfigError
+from worker.errors import ConfigError, OfflineError
 from worker.llm.extract import HiddenStateExtractor
 from worker.llm.tiny import make_tiny_llm
 from worker.offline.default_probe import BUDGET, BUDGETS, build_default
@@ -141,6 +141,29 @@ def test_the_default_is_built_measured_and_licensed_by_its_recipe(
     assert card["weights"] == "int8"
     with safe_open(str(out / "tensors.safetensors"), "pt") as f:
         assert torch.int8 in {f.get_tensor(k).dtype for k in f.keys()}  # noqa: SIM118
+
+
+def test_the_default_mixes_the_layers_it_is_given_and_refuses_uncached_ones(
+    data_root: Path, tmp_path: Path, built: tuple[Path, dict]
+) -> None:
+    out, card = built
+    extractor = tiny_extractor()
+    top = extractor.num_layers
+    assert card["fit"]["layers"] == list(range(top + 1))  # the recipe: every layer
+    caches = out.parent / "caches"  # the built fixture's: nothing is extracted again
+    with pytest.raises(OfflineError, match=rf"layers \[{top + 1}\] are not among"):
+        build_default(data_root, tmp_path / "x", extractor, cache_root=caches, layers=[top + 1])
+    result = build_default(
+        data_root,
+        tmp_path / "top",
+        extractor,
+        cache_root=caches,
+        layers=[top - 1, top],
+        config=FitConfig(max_epochs=1, patience=1, batch_size=16),
+        folds=2,
+    )
+    probe, _ = load_checkpoint(tmp_path / "top", extractor.fingerprint)
+    assert list(probe.spec.layers) == [top - 1, top] == result.card["fit"]["layers"]
 
 
 def test_thresholds_keep_every_benign_source_inside_the_budget(built: tuple[Path, dict]) -> None:
