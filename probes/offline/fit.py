@@ -13,13 +13,21 @@ weights are restored and the decision thresholds are chosen on validation (at
 exactly ``max_epochs`` epochs and leaves the thresholds alone: that is how
 :mod:`probes.offline.select` refits on all rows once cross-validation chose the epochs
 and thresholds.
+
+``FitConfig(logistic_c=C)`` fits instead a logistic regression: the pooling and layer mix
+stay as they start (a mean of the probe's layers, standardized), and the linear head is
+solved to convergence (L-BFGS) under an L2 penalty of inverse strength ``C``, as
+scikit-learn's ``LogisticRegression(C=C)`` per head: the loss summed over the rows each
+head annotates plus ``||W||² / 2C``. One "epoch"; separable pools only. A small ``C`` keeps
+the head near the difference of the classes' means, which is what transfers to text
+unlike the training data (``bench/linear_ceiling.py``).
 """
 
 from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -77,11 +85,20 @@ class FitConfig:
     # After cross-validation: "soup" serves the average of the fold models' weights at the
     # chosen epoch (no refit), "refit" trains once more on every row (probes.offline.select).
     final: Literal["soup", "refit"] = "soup"
+    # None: Lion epochs. A number: the head is a logistic regression solved exactly with
+    # this inverse L2 strength, the pooling and mix fixed (see the module docstring); a
+    # mapping: one per head, by name (a probe without heads: its own name).
+    logistic_c: float | Mapping[str, float] | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.batch_size <= MAX_BATCH:
             raise ProbeError(f"batch_size {self.batch_size} is outside 1..{MAX_BATCH}")
+        c = self.logistic_c
+        if c is not None and not all(
+            v > 0 for v in (c.values() if isinstance(c, Mapping) else [c])
+        ):
+            raise ProbeError(f"logistic_c must be positive, got {c}")
         if self.max_epochs < 1 or self.patience < 1:
             raise ProbeError(
                 f"max_epochs ({self.max_epochs}) and patience ({self.patience}) must be >= 1"
@@ -266,6 +283,11 @@ def fit(
         probe.set_input_stats(*(input_stats or train.input_stats()))
     probe.pool.gradient_checkpointing = config.gradient_checkpointing
     learner = _learner(probe, train, config)
+    if config.logistic_c is not None:
+        return _fit_logistic(
+            probe, learner, train, val, config, progress, started, reference,
+            record_val_probs=record_val_probs, keep_states=keep_states,
+        )  # fmt: skip
     # Balanced sampling draws other rows every epoch, so its batches are padded per step.
     prepadded = (
         _Prepadded(train, config.batch_size, g)
@@ -312,6 +334,86 @@ def fit(
         history=history,
         val_probs=run.val_probs,
         epoch_states=run.epoch_states,
+        drift=drift_reference(probe, train) if reference else None,
+    )
+
+
+def _fit_logistic(
+    probe: Probe,
+    learner: Learner,
+    train: ProbeDataset,
+    val: ProbeDataset | None,
+    config: FitConfig,
+    progress: Callable[[dict[str, float]], None] | None,
+    started: float,
+    reference: bool,
+    *,
+    record_val_probs: bool,
+    keep_states: bool,
+) -> FitResult:
+    """:func:`fit` with ``config.logistic_c``: the head solved by L-BFGS on the fixed
+    features (the pooling and mix as they start), as one epoch."""
+    if train.summaries is None or not probe.separable:
+        raise ProbeError(
+            "logistic_c fits a head on cached per-layer summaries: use a mean, max, first or "
+            f"last pool, not {probe.spec.token_pool!r}"
+        )
+    spec = probe.spec
+    c = config.logistic_c
+    assert c is not None
+    per_label = torch.full((len(spec.labels),), float(c) if not isinstance(c, Mapping) else 0.0)
+    if isinstance(c, Mapping):
+        heads = [h.name for h in spec.heads] or [spec.name]
+        if set(c) != set(heads):
+            raise ProbeError(f"logistic_c names heads {sorted(c)}; the probe has {heads}")
+        for name, value in c.items():
+            per_label[spec.head_columns(name) if spec.heads else slice(None)] = value
+    probe.eval()
+    with torch.no_grad():
+        hidden, _, targets = train.batch(torch.arange(len(train)))
+        features = probe.mix(probe.summarize(hidden))  # [N, D]
+    head = probe.head
+    optimizer = torch.optim.LBFGS(
+        head.parameters(), max_iter=500, tolerance_grad=1e-7, line_search_fn="strong_wolfe"
+    )
+    penalty = 1.0 / (2.0 * per_label)  # [C]: one per output row of the head
+
+    def objective() -> Tensor:
+        optimizer.zero_grad()
+        total, _ = learner._loss_parts(head(features), targets)
+        value = (total + (penalty[:, None] * head.weight.square()).sum()) / len(train)
+        value.backward()
+        return value
+
+    with torch.enable_grad():
+        loss = float(optimizer.step(objective).detach())
+    steps = int(optimizer.state[head.weight].get("n_iter", 0))
+    row: dict[str, float] = {"epoch": 1, "train_loss": loss}
+    report: dict[str, Any] = {}
+    val_probs = []
+    if val is not None:
+        probs = predict_dataset(probe, val)
+        row.update(epoch_score(probe.spec, probs, val.targets, config.monitor)[1])
+        probe.set_thresholds(
+            choose_thresholds(probe.spec, probs, val.targets, point=config.operating_point)
+        )
+        report = evaluate(probe.spec, probs, val.targets)
+        val_probs = [probs] if record_val_probs else []
+    if progress is not None:
+        progress(row)
+    return FitResult(
+        probe=probe,
+        best_epoch=1,
+        epochs=1,
+        steps=steps,
+        examples=len(train),
+        seconds=time.perf_counter() - started,
+        val_report=report,
+        train_rows=len(train),
+        train_counts=dict(zip(train.labels, train.class_counts().tolist(), strict=True)),
+        history=[row],
+        val_probs=val_probs,
+        epoch_states=[copy.deepcopy(probe.state_dict())] if keep_states else [],
         drift=drift_reference(probe, train) if reference else None,
     )
 

@@ -72,6 +72,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "layer for mean, max and last; the cached token layers for gate and mha)",
     )
     build.add_argument(
+        "--solver",
+        choices=["lion", "logistic"],
+        default="lion",
+        help="lion (default): Lion epochs over the layer mix and heads, chosen by "
+        "cross-validation; logistic: each head a logistic regression on the mean of the "
+        "layers, its L2 strength chosen by leaving one dataset out (mean, max or last pool)",
+    )
+    build.add_argument(
         "--budget",
         type=float,
         default=None,
@@ -114,6 +122,7 @@ def _build(args: argparse.Namespace) -> int:
         config=config,
         pool=args.pool or POOL,
         layers=args.layers,
+        logistic=args.solver == "logistic",
         budget=BUDGET if args.budget is None else args.budget,
         folds=args.folds,
         key=settings.cache_key_bytes,

@@ -20,15 +20,16 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from probes import Probe, load_checkpoint, save_checkpoint
+from probes import Probe, build_probe, load_checkpoint, save_checkpoint
 from probes.budget import flag_margin, flag_rates, recall_thresholds
 from probes.decision import decide
 from probes.files import atomic_write
@@ -36,7 +37,7 @@ from probes.metrics import average_precision, evaluate
 from probes.offline.cache import HiddenStateCache
 from probes.offline.cv import CVResult
 from probes.offline.dataset import ProbeDataset
-from probes.offline.fit import FitConfig, FitResult, predict_dataset
+from probes.offline.fit import FitConfig, FitResult, fit, predict_dataset
 from probes.offline.multitask import as_multitask, multitask_targets
 from probes.offline.select import fit_cv
 from schemas import ProbeSpec, StateDtype, TokenPool, TrainingCounters
@@ -65,6 +66,8 @@ POOL: TokenPool = "mean"
 BUDGET = 0.03
 # The budgets whose thresholds the card also ships (PROBEGUARD_DEFAULT_FLAG_BUDGET).
 BUDGETS = (0.01, 0.02, 0.03, 0.05, 0.1)
+# The logistic heads' inverse L2 strengths tried by leaving one source out (choose_c).
+C_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 
 
 def _source_file(source: Source, data_root: Path, cache_root: Path) -> Path:
@@ -155,6 +158,15 @@ def load_source(
 
 
 @dataclass
+class CChoice:
+    """Each head's inverse L2 strength, and the leave-one-source-out AUPRCs behind it."""
+
+    chosen: dict[str, float]
+    # head -> C -> the AUPRC on each left-out source that has both of its classes
+    scores: dict[str, dict[str, dict[str, float]]]
+
+
+@dataclass
 class DefaultFit:
     """The fitted default (calibrated per head, thresholds at the benign budget) and the
     out-of-fold evidence its thresholds were chosen on."""
@@ -166,6 +178,7 @@ class DefaultFit:
     # budget ("0.03") -> the flagging labels' thresholds at that budget (the card ships
     # them, so a deployment picks another budget without a rebuild)
     operating_points: dict[str, dict[str, float]]
+    c_choice: CChoice | None = None  # logistic heads: their C, chosen by leaving a source out
 
 
 def fit_default(
@@ -175,6 +188,7 @@ def fit_default(
     *,
     budget: float,
     folds: int = 4,
+    logistic: bool = False,
     progress: Callable[[dict[str, float]], None] | None = None,
 ) -> DefaultFit:
     """Cross-validate the default on the development rows (train + validation) of every
@@ -184,6 +198,10 @@ def fit_default(
     multiple; :func:`probes.budget.recall_thresholds`). Labels that do not flag keep their
     F1-best threshold. The probe is the fold models' soup (``fit_cv``).
 
+    ``logistic``: the heads are logistic regressions on the fixed mean of the probe's layers
+    (``FitConfig.logistic_c``), each head's ``C`` chosen by leaving one source out
+    (:func:`choose_c`), instead of Lion epochs over the mix and heads.
+
     Out-of-fold scores stand for the soup's because the pool is linear in its features
     (mean): the soup's logits are then near the mean of the fold models'. With the gate
     pool they were not: a 3 % out-of-fold budget flagged a third of held-out ConvAbuse
@@ -191,6 +209,11 @@ def fit_default(
     there and 6.1 % held out (too few benign rows for a tail quantile)."""
     dev = [Loaded.concat([x.part("train"), x.part("validation")]).repeated() for x in loaded]
     data = ProbeDataset.concat([d.data for d in dev])
+    c_choice = None
+    if logistic:
+        c_choice = choose_c(dev, spec, config)
+        log.info("default: logistic heads, C by leaving one source out: %s", c_choice.chosen)
+        config = replace(config, logistic_c=c_choice.chosen)
     result, cv = fit_cv(spec, data, config, folds=folds, calibrate=True, progress=progress)
     groups = [d.source.dataset for d in dev for r in d.roles if r == "benign"]
     unsafe_groups = [d.source.dataset for d in dev for r in d.roles if r == "unsafe"]
@@ -215,7 +238,42 @@ def fit_default(
     thresholds = {**cv.thresholds, **chosen}
     result.probe.set_thresholds(thresholds)
     rates = flag_rates(benign, groups, [chosen[x] for x in flag])
-    return DefaultFit(result, cv, thresholds, rates, points)
+    return DefaultFit(result, cv, thresholds, rates, points, c_choice)
+
+
+def choose_c(
+    dev: Sequence[Loaded], spec: ProbeSpec, config: FitConfig, grid: Sequence[float] = C_GRID
+) -> CChoice:
+    """Each head's ``logistic_c`` by **leaving one source out**: for every source and every
+    ``C`` of ``grid``, logistic heads fitted on the other sources' rows score the left-out
+    source's; a head's score at ``C`` is the mean AUPRC over the sources holding both of its
+    classes; the best is chosen: a choice that rewards transfer to data no fit saw, which is
+    what a default meets. A head no source can be left out for keeps the grid's middle."""
+    scores: dict[str, dict[str, dict[str, float]]] = {
+        h.name: {f"{c:g}": {} for c in grid} for h in spec.heads
+    }
+    for left in dev:
+        rest = ProbeDataset.concat([d.data for d in dev if d is not left])
+        for c in grid:
+            probe = build_probe(spec, seed=config.seed)
+            fit(probe, rest, None, replace(config, logistic_c=c), reference=False)
+            probs = predict_dataset(probe, left.data)
+            for h in spec.heads:
+                col = spec.head_columns(h.name).stop - 1  # the head's flagging label
+                y = left.data.targets[:, col]
+                known = ~y.isnan()
+                if 0 < float(y[known].sum()) < int(known.sum()):
+                    scores[h.name][f"{c:g}"][left.source.dataset] = average_precision(
+                        y[known].numpy() > 0.5, probs[known, col].numpy()
+                    )
+    chosen = {}
+    for name, by_c in scores.items():
+        means = {c: statistics.fmean(v.values()) for c, v in by_c.items() if v}
+        if not means:
+            chosen[name] = grid[len(grid) // 2]
+            continue
+        chosen[name] = float(max(means, key=lambda c: means[c]))  # ties: the smaller C
+    return CChoice(chosen, scores)
 
 
 def measure(probe: Probe, item: Loaded) -> dict[str, Any]:
@@ -284,6 +342,7 @@ def build_default(
     config: FitConfig = FitConfig(max_epochs=25, patience=4),
     pool: TokenPool = POOL,
     layers: Sequence[int] | None = None,
+    logistic: bool = False,
     budget: float = BUDGET,
     folds: int = 4,
     key: bytes | None = None,
@@ -315,7 +374,9 @@ def build_default(
     )
     loaded = [load_source(s, spec, cache_root, data_root, extractor, key, dtype) for s in sources]
     log.info("default: %d rows in %d sources", sum(len(x.data) for x in loaded), len(loaded))
-    fitted = fit_default(loaded, spec, config, budget=budget, folds=folds, progress=_progress)
+    fitted = fit_default(
+        loaded, spec, config, budget=budget, folds=folds, logistic=logistic, progress=_progress
+    )
     seen = sum(len(x.data) - len(x.part("held_out").data) for x in loaded)
     counters = TrainingCounters(labels_seen=seen, steps=fitted.result.steps)
     save_checkpoint(
@@ -392,6 +453,7 @@ def _card(
         "fit": {
             "pool": pool,
             "layers": list(spec.layers),
+            **_solver(fitted.c_choice),
             "folds": folds,
             "epochs": fitted.cv.epochs,
             "seconds": round(fitted.result.seconds, 1),
@@ -400,6 +462,14 @@ def _card(
         "held_out": measured,
         "built_seconds": round(time.time() - started, 1),
     }
+
+
+def _solver(choice: CChoice | None) -> dict[str, Any]:
+    """The card's record of how the heads were fitted (logistic: each head's C, and the
+    leave-one-source-out AUPRCs it was chosen by)."""
+    if choice is None:
+        return {"solver": "lion"}
+    return {"solver": "logistic", "logistic_c": choice.chosen, "logistic_c_lodo": choice.scores}
 
 
 _SPLITS = ("train", "validation", "held_out")

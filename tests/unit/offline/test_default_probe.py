@@ -166,6 +166,34 @@ def test_the_default_mixes_the_layers_it_is_given_and_refuses_uncached_ones(
     assert list(probe.spec.layers) == [top - 1, top] == result.card["fit"]["layers"]
 
 
+def test_logistic_heads_take_the_c_that_transfers_best_to_a_left_out_source(
+    data_root: Path, tmp_path: Path, built: tuple[Path, dict]
+) -> None:
+    out, _ = built
+    extractor = tiny_extractor()
+    result = build_default(
+        data_root,
+        tmp_path / "logistic",
+        extractor,
+        cache_root=out.parent / "caches",
+        logistic=True,
+        folds=2,
+    )
+    fit = result.card["fit"]
+    assert fit["solver"] == "logistic" and fit["epochs"] == 1
+    chosen, lodo = fit["logistic_c"], fit["logistic_c_lodo"]
+    probe, _ = load_checkpoint(tmp_path / "logistic", extractor.fingerprint)
+    assert set(chosen) == set(lodo) == {h.name for h in probe.spec.heads}
+    scored = 0
+    for head, by_c in lodo.items():
+        means = {float(c): sum(v.values()) / len(v) for c, v in by_c.items() if v}
+        if means:  # the best mean over the left-out sources, the smaller C on a tie
+            best = max(means.values())
+            assert chosen[head] == min(c for c, m in means.items() if m == best)
+            scored += 1
+    assert scored >= 3  # toxicity, hate, unsafe, ... have sources with both classes
+
+
 def test_thresholds_keep_every_benign_source_inside_the_budget(built: tuple[Path, dict]) -> None:
     out, card = built
     # Out of fold, per benign source, the whole policy (any head) flags within the

@@ -233,3 +233,57 @@ def test_fit_on_bfloat16_states_learns_as_on_float32_ones() -> None:
         return fit(build_probe(spec_for(data, "mha"), seed=0), train, val, config).val_report
 
     assert report("bfloat16")["auprc"] == pytest.approx(report("float32")["auprc"], abs=0.05)
+
+
+def summary_dataset(n: int = 240, seed: int = 3) -> ProbeDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, n, D, generator=g) * torch.linspace(0.5, 3.0, D)  # [L, N, D]
+    logit = x[0, :, 0] - 0.7 * x[0, :, 1] + 0.3 * torch.randn(n, generator=g)
+    y = (logit > 0.4).float()[:, None]  # [N, 1]: one label, a minority
+    return ProbeDataset([4], ["toxic"], "multilabel", y, [f"r{i}" for i in range(n)], summaries=x)
+
+
+@pytest.mark.parametrize("c", [1e-3, 1.0])
+def test_a_logistic_head_is_scikit_learns_logistic_regression_on_the_same_features(
+    c: float,
+) -> None:
+    from sklearn.linear_model import LogisticRegression
+
+    data = summary_dataset()
+    spec = spec_for(data, "mean", mix="single").model_copy(update={"flag_labels": ["toxic"]})
+    config = FitConfig(logistic_c=c, balance="none")
+    result = fit(build_probe(spec, seed=0), data, None, config)
+    probe = result.probe
+    assert result.epochs == 1 and result.steps > 0
+    assert data.summaries is not None
+    with torch.no_grad():
+        features = probe.summarize(data.summaries)[0].numpy()  # standardized, as the head saw
+        logits = probe(data.summaries)[:, 0].numpy()
+    reference = LogisticRegression(C=c, tol=1e-10, max_iter=10_000).fit(
+        features, data.targets[:, 0].numpy()
+    )
+    torch.testing.assert_close(
+        torch.from_numpy(logits).double(),
+        torch.from_numpy(reference.decision_function(features)).double(),
+        atol=2e-3,
+        rtol=2e-3,
+    )
+
+
+def test_logistic_heads_need_summaries_and_positive_strengths() -> None:
+    data = token_dataset()
+    with pytest.raises(ProbeError, match="logistic_c fits a head on cached per-layer summaries"):
+        fit(build_probe(spec_for(data, "mha"), seed=0), data, None, FitConfig(logistic_c=1.0))
+    with pytest.raises(ProbeError, match="logistic_c must be positive"):
+        FitConfig(logistic_c={"toxicity": 0.0})
+    summaries = summary_dataset()
+    spec = spec_for(summaries, "mean", mix="single")
+    with pytest.raises(ProbeError, match=r"logistic_c names heads \['other'\]"):
+        fit(build_probe(spec, seed=0), summaries, None, FitConfig(logistic_c={"other": 1.0}))
+    # A mapping by the probe's own name (no heads) is its one head's C: stronger L2, smaller W.
+    norms = [
+        float(fit(build_probe(spec, seed=0), summaries, None, FitConfig(logistic_c={"t": c}))
+              .probe.head.weight.norm())
+        for c in (1e-3, 1.0)
+    ]  # fmt: skip
+    assert norms[0] < 0.2 * norms[1]
