@@ -253,19 +253,25 @@ def choose_c(
         h.name: {f"{c:g}": {} for c in grid} for h in spec.heads
     }
     for left in dev:
+        # The heads this source can score: both of their classes among its rows.
+        scored = {}
+        for h in spec.heads:
+            col = spec.head_columns(h.name).stop - 1  # the head's flagging label
+            y = left.data.targets[:, col]
+            known = ~y.isnan()
+            if 0 < float(y[known].sum()) < int(known.sum()):
+                scored[h.name] = (col, known, y[known].numpy() > 0.5)
+        if not scored:
+            continue
         rest = ProbeDataset.concat([d.data for d in dev if d is not left])
         for c in grid:
             probe = build_probe(spec, seed=config.seed)
             fit(probe, rest, None, replace(config, logistic_c=c), reference=False)
             probs = predict_dataset(probe, left.data)
-            for h in spec.heads:
-                col = spec.head_columns(h.name).stop - 1  # the head's flagging label
-                y = left.data.targets[:, col]
-                known = ~y.isnan()
-                if 0 < float(y[known].sum()) < int(known.sum()):
-                    scores[h.name][f"{c:g}"][left.source.dataset] = average_precision(
-                        y[known].numpy() > 0.5, probs[known, col].numpy()
-                    )
+            for name, (col, known, positive) in scored.items():
+                scores[name][f"{c:g}"][left.source.dataset] = average_precision(
+                    positive, probs[known, col].numpy()
+                )
     chosen = {}
     for name, by_c in scores.items():
         means = {c: statistics.fmean(v.values()) for c, v in by_c.items() if v}
