@@ -1,7 +1,7 @@
 """The probe kinds: one short file per token pooling or layer mix, lion-pytorch style.
 
 ``base`` holds the two registries and the module bases; importing this package
-registers every kind (``pooling``: mean, max, last, mean+max; ``gate``: the tanh
+registers every kind (``pooling``: mean, max, first, last; ``gate``: the tanh
 scoring gate; ``mha``: downcast multi-head attention; ``layer_mix``: the learned
 mixes over layers). :func:`probes.build_probe` looks a spec's names up here.
 """
