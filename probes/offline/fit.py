@@ -15,7 +15,8 @@ exactly ``max_epochs`` epochs and leaves the thresholds alone: that is how
 and thresholds.
 
 ``FitConfig(logistic_c=C)`` fits instead a logistic regression: the pooling and layer mix
-stay as they start (a mean of the probe's layers, standardized), and the linear head is
+stay as they start (a mean of the probe's layers, standardized; or the mix
+``logistic_mix`` gives, e.g. a Lion fit's), and the linear head is
 solved to convergence (L-BFGS) under an L2 penalty of inverse strength ``C``, as
 scikit-learn's ``LogisticRegression(C=C)`` per head: the loss summed over the rows each
 head annotates plus ``||W||² / 2C``. One "epoch"; separable pools only. A small ``C`` keeps
@@ -89,6 +90,9 @@ class FitConfig:
     # this inverse L2 strength, the pooling and mix fixed (see the module docstring); a
     # mapping: one per head, by name (a probe without heads: its own name).
     logistic_c: float | Mapping[str, float] | None = None
+    # With logistic_c: the layer mix's weights to fit the heads on (e.g. a Lion fit's
+    # learned mix) instead of the mix as it starts.
+    logistic_mix: Mapping[str, Tensor] | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -368,6 +372,8 @@ def _fit_logistic(
             raise ProbeError(f"logistic_c names heads {sorted(c)}; the probe has {heads}")
         for name, value in c.items():
             per_label[spec.head_columns(name) if spec.heads else slice(None)] = value
+    if config.logistic_mix is not None:
+        probe.mix.load_state_dict(dict(config.logistic_mix))
     probe.eval()
     with torch.no_grad():
         hidden, _, targets = train.batch(torch.arange(len(train)))

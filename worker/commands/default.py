@@ -73,11 +73,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     build.add_argument(
         "--solver",
-        choices=["lion", "logistic"],
+        choices=["lion", "logistic", "lion+logistic"],
         default="lion",
         help="lion (default): Lion epochs over the layer mix and heads, chosen by "
         "cross-validation; logistic: each head a logistic regression on the mean of the "
-        "layers, its L2 strength chosen by leaving one dataset out (mean, max or last pool)",
+        "layers, its L2 strength chosen by leaving one dataset out (mean, max or last pool); "
+        "lion+logistic: the logistic heads on the layer mix a Lion fit learned",
     )
     build.add_argument(
         "--budget",
@@ -122,7 +123,7 @@ def _build(args: argparse.Namespace) -> int:
         config=config,
         pool=args.pool or POOL,
         layers=args.layers,
-        logistic=args.solver == "logistic",
+        solver=args.solver,
         budget=BUDGET if args.budget is None else args.budget,
         folds=args.folds,
         key=settings.cache_key_bytes,

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -39,7 +39,7 @@ from probes.offline.cv import CVResult
 from probes.offline.dataset import ProbeDataset
 from probes.offline.fit import FitConfig, FitResult, fit, predict_dataset
 from probes.offline.multitask import as_multitask, multitask_targets
-from probes.offline.select import fit_cv
+from probes.offline.select import cross_validate, fit_cv
 from schemas import ProbeSpec, StateDtype, TokenPool, TrainingCounters
 from worker.errors import OfflineError
 from worker.offline.build_cache import ExtractorLike, build_cache, default_token_layers
@@ -66,6 +66,8 @@ POOL: TokenPool = "mean"
 BUDGET = 0.03
 # The budgets whose thresholds the card also ships (PROBEGUARD_DEFAULT_FLAG_BUDGET).
 BUDGETS = (0.01, 0.02, 0.03, 0.05, 0.1)
+# How the heads are fitted (fit_default): Lion epochs, logistic regressions, or both.
+Solver = Literal["lion", "logistic", "lion+logistic"]
 # The logistic heads' inverse L2 strengths tried by leaving one source out (choose_c).
 C_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 
@@ -179,6 +181,7 @@ class DefaultFit:
     # them, so a deployment picks another budget without a rebuild)
     operating_points: dict[str, dict[str, float]]
     c_choice: CChoice | None = None  # logistic heads: their C, chosen by leaving a source out
+    solver: Solver = "lion"
 
 
 def fit_default(
@@ -188,7 +191,7 @@ def fit_default(
     *,
     budget: float,
     folds: int = 4,
-    logistic: bool = False,
+    solver: Solver = "lion",
     progress: Callable[[dict[str, float]], None] | None = None,
 ) -> DefaultFit:
     """Cross-validate the default on the development rows (train + validation) of every
@@ -198,9 +201,10 @@ def fit_default(
     multiple; :func:`probes.budget.recall_thresholds`). Labels that do not flag keep their
     F1-best threshold. The probe is the fold models' soup (``fit_cv``).
 
-    ``logistic``: the heads are logistic regressions on the fixed mean of the probe's layers
-    (``FitConfig.logistic_c``), each head's ``C`` chosen by leaving one source out
-    (:func:`choose_c`), instead of Lion epochs over the mix and heads.
+    ``solver``: ``lion`` trains the mix and heads with Lion epochs; ``logistic`` makes each
+    head a logistic regression on the fixed mean of the probe's layers
+    (``FitConfig.logistic_c``), its ``C`` chosen by :func:`choose_c`; ``lion+logistic``
+    does the Lion fit first and then fits the logistic heads on its learned mix.
 
     Out-of-fold scores stand for the soup's because the pool is linear in its features
     (mean): the soup's logits are then near the mean of the fold models'. With the gate
@@ -210,8 +214,11 @@ def fit_default(
     dev = [Loaded.concat([x.part("train"), x.part("validation")]).repeated() for x in loaded]
     data = ProbeDataset.concat([d.data for d in dev])
     c_choice = None
-    if logistic:
-        c_choice = choose_c(dev, spec, config)
+    if solver == "lion+logistic":
+        lion, _ = fit_cv(spec, data, config, folds=folds, progress=progress)
+        config = replace(config, logistic_mix=lion.probe.mix.state_dict())
+    if solver != "lion":
+        c_choice = choose_c(dev, spec, config, folds=folds)
         log.info("default: logistic heads, C by leaving one source out: %s", c_choice.chosen)
         config = replace(config, logistic_c=c_choice.chosen)
     result, cv = fit_cv(spec, data, config, folds=folds, calibrate=True, progress=progress)
@@ -238,17 +245,24 @@ def fit_default(
     thresholds = {**cv.thresholds, **chosen}
     result.probe.set_thresholds(thresholds)
     rates = flag_rates(benign, groups, [chosen[x] for x in flag])
-    return DefaultFit(result, cv, thresholds, rates, points, c_choice)
+    return DefaultFit(result, cv, thresholds, rates, points, c_choice, solver)
 
 
 def choose_c(
-    dev: Sequence[Loaded], spec: ProbeSpec, config: FitConfig, grid: Sequence[float] = C_GRID
+    dev: Sequence[Loaded],
+    spec: ProbeSpec,
+    config: FitConfig,
+    grid: Sequence[float] = C_GRID,
+    *,
+    folds: int = 4,
 ) -> CChoice:
     """Each head's ``logistic_c`` by **leaving one source out**: for every source and every
     ``C`` of ``grid``, logistic heads fitted on the other sources' rows score the left-out
     source's; a head's score at ``C`` is the mean AUPRC over the sources holding both of its
     classes; the best is chosen: a choice that rewards transfer to data no fit saw, which is
-    what a default meets. A head no source can be left out for keeps the grid's middle."""
+    what a default meets. A head fewer than two sources can be left out for (``unsafe``:
+    XSTest alone holds safe and unsafe requests) takes the ``C`` whose ``folds``-fold
+    cross-validation on every row scores it best (its scores under ``"cv"``)."""
     scores: dict[str, dict[str, dict[str, float]]] = {
         h.name: {f"{c:g}": {} for c in grid} for h in spec.heads
     }
@@ -272,6 +286,19 @@ def choose_c(
                 scores[name][f"{c:g}"][left.source.dataset] = average_precision(
                     positive, probs[known, col].numpy()
                 )
+    few = [name for name, by_c in scores.items() if len(next(iter(by_c.values()))) < 2]
+    if few:
+        data = ProbeDataset.concat([d.data for d in dev])
+        for c in grid:
+            oof = cross_validate(spec, data, replace(config, logistic_c=c), folds=folds).oof_probs
+            for name in few:
+                col = spec.head_columns(name).stop - 1
+                y = data.targets[:, col]
+                known = ~y.isnan()
+                if 0 < float(y[known].sum()) < int(known.sum()):
+                    scores[name][f"{c:g}"] = {
+                        "cv": average_precision(y[known].numpy() > 0.5, oof[known, col].numpy())
+                    }
     chosen = {}
     for name, by_c in scores.items():
         means = {c: statistics.fmean(v.values()) for c, v in by_c.items() if v}
@@ -348,7 +375,7 @@ def build_default(
     config: FitConfig = FitConfig(max_epochs=25, patience=4),
     pool: TokenPool = POOL,
     layers: Sequence[int] | None = None,
-    logistic: bool = False,
+    solver: Solver = "lion",
     budget: float = BUDGET,
     folds: int = 4,
     key: bytes | None = None,
@@ -381,7 +408,7 @@ def build_default(
     loaded = [load_source(s, spec, cache_root, data_root, extractor, key, dtype) for s in sources]
     log.info("default: %d rows in %d sources", sum(len(x.data) for x in loaded), len(loaded))
     fitted = fit_default(
-        loaded, spec, config, budget=budget, folds=folds, logistic=logistic, progress=_progress
+        loaded, spec, config, budget=budget, folds=folds, solver=solver, progress=_progress
     )
     seen = sum(len(x.data) - len(x.part("held_out").data) for x in loaded)
     counters = TrainingCounters(labels_seen=seen, steps=fitted.result.steps)
@@ -459,7 +486,7 @@ def _card(
         "fit": {
             "pool": pool,
             "layers": list(spec.layers),
-            **_solver(fitted.c_choice),
+            **_solver(fitted.solver, fitted.c_choice),
             "folds": folds,
             "epochs": fitted.cv.epochs,
             "seconds": round(fitted.result.seconds, 1),
@@ -470,12 +497,12 @@ def _card(
     }
 
 
-def _solver(choice: CChoice | None) -> dict[str, Any]:
+def _solver(solver: Solver, choice: CChoice | None) -> dict[str, Any]:
     """The card's record of how the heads were fitted (logistic: each head's C, and the
     leave-one-source-out AUPRCs it was chosen by)."""
     if choice is None:
-        return {"solver": "lion"}
-    return {"solver": "logistic", "logistic_c": choice.chosen, "logistic_c_lodo": choice.scores}
+        return {"solver": solver}
+    return {"solver": solver, "logistic_c": choice.chosen, "logistic_c_lodo": choice.scores}
 
 
 _SPLITS = ("train", "validation", "held_out")

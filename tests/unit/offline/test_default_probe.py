@@ -176,7 +176,7 @@ def test_logistic_heads_take_the_c_that_transfers_best_to_a_left_out_source(
         tmp_path / "logistic",
         extractor,
         cache_root=out.parent / "caches",
-        logistic=True,
+        solver="logistic",
         folds=2,
     )
     fit = result.card["fit"]
@@ -184,6 +184,7 @@ def test_logistic_heads_take_the_c_that_transfers_best_to_a_left_out_source(
     chosen, lodo = fit["logistic_c"], fit["logistic_c_lodo"]
     probe, _ = load_checkpoint(tmp_path / "logistic", extractor.fingerprint)
     assert set(chosen) == set(lodo) == {h.name for h in probe.spec.heads}
+    assert float(probe.mix.state_dict()["logits"].abs().max()) == 0.0  # the uniform start
     scored = 0
     for head, by_c in lodo.items():
         means = {float(c): sum(v.values()) / len(v) for c, v in by_c.items() if v}
@@ -192,6 +193,29 @@ def test_logistic_heads_take_the_c_that_transfers_best_to_a_left_out_source(
             assert chosen[head] == min(c for c, m in means.items() if m == best)
             scored += 1
     assert scored >= 3  # toxicity, hate, unsafe, ... have sources with both classes
+
+
+def test_lion_then_logistic_fits_the_heads_on_the_mix_lion_learned(
+    data_root: Path, tmp_path: Path, built: tuple[Path, dict]
+) -> None:
+    out, _ = built
+    extractor = tiny_extractor()
+    result = build_default(
+        data_root,
+        tmp_path / "both",
+        extractor,
+        cache_root=out.parent / "caches",
+        solver="lion+logistic",
+        config=FitConfig(max_epochs=2, patience=1, batch_size=16),
+        folds=2,
+    )
+    assert result.card["fit"]["solver"] == "lion+logistic"
+    probe, _ = load_checkpoint(tmp_path / "both", extractor.fingerprint)
+    # Lion moved the layer mix away from the uniform start the plain logistic solver keeps.
+    assert float(probe.mix.state_dict()["logits"].abs().max()) > 1e-3
+    # Heads scored by fewer than two left-out sources took C by cross-validation.
+    lodo = result.card["fit"]["logistic_c_lodo"]
+    assert any(set(by_c[next(iter(by_c))]) == {"cv"} for by_c in lodo.values())
 
 
 def test_thresholds_keep_every_benign_source_inside_the_budget(built: tuple[Path, dict]) -> None:

@@ -270,6 +270,24 @@ def test_a_logistic_head_is_scikit_learns_logistic_regression_on_the_same_featur
     )
 
 
+def test_logistic_heads_fit_on_the_mix_they_are_given() -> None:
+    one = summary_dataset()
+    assert one.summaries is not None
+    data = ProbeDataset(
+        [2, 4], one.labels, "multilabel", one.targets, one.ids,
+        summaries=torch.cat([one.summaries, one.summaries.flip(-1)]),
+    )  # fmt: skip
+    spec = spec_for(data, "mean")  # scalar_mix over two layers
+    learned = {"logits": torch.tensor([2.0, -1.0]), "gamma": torch.tensor(1.5)}
+    probe = fit(
+        build_probe(spec, seed=0), data, None, FitConfig(logistic_c=1.0, logistic_mix=learned)
+    ).probe
+    torch.testing.assert_close(probe.mix.state_dict(), learned)
+    # The mix as it starts (uniform) gives other features, so another head.
+    plain = fit(build_probe(spec, seed=0), data, None, FitConfig(logistic_c=1.0)).probe
+    assert not torch.allclose(plain.head.weight, probe.head.weight, atol=1e-3)
+
+
 def test_logistic_heads_need_summaries_and_positive_strengths() -> None:
     data = token_dataset()
     with pytest.raises(ProbeError, match="logistic_c fits a head on cached per-layer summaries"):
