@@ -7,6 +7,7 @@ import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -166,23 +167,24 @@ def test_the_default_mixes_the_layers_it_is_given_and_refuses_uncached_ones(
     assert list(probe.spec.layers) == [top - 1, top] == result.card["fit"]["layers"]
 
 
+def _rebuild(
+    data_root: Path, built: tuple[Path, dict], out: Path, **options: Any
+) -> tuple[dict, Any]:
+    """The default built again into ``out`` from the built fixture's caches (nothing is
+    extracted again), 2 folds: its card and the probe as shipped."""
+    extractor = tiny_extractor()
+    caches = built[0].parent / "caches"
+    result = build_default(data_root, out, extractor, cache_root=caches, folds=2, **options)
+    return result.card, load_checkpoint(out, extractor.fingerprint)[0]
+
+
 def test_logistic_heads_take_the_c_that_transfers_best_to_a_left_out_source(
     data_root: Path, tmp_path: Path, built: tuple[Path, dict]
 ) -> None:
-    out, _ = built
-    extractor = tiny_extractor()
-    result = build_default(
-        data_root,
-        tmp_path / "logistic",
-        extractor,
-        cache_root=out.parent / "caches",
-        solver="logistic",
-        folds=2,
-    )
-    fit = result.card["fit"]
+    card, probe = _rebuild(data_root, built, tmp_path / "logistic", solver="logistic")
+    fit = card["fit"]
     assert fit["solver"] == "logistic" and fit["epochs"] == 1
     chosen, lodo = fit["logistic_c"], fit["logistic_c_lodo"]
-    probe, _ = load_checkpoint(tmp_path / "logistic", extractor.fingerprint)
     assert set(chosen) == set(lodo) == {h.name for h in probe.spec.heads}
     assert float(probe.mix.state_dict()["logits"].abs().max()) == 0.0  # the uniform start
     scored = 0
@@ -198,23 +200,15 @@ def test_logistic_heads_take_the_c_that_transfers_best_to_a_left_out_source(
 def test_lion_then_logistic_fits_the_heads_on_the_mix_lion_learned(
     data_root: Path, tmp_path: Path, built: tuple[Path, dict]
 ) -> None:
-    out, _ = built
-    extractor = tiny_extractor()
-    result = build_default(
-        data_root,
-        tmp_path / "both",
-        extractor,
-        cache_root=out.parent / "caches",
-        solver="lion+logistic",
-        config=FitConfig(max_epochs=2, patience=1, batch_size=16),
-        folds=2,
+    config = FitConfig(max_epochs=2, patience=1, batch_size=16)
+    card, probe = _rebuild(
+        data_root, built, tmp_path / "both", solver="lion+logistic", config=config
     )
-    assert result.card["fit"]["solver"] == "lion+logistic"
-    probe, _ = load_checkpoint(tmp_path / "both", extractor.fingerprint)
+    assert card["fit"]["solver"] == "lion+logistic"
     # Lion moved the layer mix away from the uniform start the plain logistic solver keeps.
     assert float(probe.mix.state_dict()["logits"].abs().max()) > 1e-3
     # Heads scored by fewer than two left-out sources took C by cross-validation.
-    lodo = result.card["fit"]["logistic_c_lodo"]
+    lodo = card["fit"]["logistic_c_lodo"]
     assert any(set(by_c[next(iter(by_c))]) == {"cv"} for by_c in lodo.values())
 
 
