@@ -248,6 +248,22 @@ def fit_default(
     return DefaultFit(result, cv, thresholds, rates, points, c_choice, solver)
 
 
+def _scorable_heads(
+    spec: ProbeSpec, targets: torch.Tensor
+) -> dict[str, tuple[int, torch.Tensor, Any]]:
+    """The heads ``targets`` ([N, C]) can score, with both of their classes among the rows:
+    head -> (its flagging label's column, the rows annotating it, which of those are
+    positive)."""
+    out = {}
+    for h in spec.heads:
+        col = spec.head_columns(h.name).stop - 1  # the head's flagging label
+        y = targets[:, col]
+        known = ~y.isnan()
+        if 0 < float(y[known].sum()) < int(known.sum()):
+            out[h.name] = (col, known, y[known].numpy() > 0.5)
+    return out
+
+
 def choose_c(
     dev: Sequence[Loaded],
     spec: ProbeSpec,
@@ -266,17 +282,13 @@ def choose_c(
     scores: dict[str, dict[str, dict[str, float]]] = {
         h.name: {f"{c:g}": {} for c in grid} for h in spec.heads
     }
+    sources = dict.fromkeys(scores, 0)  # head -> the sources that can score it
     for left in dev:
-        # The heads this source can score: both of their classes among its rows.
-        scored = {}
-        for h in spec.heads:
-            col = spec.head_columns(h.name).stop - 1  # the head's flagging label
-            y = left.data.targets[:, col]
-            known = ~y.isnan()
-            if 0 < float(y[known].sum()) < int(known.sum()):
-                scored[h.name] = (col, known, y[known].numpy() > 0.5)
+        scored = _scorable_heads(spec, left.data.targets)
         if not scored:
             continue
+        for name in scored:
+            sources[name] += 1
         rest = ProbeDataset.concat([d.data for d in dev if d is not left])
         for c in grid:
             probe = build_probe(spec, seed=config.seed)
@@ -286,19 +298,12 @@ def choose_c(
                 scores[name][f"{c:g}"][left.source.dataset] = average_precision(
                     positive, probs[known, col].numpy()
                 )
-    few = [name for name, by_c in scores.items() if len(next(iter(by_c.values()))) < 2]
-    if few:
-        data = ProbeDataset.concat([d.data for d in dev])
-        for c in grid:
-            oof = cross_validate(spec, data, replace(config, logistic_c=c), folds=folds).oof_probs
-            for name in few:
-                col = spec.head_columns(name).stop - 1
-                y = data.targets[:, col]
-                known = ~y.isnan()
-                if 0 < float(y[known].sum()) < int(known.sum()):
-                    scores[name][f"{c:g}"] = {
-                        "cv": average_precision(y[known].numpy() > 0.5, oof[known, col].numpy())
-                    }
+    data = ProbeDataset.concat([d.data for d in dev])
+    few = {n: h for n, h in _scorable_heads(spec, data.targets).items() if sources[n] < 2}
+    for c in grid if few else ():
+        oof = cross_validate(spec, data, replace(config, logistic_c=c), folds=folds).oof_probs
+        for name, (col, known, positive) in few.items():
+            scores[name][f"{c:g}"] = {"cv": average_precision(positive, oof[known, col].numpy())}
     chosen = {}
     for name, by_c in scores.items():
         means = {c: statistics.fmean(v.values()) for c, v in by_c.items() if v}
