@@ -166,6 +166,9 @@ class CChoice:
     chosen: dict[str, float]
     # head -> C -> the AUPRC on each left-out source that has both of its classes
     scores: dict[str, dict[str, dict[str, float]]]
+    # lion+logistic: the heads fewer than two sources can be left out for, which keep the
+    # Lion fit's head (no choice of C could be checked against data its fit never saw)
+    kept: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -204,7 +207,9 @@ def fit_default(
     ``solver``: ``lion`` trains the mix and heads with Lion epochs; ``logistic`` makes each
     head a logistic regression on the fixed mean of the probe's layers
     (``FitConfig.logistic_c``), its ``C`` chosen by :func:`choose_c`; ``lion+logistic``
-    does the Lion fit first and then fits the logistic heads on its learned mix.
+    does the Lion fit first and then re-solves, as logistic regressions on its learned mix,
+    the heads whose ``C`` leaving a source out can choose; the others keep Lion's head, its
+    calibration, out-of-fold scores and thresholds (:func:`_keep_heads`).
 
     Out-of-fold scores stand for the soup's because the pool is linear in its features
     (mean): the soup's logits are then near the mean of the fold models'. With the gate
@@ -213,15 +218,18 @@ def fit_default(
     there and 6.1 % held out (too few benign rows for a tail quantile)."""
     dev = [Loaded.concat([x.part("train"), x.part("validation")]).repeated() for x in loaded]
     data = ProbeDataset.concat([d.data for d in dev])
-    c_choice = None
+    c_choice, lion = None, None
     if solver == "lion+logistic":
-        lion, _ = fit_cv(spec, data, config, folds=folds, progress=progress)
-        config = replace(config, logistic_mix=lion.probe.mix.state_dict())
+        lion = fit_cv(spec, data, config, folds=folds, calibrate=True, progress=progress)
+        config = replace(config, logistic_mix=lion[0].probe.mix.state_dict())
     if solver != "lion":
-        c_choice = choose_c(dev, spec, config, folds=folds)
+        c_choice = choose_c(dev, spec, config, folds=folds, keep_few=lion is not None)
         log.info("default: logistic heads, C by leaving one source out: %s", c_choice.chosen)
         config = replace(config, logistic_c=c_choice.chosen)
     result, cv = fit_cv(spec, data, config, folds=folds, calibrate=True, progress=progress)
+    if lion is not None and c_choice is not None and c_choice.kept:
+        log.info("default: the Lion fit's heads kept: %s", c_choice.kept)
+        cv = _keep_heads(spec, result, cv, *lion, c_choice.kept)
     groups = [d.source.dataset for d in dev for r in d.roles if r == "benign"]
     unsafe_groups = [d.source.dataset for d in dev for r in d.roles if r == "unsafe"]
     roles = [r for d in dev for r in d.roles]
@@ -248,6 +256,43 @@ def fit_default(
     return DefaultFit(result, cv, thresholds, rates, points, c_choice, solver)
 
 
+def _keep_heads(
+    spec: ProbeSpec,
+    result: FitResult,
+    cv: CVResult,
+    lion: FitResult,
+    lion_cv: CVResult,
+    heads: Sequence[str],
+) -> CVResult:
+    """``result``'s probe (in place) and ``cv`` with ``heads`` taken from the Lion fit: the
+    head's weights, calibration, thresholds and out-of-fold probabilities. Both probes read
+    the same features (the logistic heads were fitted on Lion's mix, standardized alike),
+    so a kept head scores exactly as it did in the Lion fit."""
+    ours, theirs = result.probe.state_dict(), lion.probe.state_dict()
+    shared = [k for k in ours if not k.startswith("head.")]
+    if not all(torch.equal(ours[k], theirs[k]) for k in shared):
+        raise OfflineError("the logistic heads were not fitted on the Lion fit's features")
+    oof, thresholds = cv.oof_probs.clone(), dict(cv.thresholds)
+    calibration = {**cv.calibration}
+    with torch.no_grad():
+        for name in heads:
+            cols = spec.head_columns(name)
+            for k in ("head.weight", "head.bias"):
+                ours[k][cols] = theirs[k][cols]
+            oof[:, cols] = lion_cv.oof_probs[:, cols]
+            for label in spec.labels[cols]:  # a label no row holds has none
+                thresholds.pop(label, None)
+                if label in lion_cv.thresholds:
+                    thresholds[label] = lion_cv.thresholds[label]
+            calibration.pop(name, None)
+            if name in lion_cv.calibration:
+                calibration[name] = lion_cv.calibration[name]
+    result.probe.load_state_dict(ours)
+    result.probe.set_calibration(calibration)
+    result.probe.set_thresholds(thresholds)
+    return replace(cv, oof_probs=oof, thresholds=thresholds, calibration=calibration)
+
+
 def _scorable_heads(
     spec: ProbeSpec, targets: torch.Tensor
 ) -> dict[str, tuple[int, torch.Tensor, Any]]:
@@ -271,6 +316,7 @@ def choose_c(
     grid: Sequence[float] = C_GRID,
     *,
     folds: int = 4,
+    keep_few: bool = False,
 ) -> CChoice:
     """Each head's ``logistic_c`` by **leaving one source out**: for every source and every
     ``C`` of ``grid``, logistic heads fitted on the other sources' rows score the left-out
@@ -278,7 +324,8 @@ def choose_c(
     classes; the best is chosen: a choice that rewards transfer to data no fit saw, which is
     what a default meets. A head fewer than two sources can be left out for (``unsafe``:
     XSTest alone holds safe and unsafe requests) takes the ``C`` whose ``folds``-fold
-    cross-validation on every row scores it best (its scores under ``"cv"``)."""
+    cross-validation on every row scores it best (its scores under ``"cv"``), or, with
+    ``keep_few``, is listed in ``kept`` (its C then fits a head that is replaced)."""
     scores: dict[str, dict[str, dict[str, float]]] = {
         h.name: {f"{c:g}": {} for c in grid} for h in spec.heads
     }
@@ -299,7 +346,12 @@ def choose_c(
                     positive, probs[known, col].numpy()
                 )
     data = ProbeDataset.concat([d.data for d in dev])
-    few = {n: h for n, h in _scorable_heads(spec, data.targets).items() if sources[n] < 2}
+    kept = [h.name for h in spec.heads if sources[h.name] < 2] if keep_few else []
+    few = {
+        n: h
+        for n, h in _scorable_heads(spec, data.targets).items()
+        if sources[n] < 2 and n not in kept
+    }
     for c in grid if few else ():
         oof = cross_validate(spec, data, replace(config, logistic_c=c), folds=folds).oof_probs
         for name, (col, known, positive) in few.items():
@@ -311,7 +363,7 @@ def choose_c(
             chosen[name] = grid[len(grid) // 2]
             continue
         chosen[name] = float(max(means, key=lambda c: means[c]))  # ties: the smaller C
-    return CChoice(chosen, scores)
+    return CChoice(chosen, scores, kept)
 
 
 def measure(probe: Probe, item: Loaded) -> dict[str, Any]:
@@ -507,7 +559,13 @@ def _solver(solver: Solver, choice: CChoice | None) -> dict[str, Any]:
     leave-one-source-out AUPRCs it was chosen by)."""
     if choice is None:
         return {"solver": solver}
-    return {"solver": solver, "logistic_c": choice.chosen, "logistic_c_lodo": choice.scores}
+    kept = {"lion_heads": choice.kept} if choice.kept else {}
+    return {
+        "solver": solver,
+        "logistic_c": choice.chosen,
+        "logistic_c_lodo": choice.scores,
+        **kept,
+    }
 
 
 _SPLITS = ("train", "validation", "held_out")

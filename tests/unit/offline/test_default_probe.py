@@ -207,9 +207,21 @@ def test_lion_then_logistic_fits_the_heads_on_the_mix_lion_learned(
     assert card["fit"]["solver"] == "lion+logistic"
     # Lion moved the layer mix away from the uniform start the plain logistic solver keeps.
     assert float(probe.mix.state_dict()["logits"].abs().max()) > 1e-3
-    # Heads scored by fewer than two left-out sources took C by cross-validation.
-    lodo = card["fit"]["logistic_c_lodo"]
-    assert any(set(by_c[next(iter(by_c))]) == {"cv"} for by_c in lodo.values())
+    # The heads fewer than two sources can be left out for keep the Lion fit's head: its
+    # weights and calibration, exactly; the others were solved again.
+    lodo, kept = card["fit"]["logistic_c_lodo"], card["fit"]["lion_heads"]
+    sources = {h: len(next(iter(by_c.values()))) for h, by_c in lodo.items()}
+    assert kept and set(kept) == {h for h, n in sources.items() if n < 2}
+    assert not any("cv" in v for by_c in lodo.values() for v in by_c.values())
+    _, lion = _rebuild(data_root, built, tmp_path / "lion", config=config)
+    ours, theirs = probe.state_dict(), lion.state_dict()
+    for head in probe.spec.head_specs:
+        cols = probe.spec.head_columns(head.name)
+        same = torch.equal(ours["head.weight"][cols], theirs["head.weight"][cols])
+        assert same == (head.name in kept), head.name
+        if head.name in kept:
+            assert torch.equal(ours["head.bias"][cols], theirs["head.bias"][cols])
+            assert probe.spec.calibration.get(head.name) == lion.spec.calibration.get(head.name)
 
 
 def test_thresholds_keep_every_benign_source_inside_the_budget(built: tuple[Path, dict]) -> None:
