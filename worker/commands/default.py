@@ -74,11 +74,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     build.add_argument(
         "--solver",
         choices=["lion", "logistic", "lion+logistic"],
-        default="lion",
-        help="lion (default): Lion epochs over the layer mix and heads, chosen by "
-        "cross-validation; logistic: each head a logistic regression on the mean of the "
-        "layers, its L2 strength chosen by leaving one dataset out (mean, max or last pool); "
-        "lion+logistic: the logistic heads on the layer mix a Lion fit learned",
+        default=None,
+        help="lion: Lion epochs over the layer mix and heads, chosen by cross-validation; "
+        "logistic: each head a logistic regression on the mean of the layers, its L2 "
+        "strength chosen by leaving one dataset out (mean, max or last pool); "
+        "lion+logistic (default for those pools; lion for the others): the Lion fit, then "
+        "logistic heads on the layer mix it learned wherever a dataset can be left out to "
+        "choose their strength (the other heads stay Lion's)",
     )
     build.add_argument(
         "--budget",

@@ -11,6 +11,7 @@ import hashlib
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from probes.offline.multitask import SourceHeads
@@ -26,6 +27,7 @@ __all__ = [
     "Source",
     "default_spec",
     "degenerate_rows",
+    "request_rows",
     "split_of",
 ]
 
@@ -258,6 +260,13 @@ SOURCES: list[Source] = [
         benign=("degenerate",),
     ),
     Source(
+        "assistant_requests",
+        "written for probeguard (Apache-2.0)",
+        "Written by this project (worker/offline/assistant_requests.txt): no third-party text.",
+        _negatives("request"),
+        benign=("request",),
+    ),
+    Source(
         "toxicchat",
         "CC-BY-NC-4.0",
         "Non-commercial only: never in the Apache-2.0 default; built with --noncommercial.",
@@ -322,4 +331,17 @@ def degenerate_rows() -> list[dict[str, Any]]:
     return [
         {"id": f"degenerate-train-{i}", "text": t, "label": "degenerate", "labels": []}
         for i, t in enumerate(unique)
+    ]
+
+
+def request_rows() -> list[dict[str, Any]]:
+    """Ordinary requests to an assistant (code, writing, cooking, travel, study, ...),
+    written for this recipe: the only benign requests the shippable data has are XSTest's
+    250 safe prompts, written to look unsafe, so without these every head reads the form of
+    a request as the form of AILuminate's and SimpleSafetyTests' unsafe ones."""
+    lines = (Path(__file__).with_name("assistant_requests.txt")).read_text().splitlines()
+    return [
+        {"id": f"request-{i}", "text": t, "label": "request", "labels": []}
+        for i, t in enumerate(x.strip() for x in lines)
+        if t
     ]

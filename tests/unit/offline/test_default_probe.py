@@ -22,8 +22,8 @@ from tests.unit.offline_helpers import tiny_extractor
 from worker.errors import ConfigError, OfflineError
 from worker.llm.extract import HiddenStateExtractor
 from worker.llm.tiny import make_tiny_llm
-from worker.offline.default_probe import BUDGET, BUDGETS, build_default
-from worker.offline.default_recipe import SOURCES, split_of
+from worker.offline.default_probe import BUDGET, BUDGETS, GENERATED, build_default
+from worker.offline.default_recipe import SOURCES, request_rows, split_of
 
 CATEGORIES = ["sexual", "hate", "harassment", "violence", "self-harm"]
 # Per dataset: (benign label, labels of an unsafe row, the unsafe row's `label`).
@@ -69,18 +69,32 @@ def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_every_source_of_the_recipe_has_a_stand_in() -> None:
-    assert {s.dataset for s in SOURCES} - {"degenerate"} == set(SHAPES)
+    assert {s.dataset for s in SOURCES} - set(GENERATED) == set(SHAPES)
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _few_degenerate_rows() -> Iterator[None]:
-    # The recipe's generated rows run up to 2,000 characters: a dozen short ones do here.
-    import worker.offline.default_probe as recipe
-
-    rows = recipe.degenerate_rows
-    recipe.degenerate_rows = lambda: [r for r in rows() if len(r["text"]) < 30][:24]
+def _few_generated_rows() -> Iterator[None]:
+    # The recipe's degenerate rows run up to 2,000 characters: a few short ones of each
+    # generated source do here.
+    saved = dict(GENERATED)
+    for name, rows in saved.items():
+        GENERATED[name] = lambda rows=rows: [r for r in rows() if len(r["text"]) < 30][:24]
     yield
-    recipe.degenerate_rows = rows
+    GENERATED.update(saved)
+
+
+def test_the_written_requests_are_benign_negatives_of_every_head() -> None:
+    rows = request_rows()
+    assert len(rows) >= 200
+    assert len({r["id"] for r in rows}) == len({r["text"] for r in rows}) == len(rows)
+    assert all(r["label"] == "request" and r["labels"] == [] for r in rows)
+    source = next(s for s in SOURCES if s.dataset == "assistant_requests")
+    assert source.benign == ("request",) and not source.noncommercial
+    # Every commercial head learns them as negatives: no request is any category.
+    heads = {h for h, labels in source.heads.items() if labels.get("request") is not None}
+    assert heads == {s for x in SOURCES if not x.noncommercial for s in x.heads} - {"jailbreak"}
+    # Some land in each split, so the card measures the held-out ones.
+    assert {split_of(r["id"]) for r in rows} == {"train", "validation", "held_out"}
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +227,7 @@ def test_lion_then_logistic_fits_the_heads_on_the_mix_lion_learned(
     sources = {h: len(next(iter(by_c.values()))) for h, by_c in lodo.items()}
     assert kept and set(kept) == {h for h, n in sources.items() if n < 2}
     assert not any("cv" in v for by_c in lodo.values() for v in by_c.values())
-    _, lion = _rebuild(data_root, built, tmp_path / "lion", config=config)
+    _, lion = _rebuild(data_root, built, tmp_path / "lion", solver="lion", config=config)
     ours, theirs = probe.state_dict(), lion.state_dict()
     for head in probe.spec.head_specs:
         cols = probe.spec.head_columns(head.name)
