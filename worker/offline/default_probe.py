@@ -78,13 +78,16 @@ C_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 
 
 # The sources this recipe writes itself (no third-party text): their rows.
-GENERATED = {"degenerate": degenerate_rows, "assistant_requests": request_rows}
+GENERATED: dict[str, Callable[[], list[dict[str, Any]]]] = {
+    "degenerate": degenerate_rows,
+    "assistant_requests": request_rows,
+}
 
 
 def _source_file(source: Source, data_root: Path, cache_root: Path) -> Path:
-    if (rows := GENERATED.get(source.dataset)) is not None:
+    if (generate := GENERATED.get(source.dataset)) is not None:
         out = cache_root / "sources" / f"{source.dataset}.jsonl"
-        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows())
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in generate())
         if not out.exists() or out.read_text() != text:
             atomic_write(out, text)
         return out

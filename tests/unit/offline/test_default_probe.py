@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +77,12 @@ def _few_generated_rows() -> Iterator[None]:
     # The recipe's degenerate rows run up to 2,000 characters: a few short ones of each
     # generated source do here.
     saved = dict(GENERATED)
+
+    def few(rows: Callable[[], list[dict[str, Any]]]) -> Callable[[], list[dict[str, Any]]]:
+        return lambda: [r for r in rows() if len(r["text"]) < 30][:24]
+
     for name, rows in saved.items():
-        GENERATED[name] = lambda rows=rows: [r for r in rows() if len(r["text"]) < 30][:24]
+        GENERATED[name] = few(rows)
     yield
     GENERATED.update(saved)
 
