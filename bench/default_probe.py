@@ -54,7 +54,14 @@ from probes.offline.fit import FitConfig
 from probes.offline.select import stratified_folds
 from schemas import ProbeSpec
 from worker.defaults import find_default, missing
-from worker.offline.default_probe import BUDGET, Loaded, fit_default, load_source, measure
+from worker.offline.default_probe import (
+    BUDGET,
+    SOLVER,
+    Loaded,
+    fit_default,
+    load_source,
+    measure,
+)
 from worker.offline.default_recipe import SOURCES, Source, default_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -106,6 +113,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--ablate", action="store_true", help="refit without each source in turn")
     p.add_argument("--ablate-pool", default="mean", help="the ablation's probe kind (mean)")
+    p.add_argument(
+        "--ablate-solver",
+        choices=["lion", "logistic", "lion+logistic"],
+        default=SOLVER,
+        help=f"the ablation's solver (the recipe's: {SOLVER}; lion for token-level pools)",
+    )
     p.add_argument("--folds", type=int, default=4)
     p.add_argument("--epochs", type=int, default=25)
     return p.parse_args(argv)
@@ -275,8 +288,10 @@ def ablation(args: argparse.Namespace, hidden_size: int, num_layers: int) -> dic
     for left_out in [None, *(s.dataset for s in _sources())]:
         t0 = time.time()
         rest = [x for x in loaded if x.source.dataset != left_out]
-        fitted = fit_default(rest, spec, config, budget=args.budget, folds=args.folds)
-        key = f"{args.ablate_pool}: " + (
+        fitted = fit_default(
+            rest, spec, config, budget=args.budget, folds=args.folds, solver=args.ablate_solver
+        )
+        key = f"{args.ablate_pool}, {args.ablate_solver}: " + (
             "every source" if left_out is None else f"without {left_out}"
         )
         out[key] = {n: _summary(measure(fitted.result.probe, i), n) for n, i in held.items()}
