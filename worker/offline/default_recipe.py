@@ -338,7 +338,8 @@ def request_rows() -> list[dict[str, Any]]:
     """Ordinary requests to an assistant (code, writing, cooking, travel, study, ...),
     written for this recipe: the only benign requests the shippable data has are XSTest's
     250 safe prompts, written to look unsafe, so without these every head reads the form of
-    a request as the form of AILuminate's and SimpleSafetyTests' unsafe ones."""
+    a request as the form of AILuminate's and SimpleSafetyTests' unsafe ones. A row's id
+    is its line number (its split follows from it: add new lines at the end)."""
     lines = (Path(__file__).with_name("assistant_requests.txt")).read_text().splitlines()
     return [
         {"id": f"request-{i}", "text": t, "label": "request", "labels": []}
