@@ -162,6 +162,11 @@ def _show(args: argparse.Namespace) -> int:
         print(f"  flags: {', '.join(card['flag_labels'])}")
         for source in card["sources"]:
             print(f"  trained on {source['dataset']} ({source['license']}): {source['rows']}")
+        fit = card.get("fit", {})
+        if "solver" in fit:
+            kept = fit.get("lion_heads")
+            print(f"  fitted by {fit['solver']} over layers {fit['layers'][0]}-{fit['layers'][-1]}"
+                  + (f" (Lion's heads kept: {', '.join(kept)})" if kept else ""))  # fmt: skip
         if "budget" in card:
             print(f"  flag budget: {card['budget']:g} of ordinary chat (card ships "
                   f"{', '.join(card.get('operating_points', {}))})")  # fmt: skip

@@ -445,6 +445,8 @@ def test_default_show_prints_the_shipped_card(capsys: pytest.CaptureFixture[str]
     out = capsys.readouterr().out
     assert "flag budget: 0.03 of ordinary chat" in out
     assert "held-out convabuse" in out and "policy: benign_flagged" in out
+    # How it was fitted, and which heads the Lion fit kept.
+    assert "fitted by lion+logistic over layers 0-30 (Lion's heads kept: " in out
 
 
 def test_ailuminate_specialized_advice_trains_nothing_and_binds_no_threshold() -> None:
