@@ -22,7 +22,7 @@ import json
 import logging
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -284,25 +284,25 @@ def _keep_heads(
     shared = [k for k in ours if not k.startswith("head.")]
     if not all(torch.equal(ours[k], theirs[k]) for k in shared):
         raise OfflineError("the logistic heads were not fitted on the Lion fit's features")
-    oof, thresholds = cv.oof_probs.clone(), dict(cv.thresholds)
-    calibration = {**cv.calibration}
-    with torch.no_grad():
-        for name in heads:
-            cols = spec.head_columns(name)
-            for k in ("head.weight", "head.bias"):
-                ours[k][cols] = theirs[k][cols]
-            oof[:, cols] = lion_cv.oof_probs[:, cols]
-            for label in spec.labels[cols]:  # a label no row holds has none
-                thresholds.pop(label, None)
-                if label in lion_cv.thresholds:
-                    thresholds[label] = lion_cv.thresholds[label]
-            calibration.pop(name, None)
-            if name in lion_cv.calibration:
-                calibration[name] = lion_cv.calibration[name]
+    oof = cv.oof_probs.clone()
+    for name in heads:
+        cols = spec.head_columns(name)
+        for k in ("head.weight", "head.bias"):
+            ours[k][cols] = theirs[k][cols]
+        oof[:, cols] = lion_cv.oof_probs[:, cols]
+    labels = {x for name in heads for x in spec.labels[spec.head_columns(name)]}
+    thresholds = _taken(cv.thresholds, lion_cv.thresholds, labels)
+    calibration = _taken(cv.calibration, lion_cv.calibration, set(heads))
     result.probe.load_state_dict(ours)
-    result.probe.set_calibration(calibration)
-    result.probe.set_thresholds(thresholds)
+    result.probe.set_calibration(calibration)  # fit_default sets the thresholds
     return replace(cv, oof_probs=oof, thresholds=thresholds, calibration=calibration)
+
+
+def _taken(ours: Mapping[str, Any], theirs: Mapping[str, Any], keys: set[str]) -> dict:
+    """``ours`` with the entries of ``keys`` taken from ``theirs`` (absent there: absent)."""
+    return {k: v for k, v in ours.items() if k not in keys} | {
+        k: v for k, v in theirs.items() if k in keys
+    }
 
 
 def _scorable_heads(
