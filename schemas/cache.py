@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AwareDatetime,
@@ -132,5 +132,8 @@ class CacheManifest(WireModel):
         return -(-self.source.rows // self.shard_rows)
 
     def same_content(self, other: CacheManifest) -> bool:
-        """True when both describe the same cache (creation time aside)."""
-        return self.model_dump(exclude={"created_at"}) == other.model_dump(exclude={"created_at"})
+        """True when both describe the same cache: creation time aside, and the source's
+        path (the same rows reached by another path, ``../data`` or ``/abs/data``, are
+        the same source: its sha256 and row count say so)."""
+        aside: dict[str, Any] = {"created_at": True, "source": {"path"}}
+        return self.model_dump(exclude=aside) == other.model_dump(exclude=aside)

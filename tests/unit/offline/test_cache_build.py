@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,6 +98,20 @@ def test_resume_refuses_a_different_build(tmp_path, extractor) -> None:
     build_cache(data, tmp_path / "c", extractor, shard_rows=8, progress=False)
     with pytest.raises(OfflineError, match="token_layers"):
         build_cache(data, tmp_path / "c", extractor, token_layers=[1], shard_rows=8, progress=False)
+
+
+def test_resume_takes_the_same_file_by_another_path_but_not_other_content(
+    tmp_path, extractor, monkeypatch
+) -> None:
+    # `--data-root ../shared/data` then `/abs/shared/data`: the same rows, so the same cache.
+    data = write_labeled(tmp_path / "d.jsonl", 10)
+    build_cache(data, tmp_path / "c", extractor, shard_rows=8, progress=False)
+    monkeypatch.chdir(tmp_path)
+    m = build_cache(Path("d.jsonl"), tmp_path / "c", extractor, shard_rows=8, progress=False)
+    assert m.source.path == str(data)  # the manifest kept is the one the cache was built by
+    data.write_text(data.read_text().replace("toxic", "ok", 1))
+    with pytest.raises(OfflineError, match=r"differs in \['source'\]"):
+        build_cache(data, tmp_path / "c", extractor, shard_rows=8, progress=False)
 
 
 def test_rows_the_extractor_rejects_are_recorded(tmp_path, extractor) -> None:
