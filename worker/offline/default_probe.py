@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -112,6 +113,19 @@ def _source_file(source: Source, data_root: Path, cache_root: Path) -> Path:
     return out
 
 
+def _drop_if_stale(directory: Path, file: Path) -> None:
+    """Delete the cache in ``directory`` when it holds other rows than ``file``: a source
+    the recipe writes itself changed (a line added to the written requests), and its cache
+    is the recipe's own to rebuild (a dataset's cache is not: that one refuses)."""
+    manifest = directory / "manifest.json"
+    if not manifest.is_file():
+        return
+    built = json.loads(manifest.read_text()).get("source", {}).get("sha256")
+    if built != hashlib.sha256(file.read_bytes()).hexdigest():
+        log.info("default: %s changed since its cache was built; rebuilding it", file.name)
+        shutil.rmtree(directory)
+
+
 @dataclass
 class Loaded:
     """One source's rows as the probe trains on them, each row's label names, and its
@@ -163,6 +177,8 @@ def load_source(
     directory = cache_root / source.dataset
     if extractor is not None:
         file = _source_file(source, data_root, cache_root)
+        if source.dataset in GENERATED:
+            _drop_if_stale(directory, file)
         build_cache(file, directory, extractor, key=key, dtype=dtype)
     cache = HiddenStateCache(directory, key=key)
     data = load_split(cache, spec.token_pool, list(spec.layers), "label")

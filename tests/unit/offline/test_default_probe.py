@@ -196,6 +196,31 @@ def _rebuild(
     return result.card, load_checkpoint(out, extractor.fingerprint)[0]
 
 
+def test_a_changed_written_source_rebuilds_its_own_cache_and_a_dataset_refuses(
+    data_root: Path, tmp_path: Path, built: tuple[Path, dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    caches = tmp_path / "caches"
+    shutil.copytree(built[0].parent / "caches", caches)
+    requests = GENERATED["assistant_requests"]
+    added = {"id": "request-9999", "text": "Plan a picnic", "label": "request", "labels": []}
+    monkeypatch.setitem(GENERATED, "assistant_requests", lambda: [*requests(), added])
+    config = FitConfig(max_epochs=1, patience=1, batch_size=16)
+    options: dict[str, Any] = {"cache_root": caches, "folds": 2, "solver": "lion", "config": config}
+    result = build_default(data_root, tmp_path / "a", tiny_extractor(), **options)
+    rows = {s["dataset"]: sum(s["rows"].values()) for s in result.card["sources"]}
+    assert rows["assistant_requests"] == len(requests()) + 1
+    # A dataset's cache is not the recipe's to drop: new rows there are refused, by name.
+    changed = tmp_path / "data"
+    shutil.copytree(data_root, changed)
+    extra = {"id": "xstest-train-999", "text": "hi", "label": "safe", "labels": []}
+    with (changed / "xstest" / "train.jsonl").open("a") as f:
+        f.write(json.dumps(extra) + "\n")
+    with pytest.raises(OfflineError, match=r"xstest holds a cache built differently"):
+        build_default(changed, tmp_path / "b", tiny_extractor(), **options)
+
+
 def test_logistic_heads_take_the_c_that_transfers_best_to_a_left_out_source(
     data_root: Path, tmp_path: Path, built: tuple[Path, dict]
 ) -> None:
