@@ -43,6 +43,7 @@ from probes.offline.multitask import as_multitask, multitask_targets
 from probes.offline.select import cross_validate, fit_cv
 from schemas import ProbeSpec, StateDtype, TokenPool, TrainingCounters
 from worker.errors import OfflineError
+from worker.llm.fingerprint import file_sha256
 from worker.offline.build_cache import ExtractorLike, build_cache, default_token_layers
 from worker.offline.default_recipe import (
     SALT,
@@ -121,7 +122,7 @@ def _drop_if_stale(directory: Path, file: Path) -> None:
     if not manifest.is_file():
         return
     built = json.loads(manifest.read_text()).get("source", {}).get("sha256")
-    if built != hashlib.sha256(file.read_bytes()).hexdigest():
+    if built != file_sha256(file):  # as build_cache records it
         log.info("default: %s changed since its cache was built; rebuilding it", file.name)
         shutil.rmtree(directory)
 
