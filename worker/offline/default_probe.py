@@ -35,13 +35,13 @@ from probes.budget import flag_margin, flag_rates, recall_thresholds
 from probes.decision import decide
 from probes.files import atomic_write
 from probes.metrics import average_precision, evaluate
-from probes.offline.cache import HiddenStateCache
+from probes.offline.cache import MANIFEST, HiddenStateCache
 from probes.offline.cv import CVResult
 from probes.offline.dataset import ProbeDataset
 from probes.offline.fit import FitConfig, FitResult, fit, predict_dataset
 from probes.offline.multitask import as_multitask, multitask_targets
 from probes.offline.select import cross_validate, fit_cv
-from schemas import ProbeSpec, StateDtype, TokenPool, TrainingCounters
+from schemas import CacheManifest, ProbeSpec, StateDtype, TokenPool, TrainingCounters
 from worker.errors import OfflineError
 from worker.llm.fingerprint import file_sha256
 from worker.offline.build_cache import ExtractorLike, build_cache, default_token_layers
@@ -118,11 +118,10 @@ def _drop_if_stale(directory: Path, file: Path) -> None:
     """Delete the cache in ``directory`` when it holds other rows than ``file``: a source
     the recipe writes itself changed (a line added to the written requests), and its cache
     is the recipe's own to rebuild (a dataset's cache is not: that one refuses)."""
-    manifest = directory / "manifest.json"
+    manifest = directory / MANIFEST
     if not manifest.is_file():
         return
-    built = json.loads(manifest.read_text()).get("source", {}).get("sha256")
-    if built != file_sha256(file):  # as build_cache records it
+    if CacheManifest.decode(manifest.read_bytes()).source.sha256 != file_sha256(file):
         log.info("default: %s changed since its cache was built; rebuilding it", file.name)
         shutil.rmtree(directory)
 
