@@ -52,9 +52,12 @@ __all__ = [
     "epoch_score",
     "fit",
     "predict_dataset",
+    "source_directions",
 ]
 
 MAX_BATCH = 256
+# A source's positives of a head take part in its source directions when at least this many.
+MIN_SOURCE_ROWS = 10
 # Token-level mini-batches are padded once per fit when their fp32 copy fits in this many
 # bytes (padding and the fp16 -> fp32 copy every step were a third of an MHA epoch); above
 # it they are padded per step as they come.
@@ -93,6 +96,13 @@ class FitConfig:
     # With logistic_c: the layer mix's weights to fit the heads on (e.g. a Lion fit's
     # learned mix) instead of the mix as it starts.
     logistic_mix: Mapping[str, Tensor] | None = None
+    # With logistic_c: each training row's source (row id -> a name). Each head's weights
+    # are then held orthogonal to the directions in which the mean features of its positive
+    # rows differ from one source to the next (:func:`source_directions`): what tells one
+    # dataset's positives from another's is the dataset's style, not the category.
+    logistic_sources: Mapping[str, str] | None = None
+    # With logistic_sources: the heads held so (None: every head).
+    invariant_heads: frozenset[str] | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -383,16 +393,27 @@ def _fit_logistic(
         head.parameters(), max_iter=500, tolerance_grad=1e-7, line_search_fn="strong_wolfe"
     )
     penalty = 1.0 / (2.0 * per_label)  # [C]: one per output row of the head
+    sources = config.logistic_sources
+    blocks = _head_blocks(
+        spec,
+        features,
+        targets,
+        [sources[i] for i in train.ids] if sources else [],
+        config.invariant_heads,
+    )
 
     def objective() -> Tensor:
         optimizer.zero_grad()
-        total, _ = learner._loss_parts(head(features), targets)
+        logits = torch.nn.functional.linear(features, _without(head.weight, blocks), head.bias)
+        total, _ = learner._loss_parts(logits, targets)
         value = (total + (penalty[:, None] * head.weight.square()).sum()) / len(train)
         value.backward()
         return value
 
     with torch.enable_grad():
         loss = float(optimizer.step(objective).detach())
+    with torch.no_grad():
+        head.weight.copy_(_without(head.weight, blocks))
     steps = int(optimizer.state[head.weight].get("n_iter", 0))
     row: dict[str, float] = {"epoch": 1, "train_loss": loss}
     report: dict[str, Any] = {}
@@ -421,6 +442,66 @@ def _fit_logistic(
         val_probs=val_probs,
         epoch_states=[copy.deepcopy(probe.state_dict())] if keep_states else [],
         drift=drift_reference(probe, train) if reference else None,
+    )
+
+
+def source_directions(
+    features: Tensor, positive: Tensor, sources: list[str], min_rows: int = MIN_SOURCE_ROWS
+) -> Tensor | None:
+    """An orthonormal basis ([K, D]) of the directions in which the mean ``features``
+    ([N, D]) of the ``positive`` rows ([N] bool) differ between ``sources`` (one name per
+    row), over the sources with at least ``min_rows`` positives; None when fewer than two.
+
+    A head fitted across datasets learns whatever separates its positives from its
+    negatives, and each dataset's positives come in their own style (templated hate
+    statements, requests to an assistant, tweets): a weight along the line from one
+    source's positives to another's rewards the style of the source with more of them.
+    A head kept orthogonal to these directions reads only what the sources' positives
+    share, which is what transfers to text in a style no source has."""
+    means = []
+    for name in dict.fromkeys(sources):
+        rows = positive & torch.tensor([s == name for s in sources])
+        if int(rows.sum()) >= min_rows:
+            means.append(features[rows].double().mean(0))
+    if len(means) < 2:
+        return None
+    spread = torch.stack(means)
+    _, values, vh = torch.linalg.svd(spread - spread.mean(0), full_matrices=False)
+    return vh[values > 1e-6 * values[0]].to(features.dtype)
+
+
+def _head_blocks(
+    spec: ProbeSpec,
+    features: Tensor,
+    targets: Tensor,
+    sources: list[str],
+    heads: frozenset[str] | None = None,
+) -> list[tuple[slice, Tensor | None]]:
+    """Each head's output rows and its :func:`source_directions` (from its flagging label's
+    positives; none without ``sources`` or for a head not among ``heads``)."""
+    columns = [(h.name, spec.head_columns(h.name)) for h in spec.heads] or [
+        (spec.name, slice(0, len(spec.labels)))
+    ]
+    blocks = []
+    for name, cols in columns:
+        basis = None
+        if sources and (heads is None or name in heads):
+            if targets.dim() == 1:  # one task, class indices: its flagging labels
+                flags = [spec.labels.index(x) for x in spec.flag_labels]
+                positive = torch.isin(targets, torch.tensor(flags))
+            else:  # [N, C], NaN where a head is unknown: the head's flagging label
+                positive = targets[:, cols.stop - 1].nan_to_num(0.0) > 0.5
+            basis = source_directions(features, positive, sources)
+        blocks.append((cols, basis))
+    return blocks
+
+
+def _without(weight: Tensor, blocks: list[tuple[slice, Tensor | None]]) -> Tensor:
+    """``weight`` ([C, D]) with each head's rows projected off its source directions."""
+    if all(basis is None for _, basis in blocks):
+        return weight
+    return torch.cat(
+        [weight[c] if v is None else weight[c] - (weight[c] @ v.T) @ v for c, v in blocks]
     )
 
 

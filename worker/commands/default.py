@@ -83,6 +83,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         "choose their strength (the other heads stay Lion's)",
     )
     build.add_argument(
+        "--source-invariant",
+        nargs="?",
+        const="all",
+        default=None,
+        metavar="HEADS",
+        help="hold logistic heads (all, or HEADS: comma-separated names) orthogonal to the "
+        "directions in which their positive rows' mean states differ from one dataset to "
+        "the next (the datasets' style, not the category)",
+    )
+    build.add_argument(
         "--budget",
         type=float,
         default=None,
@@ -126,6 +136,7 @@ def _build(args: argparse.Namespace) -> int:
         pool=args.pool or POOL,
         layers=args.layers,
         solver=args.solver,
+        invariant=_heads(args.source_invariant),
         budget=BUDGET if args.budget is None else args.budget,
         folds=args.folds,
         key=settings.cache_key_bytes,
@@ -139,6 +150,13 @@ def _build(args: argparse.Namespace) -> int:
         PINS.write_text(json.dumps(pins, indent=1, sort_keys=True) + "\n")
     print(json.dumps({"out": str(out), **result.card}, indent=1))
     return 0
+
+
+def _heads(value: str | None) -> bool | list[str]:
+    """``--source-invariant``: absent (no head), ``all`` (every head) or named heads."""
+    if value is None:
+        return False
+    return value == "all" or [h.strip() for h in value.split(",") if h.strip()]
 
 
 def _show(args: argparse.Namespace) -> int:

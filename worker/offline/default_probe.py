@@ -213,6 +213,7 @@ class DefaultFit:
     operating_points: dict[str, dict[str, float]]
     c_choice: CChoice | None = None  # logistic heads: their C, chosen by leaving a source out
     solver: Solver = "lion"
+    invariant: bool | Sequence[str] = False  # logistic heads held off the sources' directions
 
 
 def fit_default(
@@ -223,6 +224,7 @@ def fit_default(
     budget: float,
     folds: int = 4,
     solver: Solver = "lion",
+    invariant: bool | Sequence[str] = False,
     progress: Callable[[dict[str, float]], None] | None = None,
 ) -> DefaultFit:
     """Cross-validate the default on the development rows (train + validation) of every
@@ -237,7 +239,9 @@ def fit_default(
     (``FitConfig.logistic_c``), its ``C`` chosen by :func:`choose_c`; ``lion+logistic``
     does the Lion fit first and then re-solves, as logistic regressions on its learned mix,
     the heads whose ``C`` leaving a source out can choose; the others keep Lion's head, its
-    calibration, out-of-fold scores and thresholds (:func:`_keep_heads`).
+    calibration, out-of-fold scores and thresholds (:func:`_keep_heads`). ``invariant``
+    holds each logistic head orthogonal to the directions in which its positives differ
+    between sources (``FitConfig.logistic_sources``).
 
     Out-of-fold scores stand for the soup's because the pool is linear in its features
     (mean): the soup's logits are then near the mean of the fold models'. With the gate
@@ -247,6 +251,12 @@ def fit_default(
     dev = [Loaded.concat([x.part("train"), x.part("validation")]).repeated() for x in loaded]
     data = ProbeDataset.concat([d.data for d in dev])
     c_choice, lion = None, None
+    if invariant and solver != "lion":
+        config = replace(
+            config,
+            logistic_sources={i: d.source.dataset for d in dev for i in d.data.ids},
+            invariant_heads=None if invariant is True else frozenset(invariant),
+        )
     if solver == "lion+logistic":
         lion = fit_cv(spec, data, config, folds=folds, calibrate=True, progress=progress)
         config = replace(config, logistic_mix=lion[0].probe.mix.state_dict())
@@ -281,7 +291,7 @@ def fit_default(
     thresholds = {**cv.thresholds, **chosen}
     result.probe.set_thresholds(thresholds)
     rates = flag_rates(benign, groups, [chosen[x] for x in flag])
-    return DefaultFit(result, cv, thresholds, rates, points, c_choice, solver)
+    return DefaultFit(result, cv, thresholds, rates, points, c_choice, solver, invariant)
 
 
 def _keep_heads(
@@ -461,6 +471,7 @@ def build_default(
     pool: TokenPool = POOL,
     layers: Sequence[int] | None = None,
     solver: Solver | None = None,
+    invariant: bool | Sequence[str] = False,
     budget: float = BUDGET,
     folds: int = 4,
     key: bytes | None = None,
@@ -494,7 +505,14 @@ def build_default(
     loaded = [load_source(s, spec, cache_root, data_root, extractor, key, dtype) for s in sources]
     log.info("default: %d rows in %d sources", sum(len(x.data) for x in loaded), len(loaded))
     fitted = fit_default(
-        loaded, spec, config, budget=budget, folds=folds, solver=solver, progress=_progress
+        loaded,
+        spec,
+        config,
+        budget=budget,
+        folds=folds,
+        solver=solver,
+        invariant=invariant,
+        progress=_progress,
     )
     seen = sum(len(x.data) - len(x.part("held_out").data) for x in loaded)
     counters = TrainingCounters(labels_seen=seen, steps=fitted.result.steps)
@@ -573,6 +591,7 @@ def _card(
             "pool": pool,
             "layers": list(spec.layers),
             **_solver(fitted.solver, fitted.c_choice),
+            **({"source_invariant": fitted.invariant} if fitted.invariant else {}),
             "folds": folds,
             "epochs": fitted.cv.epochs,
             "seconds": round(fitted.result.seconds, 1),

@@ -240,6 +240,31 @@ def test_logistic_heads_take_the_c_that_transfers_best_to_a_left_out_source(
     assert scored >= 3  # toxicity, hate, unsafe, ... have sources with both classes
 
 
+def test_source_invariant_heads_fit_with_every_rows_source(
+    data_root: Path, tmp_path: Path, built: tuple[Path, dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import worker.offline.default_probe as default_probe
+
+    configs: list[FitConfig] = []
+    real = default_probe.fit_cv
+
+    def spy(spec: Any, data: Any, config: FitConfig, **kw: Any) -> Any:
+        configs.append(config)
+        return real(spec, data, config, **kw)
+
+    monkeypatch.setattr(default_probe, "fit_cv", spy)
+    card, _ = _rebuild(
+        data_root, built, tmp_path / "held", solver="logistic", invariant=["toxicity"]
+    )
+    assert card["fit"]["source_invariant"] == ["toxicity"]
+    (config,) = configs  # the logistic heads' fit (the plain solver: no Lion fit first)
+    assert config.invariant_heads == {"toxicity"}
+    sources = config.logistic_sources
+    assert sources is not None and set(sources.values()) == {s["dataset"] for s in card["sources"]}
+    plain, _ = _rebuild(data_root, built, tmp_path / "plain", solver="logistic")
+    assert "source_invariant" not in plain["fit"] and configs[-1].logistic_sources is None
+
+
 def test_lion_then_logistic_fits_the_heads_on_the_mix_lion_learned(
     data_root: Path, tmp_path: Path, built: tuple[Path, dict]
 ) -> None:

@@ -305,3 +305,69 @@ def test_logistic_heads_need_summaries_and_positive_strengths() -> None:
         for c in (1e-3, 1.0)
     ]  # fmt: skip
     assert norms[0] < 0.2 * norms[1]
+
+
+def styled_source(name: str, n: int, positive: float, style: Tensor | None, seed: int) -> tuple:
+    """``n`` rows of one source: the category along dimension 0 (weakly), a ``positive``
+    share of positives, and the source's ``style`` on every row (a per-row random one when
+    None: a source whose style says nothing of its labels)."""
+    g = torch.Generator().manual_seed(seed)
+    y = (torch.rand(n, generator=g) < positive).float()
+    x = 0.7 * torch.randn(n, D, generator=g)
+    x[:, 0] += y
+    if style is None:
+        x[:, 1] += 2.0 * torch.randint(0, 2, (n,), generator=g).float()
+    else:
+        x += style
+    return x, y, [f"{name}-{i}" for i in range(n)]
+
+
+def test_logistic_heads_held_off_the_sources_directions_transfer_to_a_new_source() -> None:
+    from sklearn.metrics import average_precision_score
+
+    from probes.offline.fit import source_directions
+
+    # Source a is mostly positive, source b mostly negative, and a's rows carry a style
+    # (dimension 1) b's do not: across both, the style predicts the label.
+    style = torch.zeros(D)
+    style[1] = 2.0
+    a = styled_source("a", 300, 0.9, style, seed=1)
+    b = styled_source("b", 300, 0.1, torch.zeros(D), seed=2)
+    x, y = torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]])[:, None]
+    ids = a[2] + b[2]
+    data = ProbeDataset([4], ["toxic"], "multilabel", y, ids, summaries=x[None])
+    spec = spec_for(data, "mean", mix="single").model_copy(update={"flag_labels": ["toxic"]})
+    sources = {i: i.split("-")[0] for i in ids}
+    plain = fit(build_probe(spec, seed=0), data, None, FitConfig(logistic_c=1.0)).probe
+    held = fit(
+        build_probe(spec, seed=0),
+        data,
+        None,
+        FitConfig(logistic_c=1.0, logistic_sources=sources),
+    ).probe
+    # The held head has no weight along the line between the sources' positives.
+    with torch.no_grad():
+        features = held.summarize(data.summaries)[0]  # type: ignore[arg-type]
+    basis = source_directions(features, y[:, 0] > 0.5, [sources[i] for i in ids])
+    assert basis is not None and basis.shape == (1, D)
+    assert float((held.head.weight.detach() @ basis.T).abs().max()) < 1e-5
+    assert float((plain.head.weight.detach() @ basis.T).abs().max()) > 0.1
+    # A new source whose rows carry the style at random: the plain head reads it as the
+    # category, the held one does not.
+    new = styled_source("c", 600, 0.5, None, seed=3)
+    with torch.no_grad():
+        scores = [p(new[0][None])[:, 0].numpy() for p in (plain, held)]
+    plain_ap, held_ap = (average_precision_score(new[1].numpy(), s) for s in scores)
+    assert held_ap > plain_ap + 0.05, (plain_ap, held_ap)
+
+
+def test_source_directions_need_two_sources_with_enough_positives() -> None:
+    from probes.offline.fit import source_directions
+
+    x = torch.randn(30, D)
+    positive = torch.ones(30, dtype=torch.bool)
+    assert source_directions(x, positive, ["a"] * 30) is None
+    assert source_directions(x, positive, ["a"] * 25 + ["b"] * 5) is None  # b: 5 < 10
+    basis = source_directions(x, positive, ["a"] * 10 + ["b"] * 10 + ["c"] * 10)
+    assert basis is not None and basis.shape == (2, D)
+    torch.testing.assert_close(basis @ basis.T, torch.eye(2), atol=1e-5, rtol=0)
