@@ -84,13 +84,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     build.add_argument(
         "--source-invariant",
-        nargs="?",
-        const="all",
+        type=_heads,
         default=None,
         metavar="HEADS",
-        help="hold logistic heads (all, or HEADS: comma-separated names) orthogonal to the "
-        "directions in which their positive rows' mean states differ from one dataset to "
-        "the next (the datasets' style, not the category)",
+        help="the logistic heads held orthogonal to the directions in which their positive "
+        "rows' mean states differ from one dataset to the next (the datasets' style, not "
+        "the category): comma-separated names, all, or none (default: the recipe's, "
+        "toxicity)",
     )
     build.add_argument(
         "--budget",
@@ -118,7 +118,7 @@ def _build(args: argparse.Namespace) -> int:
     from worker.defaults import PINS, ROOT, folder_name
     from worker.llm.extract import HiddenStateExtractor
     from worker.llm.precision import resolve_state_dtype
-    from worker.offline.default_probe import BUDGET, POOL, build_default
+    from worker.offline.default_probe import BUDGET, INVARIANT, POOL, build_default
     from worker.settings import load_settings
 
     settings = load_settings()
@@ -136,7 +136,7 @@ def _build(args: argparse.Namespace) -> int:
         pool=args.pool or POOL,
         layers=args.layers,
         solver=args.solver,
-        invariant=_heads(args.source_invariant),
+        invariant=INVARIANT if args.source_invariant is None else args.source_invariant,
         budget=BUDGET if args.budget is None else args.budget,
         folds=args.folds,
         key=settings.cache_key_bytes,
@@ -152,11 +152,17 @@ def _build(args: argparse.Namespace) -> int:
     return 0
 
 
-def _heads(value: str | None) -> bool | list[str]:
-    """``--source-invariant``: absent (no head), ``all`` (every head) or named heads."""
-    if value is None:
-        return False
-    return value == "all" or [h.strip() for h in value.split(",") if h.strip()]
+def _heads(value: str) -> list[str]:
+    """``--source-invariant``: head names, ``all`` or ``none``."""
+    from worker.offline.default_recipe import HEADS
+
+    names = [h.name for h in HEADS]
+    if value.strip() in ("all", "none"):
+        return names if value.strip() == "all" else []
+    heads = [h.strip() for h in value.split(",") if h.strip()]
+    if unknown := sorted(set(heads) - set(names)):
+        raise argparse.ArgumentTypeError(f"unknown heads {unknown}; the recipe has {names}")
+    return heads
 
 
 def _show(args: argparse.Namespace) -> int:

@@ -125,3 +125,21 @@ def test_log_lines_follow_stderr_when_it_is_replaced(capsys: pytest.CaptureFixtu
     finally:
         sys.stderr = old
         logging.getLogger().handlers.clear()
+
+
+def test_default_build_reads_the_source_invariant_heads(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from worker.offline.default_recipe import HEADS
+
+    parser = build_parser(["default"])
+    base = ["default", "build", "--data-root", "data"]
+    assert parser.parse_args(base).source_invariant is None  # the recipe's
+    read = parser.parse_args([*base, "--source-invariant", "toxicity, hate"])
+    assert read.source_invariant == ["toxicity", "hate"]
+    every = parser.parse_args([*base, "--source-invariant", "all"]).source_invariant
+    assert every == [h.name for h in HEADS]
+    assert parser.parse_args([*base, "--source-invariant", "none"]).source_invariant == []
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--source-invariant", "toxicity,bogus"])
+    assert "unknown heads ['bogus']" in capsys.readouterr().err

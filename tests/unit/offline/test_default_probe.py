@@ -261,7 +261,7 @@ def test_source_invariant_heads_fit_with_every_rows_source(
     assert config.invariant_heads == {"toxicity"}
     sources = config.logistic_sources
     assert sources is not None and set(sources.values()) == {s["dataset"] for s in card["sources"]}
-    plain, _ = _rebuild(data_root, built, tmp_path / "plain", solver="logistic")
+    plain, _ = _rebuild(data_root, built, tmp_path / "plain", solver="logistic", invariant=())
     assert "source_invariant" not in plain["fit"] and configs[-1].logistic_sources is None
 
 
