@@ -18,6 +18,10 @@ source the fit never saw, which is what ToxicChat is. ToxicChat's AUPRC is repor
 chosen ``C`` and at every ``C`` (so a reader sees how much the choice matters); ToxicChat
 never takes part in a choice.
 
+``--invariant`` reads each feature set a second time with the directions between the
+sources' unsafe rows projected out (:func:`probes.offline.fit.source_directions`, from the
+training rows of each fit): what the recipe's ``--source-invariant`` heads do.
+
 Example (the caches ``probeguard default build --cache-root CACHES`` made, and ToxicChat's
 ``probeguard cache build --data toxicchat-all.jsonl --out TC --token-layers none``)::
 
@@ -41,6 +45,7 @@ from default_probe import TOXICCHAT, texts_of  # bench/default_probe.py
 from quality import peer_features  # bench/quality.py: all-MiniLM-L6-v2 embeddings
 
 from probes.offline.cache import HiddenStateCache
+from probes.offline.fit import source_directions
 from worker.offline.default_recipe import SOURCES, Source, split_of
 
 from _shared import log
@@ -61,6 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--c-grid", default="1e-4,3e-4,1e-3,1e-2,1e-1,1", help="C values tried")
     p.add_argument("--no-minilm", action="store_true", help="skip the MiniLM embeddings")
+    p.add_argument(
+        "--invariant",
+        action="store_true",
+        help="also read each feature set held off the directions between the sources' unsafe rows",
+    )
     return p.parse_args(argv)
 
 
@@ -92,28 +102,43 @@ def auprc(y: np.ndarray, score: np.ndarray) -> float:
 
 
 def read(
-    x: np.ndarray, y: np.ndarray, group: np.ndarray, x_tc: np.ndarray, y_tc: np.ndarray, grid: list
+    x: np.ndarray,
+    y: np.ndarray,
+    group: np.ndarray,
+    x_tc: np.ndarray,
+    y_tc: np.ndarray,
+    grid: list,
+    invariant: bool = False,
 ) -> dict[str, Any]:
     """Standardize on the training rows, choose C by leave one dataset out, measure
-    ToxicChat at every C."""
+    ToxicChat at every C (``invariant``: each fit's features held off the directions
+    between its training sources' unsafe rows)."""
     from sklearn.linear_model import LogisticRegression
 
     mu, sd = x.mean(0), x.std(0) + 1e-3
     x, x_tc = (x - mu) / sd, (x_tc - mu) / sd
     held = [g for g in sorted(set(group)) if len(set(y[group == g])) == 2]
 
-    def model(c: float, rows: np.ndarray) -> Any:
+    def model(c: float, rows: np.ndarray) -> tuple[Any, Any]:
+        basis = np.zeros((0, x.shape[1]), np.float32)
+        if invariant:
+            found = source_directions(
+                torch.from_numpy(x[rows]), torch.from_numpy(y[rows] == 1), list(group[rows])
+            )
+            basis = basis if found is None else found.numpy()
+
+        def held_off(a: np.ndarray) -> np.ndarray:
+            return a - (a @ basis.T) @ basis
+
         m = LogisticRegression(C=c, max_iter=3000, class_weight="balanced")
-        return m.fit(x[rows], y[rows])
+        m.fit(held_off(x[rows]), y[rows])
+        return lambda a: m.decision_function(held_off(a))
 
     lodo, tc = {}, {}
     for c in grid:
-        scores = [
-            auprc(y[group == g], model(c, group != g).decision_function(x[group == g]))
-            for g in held
-        ]
+        scores = [auprc(y[group == g], model(c, group != g)(x[group == g])) for g in held]
         lodo[c] = float(np.mean(scores))
-        tc[c] = auprc(y_tc, model(c, np.ones(len(y), bool)).decision_function(x_tc))
+        tc[c] = auprc(y_tc, model(c, np.ones(len(y), bool))(x_tc))
     best = max(grid, key=lambda c: lodo[c])
     return {
         "chosen_c": best,
@@ -142,12 +167,17 @@ def main(argv: list[str] | None = None) -> int:
     group = np.array([source.dataset for source, g in parts for _ in g["y"]])
     x = np.concatenate([g["x"] for _, g in parts], axis=1)  # [L, N, D]
     results: dict[str, Any] = {}
-    for k, layer in enumerate(layers):
-        results[f"{args.pool} L{layer}"] = read(x[k], y, group, tc["x"][k], tc["y"], grid)
-        log(f"layer {layer}: {results[f'{args.pool} L{layer}']}")
-    flat = np.concatenate(list(x), axis=1)
-    flat_tc = np.concatenate(list(tc["x"]), axis=1)
-    results[f"{args.pool} concat"] = read(flat, y, group, flat_tc, tc["y"], grid)
+    reads = [("", False), (" held", True)] if args.invariant else [("", False)]
+    for suffix, held in reads:
+        for k, layer in enumerate(layers):
+            name = f"{args.pool} L{layer}{suffix}"
+            results[name] = read(x[k], y, group, tc["x"][k], tc["y"], grid, held)
+            log(f"{name}: {results[name]}")
+        flat = np.concatenate(list(x), axis=1)
+        flat_tc = np.concatenate(list(tc["x"]), axis=1)
+        name = f"{args.pool} concat{suffix}"
+        results[name] = read(flat, y, group, flat_tc, tc["y"], grid, held)
+        log(f"{name}: {results[name]}")
     if not args.no_minilm:
         log("MiniLM embeddings ...")
         texts = [
@@ -158,14 +188,15 @@ def main(argv: list[str] | None = None) -> int:
             peer_features("minilm", texts_of(args.data_root, args.cache_root, TOXICCHAT, tc["ids"]))
         )
         results["minilm"] = read(mini, y, group, mini_tc, tc["y"], grid)
-    print(f"{'features':<16}{'chosen C':>10}{'LODO AUPRC':>12}{'ToxicChat AUPRC':>17}")
+    print(f"{'features':<22}{'chosen C':>10}{'LODO AUPRC':>12}{'ToxicChat AUPRC':>17}")
     for name, r in results.items():
         print(
-            f"{name:<16}{r['chosen_c']:>10g}{r['lodo_auprc']:>12.3f}{r['toxicchat_auprc']:>17.3f}"
+            f"{name:<22}{r['chosen_c']:>10g}{r['lodo_auprc']:>12.3f}{r['toxicchat_auprc']:>17.3f}"
         )
     summary = {
         "question": "linear read of the LLM's states vs MiniLM, C by leave one dataset out",
         "pool": args.pool,
+        "invariant": args.invariant,
         "rows": len(y),
         "toxicchat_rows": len(tc["y"]),
         "results": results,

@@ -89,8 +89,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="HEADS",
         help="the logistic heads held orthogonal to the directions in which their positive "
         "rows' mean states differ from one dataset to the next (the datasets' style, not "
-        "the category): comma-separated names, all, or none (default: the recipe's, "
-        "toxicity)",
+        "the category): comma-separated names, all, or none (default: the recipe's: "
+        "toxicity in the raw form, none in the chat form)",
     )
     build.add_argument(
         "--budget",
@@ -118,7 +118,7 @@ def _build(args: argparse.Namespace) -> int:
     from worker.defaults import PINS, ROOT, folder_name
     from worker.llm.extract import HiddenStateExtractor
     from worker.llm.precision import resolve_state_dtype
-    from worker.offline.default_probe import BUDGET, INVARIANT, POOL, build_default
+    from worker.offline.default_probe import BUDGET, POOL, build_default
     from worker.settings import load_settings
 
     settings = load_settings()
@@ -136,7 +136,7 @@ def _build(args: argparse.Namespace) -> int:
         pool=args.pool or POOL,
         layers=args.layers,
         solver=args.solver,
-        invariant=INVARIANT if args.source_invariant is None else args.source_invariant,
+        invariant=args.source_invariant,
         budget=BUDGET if args.budget is None else args.budget,
         folds=args.folds,
         key=settings.cache_key_bytes,

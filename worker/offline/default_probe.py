@@ -76,11 +76,14 @@ Solver = Literal["lion", "logistic", "lion+logistic"]
 # OpenAI moderation 0.72 -> 0.77 (policy); docs/default-probe.md.
 SOLVER: Solver = "lion+logistic"
 # The logistic heads held off the directions between the sources' positives
-# (FitConfig.logistic_sources). Toxicity: its positives are every source's categories, so
-# what tells one source's from another's is mostly the source's style. Held out, ToxicChat's
-# toxicity head 0.46 -> 0.53, OpenAI moderation's policy 0.771 -> 0.784; every head held:
-# HateCheck's hateful rows flagged 85 -> 68 % (docs/default-probe.md).
-INVARIANT: tuple[str, ...] = ("toxicity",)
+# (FitConfig.logistic_sources), per text form (None: the bare text). Toxicity: its
+# positives are every source's categories, so what tells one source's from another's is
+# mostly the source's style. Held out, raw form: ToxicChat's toxicity head 0.46 -> 0.53,
+# OpenAI moderation's policy 0.771 -> 0.784 (every head held: HateCheck's hateful rows
+# flagged 85 -> 68 %). Chat form: none; held there, the toxicity head (ToxicChat 0.43 ->
+# 0.50) takes the benign budget the other heads flag plain harmful requests with
+# (SimpleSafetyTests 14 -> 8 of 15). docs/default-probe.md.
+INVARIANT: dict[str | None, tuple[str, ...]] = {None: ("toxicity",)}
 # The logistic heads' inverse L2 strengths tried by leaving one source out (choose_c).
 C_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 
@@ -478,7 +481,7 @@ def build_default(
     pool: TokenPool = POOL,
     layers: Sequence[int] | None = None,
     solver: Solver | None = None,
-    invariant: Sequence[str] = INVARIANT,
+    invariant: Sequence[str] | None = None,
     budget: float = BUDGET,
     folds: int = 4,
     key: bytes | None = None,
@@ -487,7 +490,9 @@ def build_default(
 ) -> BuildResult:
     """Build caches for the recipe's sources (resuming; encrypted with ``key`` when given;
     states stored as ``dtype``: Gemma 3's exceed float16's range, so bfloat16 there),
-    fit the multi-head default with a fixed seed (:func:`fit_default`), measure it per
+    fit the multi-head default with a fixed seed (:func:`fit_default`; ``invariant``: the
+    logistic heads held off the sources' directions, None: the recipe's for the extractor's
+    text form, :data:`INVARIANT`), measure it per
     source on the held-out rows (and on every row of ``evaluate_on``: sources it never
     trains on), and write it to ``out`` (``manifest.json``, ``tensors.safetensors``,
     ``card.json``)."""
@@ -511,6 +516,8 @@ def build_default(
     )
     loaded = [load_source(s, spec, cache_root, data_root, extractor, key, dtype) for s in sources]
     log.info("default: %d rows in %d sources", sum(len(x.data) for x in loaded), len(loaded))
+    if invariant is None:
+        invariant = INVARIANT.get(extractor.fingerprint.form, ())
     fitted = fit_default(
         loaded,
         spec,

@@ -227,6 +227,7 @@ def test_logistic_heads_take_the_c_that_transfers_best_to_a_left_out_source(
     card, probe = _rebuild(data_root, built, tmp_path / "logistic", solver="logistic")
     fit = card["fit"]
     assert fit["solver"] == "logistic" and fit["epochs"] == 1
+    assert fit["source_invariant"] == ["toxicity"]  # the recipe's, in the raw form
     chosen, lodo = fit["logistic_c"], fit["logistic_c_lodo"]
     assert set(chosen) == set(lodo) == {h.name for h in probe.spec.heads}
     assert float(probe.mix.state_dict()["logits"].abs().max()) == 0.0  # the uniform start
