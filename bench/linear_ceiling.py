@@ -36,6 +36,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +120,7 @@ def read(
     x, x_tc = (x - mu) / sd, (x_tc - mu) / sd
     held = [g for g in sorted(set(group)) if len(set(y[group == g])) == 2]
 
-    def model(c: float, rows: np.ndarray) -> tuple[Any, Any]:
+    def model(c: float, rows: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
         basis = np.zeros((0, x.shape[1]), np.float32)
         if invariant:
             found = source_directions(
