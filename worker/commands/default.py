@@ -188,9 +188,11 @@ def _show(args: argparse.Namespace) -> int:
             print(f"  trained on {source['dataset']} ({source['license']}): {source['rows']}")
         fit = card.get("fit", {})
         if "solver" in fit:
-            kept = fit.get("lion_heads")
+            kept, held = fit.get("lion_heads"), fit.get("source_invariant")
             print(f"  fitted by {fit['solver']} over layers {fit['layers'][0]}-{fit['layers'][-1]}"
                   + (f" (Lion's heads kept: {', '.join(kept)})" if kept else ""))  # fmt: skip
+            if held:
+                print(f"  held off the sources' directions: {', '.join(held)}")
         if "budget" in card:
             print(f"  flag budget: {card['budget']:g} of ordinary chat (card ships "
                   f"{', '.join(card.get('operating_points', {}))})")  # fmt: skip

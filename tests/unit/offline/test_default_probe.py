@@ -498,6 +498,7 @@ def test_default_show_prints_the_shipped_card(capsys: pytest.CaptureFixture[str]
     assert "held-out convabuse" in out and "policy: benign_flagged" in out
     # How it was fitted, and which heads the Lion fit kept.
     assert "fitted by lion+logistic over layers 0-30 (Lion's heads kept: " in out
+    assert out.count("held off the sources' directions: toxicity") == 1  # raw, not chat
 
 
 def test_ailuminate_specialized_advice_trains_nothing_and_binds_no_threshold() -> None:
