@@ -458,9 +458,11 @@ def source_directions(
     source's positives to another's rewards the style of the source with more of them.
     A head kept orthogonal to these directions reads only what the sources' positives
     share, which is what transfers to text in a style no source has."""
+    index = {name: k for k, name in enumerate(dict.fromkeys(sources))}
+    codes = torch.tensor([index[s] for s in sources])
     means = []
-    for name in dict.fromkeys(sources):
-        rows = positive & torch.tensor([s == name for s in sources])
+    for k in range(len(index)):
+        rows = positive & (codes == k)
         if int(rows.sum()) >= min_rows:
             means.append(features[rows].double().mean(0))
     if len(means) < 2:

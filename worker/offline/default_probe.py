@@ -260,7 +260,8 @@ def fit_default(
     dev = [Loaded.concat([x.part("train"), x.part("validation")]).repeated() for x in loaded]
     data = ProbeDataset.concat([d.data for d in dev])
     c_choice, lion = None, None
-    invariant = list(invariant) if solver != "lion" else []
+    heads = {h.name for h in spec.head_specs}
+    invariant = [h for h in invariant if h in heads] if solver != "lion" else []
     if invariant:
         config = replace(
             config,
@@ -278,6 +279,7 @@ def fit_default(
     if lion is not None and c_choice is not None and c_choice.kept:
         log.info("default: the Lion fit's heads kept: %s", c_choice.kept)
         cv = _keep_heads(spec, result, cv, *lion, c_choice.kept)
+        invariant = [h for h in invariant if h not in c_choice.kept]  # Lion's, not held
     groups = [d.source.dataset for d in dev for r in d.roles if r == "benign"]
     unsafe_groups = [d.source.dataset for d in dev for r in d.roles if r == "unsafe"]
     roles = [r for d in dev for r in d.roles]

@@ -269,9 +269,17 @@ def test_source_invariant_heads_fit_with_every_rows_source(
 def test_lion_then_logistic_fits_the_heads_on_the_mix_lion_learned(
     data_root: Path, tmp_path: Path, built: tuple[Path, dict]
 ) -> None:
+    from worker.offline.default_recipe import HEADS
+
     config = FitConfig(max_epochs=2, patience=1, batch_size=16)
+    every = [h.name for h in HEADS]  # jailbreak too, which this build has no head for
     card, probe = _rebuild(
-        data_root, built, tmp_path / "both", solver="lion+logistic", config=config
+        data_root,
+        built,
+        tmp_path / "both",
+        solver="lion+logistic",
+        config=config,
+        invariant=every,
     )
     assert card["fit"]["solver"] == "lion+logistic"
     # Lion moved the layer mix away from the uniform start the plain logistic solver keeps.
@@ -281,6 +289,10 @@ def test_lion_then_logistic_fits_the_heads_on_the_mix_lion_learned(
     lodo, kept = card["fit"]["logistic_c_lodo"], card["fit"]["lion_heads"]
     sources = {h: len(next(iter(by_c.values()))) for h, by_c in lodo.items()}
     assert kept and set(kept) == {h for h, n in sources.items() if n < 2}
+    # Held off the sources' directions: the logistic heads it has, not Lion's kept ones.
+    assert card["fit"]["source_invariant"] == [
+        h.name for h in probe.spec.head_specs if h.name not in kept
+    ]
     assert not any("cv" in v for by_c in lodo.values() for v in by_c.values())
     _, lion = _rebuild(data_root, built, tmp_path / "lion", solver="lion", config=config)
     ours, theirs = probe.state_dict(), lion.state_dict()
