@@ -20,6 +20,7 @@ True
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -116,6 +117,7 @@ def recall_thresholds(
     labels: Sequence[str],
     *,
     budget: float | Mapping[str, float],
+    price: Literal["share", "scarcity"] = "share",
 ) -> dict[str, float]:
     """Per label, the threshold that spends the benign ``budget`` where it buys the most:
     the policy flags at most ``budget`` of every benign group (rows ``benign [N, C]``,
@@ -129,7 +131,14 @@ def recall_thresholds(
     flagged (a benign row another label already flags costs nothing), as long as every
     group stays within the budget. Equal shares (:func:`budget_thresholds`) spend the
     budget on labels that buy nothing: ten labels at a tenth each flagged few unsafe rows.
+
+    ``price``: what a newly flagged benign row costs. ``share``: its share of its group
+    (one over the group's size). ``scarcity``: its share of what its group may still flag
+    (one over the rows the group's budget has left), so a step that spends most of a
+    group's remaining allowance costs as much as it forecloses.
     """
+    if price not in ("share", "scarcity"):
+        raise ProbeError(f"price must be 'share' or 'scarcity', got {price!r}")
     shares = {g: budget for g in set(groups)} if isinstance(budget, float | int) else budget
     if set(groups) - set(shares) or not all(0.0 <= x < 1.0 for x in shares.values()):
         raise ProbeError(f"budget must be in [0, 1) for every group, got {budget}")
@@ -171,7 +180,11 @@ def recall_thresholds(
             if bool((flagged + extra > limit).any()):
                 continue
             gain = float(weight[open_u & (u[:, j] >= lower)].sum())
-            ratio = gain / (float(size[new_b].sum()) + 1e-12)
+            if price == "share":
+                cost = float(size[new_b].sum())
+            else:  # each group's rows over what its budget has left
+                cost = float((extra / (limit - flagged).clamp(min=1)).sum())
+            ratio = gain / (cost + 1e-12)
             if best is None or (ratio, gain) > (best[0], best[1]):
                 best = (ratio, gain, j, lower)
         if best is None:

@@ -99,6 +99,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the share of each benign source the flag policy may flag out of fold "
         "(default: the recipe's 0.03; contrastive test suites get 3 times it)",
     )
+    build.add_argument(
+        "--budget-price",
+        choices=["share", "scarcity"],
+        default="share",
+        help="what a flagged benign row costs the budget rule: its share of its dataset "
+        "(default) or its share of what the dataset's budget has left (measured, not the "
+        "recipe's: docs/default-probe.md)",
+    )
     build.add_argument("--folds", type=int, default=4, help="cross-validation folds (4)")
     build.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     build.add_argument(
@@ -137,6 +145,7 @@ def _build(args: argparse.Namespace) -> int:
         layers=args.layers,
         solver=args.solver,
         invariant=args.source_invariant,
+        price=args.budget_price,
         budget=BUDGET if args.budget is None else args.budget,
         folds=args.folds,
         key=settings.cache_key_bytes,

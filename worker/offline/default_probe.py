@@ -84,6 +84,8 @@ SOLVER: Solver = "lion+logistic"
 # 0.50) takes the benign budget the other heads flag plain harmful requests with
 # (SimpleSafetyTests 14 -> 8 of 15). docs/default-probe.md.
 INVARIANT: dict[str | None, tuple[str, ...]] = {None: ("toxicity",)}
+# How the budget rule prices a flagged benign row (probes.budget.recall_thresholds).
+BudgetPrice = Literal["share", "scarcity"]
 # The logistic heads' inverse L2 strengths tried by leaving one source out (choose_c).
 C_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 
@@ -223,6 +225,7 @@ class DefaultFit:
     c_choice: CChoice | None = None  # logistic heads: their C, chosen by leaving a source out
     solver: Solver = "lion"
     invariant: Sequence[str] = ()  # logistic heads held off the sources' directions
+    price: BudgetPrice = "share"  # what a flagged benign row costs (recall_thresholds)
 
 
 def fit_default(
@@ -234,6 +237,7 @@ def fit_default(
     folds: int = 4,
     solver: Solver = "lion",
     invariant: Sequence[str] = (),
+    price: BudgetPrice = "share",
     progress: Callable[[dict[str, float]], None] | None = None,
 ) -> DefaultFit:
     """Cross-validate the default on the development rows (train + validation) of every
@@ -250,7 +254,8 @@ def fit_default(
     the heads whose ``C`` leaving a source out can choose; the others keep Lion's head, its
     calibration, out-of-fold scores and thresholds (:func:`_keep_heads`). ``invariant``
     names the logistic heads held orthogonal to the directions in which their positives
-    differ between sources (``FitConfig.logistic_sources``; not Lion's heads).
+    differ between sources (``FitConfig.logistic_sources``; not Lion's heads). ``price``:
+    how the budget rule prices a flagged benign row (:func:`probes.budget.recall_thresholds`).
 
     Out-of-fold scores stand for the soup's because the pool is linear in its features
     (mean): the soup's logits are then near the mean of the fold models'. With the gate
@@ -296,6 +301,7 @@ def fit_default(
             unsafe_groups,
             flag,
             budget={g: min(0.5, b * hard[g]) for g in hard},
+            price=price,
         )
         for b in sorted({*BUDGETS, budget})
     }
@@ -303,7 +309,7 @@ def fit_default(
     thresholds = {**cv.thresholds, **chosen}
     result.probe.set_thresholds(thresholds)
     rates = flag_rates(benign, groups, [chosen[x] for x in flag])
-    return DefaultFit(result, cv, thresholds, rates, points, c_choice, solver, invariant)
+    return DefaultFit(result, cv, thresholds, rates, points, c_choice, solver, invariant, price)
 
 
 def _keep_heads(
@@ -484,6 +490,7 @@ def build_default(
     layers: Sequence[int] | None = None,
     solver: Solver | None = None,
     invariant: Sequence[str] | None = None,
+    price: BudgetPrice = "share",
     budget: float = BUDGET,
     folds: int = 4,
     key: bytes | None = None,
@@ -528,6 +535,7 @@ def build_default(
         folds=folds,
         solver=solver,
         invariant=invariant,
+        price=price,
         progress=_progress,
     )
     seen = sum(len(x.data) - len(x.part("held_out").data) for x in loaded)
@@ -608,6 +616,7 @@ def _card(
             "layers": list(spec.layers),
             **_solver(fitted.solver, fitted.c_choice),
             **({"source_invariant": fitted.invariant} if fitted.invariant else {}),
+            **({"budget_price": fitted.price} if fitted.price != "share" else {}),
             "folds": folds,
             "epochs": fitted.cv.epochs,
             "seconds": round(fitted.result.seconds, 1),

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from probes.budget import budget_thresholds, flag_margin, flag_rates
+from probes.budget import budget_thresholds, flag_margin, flag_rates, recall_thresholds
 from probes.errors import ProbeError
 
 
@@ -68,3 +68,42 @@ def test_bad_arguments_are_refused_with_the_reason() -> None:
         budget_thresholds(torch.zeros(2, 2), ["a", "a"], ["x"], budget=0.1)
     with pytest.raises(ProbeError, match="group names"):
         budget_thresholds(torch.zeros(2, 1), ["a"], ["x"], budget=0.1)
+
+
+def test_scarcity_pricing_spends_a_small_groups_allowance_where_it_buys_more() -> None:
+    # Benign: group a (100 rows, 5 may be flagged), group b (1,000 rows, 100 may be).
+    # Label x reaches half of source u1 by flagging a's rows 0-4 (all of a's allowance);
+    # label y reaches 6 of source u2's 10 rows by flagging a's row 5 and 80 of b's. Both
+    # cannot be had: a would be flagged 6 times. Priced by share of group, x looks cheap
+    # (5 of 100 rows against 1 of 100 + 80 of 1,000); priced by what each group has left,
+    # both spend all of an allowance (5 of 5; 1 of 5 + 80 of 100) and y buys more.
+    benign = torch.zeros(1100, 2)
+    benign[:5, 0] = 0.75
+    benign[5, 1] = 0.75
+    benign[100:180, 1] = 0.75
+    groups = ["a"] * 100 + ["b"] * 1000
+    unsafe = torch.zeros(20, 2)
+    unsafe[:5, 0] = 0.7  # u1: 5 of its 10 rows within x's reach
+    unsafe[10:16, 1] = 0.7  # u2: 6 of its 10 rows within y's reach
+    unsafe_groups = ["u1"] * 10 + ["u2"] * 10
+
+    def recall(price: str) -> tuple[dict[str, float], float]:
+        t = recall_thresholds(
+            benign,
+            groups,
+            unsafe,
+            unsafe_groups,
+            ["x", "y"],
+            budget={"a": 0.05, "b": 0.1},
+            price=price,  # type: ignore[arg-type]
+        )
+        hit = (unsafe >= torch.tensor([t["x"], t["y"]])).any(dim=1).float()
+        rates = flag_rates(benign, groups, [t["x"], t["y"]])
+        assert rates["a"] <= 0.05 and rates["b"] <= 0.1
+        return t, float(hit[:10].mean() + hit[10:].mean())
+
+    (share, by_share), (scarce, by_scarcity) = recall("share"), recall("scarcity")
+    assert share["x"] <= 0.7 < share["y"] and by_share == pytest.approx(0.5)
+    assert scarce["y"] <= 0.7 < scarce["x"] and by_scarcity == pytest.approx(0.6)
+    with pytest.raises(ProbeError, match="price must be"):
+        recall("cheapest")
