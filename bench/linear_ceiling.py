@@ -168,14 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     group = np.array([source.dataset for source, g in parts for _ in g["y"]])
     x = np.concatenate([g["x"] for _, g in parts], axis=1)  # [L, N, D]
     results: dict[str, Any] = {}
+    flat = np.concatenate(list(x), axis=1)
+    flat_tc = np.concatenate(list(tc["x"]), axis=1)
     reads = [("", False), (" held", True)] if args.invariant else [("", False)]
     for suffix, held in reads:
         for k, layer in enumerate(layers):
             name = f"{args.pool} L{layer}{suffix}"
             results[name] = read(x[k], y, group, tc["x"][k], tc["y"], grid, held)
             log(f"{name}: {results[name]}")
-        flat = np.concatenate(list(x), axis=1)
-        flat_tc = np.concatenate(list(tc["x"]), axis=1)
         name = f"{args.pool} concat{suffix}"
         results[name] = read(flat, y, group, flat_tc, tc["y"], grid, held)
         log(f"{name}: {results[name]}")

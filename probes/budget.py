@@ -20,14 +20,17 @@ True
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
 from probes.errors import ProbeError
 
-__all__ = ["budget_thresholds", "flag_margin", "flag_rates", "recall_thresholds"]
+# What a newly flagged benign row costs the budget rule (recall_thresholds).
+BudgetPrice = Literal["share", "scarcity"]
+
+__all__ = ["BudgetPrice", "budget_thresholds", "flag_margin", "flag_rates", "recall_thresholds"]
 
 # Thresholds sit just above the benign score they must not flag.
 _ABOVE = 1e-6
@@ -117,7 +120,7 @@ def recall_thresholds(
     labels: Sequence[str],
     *,
     budget: float | Mapping[str, float],
-    price: Literal["share", "scarcity"] = "share",
+    price: BudgetPrice = "share",
 ) -> dict[str, float]:
     """Per label, the threshold that spends the benign ``budget`` where it buys the most:
     the policy flags at most ``budget`` of every benign group (rows ``benign [N, C]``,
@@ -137,7 +140,7 @@ def recall_thresholds(
     (one over the rows the group's budget has left), so a step that spends most of a
     group's remaining allowance costs as much as it forecloses.
     """
-    if price not in ("share", "scarcity"):
+    if price not in get_args(BudgetPrice):
         raise ProbeError(f"price must be 'share' or 'scarcity', got {price!r}")
     shares = {g: budget for g in set(groups)} if isinstance(budget, float | int) else budget
     if set(groups) - set(shares) or not all(0.0 <= x < 1.0 for x in shares.values()):

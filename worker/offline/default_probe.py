@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 
 from probes import Probe, build_probe, load_checkpoint, save_checkpoint
-from probes.budget import flag_margin, flag_rates, recall_thresholds
+from probes.budget import BudgetPrice, flag_margin, flag_rates, recall_thresholds
 from probes.decision import decide
 from probes.files import atomic_write
 from probes.metrics import average_precision, evaluate
@@ -84,8 +84,6 @@ SOLVER: Solver = "lion+logistic"
 # 0.50) takes the benign budget the other heads flag plain harmful requests with
 # (SimpleSafetyTests 14 -> 8 of 15). docs/default-probe.md.
 INVARIANT: dict[str | None, tuple[str, ...]] = {None: ("toxicity",)}
-# How the budget rule prices a flagged benign row (probes.budget.recall_thresholds).
-BudgetPrice = Literal["share", "scarcity"]
 # The logistic heads' inverse L2 strengths tried by leaving one source out (choose_c).
 C_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 
