@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 
 from probes import Probe, build_probe, load_checkpoint, save_checkpoint
-from probes.budget import BudgetPrice, flag_margin, flag_rates, recall_thresholds
+from probes.budget import BudgetPrice, RecallGain, flag_margin, flag_rates, recall_thresholds
 from probes.decision import decide
 from probes.files import atomic_write
 from probes.metrics import average_precision, evaluate
@@ -84,6 +84,10 @@ SOLVER: Solver = "lion+logistic"
 # 0.50) takes the benign budget the other heads flag plain harmful requests with
 # (SimpleSafetyTests 14 -> 8 of 15). docs/default-probe.md.
 INVARIANT: dict[str | None, tuple[str, ...]] = {None: ("toxicity",)}
+# How the budget rule prices a flagged benign row and values the unsafe rows it buys
+# (probes.budget.recall_thresholds), per text form; the others: share and mean.
+PRICE: dict[str | None, BudgetPrice] = {}
+GAIN: dict[str | None, RecallGain] = {}
 # The logistic heads' inverse L2 strengths tried by leaving one source out (choose_c).
 C_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 
@@ -224,6 +228,7 @@ class DefaultFit:
     solver: Solver = "lion"
     invariant: Sequence[str] = ()  # logistic heads held off the sources' directions
     price: BudgetPrice = "share"  # what a flagged benign row costs (recall_thresholds)
+    gain: RecallGain = "mean"  # what the unsafe rows it flags are worth (recall_thresholds)
 
 
 def fit_default(
@@ -236,6 +241,7 @@ def fit_default(
     solver: Solver = "lion",
     invariant: Sequence[str] = (),
     price: BudgetPrice = "share",
+    gain: RecallGain = "mean",
     progress: Callable[[dict[str, float]], None] | None = None,
 ) -> DefaultFit:
     """Cross-validate the default on the development rows (train + validation) of every
@@ -252,8 +258,9 @@ def fit_default(
     the heads whose ``C`` leaving a source out can choose; the others keep Lion's head, its
     calibration, out-of-fold scores and thresholds (:func:`_keep_heads`). ``invariant``
     names the logistic heads held orthogonal to the directions in which their positives
-    differ between sources (``FitConfig.logistic_sources``; not Lion's heads). ``price``:
-    how the budget rule prices a flagged benign row (:func:`probes.budget.recall_thresholds`).
+    differ between sources (``FitConfig.logistic_sources``; not Lion's heads). ``price``
+    and ``gain``: how the budget rule prices a flagged benign row and values the unsafe
+    rows a step flags (:func:`probes.budget.recall_thresholds`).
 
     Out-of-fold scores stand for the soup's because the pool is linear in its features
     (mean): the soup's logits are then near the mean of the fold models'. With the gate
@@ -300,6 +307,7 @@ def fit_default(
             flag,
             budget={g: min(0.5, b * hard[g]) for g in hard},
             price=price,
+            gain=gain,
         )
         for b in sorted({*BUDGETS, budget})
     }
@@ -307,7 +315,9 @@ def fit_default(
     thresholds = {**cv.thresholds, **chosen}
     result.probe.set_thresholds(thresholds)
     rates = flag_rates(benign, groups, [chosen[x] for x in flag])
-    return DefaultFit(result, cv, thresholds, rates, points, c_choice, solver, invariant, price)
+    return DefaultFit(
+        result, cv, thresholds, rates, points, c_choice, solver, invariant, price, gain
+    )
 
 
 def _keep_heads(
@@ -488,7 +498,8 @@ def build_default(
     layers: Sequence[int] | None = None,
     solver: Solver | None = None,
     invariant: Sequence[str] | None = None,
-    price: BudgetPrice = "share",
+    price: BudgetPrice | None = None,
+    gain: RecallGain | None = None,
     budget: float = BUDGET,
     folds: int = 4,
     key: bytes | None = None,
@@ -498,8 +509,9 @@ def build_default(
     """Build caches for the recipe's sources (resuming; encrypted with ``key`` when given;
     states stored as ``dtype``: Gemma 3's exceed float16's range, so bfloat16 there),
     fit the multi-head default with a fixed seed (:func:`fit_default`; ``invariant``: the
-    logistic heads held off the sources' directions, None: the recipe's for the extractor's
-    text form, :data:`INVARIANT`), measure it per
+    logistic heads held off the sources' directions; ``price``, ``gain``: the budget rule's;
+    None: the recipe's for the extractor's text form, :data:`INVARIANT`, :data:`PRICE`,
+    :data:`GAIN`), measure it per
     source on the held-out rows (and on every row of ``evaluate_on``: sources it never
     trains on), and write it to ``out`` (``manifest.json``, ``tensors.safetensors``,
     ``card.json``)."""
@@ -523,8 +535,10 @@ def build_default(
     )
     loaded = [load_source(s, spec, cache_root, data_root, extractor, key, dtype) for s in sources]
     log.info("default: %d rows in %d sources", sum(len(x.data) for x in loaded), len(loaded))
-    if invariant is None:
-        invariant = INVARIANT.get(extractor.fingerprint.form, ())
+    form = extractor.fingerprint.form
+    invariant = INVARIANT.get(form, ()) if invariant is None else invariant
+    price = price or PRICE.get(form, "share")
+    gain = gain or GAIN.get(form, "mean")
     fitted = fit_default(
         loaded,
         spec,
@@ -534,6 +548,7 @@ def build_default(
         solver=solver,
         invariant=invariant,
         price=price,
+        gain=gain,
         progress=_progress,
     )
     seen = sum(len(x.data) - len(x.part("held_out").data) for x in loaded)
@@ -615,6 +630,7 @@ def _card(
             **_solver(fitted.solver, fitted.c_choice),
             **({"source_invariant": fitted.invariant} if fitted.invariant else {}),
             **({"budget_price": fitted.price} if fitted.price != "share" else {}),
+            **({"budget_gain": fitted.gain} if fitted.gain != "mean" else {}),
             "folds": folds,
             "epochs": fitted.cv.epochs,
             "seconds": round(fitted.result.seconds, 1),

@@ -323,14 +323,21 @@ def test_thresholds_keep_every_benign_source_inside_the_budget(built: tuple[Path
     assert {k: probe.spec.thresholds[k] for k in tight} == pytest.approx(points["0.03"])
 
 
-def test_scarcity_priced_thresholds_keep_the_budget_and_say_so(
+def test_a_budget_rule_other_than_the_recipes_keeps_the_budget_and_says_so(
     data_root: Path, tmp_path: Path, built: tuple[Path, dict]
 ) -> None:
     config = FitConfig(max_epochs=1, patience=1, batch_size=16)
     card, _ = _rebuild(
-        data_root, built, tmp_path / "scarce", solver="lion", config=config, price="scarcity"
+        data_root,
+        built,
+        tmp_path / "scarce",
+        solver="lion",
+        config=config,
+        price="scarcity",
+        gain="log",
     )
-    assert card["fit"]["budget_price"] == "scarcity" and "budget_price" not in built[1]["fit"]
+    assert (card["fit"]["budget_price"], card["fit"]["budget_gain"]) == ("scarcity", "log")
+    assert not {"budget_price", "budget_gain"} & set(built[1]["fit"])
     hard = {s.dataset: s.hard for s in SOURCES}
     rates = card["oof_benign_flagged"]
     assert rates and all(rate <= BUDGET * hard[g] + 1e-9 for g, rate in rates.items())
