@@ -85,8 +85,11 @@ SOLVER: Solver = "lion+logistic"
 # (SimpleSafetyTests 14 -> 8 of 15). docs/default-probe.md.
 INVARIANT: dict[str | None, tuple[str, ...]] = {None: ("toxicity",)}
 # How the budget rule prices a flagged benign row and values the unsafe rows it buys
-# (probes.budget.recall_thresholds), per text form; the others: share and mean.
-PRICE: dict[str | None, BudgetPrice] = {}
+# (probes.budget.recall_thresholds), per text form; the others: share and mean. Raw form:
+# scarcity. Held out, three seeds, with the held toxicity head: ToxicChat's policy 0.456 ->
+# 0.474, 0.396 -> 0.499, 0.417 -> 0.432; AILuminate flagged 68.4 -> 75.6, 74.6 -> 75.1,
+# 71.0 -> 73.1 %; ToxiGen's neutral statements flagged 10.4 -> 14.6 % in seed 0.
+PRICE: dict[str | None, BudgetPrice] = {None: "scarcity"}
 GAIN: dict[str | None, RecallGain] = {}
 # The logistic heads' inverse L2 strengths tried by leaving one source out (choose_c).
 C_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
