@@ -29,24 +29,11 @@ from probes.errors import ProbeError
 
 # What a newly flagged benign row costs the budget rule (recall_thresholds).
 BudgetPrice = Literal["share", "scarcity"]
-# What recall a threshold step buys (recall_thresholds): the unsafe sources' mean recall, or
-# the sum of their log recalls (a point counts more where a source's recall is low).
-RecallGain = Literal["mean", "log"]
 
-__all__ = [
-    "BudgetPrice",
-    "RecallGain",
-    "budget_thresholds",
-    "flag_margin",
-    "flag_rates",
-    "recall_thresholds",
-]
+__all__ = ["BudgetPrice", "budget_thresholds", "flag_margin", "flag_rates", "recall_thresholds"]
 
 # Thresholds sit just above the benign score they must not flag.
 _ABOVE = 1e-6
-# The recall floor inside the log gain: a source's first flagged rows are worth much, not
-# an infinite amount.
-_LOG_FLOOR = 0.05
 
 
 def _threshold(scores: Tensor, share: float) -> float:
@@ -134,7 +121,6 @@ def recall_thresholds(
     *,
     budget: float | Mapping[str, float],
     price: BudgetPrice = "share",
-    gain: RecallGain = "mean",
 ) -> dict[str, float]:
     """Per label, the threshold that spends the benign ``budget`` where it buys the most:
     the policy flags at most ``budget`` of every benign group (rows ``benign [N, C]``,
@@ -153,17 +139,9 @@ def recall_thresholds(
     (one over the group's size). ``scarcity``: its share of what its group may still flag
     (one over the rows the group's budget has left), so a step that spends most of a
     group's remaining allowance costs as much as it forecloses.
-
-    ``gain``: what the newly flagged unsafe rows are worth. ``mean``: the rise in the
-    unsafe sources' mean recall. ``log``: the rise in the sum of their log recalls, so a
-    step that lifts a source still barely flagged outweighs one that adds to a source
-    already well flagged (a label whose scores reach every source does not take the whole
-    budget from the labels that alone reach the others).
     """
     if price not in get_args(BudgetPrice):
         raise ProbeError(f"price must be 'share' or 'scarcity', got {price!r}")
-    if gain not in get_args(RecallGain):
-        raise ProbeError(f"gain must be 'mean' or 'log', got {gain!r}")
     shares = {g: budget for g in set(groups)} if isinstance(budget, float | int) else budget
     if set(groups) - set(shares) or not all(0.0 <= x < 1.0 for x in shares.values()):
         raise ProbeError(f"budget must be in [0, 1) for every group, got {budget}")
@@ -184,12 +162,9 @@ def recall_thresholds(
         size[parts[g]] = 1.0 / float(parts[g].sum())
         group_of[parts[g]] = k
     limit = torch.tensor([allowed[g] for g in names], dtype=torch.long)
-    weight = torch.zeros(len(u), dtype=torch.float64)  # each unsafe row: 1 / its source's size
-    source = torch.zeros(len(u), dtype=torch.long)
-    sources = _groups(unsafe_groups, len(u))
-    for k, rows in enumerate(sources.values()):
+    weight = torch.zeros(len(u), dtype=torch.float64)
+    for rows in _groups(unsafe_groups, len(u)).values():
         weight[rows] = 1.0 / float(rows.sum())
-        source[rows] = k
     # Start just above each column's highest benign score: no benign row flagged.
     t = b.max(dim=0).values.add(_ABOVE).clamp(max=1.0)
     hit_b = (b >= t).sum(dim=1)  # labels flagging each benign row
@@ -197,7 +172,6 @@ def recall_thresholds(
     while True:
         best: tuple[float, float, int, float] | None = None
         flagged = torch.bincount(group_of[hit_b > 0], minlength=len(names))
-        recall = torch.bincount(source[hit_u > 0], weight[hit_u > 0], minlength=len(sources))
         for j in range(C):
             # The step down to the next unsafe row not flagged yet.
             open_u = (hit_u == 0) & (u[:, j] < t[j])
@@ -208,21 +182,14 @@ def recall_thresholds(
             extra = torch.bincount(group_of[new_b], minlength=len(names))
             if bool((flagged + extra > limit).any()):
                 continue
-            new_u = open_u & (u[:, j] >= lower)
-            if gain == "mean":
-                worth = float(weight[new_u].sum())
-            else:
-                more = torch.bincount(source[new_u], weight[new_u], minlength=len(sources))
-                worth = float(
-                    (torch.log(recall + more + _LOG_FLOOR) - torch.log(recall + _LOG_FLOOR)).sum()
-                )
+            gain = float(weight[open_u & (u[:, j] >= lower)].sum())
             if price == "share":
                 cost = float(size[new_b].sum())
             else:  # each group's rows over what its budget has left
                 cost = float((extra / (limit - flagged).clamp(min=1)).sum())
-            ratio = worth / (cost + 1e-12)
-            if best is None or (ratio, worth) > (best[0], best[1]):
-                best = (ratio, worth, j, lower)
+            ratio = gain / (cost + 1e-12)
+            if best is None or (ratio, gain) > (best[0], best[1]):
+                best = (ratio, gain, j, lower)
         if best is None:
             break
         _, _, j, lower = best

@@ -107,15 +107,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "its share of what the dataset's budget has left (default: the recipe's for the "
         "text form; docs/default-probe.md)",
     )
-    build.add_argument(
-        "--budget-gain",
-        choices=["mean", "log"],
-        default=None,
-        help="what the unsafe rows a threshold step flags are worth to the budget rule: "
-        "the rise in the unsafe datasets' mean recall, or in the sum of their log recalls "
-        "(a dataset still barely flagged counts more) (default: the recipe's for the text "
-        "form)",
-    )
     build.add_argument("--folds", type=int, default=4, help="cross-validation folds (4)")
     build.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     build.add_argument(
@@ -155,7 +146,6 @@ def _build(args: argparse.Namespace) -> int:
         solver=args.solver,
         invariant=args.source_invariant,
         price=args.budget_price,
-        gain=args.budget_gain,
         budget=BUDGET if args.budget is None else args.budget,
         folds=args.folds,
         key=settings.cache_key_bytes,
@@ -213,11 +203,10 @@ def _show(args: argparse.Namespace) -> int:
             if held:
                 print(f"  held off the sources' directions: {', '.join(held)}")
         if "budget" in card:
-            rule = ", ".join(f"{k.removeprefix('budget_')} {fit[k]}"
-                             for k in ("budget_price", "budget_gain") if k in fit)  # fmt: skip
+            price = fit.get("budget_price")
             print(f"  flag budget: {card['budget']:g} of ordinary chat (card ships "
                   f"{', '.join(card.get('operating_points', {}))})"
-                  + (f", spent by {rule}" if rule else ""))  # fmt: skip
+                  + (f", priced by {price}" if price else ""))  # fmt: skip
         for dataset, measured in card["held_out"].items():
             policy = measured.get("policy", {})
             shares = [f"{k} {policy[k]:.1%}" for k in ("benign_flagged", "unsafe_flagged")

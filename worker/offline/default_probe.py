@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 
 from probes import Probe, build_probe, load_checkpoint, save_checkpoint
-from probes.budget import BudgetPrice, RecallGain, flag_margin, flag_rates, recall_thresholds
+from probes.budget import BudgetPrice, flag_margin, flag_rates, recall_thresholds
 from probes.decision import decide
 from probes.files import atomic_write
 from probes.metrics import average_precision, evaluate
@@ -84,13 +84,13 @@ SOLVER: Solver = "lion+logistic"
 # 0.50) takes the benign budget the other heads flag plain harmful requests with
 # (SimpleSafetyTests 14 -> 8 of 15). docs/default-probe.md.
 INVARIANT: dict[str | None, tuple[str, ...]] = {None: ("toxicity",)}
-# How the budget rule prices a flagged benign row and values the unsafe rows it buys
-# (probes.budget.recall_thresholds), per text form; the others: share and mean. Raw form:
-# scarcity. Held out, three seeds, with the held toxicity head: ToxicChat's policy 0.456 ->
-# 0.474, 0.396 -> 0.499, 0.417 -> 0.432; AILuminate flagged 68.4 -> 75.6, 74.6 -> 75.1,
-# 71.0 -> 73.1 %; ToxiGen's neutral statements flagged 10.4 -> 14.6 % in seed 0.
+# How the budget rule prices a flagged benign row (probes.budget.recall_thresholds), per
+# text form; the others: share. Raw form: scarcity. Held out, three seeds, with the held
+# toxicity head: ToxicChat's policy 0.456 -> 0.474, 0.396 -> 0.499, 0.417 -> 0.432;
+# AILuminate flagged 68.4 -> 75.6, 74.6 -> 75.1, 71.0 -> 73.1 %; ToxiGen's neutral
+# statements flagged 10.4 -> 14.6 % in seed 0. Chat form: share; scarcity there, with
+# the held head, did not bring its unsafe recall back (docs/default-probe.md).
 PRICE: dict[str | None, BudgetPrice] = {None: "scarcity"}
-GAIN: dict[str | None, RecallGain] = {}
 # The logistic heads' inverse L2 strengths tried by leaving one source out (choose_c).
 C_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 
@@ -231,7 +231,6 @@ class DefaultFit:
     solver: Solver = "lion"
     invariant: Sequence[str] = ()  # logistic heads held off the sources' directions
     price: BudgetPrice = "share"  # what a flagged benign row costs (recall_thresholds)
-    gain: RecallGain = "mean"  # what the unsafe rows it flags are worth (recall_thresholds)
 
 
 def fit_default(
@@ -244,7 +243,6 @@ def fit_default(
     solver: Solver = "lion",
     invariant: Sequence[str] = (),
     price: BudgetPrice = "share",
-    gain: RecallGain = "mean",
     progress: Callable[[dict[str, float]], None] | None = None,
 ) -> DefaultFit:
     """Cross-validate the default on the development rows (train + validation) of every
@@ -261,9 +259,8 @@ def fit_default(
     the heads whose ``C`` leaving a source out can choose; the others keep Lion's head, its
     calibration, out-of-fold scores and thresholds (:func:`_keep_heads`). ``invariant``
     names the logistic heads held orthogonal to the directions in which their positives
-    differ between sources (``FitConfig.logistic_sources``; not Lion's heads). ``price``
-    and ``gain``: how the budget rule prices a flagged benign row and values the unsafe
-    rows a step flags (:func:`probes.budget.recall_thresholds`).
+    differ between sources (``FitConfig.logistic_sources``; not Lion's heads). ``price``:
+    how the budget rule prices a flagged benign row (:func:`probes.budget.recall_thresholds`).
 
     Out-of-fold scores stand for the soup's because the pool is linear in its features
     (mean): the soup's logits are then near the mean of the fold models'. With the gate
@@ -310,7 +307,6 @@ def fit_default(
             flag,
             budget={g: min(0.5, b * hard[g]) for g in hard},
             price=price,
-            gain=gain,
         )
         for b in sorted({*BUDGETS, budget})
     }
@@ -318,9 +314,7 @@ def fit_default(
     thresholds = {**cv.thresholds, **chosen}
     result.probe.set_thresholds(thresholds)
     rates = flag_rates(benign, groups, [chosen[x] for x in flag])
-    return DefaultFit(
-        result, cv, thresholds, rates, points, c_choice, solver, invariant, price, gain
-    )
+    return DefaultFit(result, cv, thresholds, rates, points, c_choice, solver, invariant, price)
 
 
 def _keep_heads(
@@ -502,7 +496,6 @@ def build_default(
     solver: Solver | None = None,
     invariant: Sequence[str] | None = None,
     price: BudgetPrice | None = None,
-    gain: RecallGain | None = None,
     budget: float = BUDGET,
     folds: int = 4,
     key: bytes | None = None,
@@ -512,9 +505,9 @@ def build_default(
     """Build caches for the recipe's sources (resuming; encrypted with ``key`` when given;
     states stored as ``dtype``: Gemma 3's exceed float16's range, so bfloat16 there),
     fit the multi-head default with a fixed seed (:func:`fit_default`; ``invariant``: the
-    logistic heads held off the sources' directions; ``price``, ``gain``: the budget rule's;
-    None: the recipe's for the extractor's text form, :data:`INVARIANT`, :data:`PRICE`,
-    :data:`GAIN`), measure it per
+    logistic heads held off the sources' directions; ``price``: the budget rule's; None:
+    the recipe's for the extractor's text form, :data:`INVARIANT`, :data:`PRICE`), measure
+    it per
     source on the held-out rows (and on every row of ``evaluate_on``: sources it never
     trains on), and write it to ``out`` (``manifest.json``, ``tensors.safetensors``,
     ``card.json``)."""
@@ -541,7 +534,6 @@ def build_default(
     form = extractor.fingerprint.form
     invariant = INVARIANT.get(form, ()) if invariant is None else invariant
     price = price or PRICE.get(form, "share")
-    gain = gain or GAIN.get(form, "mean")
     fitted = fit_default(
         loaded,
         spec,
@@ -551,7 +543,6 @@ def build_default(
         solver=solver,
         invariant=invariant,
         price=price,
-        gain=gain,
         progress=_progress,
     )
     seen = sum(len(x.data) - len(x.part("held_out").data) for x in loaded)
@@ -633,7 +624,6 @@ def _card(
             **_solver(fitted.solver, fitted.c_choice),
             **({"source_invariant": fitted.invariant} if fitted.invariant else {}),
             **({"budget_price": fitted.price} if fitted.price != "share" else {}),
-            **({"budget_gain": fitted.gain} if fitted.gain != "mean" else {}),
             "folds": folds,
             "epochs": fitted.cv.epochs,
             "seconds": round(fitted.result.seconds, 1),

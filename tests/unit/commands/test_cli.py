@@ -143,12 +143,8 @@ def test_default_build_reads_the_source_invariant_heads(
     with pytest.raises(SystemExit):
         parser.parse_args([*base, "--source-invariant", "toxicity,bogus"])
     assert "unknown heads ['bogus']" in capsys.readouterr().err
-    # The budget rule: the recipe's unless named.
-    assert (parser.parse_args(base).budget_price, parser.parse_args(base).budget_gain) == (
-        None,
-        None,
-    )
-    rule = parser.parse_args([*base, "--budget-price", "scarcity", "--budget-gain", "log"])
-    assert (rule.budget_price, rule.budget_gain) == ("scarcity", "log")
+    # The budget rule's price: the recipe's unless named.
+    assert parser.parse_args(base).budget_price is None
+    assert parser.parse_args([*base, "--budget-price", "share"]).budget_price == "share"
     with pytest.raises(SystemExit):
-        parser.parse_args([*base, "--budget-gain", "max"])
+        parser.parse_args([*base, "--budget-price", "cheapest"])

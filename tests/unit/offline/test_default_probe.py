@@ -334,12 +334,9 @@ def test_a_budget_rule_other_than_the_recipes_keeps_the_budget_and_says_so(
         solver="lion",
         config=config,
         price="share",
-        gain="log",
     )
-    # The card names a rule only where it is not share and mean; the raw recipe's price
-    # is scarcity (PRICE).
-    assert card["fit"]["budget_gain"] == "log" and "budget_price" not in card["fit"]
-    assert built[1]["fit"]["budget_price"] == "scarcity" and "budget_gain" not in built[1]["fit"]
+    # The card names the price where it is not share; the raw recipe's is scarcity (PRICE).
+    assert "budget_price" not in card["fit"] and built[1]["fit"]["budget_price"] == "scarcity"
     hard = {s.dataset: s.hard for s in SOURCES}
     rates = card["oof_benign_flagged"]
     assert rates and all(rate <= BUDGET * hard[g] + 1e-9 for g, rate in rates.items())
@@ -533,7 +530,7 @@ def test_default_show_prints_the_shipped_card(capsys: pytest.CaptureFixture[str]
     # How it was fitted, and which heads the Lion fit kept.
     assert "fitted by lion+logistic over layers 0-30 (Lion's heads kept: " in out
     assert out.count("held off the sources' directions: toxicity") == 1  # raw, not chat
-    assert out.count(", spent by price scarcity") == 1  # raw, not chat
+    assert out.count(", priced by scarcity") == 1  # raw, not chat
 
 
 def test_ailuminate_specialized_advice_trains_nothing_and_binds_no_threshold() -> None:

@@ -107,38 +107,3 @@ def test_scarcity_pricing_spends_a_small_groups_allowance_where_it_buys_more() -
     assert scarce["y"] <= 0.7 < scarce["x"] and by_scarcity == pytest.approx(0.6)
     with pytest.raises(ProbeError, match="price must be"):
         recall("cheapest")
-
-
-def test_log_gain_lifts_a_source_still_unflagged_before_one_already_half_flagged() -> None:
-    # Benign: 100 rows, 5 may be flagged. Half of source u1 is flagged from the start (x
-    # scores them above every benign row); lowering x to 0.7 flags the other half and 3
-    # benign rows, lowering y to 0.7 flags 4 of u2's 10 rows and 3 other benign rows. Only
-    # one step fits the budget. Mean recall takes x (+0.5 against +0.4) and leaves u2
-    # unflagged; the log gain takes y (u2: 0 -> 0.4 is worth more than u1: 0.5 -> 1).
-    benign = torch.zeros(100, 2)
-    benign[:3, 0] = 0.75
-    benign[3:6, 1] = 0.75
-    unsafe = torch.zeros(20, 2)
-    unsafe[:5, 0] = 0.9
-    unsafe[5:10, 0] = 0.7
-    unsafe[10:14, 1] = 0.7
-    unsafe_groups = ["u1"] * 10 + ["u2"] * 10
-
-    def recall(gain: str) -> list[float]:
-        t = recall_thresholds(
-            benign,
-            ["a"] * 100,
-            unsafe,
-            unsafe_groups,
-            ["x", "y"],
-            budget=0.05,
-            gain=gain,  # type: ignore[arg-type]
-        )
-        assert flag_rates(benign, ["a"] * 100, [t["x"], t["y"]])["a"] <= 0.05
-        hit = (unsafe >= torch.tensor([t["x"], t["y"]])).any(dim=1).float()
-        return [float(hit[:10].mean()), float(hit[10:].mean())]
-
-    assert recall("mean") == pytest.approx([1.0, 0.0])
-    assert recall("log") == pytest.approx([0.5, 0.4])
-    with pytest.raises(ProbeError, match="gain must be"):
-        recall("max")
