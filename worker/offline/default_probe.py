@@ -507,9 +507,8 @@ def build_default(
     fit the multi-head default with a fixed seed (:func:`fit_default`; ``invariant``: the
     logistic heads held off the sources' directions; ``price``: the budget rule's; None:
     the recipe's for the extractor's text form, :data:`INVARIANT`, :data:`PRICE`), measure
-    it per
-    source on the held-out rows (and on every row of ``evaluate_on``: sources it never
-    trains on), and write it to ``out`` (``manifest.json``, ``tensors.safetensors``,
+    it per source on the held-out rows (and on every row of ``evaluate_on``: sources it
+    never trains on), and write it to ``out`` (``manifest.json``, ``tensors.safetensors``,
     ``card.json``)."""
     started = time.time()
     sources = [s for s in SOURCES if noncommercial or not s.noncommercial]
