@@ -290,31 +290,54 @@ def fit_default(
         log.info("default: the Lion fit's heads kept: %s", c_choice.kept)
         cv = _keep_heads(spec, result, cv, *lion, c_choice.kept)
         invariant = [h for h in invariant if h not in c_choice.kept]  # Lion's, not held
-    groups = [d.source.dataset for d in dev for r in d.roles if r == "benign"]
-    unsafe_groups = [d.source.dataset for d in dev for r in d.roles if r == "unsafe"]
-    roles = [r for d in dev for r in d.roles]
-    flag = list(spec.flag_labels)
-    cols = [spec.labels.index(x) for x in flag]
-    benign = cv.oof_probs[torch.tensor([r == "benign" for r in roles])][:, cols]
-    unsafe = cv.oof_probs[torch.tensor([r == "unsafe" for r in roles])][:, cols]
-    hard = {d.source.dataset: d.source.hard for d in dev}
-    points = {
-        f"{b:g}": recall_thresholds(
-            benign,
-            groups,
-            unsafe,
-            unsafe_groups,
-            flag,
-            budget={g: min(0.5, b * hard[g]) for g in hard},
-            price=price,
-        )
-        for b in sorted({*BUDGETS, budget})
-    }
+    rule = RuleInputs.of(dev, spec, cv.oof_probs)
+    points = {f"{b:g}": rule.thresholds(b, price) for b in sorted({*BUDGETS, budget})}
     chosen = points[f"{budget:g}"]
     thresholds = {**cv.thresholds, **chosen}
     result.probe.set_thresholds(thresholds)
-    rates = flag_rates(benign, groups, [chosen[x] for x in flag])
+    rates = flag_rates(rule.benign, rule.groups, [chosen[x] for x in rule.flag])
     return DefaultFit(result, cv, thresholds, rates, points, c_choice, solver, invariant, price)
+
+
+@dataclass
+class RuleInputs:
+    """What the budget rule chooses the flag thresholds on: the flagging labels'
+    out-of-fold probabilities of the benign and of the unsafe development rows, each
+    row's source, and each source's budget multiple (``hard``)."""
+
+    flag: list[str]
+    benign: torch.Tensor
+    groups: list[str]
+    unsafe: torch.Tensor
+    unsafe_groups: list[str]
+    hard: dict[str, float]
+
+    @staticmethod
+    def of(dev: Sequence[Loaded], spec: ProbeSpec, oof_probs: torch.Tensor) -> RuleInputs:
+        """From the development rows ``dev`` (in the order of ``oof_probs``' rows)."""
+        roles = [r for d in dev for r in d.roles]
+        cols = [spec.labels.index(x) for x in spec.flag_labels]
+        return RuleInputs(
+            flag=list(spec.flag_labels),
+            benign=oof_probs[torch.tensor([r == "benign" for r in roles])][:, cols],
+            groups=[d.source.dataset for d in dev for r in d.roles if r == "benign"],
+            unsafe=oof_probs[torch.tensor([r == "unsafe" for r in roles])][:, cols],
+            unsafe_groups=[d.source.dataset for d in dev for r in d.roles if r == "unsafe"],
+            hard={d.source.dataset: d.source.hard for d in dev},
+        )
+
+    def thresholds(self, budget: float, price: BudgetPrice) -> dict[str, float]:
+        """The flagging labels' thresholds at ``budget`` (each source's times its multiple,
+        at most half of it): :func:`probes.budget.recall_thresholds`."""
+        return recall_thresholds(
+            self.benign,
+            self.groups,
+            self.unsafe,
+            self.unsafe_groups,
+            self.flag,
+            budget={g: min(0.5, budget * self.hard[g]) for g in self.hard},
+            price=price,
+        )
 
 
 def _keep_heads(
