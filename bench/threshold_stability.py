@@ -26,6 +26,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,6 @@ from worker.offline.default_probe import (
     POOL,
     PRICE,
     SOLVER,
-    Loaded,
     RuleInputs,
     fit_default,
     measure,
@@ -87,10 +87,7 @@ def nudged(rule: RuleInputs, noise: float, draw: int) -> RuleInputs:
     def move(p: torch.Tensor) -> torch.Tensor:
         return (p * (1 + noise * torch.randn(p.shape, generator=gen))).clamp(0.0, 1.0)
 
-    return RuleInputs(
-        rule.flag, move(rule.benign), rule.groups, move(rule.unsafe), rule.unsafe_groups,
-        rule.hard,
-    )  # fmt: skip
+    return replace(rule, benign=move(rule.benign), unsafe=move(rule.unsafe))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,9 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         loaded, spec, FitConfig(max_epochs=25, patience=4, seed=args.seed), budget=args.budget,
         solver=SOLVER, invariant=INVARIANT.get(llm.form, ()), price=price,
     )  # fmt: skip
-    dev = [Loaded.concat([x.part("train"), x.part("validation")]).repeated() for x in loaded]
-    rule = RuleInputs.of(dev, spec, fitted.cv.oof_probs)
-    probe = fitted.result.probe
+    rule, probe = fitted.rule, fitted.result.probe
     draws: list[dict[str, Any]] = []
     for draw in range(args.draws + 1):
         chosen = nudged(rule, args.noise, draw).thresholds(args.budget, price)

@@ -216,6 +216,47 @@ class CChoice:
 
 
 @dataclass
+class RuleInputs:
+    """What the budget rule chooses the flag thresholds on: the flagging labels'
+    out-of-fold probabilities of the benign and of the unsafe development rows, each
+    row's source, and each source's budget multiple (``hard``)."""
+
+    flag: list[str]
+    benign: torch.Tensor
+    groups: list[str]
+    unsafe: torch.Tensor
+    unsafe_groups: list[str]
+    hard: dict[str, float]
+
+    @staticmethod
+    def of(dev: Sequence[Loaded], spec: ProbeSpec, oof_probs: torch.Tensor) -> RuleInputs:
+        """From the development rows ``dev`` (in the order of ``oof_probs``' rows)."""
+        roles = [r for d in dev for r in d.roles]
+        cols = [spec.labels.index(x) for x in spec.flag_labels]
+        return RuleInputs(
+            flag=list(spec.flag_labels),
+            benign=oof_probs[torch.tensor([r == "benign" for r in roles])][:, cols],
+            groups=[d.source.dataset for d in dev for r in d.roles if r == "benign"],
+            unsafe=oof_probs[torch.tensor([r == "unsafe" for r in roles])][:, cols],
+            unsafe_groups=[d.source.dataset for d in dev for r in d.roles if r == "unsafe"],
+            hard={d.source.dataset: d.source.hard for d in dev},
+        )
+
+    def thresholds(self, budget: float, price: BudgetPrice) -> dict[str, float]:
+        """The flagging labels' thresholds at ``budget`` (each source's times its multiple,
+        at most half of it): :func:`probes.budget.recall_thresholds`."""
+        return recall_thresholds(
+            self.benign,
+            self.groups,
+            self.unsafe,
+            self.unsafe_groups,
+            self.flag,
+            budget={g: min(0.5, budget * self.hard[g]) for g in self.hard},
+            price=price,
+        )
+
+
+@dataclass
 class DefaultFit:
     """The fitted default (calibrated per head, thresholds at the benign budget) and the
     out-of-fold evidence its thresholds were chosen on."""
@@ -227,6 +268,7 @@ class DefaultFit:
     # budget ("0.03") -> the flagging labels' thresholds at that budget (the card ships
     # them, so a deployment picks another budget without a rebuild)
     operating_points: dict[str, dict[str, float]]
+    rule: RuleInputs  # what the thresholds were chosen on
     c_choice: CChoice | None = None  # logistic heads: their C, chosen by leaving a source out
     solver: Solver = "lion"
     invariant: Sequence[str] = ()  # logistic heads held off the sources' directions
@@ -296,48 +338,9 @@ def fit_default(
     thresholds = {**cv.thresholds, **chosen}
     result.probe.set_thresholds(thresholds)
     rates = flag_rates(rule.benign, rule.groups, [chosen[x] for x in rule.flag])
-    return DefaultFit(result, cv, thresholds, rates, points, c_choice, solver, invariant, price)
-
-
-@dataclass
-class RuleInputs:
-    """What the budget rule chooses the flag thresholds on: the flagging labels'
-    out-of-fold probabilities of the benign and of the unsafe development rows, each
-    row's source, and each source's budget multiple (``hard``)."""
-
-    flag: list[str]
-    benign: torch.Tensor
-    groups: list[str]
-    unsafe: torch.Tensor
-    unsafe_groups: list[str]
-    hard: dict[str, float]
-
-    @staticmethod
-    def of(dev: Sequence[Loaded], spec: ProbeSpec, oof_probs: torch.Tensor) -> RuleInputs:
-        """From the development rows ``dev`` (in the order of ``oof_probs``' rows)."""
-        roles = [r for d in dev for r in d.roles]
-        cols = [spec.labels.index(x) for x in spec.flag_labels]
-        return RuleInputs(
-            flag=list(spec.flag_labels),
-            benign=oof_probs[torch.tensor([r == "benign" for r in roles])][:, cols],
-            groups=[d.source.dataset for d in dev for r in d.roles if r == "benign"],
-            unsafe=oof_probs[torch.tensor([r == "unsafe" for r in roles])][:, cols],
-            unsafe_groups=[d.source.dataset for d in dev for r in d.roles if r == "unsafe"],
-            hard={d.source.dataset: d.source.hard for d in dev},
-        )
-
-    def thresholds(self, budget: float, price: BudgetPrice) -> dict[str, float]:
-        """The flagging labels' thresholds at ``budget`` (each source's times its multiple,
-        at most half of it): :func:`probes.budget.recall_thresholds`."""
-        return recall_thresholds(
-            self.benign,
-            self.groups,
-            self.unsafe,
-            self.unsafe_groups,
-            self.flag,
-            budget={g: min(0.5, budget * self.hard[g]) for g in self.hard},
-            price=price,
-        )
+    return DefaultFit(
+        result, cv, thresholds, rates, points, rule, c_choice, solver, invariant, price
+    )
 
 
 def _keep_heads(
