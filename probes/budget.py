@@ -29,8 +29,19 @@ from probes.errors import ProbeError
 
 # What a newly flagged benign row costs the budget rule (recall_thresholds).
 BudgetPrice = Literal["share", "scarcity"]
+# How the thresholds are chosen: label by label (recall_thresholds) or all at once
+# (joint_thresholds).
+BudgetRule = Literal["greedy", "joint"]
 
-__all__ = ["BudgetPrice", "budget_thresholds", "flag_margin", "flag_rates", "recall_thresholds"]
+__all__ = [
+    "BudgetPrice",
+    "BudgetRule",
+    "budget_thresholds",
+    "flag_margin",
+    "flag_rates",
+    "joint_thresholds",
+    "recall_thresholds",
+]
 
 # Thresholds sit just above the benign score they must not flag.
 _ABOVE = 1e-6
@@ -50,6 +61,27 @@ def _groups(groups: Sequence[str], n: int) -> dict[str, Tensor]:
         raise ProbeError(f"{len(groups)} group names for {n} rows")
     names = sorted(set(groups))
     return {g: torch.tensor([x == g for x in groups]) for g in names}
+
+
+def _checked(
+    benign: Tensor,
+    groups: Sequence[str],
+    unsafe: Tensor,
+    C: int,
+    budget: float | Mapping[str, float],
+) -> tuple[Mapping[str, float], dict[str, Tensor]]:
+    """The rules' common arguments checked: each group's budget and its benign rows."""
+    shares = {g: budget for g in set(groups)} if isinstance(budget, float | int) else budget
+    if set(groups) - set(shares) or not all(0.0 <= x < 1.0 for x in shares.values()):
+        raise ProbeError(f"budget must be in [0, 1) for every group, got {budget}")
+    if benign.dim() != 2 or benign.shape[1] != C or unsafe.dim() != 2 or unsafe.shape[1] != C:
+        raise ProbeError(
+            f"benign {tuple(benign.shape)} / unsafe {tuple(unsafe.shape)} vs {C} labels"
+        )
+    parts = _groups(groups, len(benign))
+    if not parts:
+        raise ProbeError("no benign rows to choose thresholds on")
+    return shares, parts
 
 
 def flag_rates(
@@ -142,17 +174,8 @@ def recall_thresholds(
     """
     if price not in get_args(BudgetPrice):
         raise ProbeError(f"price must be 'share' or 'scarcity', got {price!r}")
-    shares = {g: budget for g in set(groups)} if isinstance(budget, float | int) else budget
-    if set(groups) - set(shares) or not all(0.0 <= x < 1.0 for x in shares.values()):
-        raise ProbeError(f"budget must be in [0, 1) for every group, got {budget}")
     C = len(labels)
-    if benign.dim() != 2 or benign.shape[1] != C or unsafe.dim() != 2 or unsafe.shape[1] != C:
-        raise ProbeError(
-            f"benign {tuple(benign.shape)} / unsafe {tuple(unsafe.shape)} vs {C} labels"
-        )
-    parts = _groups(groups, len(benign))
-    if not parts:
-        raise ProbeError("no benign rows to choose thresholds on")
+    shares, parts = _checked(benign, groups, unsafe, C, budget)
     b, u = benign.double(), unsafe.double()
     size = torch.zeros(len(b), dtype=torch.float64)  # each benign row: 1 / its group's size
     allowed = {g: int(shares[g] * int(rows.sum()) + 1e-9) for g, rows in parts.items()}
@@ -196,4 +219,134 @@ def recall_thresholds(
         hit_b += ((b[:, j] >= lower) & (b[:, j] < t[j])).long()
         hit_u += ((u[:, j] >= lower) & (u[:, j] < t[j])).long()
         t[j] = lower
+    return dict(zip(labels, [min(1.0, float(x)) for x in t], strict=True))
+
+
+def joint_thresholds(
+    benign: Tensor,
+    groups: Sequence[str],
+    unsafe: Tensor,
+    unsafe_groups: Sequence[str],
+    labels: Sequence[str],
+    *,
+    budget: float | Mapping[str, float],
+    temperature: float = 0.25,
+    steps: int = 1500,
+    at_least: Mapping[str, float] | None = None,
+    at_most: Mapping[str, float] | None = None,
+) -> dict[str, float]:
+    """Per label, the threshold chosen for every label at once: the policy flags at most
+    ``budget`` of every benign group (as :func:`recall_thresholds`), and among such
+    thresholds these maximize the mean over unsafe groups of the log of each group's
+    recall. The log prefers spreading the benign budget over the unsafe groups to buying
+    one group a little more with another's share, so two labels that buy about the same
+    do not decide, on the last bits of their scores, which one takes a scarce group's
+    whole allowance (the greedy rule's chain of discrete choices did: 1e-4 of noise moved
+    the default's AILuminate recall between 64 and 76 %, docs/default-probe.md).
+
+    The flags are smoothed (``sigmoid((logit p - logit t) / temperature)``, "any label"
+    as one minus the product of the labels' complements), the over-budget share of each
+    group is a quadratic penalty, a thousandth of the budget used breaks ties between
+    ways to the same recall, and L-BFGS (at most ``steps`` iterations) climbs from every
+    label at an equal share of each group. The result is then made exact: every threshold
+    moves by the same logit, the least for which no group is over its budget. Each step
+    is continuous in the scores, so scores that move a little move the thresholds a
+    little (at ``temperature`` 0.25, chosen before any measurement; 0.1 let them jump).
+
+    ``at_least`` / ``at_most``: per label, bounds the thresholds keep (one of them; the
+    thresholds of a tighter / looser budget, so that a looser budget never raises a
+    threshold; ``at_most`` must itself keep every group within ``budget``).
+    """
+    C = len(labels)
+    shares, parts = _checked(benign, groups, unsafe, C, budget)
+    if temperature <= 0 or steps < 0:
+        raise ProbeError(f"temperature must be > 0 and steps >= 0, got {temperature}, {steps}")
+    eps = 1e-6
+    b = benign.double()
+    zb = torch.logit(b.clamp(eps, 1 - eps))
+    zu = torch.logit(unsafe.double().clamp(eps, 1 - eps))
+    cap = torch.tensor([shares[g] for g in parts], dtype=torch.float64)
+    sizes = torch.stack([rows.double().sum() for rows in parts.values()])
+    allowed = (cap * sizes + 1e-9).floor()
+    # Row-averaging matrices: group x row.
+    mean_b = torch.stack([rows.double() / rows.sum() for rows in parts.values()])
+    unsafe_parts = _groups(unsafe_groups, len(unsafe))
+    if not unsafe_parts:
+        raise ProbeError("no unsafe rows to choose thresholds for")
+    mean_u = torch.stack([rows.double() / rows.sum() for rows in unsafe_parts.values()])
+    # The start: each label flags the same share of every group (its strictest quantile).
+    start = [
+        max(_threshold(b[rows, j], float(shares[g]) / max(C, 1)) for g, rows in parts.items())
+        for j in range(C)
+    ]
+    if at_least is not None and at_most is not None:
+        raise ProbeError("at_least and at_most: one bound at a time")
+    bound, sign = (at_least, 1.0) if at_least is not None else (at_most, -1.0)
+    theta0 = torch.logit(torch.tensor(start, dtype=torch.float64).clamp(eps, 1 - eps))
+    if bound is not None:
+        if set(bound) != set(labels):
+            raise ProbeError(f"bounds for {sorted(bound)}, labels {sorted(labels)}")
+        limit = torch.tensor([bound[x] for x in labels], dtype=torch.float64)
+        edge = torch.logit(limit.clamp(eps, 1 - eps))
+        # theta = edge + sign * softplus(phi): on the bound's side of it, whatever phi.
+        gap = (sign * (theta0 - edge)).clamp(min=1e-3)
+        phi = torch.log(torch.expm1(gap)).requires_grad_(True)
+    else:
+        phi = theta0.clone().requires_grad_(True)
+
+    def thetas() -> Tensor:
+        if bound is None:
+            return phi
+        return edge + sign * torch.nn.functional.softplus(phi)
+
+    slack = torch.maximum(cap, 0.5 / sizes)  # the penalty's scale per group
+
+    def soft_any(z: Tensor) -> Tensor:
+        logs = torch.nn.functional.logsigmoid((thetas() - z) / temperature)
+        return 1 - torch.exp(logs.sum(1))
+
+    optimizer = torch.optim.LBFGS(
+        [phi], lr=1.0, max_iter=steps, tolerance_grad=1e-10, tolerance_change=1e-14,
+        history_size=20, line_search_fn="strong_wolfe",
+    )  # fmt: skip
+
+    def closure() -> Tensor:
+        optimizer.zero_grad()
+        recall = mean_u @ soft_any(zu)
+        spent = mean_b @ soft_any(zb)
+        over = torch.relu(spent - cap) / slack
+        loss = -torch.log(recall + 1e-3).mean() + 1e3 * over.pow(2).sum() + 1e-3 * spent.sum()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    theta = thetas().detach()
+
+    def within(t: Tensor) -> bool:
+        flagged = (b >= t).any(dim=1).double()
+        return bool((mean_b @ flagged * sizes <= allowed + 1e-9).all())
+
+    def fits(shift: float) -> bool:
+        return within(torch.sigmoid(theta + shift))
+
+    # The least common shift that keeps every group within its budget (flags only fall as
+    # the shift grows; past the highest benign score nothing is flagged).
+    high = float(zb.max() - theta.min()) + 1.0 if len(zb) else 0.0
+    low = float(zb.min() - theta.max()) - 1.0 if len(zb) else 0.0
+    if bound is not None and sign > 0:  # no threshold below its floor
+        low = max(low, float((edge - theta).max()))
+    if bound is not None and sign < 0:  # nor above its ceiling
+        high = min(high, float((edge - theta).min()))
+        if not fits(high):  # no room under the ceilings: the ceilings themselves
+            if not within(limit):
+                raise ProbeError("at_most's thresholds flag more than the budget allows")
+            return {x: float(bound[x]) for x in labels}
+    if fits(low):
+        high = low
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    t = torch.sigmoid(theta + high)
+    if bound is not None:  # exactly (the logits' clamp and rounding aside)
+        t = torch.maximum(t, limit) if sign > 0 else torch.minimum(t, limit)
     return dict(zip(labels, [min(1.0, float(x)) for x in t], strict=True))

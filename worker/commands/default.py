@@ -107,6 +107,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "its share of what the dataset's budget has left (default: the recipe's for the "
         "text form; docs/default-probe.md)",
     )
+    build.add_argument(
+        "--budget-rule",
+        choices=["greedy", "joint"],
+        default=None,
+        help="how the flag thresholds are chosen: greedy, label by label (at "
+        "--budget-price), or joint, every label's at once (default: the recipe's for the "
+        "text form; docs/default-probe.md)",
+    )
     build.add_argument("--folds", type=int, default=4, help="cross-validation folds (4)")
     build.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     build.add_argument(
@@ -146,6 +154,7 @@ def _build(args: argparse.Namespace) -> int:
         solver=args.solver,
         invariant=args.source_invariant,
         price=args.budget_price,
+        budget_rule=args.budget_rule,
         budget=BUDGET if args.budget is None else args.budget,
         folds=args.folds,
         key=settings.cache_key_bytes,
@@ -203,10 +212,11 @@ def _show(args: argparse.Namespace) -> int:
             if held:
                 print(f"  held off the sources' directions: {', '.join(held)}")
         if "budget" in card:
-            price = fit.get("budget_price")
+            price, rule = fit.get("budget_price"), fit.get("budget_rule")
             print(f"  flag budget: {card['budget']:g} of ordinary chat (card ships "
                   f"{', '.join(card.get('operating_points', {}))})"
-                  + (f", priced by {price}" if price else ""))  # fmt: skip
+                  + (f", priced by {price}" if price else "")
+                  + (", thresholds chosen jointly" if rule == "joint" else ""))  # fmt: skip
         for dataset, measured in card["held_out"].items():
             policy = measured.get("policy", {})
             shares = [f"{k} {policy[k]:.1%}" for k in ("benign_flagged", "unsafe_flagged")

@@ -31,7 +31,14 @@ from typing import Any, Literal
 import torch
 
 from probes import Probe, build_probe, load_checkpoint, save_checkpoint
-from probes.budget import BudgetPrice, flag_margin, flag_rates, recall_thresholds
+from probes.budget import (
+    BudgetPrice,
+    BudgetRule,
+    flag_margin,
+    flag_rates,
+    joint_thresholds,
+    recall_thresholds,
+)
 from probes.decision import decide
 from probes.files import atomic_write
 from probes.metrics import average_precision, evaluate
@@ -91,6 +98,12 @@ INVARIANT: dict[str | None, tuple[str, ...]] = {None: ("toxicity",)}
 # statements flagged 10.4 -> 14.6 % in seed 0. Chat form: share; scarcity there, with
 # the held head, did not bring its unsafe recall back (docs/default-probe.md).
 PRICE: dict[str | None, BudgetPrice] = {None: "scarcity"}
+# How the budget rule chooses the thresholds, per text form (the others: greedy). Joint
+# (probes.budget.joint_thresholds) is stable where greedy is not (raw form, one fit under
+# 1e-4 noise, four draws: AILuminate flagged 74.6 % in every draw, greedy 63.2-76.2 %),
+# but not shipped: under it the first-person self-harm line ranks below everyday chat
+# (tests/integration/test_default_quality.py; docs/default-probe.md).
+RULE: dict[str | None, BudgetRule] = {}
 # The logistic heads' inverse L2 strengths tried by leaving one source out (choose_c).
 C_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 
@@ -242,17 +255,52 @@ class RuleInputs:
             hard={d.source.dataset: d.source.hard for d in dev},
         )
 
+    def shares(self, budget: float) -> dict[str, float]:
+        """Each source's share of benign rows that may be flagged: ``budget`` times its
+        multiple, at most half."""
+        return {g: min(0.5, budget * self.hard[g]) for g in self.hard}
+
     def thresholds(self, budget: float, price: BudgetPrice) -> dict[str, float]:
-        """The flagging labels' thresholds at ``budget`` (each source's times its multiple,
-        at most half of it): :func:`probes.budget.recall_thresholds`."""
+        """The flagging labels' thresholds at ``budget`` (:meth:`shares`):
+        :func:`probes.budget.recall_thresholds`."""
         return recall_thresholds(
             self.benign,
             self.groups,
             self.unsafe,
             self.unsafe_groups,
             self.flag,
-            budget={g: min(0.5, budget * self.hard[g]) for g in self.hard},
+            budget=self.shares(budget),
             price=price,
+        )
+
+    def points(
+        self, budgets: Sequence[float], rule: BudgetRule, price: BudgetPrice = "share"
+    ) -> dict[str, dict[str, float]]:
+        """The thresholds at each of ``budgets`` (the first: the one the probe ships at), by
+        ``rule``: :meth:`thresholds` (greedy, at ``price``) or :meth:`joint`. Either way a
+        looser budget never raises a threshold: the joint rule's are chosen at the first
+        budget, then outward from it, each bounded by its neighbour's on the way."""
+        if rule == "greedy":
+            return {f"{b:g}": self.thresholds(b, price) for b in sorted(set(budgets))}
+        first, chosen = budgets[0], {budgets[0]: self.joint(budgets[0])}
+        looser = sorted(b for b in set(budgets) if b > first)
+        tighter = sorted((b for b in set(budgets) if b < first), reverse=True)
+        for outward, side in ((looser, "at_most"), (tighter, "at_least")):
+            previous = chosen[first]
+            for b in outward:
+                chosen[b] = previous = self.joint(b, **{side: previous})
+        return {f"{b:g}": chosen[b] for b in sorted(chosen)}
+
+    def joint(self, budget: float, **options: Any) -> dict[str, float]:
+        """The same, all at once: :func:`probes.budget.joint_thresholds`."""
+        return joint_thresholds(
+            self.benign,
+            self.groups,
+            self.unsafe,
+            self.unsafe_groups,
+            self.flag,
+            budget=self.shares(budget),
+            **options,
         )
 
 
@@ -273,6 +321,7 @@ class DefaultFit:
     solver: Solver = "lion"
     invariant: Sequence[str] = ()  # logistic heads held off the sources' directions
     price: BudgetPrice = "share"  # what a flagged benign row costs (recall_thresholds)
+    budget_rule: BudgetRule = "greedy"  # label by label, or all at once (probes.budget)
 
 
 def fit_default(
@@ -285,6 +334,7 @@ def fit_default(
     solver: Solver = "lion",
     invariant: Sequence[str] = (),
     price: BudgetPrice = "share",
+    budget_rule: BudgetRule = "greedy",
     progress: Callable[[dict[str, float]], None] | None = None,
 ) -> DefaultFit:
     """Cross-validate the default on the development rows (train + validation) of every
@@ -302,7 +352,9 @@ def fit_default(
     calibration, out-of-fold scores and thresholds (:func:`_keep_heads`). ``invariant``
     names the logistic heads held orthogonal to the directions in which their positives
     differ between sources (``FitConfig.logistic_sources``; not Lion's heads). ``price``:
-    how the budget rule prices a flagged benign row (:func:`probes.budget.recall_thresholds`).
+    how the greedy budget rule prices a flagged benign row
+    (:func:`probes.budget.recall_thresholds`); ``budget_rule``: ``greedy`` (that rule) or
+    ``joint`` (:func:`probes.budget.joint_thresholds`: every label's threshold at once).
 
     Out-of-fold scores stand for the soup's because the pool is linear in its features
     (mean): the soup's logits are then near the mean of the fold models'. With the gate
@@ -333,14 +385,15 @@ def fit_default(
         cv = _keep_heads(spec, result, cv, *lion, c_choice.kept)
         invariant = [h for h in invariant if h not in c_choice.kept]  # Lion's, not held
     rule = RuleInputs.of(dev, spec, cv.oof_probs)
-    points = {f"{b:g}": rule.thresholds(b, price) for b in sorted({*BUDGETS, budget})}
+    points = rule.points([budget, *BUDGETS], budget_rule, price)
     chosen = points[f"{budget:g}"]
     thresholds = {**cv.thresholds, **chosen}
     result.probe.set_thresholds(thresholds)
     rates = flag_rates(rule.benign, rule.groups, [chosen[x] for x in rule.flag])
     return DefaultFit(
-        result, cv, thresholds, rates, points, rule, c_choice, solver, invariant, price
-    )
+        result, cv, thresholds, rates, points, rule, c_choice, solver, invariant, price,
+        budget_rule,
+    )  # fmt: skip
 
 
 def _keep_heads(
@@ -522,6 +575,7 @@ def build_default(
     solver: Solver | None = None,
     invariant: Sequence[str] | None = None,
     price: BudgetPrice | None = None,
+    budget_rule: BudgetRule | None = None,
     budget: float = BUDGET,
     folds: int = 4,
     key: bytes | None = None,
@@ -531,11 +585,11 @@ def build_default(
     """Build caches for the recipe's sources (resuming; encrypted with ``key`` when given;
     states stored as ``dtype``: Gemma 3's exceed float16's range, so bfloat16 there),
     fit the multi-head default with a fixed seed (:func:`fit_default`; ``invariant``: the
-    logistic heads held off the sources' directions; ``price``: the budget rule's; None:
-    the recipe's for the extractor's text form, :data:`INVARIANT`, :data:`PRICE`), measure
-    it per source on the held-out rows (and on every row of ``evaluate_on``: sources it
-    never trains on), and write it to ``out`` (``manifest.json``, ``tensors.safetensors``,
-    ``card.json``)."""
+    logistic heads held off the sources' directions; ``budget_rule`` and ``price``: the
+    budget rule's; None: the recipe's for the extractor's text form, :data:`INVARIANT`,
+    :data:`RULE`, :data:`PRICE`), measure it per source on the held-out rows (and on every
+    row of ``evaluate_on``: sources it never trains on), and write it to ``out``
+    (``manifest.json``, ``tensors.safetensors``, ``card.json``)."""
     started = time.time()
     sources = [s for s in SOURCES if noncommercial or not s.noncommercial]
     # A mean, max or last token reads every layer's summary (the cache stores them all);
@@ -559,6 +613,7 @@ def build_default(
     form = extractor.fingerprint.form
     invariant = INVARIANT.get(form, ()) if invariant is None else invariant
     price = price or PRICE.get(form, "share")
+    budget_rule = budget_rule or RULE.get(form, "greedy")
     fitted = fit_default(
         loaded,
         spec,
@@ -568,6 +623,7 @@ def build_default(
         solver=solver,
         invariant=invariant,
         price=price,
+        budget_rule=budget_rule,
         progress=_progress,
     )
     seen = sum(len(x.data) - len(x.part("held_out").data) for x in loaded)
@@ -648,7 +704,7 @@ def _card(
             "layers": list(spec.layers),
             **_solver(fitted.solver, fitted.c_choice),
             **({"source_invariant": fitted.invariant} if fitted.invariant else {}),
-            **({"budget_price": fitted.price} if fitted.price != "share" else {}),
+            **_rule(fitted),
             "folds": folds,
             "epochs": fitted.cv.epochs,
             "seconds": round(fitted.result.seconds, 1),
@@ -657,6 +713,14 @@ def _card(
         "held_out": measured,
         "built_seconds": round(time.time() - started, 1),
     }
+
+
+def _rule(fitted: DefaultFit) -> dict[str, Any]:
+    """The card's record of the budget rule where it is not the greedy rule at share (the
+    joint rule has no price)."""
+    if fitted.budget_rule == "joint":
+        return {"budget_rule": "joint"}
+    return {"budget_price": fitted.price} if fitted.price != "share" else {}
 
 
 def _solver(solver: Solver, choice: CChoice | None) -> dict[str, Any]:

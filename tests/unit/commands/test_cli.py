@@ -148,3 +148,8 @@ def test_default_build_reads_the_source_invariant_heads(
     assert parser.parse_args([*base, "--budget-price", "share"]).budget_price == "share"
     with pytest.raises(SystemExit):
         parser.parse_args([*base, "--budget-price", "cheapest"])
+    # ... and its rule.
+    assert parser.parse_args(base).budget_rule is None
+    assert parser.parse_args([*base, "--budget-rule", "joint"]).budget_rule == "joint"
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--budget-rule", "bagged"])

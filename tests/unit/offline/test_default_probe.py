@@ -337,9 +337,18 @@ def test_a_budget_rule_other_than_the_recipes_keeps_the_budget_and_says_so(
     )
     # The card names the price where it is not share; the raw recipe's is scarcity (PRICE).
     assert "budget_price" not in card["fit"] and built[1]["fit"]["budget_price"] == "scarcity"
+    assert "budget_rule" not in card["fit"]  # greedy: the recipe's (RULE)
+    joint, _ = _rebuild(
+        data_root, built, tmp_path / "joint", solver="lion", config=config, budget_rule="joint"
+    )
+    # The joint rule has no price; the card names it instead.
+    assert joint["fit"]["budget_rule"] == "joint" and "budget_price" not in joint["fit"]
     hard = {s.dataset: s.hard for s in SOURCES}
-    rates = card["oof_benign_flagged"]
-    assert rates and all(rate <= BUDGET * hard[g] + 1e-9 for g, rate in rates.items())
+    for fit in (card, joint):  # either way: every source within its budget, and a looser
+        rates = fit["oof_benign_flagged"]  # budget never raises a threshold
+        assert rates and all(rate <= BUDGET * hard[g] + 1e-9 for g, rate in rates.items())
+        tight, loose = fit["operating_points"]["0.01"], fit["operating_points"]["0.1"]
+        assert all(loose[k] <= tight[k] for k in tight)
 
 
 def _pinned(monkeypatch: pytest.MonkeyPatch, folder: Path, card: bool = True) -> None:

@@ -7,7 +7,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from probes.budget import budget_thresholds, flag_margin, flag_rates, recall_thresholds
+from probes.budget import (
+    budget_thresholds,
+    flag_margin,
+    flag_rates,
+    joint_thresholds,
+    recall_thresholds,
+)
 from probes.errors import ProbeError
 
 
@@ -107,3 +113,74 @@ def test_scarcity_pricing_spends_a_small_groups_allowance_where_it_buys_more() -
     assert scarce["y"] <= 0.7 < scarce["x"] and by_scarcity == pytest.approx(0.6)
     with pytest.raises(ProbeError, match="price must be"):
         recall("cheapest")
+
+
+def _two_labels_two_sources() -> tuple[torch.Tensor, list[str], torch.Tensor, list[str]]:
+    """One benign group of 100 rows, 10 of which may be flagged. Label x reaches source
+    u1's rows only by flagging benign rows 0-19, one for one; label y the same for u2
+    with rows 20-39. Every way of spending the ten rows buys the same summed recall."""
+    benign = torch.full((100, 2), 0.1)
+    steps = torch.linspace(0.55, 0.95, 20)
+    benign[:20, 0] = steps + 0.005
+    benign[20:40, 1] = steps + 0.005
+    unsafe = torch.full((40, 2), 0.1)
+    unsafe[:20, 0] = steps
+    unsafe[20:, 1] = steps
+    return benign, ["a"] * 100, unsafe, ["u1"] * 20 + ["u2"] * 20
+
+
+def _recalls(unsafe: torch.Tensor, t: dict[str, float]) -> list[float]:
+    hit = (unsafe >= torch.tensor([t["x"], t["y"]])).any(dim=1).float()
+    return [float(hit[:20].mean()), float(hit[20:].mean())]
+
+
+def test_joint_thresholds_share_the_budget_where_the_greedy_rule_gives_it_all_away() -> None:
+    benign, groups, unsafe, unsafe_groups = _two_labels_two_sources()
+    args = (benign, groups, unsafe, unsafe_groups, ["x", "y"])
+    greedy = _recalls(unsafe, recall_thresholds(*args, budget=0.1))
+    assert sorted(greedy) == [0.0, pytest.approx(0.5)]  # all of it to one source
+    runs = []
+    for draw in range(4):  # and as 1e-4 of noise moves the scores, the same split
+        gen = torch.Generator().manual_seed(draw)
+        b, u = (x * (1 + 1e-4 * draw * torch.randn(x.shape, generator=gen)) for x in args[:3:2])
+        t = joint_thresholds(b, groups, u, unsafe_groups, ["x", "y"], budget=0.1)
+        assert flag_rates(benign, groups, [t["x"], t["y"]])["a"] <= 0.1
+        runs.append(_recalls(unsafe, t))
+    assert all(r == pytest.approx([0.25, 0.25], abs=0.05) for r in runs)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([0.0, 0.01, 0.05, 0.2]))
+def test_joint_thresholds_keep_every_group_within_its_budget(seed: int, budget: float) -> None:
+    g = torch.Generator().manual_seed(seed)
+    benign, unsafe = torch.rand(300, 3, generator=g) ** 3, torch.rand(60, 3, generator=g)
+    groups = ["a" if i % 3 else "b" for i in range(300)]
+    budgets = {"a": budget, "b": budget / 2}
+    t = joint_thresholds(
+        benign, groups, unsafe, ["u"] * 30 + ["v"] * 30, ["x", "y", "z"], budget=budgets, steps=30
+    )
+    rates = flag_rates(benign, groups, [t[x] for x in "xyz"])
+    assert all(rates[k] <= budgets[k] + 1e-9 for k in rates)
+    with pytest.raises(ProbeError, match="no unsafe rows"):
+        joint_thresholds(benign, groups, unsafe[:0], [], ["x", "y", "z"], budget=0.1)
+    with pytest.raises(ProbeError, match="temperature"):
+        joint_thresholds(benign, groups, unsafe, ["u"] * 60, ["x", "y", "z"], budget=0.1,
+                         temperature=0.0)  # fmt: skip
+
+
+def test_joint_thresholds_keep_their_bounds_so_a_looser_budget_never_raises_one() -> None:
+    g = torch.Generator().manual_seed(3)
+    benign, unsafe = torch.rand(400, 3, generator=g) ** 2, torch.rand(80, 3, generator=g)
+    groups, unsafe_groups = ["a"] * 400, ["u"] * 40 + ["v"] * 40
+    args = (benign, groups, unsafe, unsafe_groups, ["x", "y", "z"])
+    mid = joint_thresholds(*args, budget=0.05, steps=50)
+    loose = joint_thresholds(*args, budget=0.1, steps=50, at_most=mid)
+    tight = joint_thresholds(*args, budget=0.02, steps=50, at_least=mid)
+    assert all(loose[k] <= mid[k] <= tight[k] for k in mid)
+    for t, budget in ((loose, 0.1), (tight, 0.02)):
+        assert flag_rates(benign, groups, [t[x] for x in "xyz"])["a"] <= budget
+    # A ceiling that itself flags too much is refused, as are two bounds at once.
+    with pytest.raises(ProbeError, match="at_most"):
+        joint_thresholds(*args, budget=0.02, steps=5, at_most=loose)
+    with pytest.raises(ProbeError, match="one bound"):
+        joint_thresholds(*args, budget=0.05, at_least=mid, at_most=mid)
