@@ -326,27 +326,24 @@ def joint_thresholds(
         flagged = (b >= t).any(dim=1).double()
         return bool((mean_b @ flagged * sizes <= allowed + 1e-9).all())
 
-    def fits(shift: float) -> bool:
-        return within(torch.sigmoid(theta + shift))
+    def at(shift: float) -> Tensor:
+        """The thresholds moved by ``shift``, kept on their bound's side of it."""
+        t = torch.sigmoid(theta + shift)
+        if bound is None:
+            return t
+        return torch.maximum(t, limit) if sign > 0 else torch.minimum(t, limit)
 
     # The least common shift that keeps every group within its budget (flags only fall as
-    # the shift grows; past the highest benign score nothing is flagged).
+    # the shift grows; past the highest benign score nothing is flagged, or, under
+    # ceilings, the ceilings themselves are reached, which must fit).
+    if bound is not None and sign < 0 and not within(limit):
+        raise ProbeError("at_most's thresholds flag more than the budget allows")
     high = float(zb.max() - theta.min()) + 1.0 if len(zb) else 0.0
     low = float(zb.min() - theta.max()) - 1.0 if len(zb) else 0.0
-    if bound is not None and sign > 0:  # no threshold below its floor
-        low = max(low, float((edge - theta).max()))
-    if bound is not None and sign < 0:  # nor above its ceiling
-        high = min(high, float((edge - theta).min()))
-        if not fits(high):  # no room under the ceilings: the ceilings themselves
-            if not within(limit):
-                raise ProbeError("at_most's thresholds flag more than the budget allows")
-            return {x: float(bound[x]) for x in labels}
-    if fits(low):
+    if within(at(low)):
         high = low
     for _ in range(60):
         mid = (low + high) / 2
-        low, high = (low, mid) if fits(mid) else (mid, high)
-    t = torch.sigmoid(theta + high)
-    if bound is not None:  # exactly (the logits' clamp and rounding aside)
-        t = torch.maximum(t, limit) if sign > 0 else torch.minimum(t, limit)
+        low, high = (low, mid) if within(at(mid)) else (mid, high)
+    t = at(high)
     return dict(zip(labels, [min(1.0, float(x)) for x in t], strict=True))

@@ -102,7 +102,8 @@ PRICE: dict[str | None, BudgetPrice] = {None: "scarcity"}
 # (probes.budget.joint_thresholds) is stable where greedy is not (raw form, one fit under
 # 1e-4 noise, four draws: AILuminate flagged 74.6 % in every draw, greedy 63.2-76.2 %),
 # but not shipped: under it the first-person self-harm line ranks below everyday chat
-# (tests/integration/test_default_quality.py; docs/default-probe.md).
+# (tests/integration/test_default_quality.py); with written self-harm statements that
+# fix it, AILuminate fell to 66.3 % (docs/default-probe.md).
 RULE: dict[str | None, BudgetRule] = {}
 # The logistic heads' inverse L2 strengths tried by leaving one source out (choose_c).
 C_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)

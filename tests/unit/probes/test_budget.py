@@ -177,6 +177,8 @@ def test_joint_thresholds_keep_their_bounds_so_a_looser_budget_never_raises_one(
     loose = joint_thresholds(*args, budget=0.1, steps=50, at_most=mid)
     tight = joint_thresholds(*args, budget=0.02, steps=50, at_least=mid)
     assert all(loose[k] <= mid[k] <= tight[k] for k in mid)
+    # ... and each still spends its own budget: not just the neighbour's thresholds.
+    assert any(loose[k] < mid[k] for k in mid) and any(tight[k] > mid[k] for k in mid)
     for t, budget in ((loose, 0.1), (tight, 0.02)):
         assert flag_rates(benign, groups, [t[x] for x in "xyz"])["a"] <= budget
     # A ceiling that itself flags too much is refused, as are two bounds at once.
