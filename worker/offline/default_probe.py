@@ -261,18 +261,15 @@ class RuleInputs:
         multiple, at most half."""
         return {g: min(0.5, budget * self.hard[g]) for g in self.hard}
 
+    def rows(self) -> tuple[torch.Tensor, list[str], torch.Tensor, list[str], list[str]]:
+        """The rules' leading arguments: the benign and unsafe rows, their sources, the
+        labels."""
+        return self.benign, self.groups, self.unsafe, self.unsafe_groups, self.flag
+
     def thresholds(self, budget: float, price: BudgetPrice) -> dict[str, float]:
         """The flagging labels' thresholds at ``budget`` (:meth:`shares`):
         :func:`probes.budget.recall_thresholds`."""
-        return recall_thresholds(
-            self.benign,
-            self.groups,
-            self.unsafe,
-            self.unsafe_groups,
-            self.flag,
-            budget=self.shares(budget),
-            price=price,
-        )
+        return recall_thresholds(*self.rows(), budget=self.shares(budget), price=price)
 
     def points(
         self, budgets: Sequence[float], rule: BudgetRule, price: BudgetPrice = "share"
@@ -294,15 +291,7 @@ class RuleInputs:
 
     def joint(self, budget: float, **options: Any) -> dict[str, float]:
         """The same, all at once: :func:`probes.budget.joint_thresholds`."""
-        return joint_thresholds(
-            self.benign,
-            self.groups,
-            self.unsafe,
-            self.unsafe_groups,
-            self.flag,
-            budget=self.shares(budget),
-            **options,
-        )
+        return joint_thresholds(*self.rows(), budget=self.shares(budget), **options)
 
 
 @dataclass
