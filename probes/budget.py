@@ -261,6 +261,8 @@ def joint_thresholds(
     shares, parts = _checked(benign, groups, unsafe, C, budget)
     if temperature <= 0 or steps < 0:
         raise ProbeError(f"temperature must be > 0 and steps >= 0, got {temperature}, {steps}")
+    if at_least is not None and at_most is not None:
+        raise ProbeError("at_least and at_most: one bound at a time")
     eps = 1e-6
     b = benign.double()
     zb = torch.logit(b.clamp(eps, 1 - eps))
@@ -279,8 +281,6 @@ def joint_thresholds(
         max(_threshold(b[rows, j], float(shares[g]) / max(C, 1)) for g, rows in parts.items())
         for j in range(C)
     ]
-    if at_least is not None and at_most is not None:
-        raise ProbeError("at_least and at_most: one bound at a time")
     bound, sign = (at_least, 1.0) if at_least is not None else (at_most, -1.0)
     theta0 = torch.logit(torch.tensor(start, dtype=torch.float64).clamp(eps, 1 - eps))
     if bound is not None:
