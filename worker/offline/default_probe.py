@@ -59,6 +59,7 @@ from worker.offline.default_recipe import (
     default_spec,
     degenerate_rows,
     request_rows,
+    self_harm_rows,
     split_of,
 )
 from worker.offline.fit_eval import load_split
@@ -98,13 +99,14 @@ INVARIANT: dict[str | None, tuple[str, ...]] = {None: ("toxicity",)}
 # statements flagged 10.4 -> 14.6 % in seed 0. Chat form: share; scarcity there, with
 # the held head, did not bring its unsafe recall back (docs/default-probe.md).
 PRICE: dict[str | None, BudgetPrice] = {None: "scarcity"}
-# How the budget rule chooses the thresholds, per text form (the others: greedy). Joint
-# (probes.budget.joint_thresholds) is stable where greedy is not (raw form, one fit under
+# How the budget rule chooses the thresholds, per text form (the others: greedy). Raw
+# form: joint (probes.budget.joint_thresholds), stable where greedy is not (one fit under
 # 1e-4 noise, four draws: AILuminate flagged 74.6 % in every draw, greedy 63.2-76.2 %),
-# but not shipped: under it the first-person self-harm line ranks below everyday chat
-# (tests/integration/test_default_quality.py); with written self-harm statements that
-# fix it, AILuminate fell to 66.3 % (docs/default-probe.md).
-RULE: dict[str | None, BudgetRule] = {}
+# and a rebuild on another machine reproduces its card, where greedy's moved AILuminate
+# by ten points. It ships with the written self-harm statements: without them the
+# first-person self-harm line ranked below everyday chat (docs/default-probe.md). Chat
+# form: greedy, the rule its shipped default was built with.
+RULE: dict[str | None, BudgetRule] = {None: "joint"}
 # The logistic heads' inverse L2 strengths tried by leaving one source out (choose_c).
 C_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 
@@ -113,6 +115,7 @@ C_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 GENERATED: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "degenerate": degenerate_rows,
     "assistant_requests": request_rows,
+    "self_harm_statements": self_harm_rows,
 }
 
 

@@ -267,6 +267,17 @@ SOURCES: list[Source] = [
         benign=("request",),
     ),
     Source(
+        "self_harm_statements",
+        "written for probeguard (Apache-2.0)",
+        "Written by this project (worker/offline/self_harm_statements.tsv): no third-party text.",
+        # Disclosures train the self-harm head alone and look-alikes are its negatives
+        # alone: as negatives of every head (unsafe included) they moved the Lion fit and
+        # cost AILuminate 8 points of recall; as positives of toxicity and unsafe too, the
+        # toxicity head 0.06 on ToxicChat (docs/default-probe.md). Not sources of the
+        # budget rule: the rule's unsafe sources stay the public sets.
+        {"self-harm": {"disclosure": ["self-harm"], "lookalike": []}},
+    ),
+    Source(
         "toxicchat",
         "CC-BY-NC-4.0",
         "Non-commercial only: never in the Apache-2.0 default; built with --noncommercial.",
@@ -344,5 +355,18 @@ def request_rows() -> list[dict[str, Any]]:
     return [
         {"id": f"request-{i}", "text": t, "label": "request", "labels": []}
         for i, t in enumerate(x.strip() for x in lines)
+        if t
+    ]
+
+
+def self_harm_rows() -> list[dict[str, Any]]:
+    """First-person disclosures of suicidal intent or self-injury and their everyday
+    look-alikes, written for this recipe (``LABEL<TAB>TEXT`` per line): the shippable
+    sets' self-harm rows are requests, so nothing teaches the self-harm head a statement.
+    A row's id is its line number (add new lines at the end)."""
+    lines = (Path(__file__).with_name("self_harm_statements.tsv")).read_text().splitlines()
+    return [
+        {"id": f"self-harm-{i}", "text": t, "label": label, "labels": []}
+        for i, (label, _, t) in enumerate(x.strip().partition("\t") for x in lines)
         if t
     ]

@@ -23,7 +23,7 @@ from worker.errors import ConfigError, OfflineError
 from worker.llm.extract import HiddenStateExtractor
 from worker.llm.tiny import make_tiny_llm
 from worker.offline.default_probe import BUDGET, BUDGETS, GENERATED, build_default
-from worker.offline.default_recipe import SOURCES, request_rows, split_of
+from worker.offline.default_recipe import SOURCES, request_rows, self_harm_rows, split_of
 
 CATEGORIES = ["sexual", "hate", "harassment", "violence", "self-harm"]
 # Per dataset: (benign label, labels of an unsafe row, the unsafe row's `label`).
@@ -98,6 +98,26 @@ def test_the_written_requests_are_benign_negatives_of_every_head() -> None:
     heads = {h for h, labels in source.heads.items() if labels.get("request") is not None}
     assert heads == {s for x in SOURCES if not x.noncommercial for s in x.heads} - {"jailbreak"}
     # Some land in each split, so the card measures the held-out ones.
+    assert {split_of(r["id"]) for r in rows} == {"train", "validation", "held_out"}
+
+
+def test_the_written_self_harm_statements_teach_the_self_harm_head_alone() -> None:
+    rows = self_harm_rows()
+    assert len({r["id"] for r in rows}) == len({r["text"] for r in rows}) == len(rows)
+    labels = [r["label"] for r in rows]
+    assert set(labels) == {"disclosure", "lookalike"} and labels.count("lookalike") >= 50
+    assert all("\t" not in r["text"] and r["labels"] == [] for r in rows)
+    source = next(s for s in SOURCES if s.dataset == "self_harm_statements")
+    # Disclosures are self-harm's positives and look-alikes its negatives; no other head
+    # learns from them, and they bind no threshold (the rule's sources are public sets).
+    assert source.heads == {"self-harm": {"disclosure": ["self-harm"], "lookalike": []}}
+    assert source.benign == source.unsafe == () and not source.noncommercial
+    # The integration test's harm lines are in no split (they would grade their own fit).
+    from tests.integration import test_default_quality as lines
+
+    texts = {r["text"].casefold() for r in rows}
+    checked = [*lines.HARMFUL, *lines.EVERYDAY, *lines.SELF_HARM, *lines.LOOKALIKES]
+    assert not texts & {t.casefold() for t in checked}
     assert {split_of(r["id"]) for r in rows} == {"train", "validation", "held_out"}
 
 
@@ -327,21 +347,14 @@ def test_a_budget_rule_other_than_the_recipes_keeps_the_budget_and_says_so(
     data_root: Path, tmp_path: Path, built: tuple[Path, dict]
 ) -> None:
     config = FitConfig(max_epochs=1, patience=1, batch_size=16)
-    card, _ = _rebuild(
-        data_root,
-        built,
-        tmp_path / "shared",
-        solver="lion",
-        config=config,
-        price="share",
-    )
-    # The card names the price where it is not share; the raw recipe's is scarcity (PRICE).
-    assert "budget_price" not in card["fit"] and built[1]["fit"]["budget_price"] == "scarcity"
-    assert "budget_rule" not in card["fit"]  # greedy: the recipe's (RULE)
-    joint, _ = _rebuild(
-        data_root, built, tmp_path / "joint", solver="lion", config=config, budget_rule="joint"
-    )
-    # The joint rule has no price; the card names it instead.
+    options: dict[str, Any] = {"solver": "lion", "config": config, "budget_rule": "greedy"}
+    card, _ = _rebuild(data_root, built, tmp_path / "shared", price="share", **options)
+    scarce, _ = _rebuild(data_root, built, tmp_path / "scarce", **options)
+    # The card names the greedy rule's price where it is not share; the raw recipe's is
+    # scarcity (PRICE), and its rule is joint (RULE), which has no price: the card names it.
+    assert "budget_price" not in card["fit"] and "budget_rule" not in card["fit"]
+    assert scarce["fit"]["budget_price"] == "scarcity" and "budget_rule" not in scarce["fit"]
+    joint = built[1]
     assert joint["fit"]["budget_rule"] == "joint" and "budget_price" not in joint["fit"]
     hard = {s.dataset: s.hard for s in SOURCES}
     for fit in (card, joint):  # either way: every source within its budget, and a looser
@@ -539,7 +552,8 @@ def test_default_show_prints_the_shipped_card(capsys: pytest.CaptureFixture[str]
     # How it was fitted, and which heads the Lion fit kept.
     assert "fitted by lion+logistic over layers 0-30 (Lion's heads kept: " in out
     assert out.count("held off the sources' directions: toxicity") == 1  # raw, not chat
-    assert out.count(", priced by scarcity") == 1  # raw, not chat
+    assert out.count(", thresholds chosen jointly") == 1  # raw, not chat
+    assert "priced by" not in out  # the chat card's greedy rule priced by share
 
 
 def test_ailuminate_specialized_advice_trains_nothing_and_binds_no_threshold() -> None:
