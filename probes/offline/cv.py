@@ -16,10 +16,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from probes.calibration import calibrated_probabilities, raw_logits
+from probes.errors import ProbeError
 from probes.metrics import choose_thresholds, evaluate
 from schemas import HeadCalibration, OperatingPoint, ProbeSpec
 
-__all__ = ["CVResult", "FoldReport", "FoldRun", "choose_from_folds", "fold_reports"]
+__all__ = ["CVResult", "FoldReport", "FoldRun", "choose_from_folds", "fold_reports", "oof_mean"]
 
 
 @dataclass
@@ -146,6 +148,34 @@ def fold_reports(spec: ProbeSpec, runs: list[FoldRun], point: OperatingPoint) ->
     return reports
 
 
+def oof_mean(spec: ProbeSpec, rows: int, parts: list[tuple[Tensor, Tensor]]) -> Tensor:
+    """``[rows, C]`` probabilities from ``parts`` (held row indices, their probabilities):
+    a row held once keeps its probabilities as they are; a row held by several parts gets
+    those of the mean of its logits (:func:`probes.calibration.raw_logits`).
+
+    >>> spec = ProbeSpec(name="t", token_pool="mean", layer_mix="single", layers=[1],
+    ...     hidden_size=8, task="multilabel", labels=["a"])
+    >>> held, p = torch.tensor([0, 1]), torch.sigmoid(torch.tensor([[-2.0], [2.0]]))
+    >>> oof_mean(spec, 2, [(held, p), (held[:1], torch.sigmoid(torch.tensor([[4.0]])))])
+    tensor([[0.7311],
+            [0.8808]])
+    """
+    count = torch.zeros(rows, dtype=torch.int64)
+    for held, _ in parts:
+        count[held] += 1
+    if not bool((count > 0).all()):
+        raise ProbeError(f"{int((count == 0).sum())} rows have no out-of-fold probabilities")
+    oof = torch.empty(rows, len(spec.labels))
+    if bool((count == 1).all()):
+        for held, probs in parts:
+            oof[held] = probs
+        return oof
+    logits = torch.zeros(rows, len(spec.labels), dtype=torch.float64)
+    for held, probs in parts:
+        logits[held] += raw_logits(spec, probs).double()
+    return calibrated_probabilities(spec, (logits / count[:, None]).float())
+
+
 def choose_from_folds(
     spec: ProbeSpec,
     targets: Tensor,
@@ -156,11 +186,11 @@ def choose_from_folds(
 ) -> CVResult:
     """Step 2: the epochs maximizing the folds' mean curve and the thresholds on the pooled
     out-of-fold probabilities at those epochs (``targets``: every row's, in row order;
-    ``states``: each fold's weights per epoch for the soup, or none)."""
+    ``states``: each fold's weights per epoch for the soup, or none). Runs of several
+    seeds hold each row once per seed: its out-of-fold probabilities are then those of the
+    mean of its logits (:func:`oof_mean`), as the soup's are near the mean of its members'."""
     epochs, curve = _best_epoch([r.curve for r in runs])
-    oof = torch.empty(len(targets), len(spec.labels))
-    for run in runs:
-        oof[run.held] = run.probs[epochs - 1]
+    oof = oof_mean(spec, len(targets), [(r.held, r.probs[epochs - 1]) for r in runs])
     thresholds = choose_thresholds(spec, oof, targets, point=point)
     tuned = spec.model_copy(update={"thresholds": thresholds})
     # A fold that stopped early contributes its last epoch (as its curve does, _pad).

@@ -104,6 +104,11 @@ class FitConfig:
     # With logistic_sources: the heads held so (None: every head).
     invariant_heads: frozenset[str] | None = None
     seed: int = 0
+    # Cross-validation (probes.offline.select) repeated with the seeds seed, seed + 1, ...:
+    # the soup averages every seed's fold models and a row's out-of-fold score is the mean
+    # of its logits over the seeds, so the probe is the recipe's mean rather than one draw
+    # of its initialization, folds and batch order. Costs that many times the training.
+    seeds: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.batch_size <= MAX_BATCH:
@@ -113,6 +118,8 @@ class FitConfig:
             v > 0 for v in (c.values() if isinstance(c, Mapping) else [c])
         ):
             raise ProbeError(f"logistic_c must be positive, got {c}")
+        if self.seeds < 1:
+            raise ProbeError(f"seeds must be >= 1, got {self.seeds}")
         if self.max_epochs < 1 or self.patience < 1:
             raise ProbeError(
                 f"max_epochs ({self.max_epochs}) and patience ({self.patience}) must be >= 1"

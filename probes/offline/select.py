@@ -143,20 +143,30 @@ def cross_validate(
     progress: Callable[[dict[str, float]], None] | None = None,
 ) -> CVResult:
     """Steps 1-3 of the module docstring: ``folds`` fits, the choice and the fold figures
-    (:mod:`probes.offline.cv`)."""
-    assign = stratified_folds(data, folds, config.seed)
+    (:mod:`probes.offline.cv`); with ``config.seeds`` above one, all of it once per seed
+    (its own folds, initialization and batch order), the epochs chosen on every run's
+    curve, each fold reported at the choices of its own seed's other folds, and the
+    out-of-fold scores the mean of each row's logits over the seeds."""
     # One standardization for every fold (no labels in it): the folds' weights then mean
     # the same thing, which the soup averages.
     stats = data.input_stats() if config.standardize else None
     runs: list[FoldRun] = []
     states: list[list[dict[str, Tensor]]] = []
-    for i in range(folds):
-        run, epoch_states = _fit_fold(spec, data, config, assign, i, stats, progress)
-        runs.append(run)
-        states.append(epoch_states)
+    for seed in range(config.seed, config.seed + config.seeds):
+        seeded = replace(config, seed=seed)
+        assign = stratified_folds(data, folds, seed)
+        for i in range(folds):
+            tag = {"seed": float(seed)} if config.seeds > 1 else {}
+            run, epoch_states = _fit_fold(spec, data, seeded, assign, i, stats, progress, tag)
+            runs.append(run)
+            states.append(epoch_states)
     span = max(len(r.curve) for r in runs)
     runs = [r.padded(span) for r in runs]
-    reports = fold_reports(spec, runs, config.operating_point)
+    reports = [
+        report
+        for first in range(0, len(runs), folds)
+        for report in fold_reports(spec, runs[first : first + folds], config.operating_point)
+    ]
     soup = config.final == "soup"
     return choose_from_folds(
         spec, data.targets, runs, reports, config.operating_point, states if soup else []
@@ -171,16 +181,18 @@ def _fit_fold(
     i: int,
     stats: tuple[Tensor, Tensor] | None,
     progress: Callable[[dict[str, float]], None] | None,
+    tag: dict[str, float] | None = None,
 ) -> tuple[FoldRun, list[dict[str, Tensor]]]:
     """Step 1 for fold ``i``: fit on the other folds with early stopping on fold ``i``,
-    keeping fold ``i``'s probabilities (and, for the soup, the weights) after every epoch."""
+    keeping fold ``i``'s probabilities (and, for the soup, the weights) after every epoch
+    (``tag``: added to every progress row)."""
     held = (assign == i).nonzero().flatten()
     rest = (assign != i).nonzero().flatten()
     val = data.subset(held)
 
     def tagged(row: dict[str, float]) -> None:
         if progress is not None:
-            progress({"fold": i + 1, **row})
+            progress({**(tag or {}), "fold": i + 1, **row})
 
     started = time.perf_counter()
     result = fit(

@@ -118,6 +118,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     build.add_argument("--folds", type=int, default=4, help="cross-validation folds (4)")
     build.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     build.add_argument(
+        "--seeds",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="repeat the Lion fit's cross-validation with the seeds SEED .. SEED+N-1 and "
+        "ship the soup of every seed's fold models: the recipe's mean, not one draw of "
+        "it, at N times the Lion fit's time (default: the recipe's for the text form)",
+    )
+    build.add_argument(
         "--pin", action="store_true", help="record the new manifest's sha256 in pins.json"
     )
     build.set_defaults(func=_build)
@@ -157,6 +166,7 @@ def _build(args: argparse.Namespace) -> int:
         budget_rule=args.budget_rule,
         budget=BUDGET if args.budget is None else args.budget,
         folds=args.folds,
+        seeds=args.seeds,
         key=settings.cache_key_bytes,
         dtype=resolve_state_dtype(settings.state_dtype, extractor.model_type),
     )
@@ -168,6 +178,13 @@ def _build(args: argparse.Namespace) -> int:
         PINS.write_text(json.dumps(pins, indent=1, sort_keys=True) + "\n")
     print(json.dumps({"out": str(out), **result.card}, indent=1))
     return 0
+
+
+def _count(value: str) -> int:
+    """``--seeds``: a whole number, at least 1 (checked before the LLM loads)."""
+    if not value.strip().isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"not a whole number >= 1: {value!r}")
+    return int(value)
 
 
 def _heads(value: str) -> list[str]:

@@ -107,6 +107,9 @@ PRICE: dict[str | None, BudgetPrice] = {None: "scarcity"}
 # first-person self-harm line ranked below everyday chat (docs/default-probe.md). Chat
 # form: greedy, the rule its shipped default was built with.
 RULE: dict[str | None, BudgetRule] = {None: "joint"}
+# The seeds the Lion fit's cross-validation is repeated over (FitConfig.seeds), per text
+# form (the others: 1): the default is then the soup of every seed's fold models.
+SEEDS: dict[str | None, int] = {}
 # The logistic heads' inverse L2 strengths tried by leaving one source out (choose_c).
 C_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 
@@ -348,6 +351,9 @@ def fit_default(
     how the greedy budget rule prices a flagged benign row
     (:func:`probes.budget.recall_thresholds`); ``budget_rule``: ``greedy`` (that rule) or
     ``joint`` (:func:`probes.budget.joint_thresholds`: every label's threshold at once).
+    ``config.seeds``: the Lion fit's cross-validation repeated over that many seeds, its
+    probe their soup (:func:`probes.offline.select.cross_validate`); the logistic fits run
+    once.
 
     Out-of-fold scores stand for the soup's because the pool is linear in its features
     (mean): the soup's logits are then near the mean of the fold models'. With the gate
@@ -365,9 +371,13 @@ def fit_default(
             logistic_sources={i: d.source.dataset for d in dev for i in d.data.ids},
             invariant_heads=frozenset(invariant),
         )
+    # The seeds are the Lion fits' (FitConfig.seeds); a logistic fit is exact given its folds.
+    lion_config, config = config, replace(config, seeds=1)
     if solver == "lion+logistic":
-        lion = fit_cv(spec, data, config, folds=folds, calibrate=True, progress=progress)
+        lion = fit_cv(spec, data, lion_config, folds=folds, calibrate=True, progress=progress)
         config = replace(config, logistic_mix=lion[0].probe.mix.state_dict())
+    elif solver == "lion":
+        config = lion_config
     if solver != "lion":
         c_choice = choose_c(dev, spec, config, folds=folds, keep_few=lion is not None)
         log.info("default: logistic heads, C by leaving one source out: %s", c_choice.chosen)
@@ -571,6 +581,7 @@ def build_default(
     budget_rule: BudgetRule | None = None,
     budget: float = BUDGET,
     folds: int = 4,
+    seeds: int | None = None,
     key: bytes | None = None,
     evaluate_on: Sequence[Source] = (),
     dtype: StateDtype = "float16",
@@ -579,8 +590,9 @@ def build_default(
     states stored as ``dtype``: Gemma 3's exceed float16's range, so bfloat16 there),
     fit the multi-head default with a fixed seed (:func:`fit_default`; ``invariant``: the
     logistic heads held off the sources' directions; ``budget_rule`` and ``price``: the
-    budget rule's; None: the recipe's for the extractor's text form, :data:`INVARIANT`,
-    :data:`RULE`, :data:`PRICE`), measure it per source on the held-out rows (and on every
+    budget rule's; ``seeds``: the Lion fit's (``FitConfig.seeds``); None: the recipe's for
+    the extractor's text form, :data:`INVARIANT`, :data:`RULE`, :data:`PRICE`,
+    :data:`SEEDS`), measure it per source on the held-out rows (and on every
     row of ``evaluate_on``: sources it never trains on), and write it to ``out``
     (``manifest.json``, ``tensors.safetensors``, ``card.json``)."""
     started = time.time()
@@ -607,6 +619,7 @@ def build_default(
     invariant = INVARIANT.get(form, ()) if invariant is None else invariant
     price = price or PRICE.get(form, "share")
     budget_rule = budget_rule or RULE.get(form, "greedy")
+    config = replace(config, seeds=seeds or SEEDS.get(form, 1))
     fitted = fit_default(
         loaded,
         spec,
@@ -646,6 +659,7 @@ def build_default(
         pool=pool,
         folds=folds,
         seed=config.seed,
+        seeds=config.seeds,
         started=started,
     )
     atomic_write(out / "card.json", json.dumps(card, indent=1) + "\n")
@@ -665,6 +679,7 @@ def _card(
     pool: TokenPool,
     folds: int,
     seed: int,
+    seeds: int,
     started: float,
 ) -> dict[str, Any]:
     """The data card that ships beside the weights: licenses and rows of every source, the
@@ -702,6 +717,8 @@ def _card(
             "epochs": fitted.cv.epochs,
             "seconds": round(fitted.result.seconds, 1),
             "seed": seed,
+            # The Lion fit's seeds (seed, seed + 1, ...), its probe their soup.
+            **({"seeds": seeds} if seeds > 1 else {}),
         },
         "held_out": measured,
         "built_seconds": round(time.time() - started, 1),
@@ -735,7 +752,8 @@ _SPLITS = ("train", "validation", "held_out")
 
 def _progress(row: dict[str, float]) -> None:
     log.info(
-        "epoch %d: train loss %.4f, validation AUPRC %.4f",
+        "%sepoch %d: train loss %.4f, validation AUPRC %.4f",
+        f"seed {row['seed']:g}, fold {row['fold']:g}, " if "seed" in row else "",
         row["epoch"],
         row["train_loss"],
         row.get("val_auprc", float("nan")),

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from probes import ProbeError
+from probes.calibration import calibrated_probabilities, raw_logits
 from probes.offline.dataset import ProbeDataset
 from probes.offline.depth import choose_depth, depth_candidates
 from probes.offline.fit import FitConfig, predict_dataset
@@ -182,3 +183,50 @@ def test_copies_of_a_row_share_a_fold() -> None:
     fold = stratified_folds(data, 4)
     for row in set(ids):
         assert len({int(fold[i]) for i in range(n) if ids[i] == row}) == 1
+
+
+def test_seeds_repeat_the_folds_and_the_soup_averages_every_seeds_models() -> None:
+    """``FitConfig.seeds``: the cross-validation of each seed as it would run alone (its
+    folds, models and fold reports), the soup the mean of all their models, and a row's
+    out-of-fold probabilities those of its mean logit over the seeds."""
+    data = token_dataset(n=240, seed=1)
+    spec = spec_for(data, "mean")
+    config = FitConfig(max_epochs=1, patience=1, lr=1e-2)  # one epoch: every seed's E*
+    alone = [cross_validate(spec, data, replace(config, seed=s), folds=3) for s in (4, 5, 6)]
+    result, cv = fit_cv(spec, data, replace(config, seed=4, seeds=3), folds=3)
+    assert len(cv.folds) == len(cv.fold_states) == 9
+    for report, other in zip(cv.folds, [f for a in alone for f in a.folds], strict=True):
+        assert (report.fold, report.auprc, report.thresholds) == (
+            other.fold, other.auprc, other.thresholds,
+        )  # fmt: skip
+    states = [s for a in alone for s in a.fold_states]
+    for mine, theirs in zip(cv.fold_states, states, strict=True):
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    logits = torch.stack([raw_logits(spec, a.oof_probs).double() for a in alone]).mean(0)
+    torch.testing.assert_close(cv.oof_probs, calibrated_probabilities(spec, logits.float()))
+    assert result.soup_of == 9
+    state = result.probe.state_dict()
+    for key in state:
+        members = torch.stack([s[key].double() for s in cv.fold_states])
+        torch.testing.assert_close(state[key].double(), members.mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_a_soup_of_seeds_depends_less_on_its_seeds_than_one_seed_does() -> None:
+    """Two soups of disjoint seeds score unseen rows closer to each other than two single
+    seeds do: the soup is the recipe's mean, not one draw of it."""
+    data, test = token_dataset(n=120, seed=1), token_dataset(n=60, seed=2)
+    spec = spec_for(data, "mean")
+    config = FitConfig(max_epochs=3, patience=1, lr=3e-3)
+
+    def scores(seed: int, seeds: int) -> torch.Tensor:
+        result, _ = fit_cv(spec, data, replace(config, seed=seed, seeds=seeds), folds=3)
+        return predict_dataset(result.probe, test)
+
+    one = (scores(0, 1) - scores(4, 1)).abs().mean()
+    soup = (scores(0, 4) - scores(4, 4)).abs().mean()
+    assert soup < 0.5 * one
+
+
+def test_seeds_must_be_positive() -> None:
+    with pytest.raises(ProbeError, match="seeds must be >= 1"):
+        FitConfig(seeds=0)
