@@ -107,9 +107,6 @@ PRICE: dict[str | None, BudgetPrice] = {None: "scarcity"}
 # first-person self-harm line ranked below everyday chat (docs/default-probe.md). Chat
 # form: greedy, the rule its shipped default was built with.
 RULE: dict[str | None, BudgetRule] = {None: "joint"}
-# The seeds the Lion fit's cross-validation is repeated over (FitConfig.seeds), per text
-# form (the others: 1): the default is then the soup of every seed's fold models.
-SEEDS: dict[str | None, int] = {}
 # The logistic heads' inverse L2 strengths tried by leaving one source out (choose_c).
 C_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 
@@ -351,9 +348,9 @@ def fit_default(
     how the greedy budget rule prices a flagged benign row
     (:func:`probes.budget.recall_thresholds`); ``budget_rule``: ``greedy`` (that rule) or
     ``joint`` (:func:`probes.budget.joint_thresholds`: every label's threshold at once).
-    ``config.seeds``: the Lion fit's cross-validation repeated over that many seeds, its
-    probe their soup (:func:`probes.offline.select.cross_validate`); the logistic fits run
-    once.
+    ``config.seeds``: both cross-validations (Lion's and the logistic heads') repeated over
+    that many seeds, each probe the soup of every seed's fold models and the out-of-fold
+    scores their mean (:func:`probes.offline.select.cross_validate`); ``C`` is chosen once.
 
     Out-of-fold scores stand for the soup's because the pool is linear in its features
     (mean): the soup's logits are then near the mean of the fold models'. With the gate
@@ -371,15 +368,12 @@ def fit_default(
             logistic_sources={i: d.source.dataset for d in dev for i in d.data.ids},
             invariant_heads=frozenset(invariant),
         )
-    # The seeds are the Lion fits' (FitConfig.seeds); a logistic fit is exact given its folds.
-    lion_config, config = config, replace(config, seeds=1)
     if solver == "lion+logistic":
-        lion = fit_cv(spec, data, lion_config, folds=folds, calibrate=True, progress=progress)
+        lion = fit_cv(spec, data, config, folds=folds, calibrate=True, progress=progress)
         config = replace(config, logistic_mix=lion[0].probe.mix.state_dict())
-    elif solver == "lion":
-        config = lion_config
     if solver != "lion":
-        c_choice = choose_c(dev, spec, config, folds=folds, keep_few=lion is not None)
+        one = replace(config, seeds=1)
+        c_choice = choose_c(dev, spec, one, folds=folds, keep_few=lion is not None)
         log.info("default: logistic heads, C by leaving one source out: %s", c_choice.chosen)
         config = replace(config, logistic_c=c_choice.chosen)
     result, cv = fit_cv(spec, data, config, folds=folds, calibrate=True, progress=progress)
@@ -581,7 +575,6 @@ def build_default(
     budget_rule: BudgetRule | None = None,
     budget: float = BUDGET,
     folds: int = 4,
-    seeds: int | None = None,
     key: bytes | None = None,
     evaluate_on: Sequence[Source] = (),
     dtype: StateDtype = "float16",
@@ -590,9 +583,8 @@ def build_default(
     states stored as ``dtype``: Gemma 3's exceed float16's range, so bfloat16 there),
     fit the multi-head default with a fixed seed (:func:`fit_default`; ``invariant``: the
     logistic heads held off the sources' directions; ``budget_rule`` and ``price``: the
-    budget rule's; ``seeds``: the Lion fit's (``FitConfig.seeds``); None: the recipe's for
-    the extractor's text form, :data:`INVARIANT`, :data:`RULE`, :data:`PRICE`,
-    :data:`SEEDS`), measure it per source on the held-out rows (and on every
+    budget rule's; None: the recipe's for the extractor's text form, :data:`INVARIANT`,
+    :data:`RULE`, :data:`PRICE`), measure it per source on the held-out rows (and on every
     row of ``evaluate_on``: sources it never trains on), and write it to ``out``
     (``manifest.json``, ``tensors.safetensors``, ``card.json``)."""
     started = time.time()
@@ -619,7 +611,6 @@ def build_default(
     invariant = INVARIANT.get(form, ()) if invariant is None else invariant
     price = price or PRICE.get(form, "share")
     budget_rule = budget_rule or RULE.get(form, "greedy")
-    config = replace(config, seeds=seeds or SEEDS.get(form, 1))
     fitted = fit_default(
         loaded,
         spec,
@@ -717,7 +708,7 @@ def _card(
             "epochs": fitted.cv.epochs,
             "seconds": round(fitted.result.seconds, 1),
             "seed": seed,
-            # The Lion fit's seeds (seed, seed + 1, ...), its probe their soup.
+            # The cross-validations' seeds (seed, seed + 1, ...), the probe their soup.
             **({"seeds": seeds} if seeds > 1 else {}),
         },
         "held_out": measured,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -325,19 +326,26 @@ def test_lion_then_logistic_fits_the_heads_on_the_mix_lion_learned(
             assert probe.spec.calibration.get(head.name) == lion.spec.calibration.get(head.name)
 
 
-def test_seeds_make_the_lion_fit_a_soup_of_seeds_and_the_card_says_so(
+def test_seeds_make_the_default_a_soup_of_seeds_and_the_card_says_so(
     data_root: Path, tmp_path: Path, built: tuple[Path, dict], caplog: pytest.LogCaptureFixture
 ) -> None:
     config = FitConfig(max_epochs=2, patience=1, batch_size=16, lr=3e-3)
-    options: dict[str, Any] = {"solver": "lion+logistic", "config": config}
-    one, single = _rebuild(data_root, built, tmp_path / "one", seeds=1, **options)
+    one, single = _rebuild(
+        data_root, built, tmp_path / "one", solver="lion+logistic", config=config
+    )
     caplog.clear()
     with caplog.at_level("INFO", logger="worker.offline.default_probe"):
-        two, soup = _rebuild(data_root, built, tmp_path / "two", seeds=2, **options)
+        two, soup = _rebuild(
+            data_root,
+            built,
+            tmp_path / "two",
+            solver="lion+logistic",
+            config=replace(config, seeds=2),
+        )
     assert "seeds" not in one["fit"] and two["fit"]["seeds"] == 2
     assert "seed 1, fold 2, epoch 2" in caplog.text  # the second seed's folds ran
     # The Lion fit is the soup of four fold models (not a refit): its mix and the heads it
-    # keeps are another; the logistic heads were fitted once, on that mix.
+    # keeps are another, and the logistic heads were fitted on that mix.
     assert "refitting on every row instead" not in caplog.text
     kept = two["fit"]["lion_heads"]
     assert kept and kept == one["fit"]["lion_heads"]
