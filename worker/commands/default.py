@@ -124,7 +124,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="repeat the cross-validations with the seeds SEED .. SEED+N-1 and ship the "
         "soup of every seed's fold models, at about N times the fits' time (default 1; "
-        "5 and 10 did not steady the held-out figures: docs/default-probe.md)",
+        "two builds of 15 disjoint seeds agreed where 5 did not: docs/default-probe.md)",
     )
     build.add_argument(
         "--pin", action="store_true", help="record the new manifest's sha256 in pins.json"
