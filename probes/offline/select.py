@@ -156,8 +156,7 @@ def cross_validate(
         seeded = replace(config, seed=seed)
         assign = stratified_folds(data, folds, seed)
         for i in range(folds):
-            tag = {"seed": float(seed)} if config.seeds > 1 else {}
-            run, epoch_states = _fit_fold(spec, data, seeded, assign, i, stats, progress, tag)
+            run, epoch_states = _fit_fold(spec, data, seeded, assign, i, stats, progress)
             runs.append(run)
             states.append(epoch_states)
     span = max(len(r.curve) for r in runs)
@@ -181,18 +180,18 @@ def _fit_fold(
     i: int,
     stats: tuple[Tensor, Tensor] | None,
     progress: Callable[[dict[str, float]], None] | None,
-    tag: dict[str, float] | None = None,
 ) -> tuple[FoldRun, list[dict[str, Tensor]]]:
     """Step 1 for fold ``i``: fit on the other folds with early stopping on fold ``i``,
     keeping fold ``i``'s probabilities (and, for the soup, the weights) after every epoch
-    (``tag``: added to every progress row)."""
+    (with several seeds, the progress rows name ``config.seed``, this run's)."""
     held = (assign == i).nonzero().flatten()
     rest = (assign != i).nonzero().flatten()
     val = data.subset(held)
+    tag = {"seed": float(config.seed)} if config.seeds > 1 else {}
 
     def tagged(row: dict[str, float]) -> None:
         if progress is not None:
-            progress({**(tag or {}), "fold": i + 1, **row})
+            progress({**tag, "fold": i + 1, **row})
 
     started = time.perf_counter()
     result = fit(
