@@ -155,7 +155,8 @@ class Learner:
     ) -> float:
         """One Lion step on a mini-batch given in pieces ``(hidden, mask, targets)``: the
         same step as on the whole batch, but each piece is padded only to its own longest
-        row (a batch of token-level rows sorted by length wastes little on padding)."""
+        row (a batch of token-level rows sorted by length wastes little on padding). A batch
+        none of whose rows annotates a head makes no step (returns 0.0)."""
         if not chunks:
             raise ProbeError("a step needs at least one example")
         self.probe.train()
@@ -176,7 +177,10 @@ class Learner:
                 )
                 exit_sums.append(total)
                 exit_norms.append(norm)
-        loss = torch.stack(sums).sum() / torch.stack(norms).sum()
+        norm = torch.stack(norms).sum()
+        if norm == 0:  # no row annotates any head: nothing to learn, no step
+            return 0.0
+        loss = torch.stack(sums).sum() / norm
         if not torch.isfinite(loss):
             raise ProbeError(f"loss is {float(loss)}; refusing to step (check the inputs)")
         weights = torch.cat(mix, dim=1)  # [L, B_total]

@@ -148,6 +148,23 @@ def test_unannotated_heads_add_nothing_to_the_loss_or_the_gradient() -> None:
     assert float(learner.loss(probe(hidden, mask), y).detach()) < before
 
 
+def test_a_batch_that_annotates_no_head_makes_no_step() -> None:
+    # A source's rows may annotate no head at all (AILuminate's specialized-advice prompts):
+    # a mini-batch of only such rows (an epoch's last one, say) has nothing to learn; it
+    # once read loss 0/0 = NaN and failed the whole fit.
+    spec = heads_spec()
+    probe = build_probe(spec, seed=0)
+    hidden, mask, y = toy_task(len(spec.layers), "multihead", n=4)
+    learner = Learner(probe)
+    before = {k: v.clone() for k, v in probe.state_dict().items()}
+    assert learner.learn_many(hidden, mask, torch.full_like(y, float("nan"))) == 0.0
+    assert learner.steps == 0 and learner.examples == 0
+    for name, value in probe.state_dict().items():
+        torch.testing.assert_close(value, before[name])
+    learner.learn_many(hidden, mask, y)  # a batch with labels still steps
+    assert learner.steps == 1
+
+
 def test_a_multiclass_head_takes_a_softmax_of_its_own_and_decides_one_class() -> None:
     spec = heads_spec(thresholds={"toxic": 0.3})
     probe = build_probe(spec, seed=0)
