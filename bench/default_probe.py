@@ -79,8 +79,6 @@ TASK_HEAD = {
     "ailuminate_demo": "unsafe",
     "simplesafetytests": "unsafe",
     "davidson_hate_offensive": "offensive",
-    "self_harm_statements": "self-harm",
-    "unsafe_requests": "unsafe",
     "toxicchat": "toxicity",
 }
 TOXICCHAT = Source(
