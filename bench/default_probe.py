@@ -79,6 +79,7 @@ TASK_HEAD = {
     "ailuminate_demo": "unsafe",
     "simplesafetytests": "unsafe",
     "davidson_hate_offensive": "offensive",
+    "self_harm_statements": "self-harm",
     "toxicchat": "toxicity",
 }
 TOXICCHAT = Source(

@@ -120,11 +120,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     build.add_argument(
         "--seeds",
         type=_count,
-        default=1,
+        default=None,
         metavar="N",
         help="repeat the cross-validations with the seeds SEED .. SEED+N-1 and ship the "
-        "soup of every seed's fold models, at about N times the fits' time (default 1; "
-        "two builds of 15 disjoint seeds agreed where 5 did not: docs/default-probe.md)",
+        "soup of every seed's fold models, at about N times the fits' time (default: the "
+        "recipe's for the text form, 15 raw and 1 chat; two builds of 15 disjoint seeds "
+        "agreed where 5 did not: docs/default-probe.md)",
     )
     build.add_argument(
         "--pin", action="store_true", help="record the new manifest's sha256 in pins.json"
@@ -143,16 +144,15 @@ def _build(args: argparse.Namespace) -> int:
     from worker.defaults import PINS, ROOT, folder_name
     from worker.llm.extract import HiddenStateExtractor
     from worker.llm.precision import resolve_state_dtype
-    from worker.offline.default_probe import BUDGET, POOL, build_default
+    from worker.offline.default_probe import BUDGET, POOL, SEEDS, build_default
     from worker.settings import load_settings
 
     settings = load_settings()
     extractor = HiddenStateExtractor.from_settings(settings)
     # One folder per LLM and text form: the chat form's default sits beside the raw one.
     out = args.out or ROOT / folder_name(extractor.fingerprint, noncommercial=args.noncommercial)
-    config = FitConfig(
-        max_epochs=args.epochs, patience=args.patience, seed=args.seed, seeds=args.seeds
-    )
+    seeds = args.seeds or SEEDS.get(extractor.fingerprint.form, 1)
+    config = FitConfig(max_epochs=args.epochs, patience=args.patience, seed=args.seed, seeds=seeds)
     result = build_default(
         args.data_root,
         out,
@@ -229,6 +229,9 @@ def _show(args: argparse.Namespace) -> int:
                   + (f" (Lion's heads kept: {', '.join(kept)})" if kept else ""))  # fmt: skip
             if held:
                 print(f"  held off the sources' directions: {', '.join(held)}")
+            if (n := fit.get("seeds", 1)) > 1:
+                first = fit["seed"]
+                print(f"  the soup of {n} seeds' fold models (seeds {first}-{first + n - 1})")
         if "budget" in card:
             price, rule = fit.get("budget_price"), fit.get("budget_rule")
             print(f"  flag budget: {card['budget']:g} of ordinary chat (card ships "

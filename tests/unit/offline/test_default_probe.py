@@ -8,6 +8,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -585,6 +586,7 @@ def test_default_show_prints_the_shipped_card(capsys: pytest.CaptureFixture[str]
     assert "fitted by lion+logistic over layers 0-30 (Lion's heads kept: " in out
     assert out.count("held off the sources' directions: toxicity") == 1  # raw, not chat
     assert out.count(", thresholds chosen jointly") == 1  # raw, not chat
+    assert out.count("the soup of 15 seeds' fold models (seeds 0-14)") == 1  # raw, not chat
     assert "priced by" not in out  # the chat card's greedy rule priced by share
 
 
@@ -608,3 +610,28 @@ def test_ailuminate_specialized_advice_trains_nothing_and_binds_no_threshold() -
         [0, 1], spec.labels, "multilabel", y, ["a", "b"], summaries=torch.zeros(2, 2, 8)
     )
     assert Loaded(source, data, [advice, unsafe]).roles == ["", "unsafe"]
+
+
+def test_the_command_line_builds_with_the_recipes_seeds_for_the_text_form(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import worker.offline.default_probe as recipe
+    from worker.cli import main
+
+    make_tiny_llm(tmp_path)
+    monkeypatch.setenv("PROBEGUARD_MODEL", str(tmp_path / "tiny-llama-0"))
+    monkeypatch.setenv("PROBEGUARD_CACHE_DIR", str(tmp_path / "model-cache"))
+    seeds: list[tuple[int, int]] = []
+
+    def build(*_: Any, config: FitConfig, **__: Any) -> SimpleNamespace:
+        seeds.append((config.seed, config.seeds))
+        return SimpleNamespace(card={})
+
+    monkeypatch.setattr(recipe, "build_default", build)
+    monkeypatch.setattr(recipe, "SEEDS", {None: 3})  # the raw form's, in this test
+    argv = ["default", "build", "--data-root", str(tmp_path), "--out", str(tmp_path / "out")]
+    assert main(argv) == 0
+    assert main([*argv, "--seeds", "2", "--seed", "5"]) == 0
+    monkeypatch.setenv("PROBEGUARD_TEXT_FORM", "chat")  # a form the recipe gives no seeds
+    assert main(argv) == 0
+    assert seeds == [(0, 3), (5, 2), (0, 1)]
