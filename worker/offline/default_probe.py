@@ -120,8 +120,8 @@ RULE: dict[str | None, BudgetRule] = {None: "joint"}
 # Held out, single seeds moved XSTest's unsafe head by 0.05 (0.859-0.912) and AILuminate
 # by 5 points (70.5-75.6 %), two soups of five disjoint seeds as much (0.912 and 0.873,
 # 76.2 and 71.0 %); two of fifteen agree (0.900 and 0.890, 79.3 and 78.8 %), so a rebuild
-# from other seeds is the same default (docs/default-probe.md). The command line applies
-# it (`default build --seeds`); build_default takes the config's.
+# from other seeds measures alike (docs/default-probe.md). The command line applies it
+# (`default build --seeds`); build_default takes the config's.
 SEEDS: dict[str | None, int] = {None: 15}
 # The logistic heads' inverse L2 strengths tried by leaving one source out (choose_c).
 C_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
