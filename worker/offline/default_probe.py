@@ -331,6 +331,7 @@ class DefaultFit:
     invariant: Sequence[str] = ()  # logistic heads held off the sources' directions
     price: BudgetPrice = "share"  # what a flagged benign row costs (recall_thresholds)
     budget_rule: BudgetRule = "greedy"  # label by label, or all at once (probes.budget)
+    lion_epochs: int | None = None  # lion+logistic: the epochs of the Lion fit before it
 
 
 def fit_default(
@@ -405,7 +406,7 @@ def fit_default(
     rates = flag_rates(rule.benign, rule.groups, [chosen[x] for x in rule.flag])
     return DefaultFit(
         result, cv, thresholds, rates, points, rule, c_choice, solver, invariant, price,
-        budget_rule,
+        budget_rule, lion[1].epochs if lion is not None else None,
     )  # fmt: skip
 
 
@@ -722,6 +723,8 @@ def _card(
             **_rule(fitted),
             "folds": folds,
             "epochs": fitted.cv.epochs,
+            # lion+logistic: ``epochs`` are the logistic heads'; the Lion fit's beside them
+            **({"lion_epochs": fitted.lion_epochs} if fitted.lion_epochs is not None else {}),
             "seconds": round(fitted.result.seconds, 1),
             "seed": seed,
             # The cross-validations' seeds (seed, seed + 1, ...), the probe their soup.

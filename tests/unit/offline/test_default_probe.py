@@ -304,6 +304,8 @@ def test_lion_then_logistic_fits_the_heads_on_the_mix_lion_learned(
         invariant=every,
     )
     assert card["fit"]["solver"] == "lion+logistic"
+    # The card records both fits' epochs: the logistic heads' and the Lion fit's before.
+    assert card["fit"]["epochs"] == 1 and 1 <= card["fit"]["lion_epochs"] <= config.max_epochs
     # Lion moved the layer mix away from the uniform start the plain logistic solver keeps.
     assert float(probe.mix.state_dict()["logits"].abs().max()) > 1e-3
     # The heads fewer than two sources can be left out for keep the Lion fit's head: its
