@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     build = actions.add_parser(
         "build",
-        help="rebuild the default from the datasets' train splits (fixed seed)",
+        help="rebuild the default from the datasets' train splits (fixed seeds)",
         description="Builds (or resumes) a hidden-state cache per dataset; holds out 20% of "
         "each train split by id hash; cross-validates the multi-head default on the other "
         "80%, calibrates each head out of fold and sets the flag thresholds so that the "
@@ -30,9 +30,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "most the budget of every source's benign rows; measures it on the held-out rows; "
         "then writes the checkpoint and its data card (with the thresholds for other "
         "budgets). The LLM comes from PROBEGUARD_MODEL and the text form from "
-        "PROBEGUARD_TEXT_FORM (chat: the folder gets a -chat suffix). About 2 minutes on 2 "
-        "CPU cores once the caches exist (building them: about 40; the chat form's took "
-        "26 on cores shared with other work).",
+        "PROBEGUARD_TEXT_FORM (chat: the folder gets a -chat suffix). On 2 CPU cores once "
+        "the caches exist: 20-40 minutes for the raw form's fifteen seeds, 2 for the "
+        "chat form's one (building the caches: about 30-40; the chat form's took 26 on "
+        "cores shared with other work).",
     )
     build.add_argument(
         "--data-root",
