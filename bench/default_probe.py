@@ -80,7 +80,6 @@ TASK_HEAD = {
     "simplesafetytests": "unsafe",
     "davidson_hate_offensive": "offensive",
     "self_harm_statements": "self-harm",
-    "unsafe_requests": "unsafe",
     "toxicchat": "toxicity",
 }
 TOXICCHAT = Source(

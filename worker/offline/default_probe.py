@@ -61,7 +61,6 @@ from worker.offline.default_recipe import (
     request_rows,
     self_harm_rows,
     split_of,
-    unsafe_request_rows,
 )
 from worker.offline.fit_eval import load_split
 
@@ -133,7 +132,6 @@ GENERATED: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "degenerate": degenerate_rows,
     "assistant_requests": request_rows,
     "self_harm_statements": self_harm_rows,
-    "unsafe_requests": unsafe_request_rows,
 }
 
 

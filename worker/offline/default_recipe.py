@@ -29,7 +29,6 @@ __all__ = [
     "degenerate_rows",
     "request_rows",
     "split_of",
-    "unsafe_request_rows",
 ]
 
 NAME = "moderation"
@@ -279,15 +278,6 @@ SOURCES: list[Source] = [
         {"self-harm": {"disclosure": ["self-harm"], "lookalike": []}},
     ),
     Source(
-        "unsafe_requests",
-        "written for probeguard (Apache-2.0)",
-        "Written by this project (worker/offline/unsafe_requests.tsv): no third-party text.",
-        # The unsafe head's second two-class source (beside XSTest), so its logistic C is
-        # chosen by leaving a source out; no other head learns from these rows and they
-        # bind no threshold (the rule's sources stay the public sets).
-        {"unsafe": {"unsafe": ["unsafe"], "safe": []}},
-    ),
-    Source(
         "toxicchat",
         "CC-BY-NC-4.0",
         "Non-commercial only: never in the Apache-2.0 default; built with --noncommercial.",
@@ -369,28 +359,14 @@ def request_rows() -> list[dict[str, Any]]:
     ]
 
 
-def _labeled_rows(filename: str, prefix: str) -> list[dict[str, Any]]:
-    """``LABEL<TAB>TEXT`` per line of a file beside this module; a row's id is its line
-    number (its split follows from it: add new lines at the end)."""
-    lines = (Path(__file__).with_name(filename)).read_text().splitlines()
+def self_harm_rows() -> list[dict[str, Any]]:
+    """First-person disclosures of suicidal intent or self-injury and their everyday
+    look-alikes, written for this recipe (``LABEL<TAB>TEXT`` per line): the shippable
+    sets' self-harm rows are requests, so nothing teaches the self-harm head a statement.
+    A row's id is its line number (add new lines at the end)."""
+    lines = (Path(__file__).with_name("self_harm_statements.tsv")).read_text().splitlines()
     return [
-        {"id": f"{prefix}-{i}", "text": t, "label": label, "labels": []}
+        {"id": f"self-harm-{i}", "text": t, "label": label, "labels": []}
         for i, (label, _, t) in enumerate(x.strip().partition("\t") for x in lines)
         if t
     ]
-
-
-def self_harm_rows() -> list[dict[str, Any]]:
-    """First-person disclosures of suicidal intent or self-injury and their everyday
-    look-alikes, written for this recipe: the shippable sets' self-harm rows are requests,
-    so nothing teaches the self-harm head a statement."""
-    return _labeled_rows("self_harm_statements.tsv", "self-harm")
-
-
-def unsafe_request_rows() -> list[dict[str, Any]]:
-    """Requests for help with harm (weapons, poison, fraud, intrusion, stalking, abuse,
-    self-harm methods) beside safe requests written to look like them (killing a process,
-    hunting licences, how to report abuse), written for this recipe: XSTest is the only
-    shippable set holding both classes of the ``unsafe`` head, so without them its fit
-    rests on one source of 200 contrast prompts."""
-    return _labeled_rows("unsafe_requests.tsv", "unsafe-request")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -26,13 +25,7 @@ from worker.errors import ConfigError, OfflineError
 from worker.llm.extract import HiddenStateExtractor
 from worker.llm.tiny import make_tiny_llm
 from worker.offline.default_probe import BUDGET, BUDGETS, GENERATED, build_default
-from worker.offline.default_recipe import (
-    SOURCES,
-    request_rows,
-    self_harm_rows,
-    split_of,
-    unsafe_request_rows,
-)
+from worker.offline.default_recipe import SOURCES, request_rows, self_harm_rows, split_of
 
 CATEGORIES = ["sexual", "hate", "harassment", "violence", "self-harm"]
 # Per dataset: (benign label, labels of an unsafe row, the unsafe row's `label`).
@@ -110,34 +103,24 @@ def test_the_written_requests_are_benign_negatives_of_every_head() -> None:
     assert {split_of(r["id"]) for r in rows} == {"train", "validation", "held_out"}
 
 
-@pytest.mark.parametrize(
-    ("rows", "dataset", "head", "labels"),
-    [
-        (self_harm_rows, "self_harm_statements", "self-harm", ("disclosure", "lookalike")),
-        (unsafe_request_rows, "unsafe_requests", "unsafe", ("unsafe", "safe")),
-    ],
-)
-def test_the_written_two_class_sources_teach_their_head_alone(
-    rows: Callable[[], list[dict]], dataset: str, head: str, labels: tuple[str, str]
-) -> None:
-    written = rows()
-    assert len({r["id"] for r in written}) == len({r["text"] for r in written}) == len(written)
-    positive, negative = labels
-    counts = Counter(r["label"] for r in written)
-    assert set(counts) == set(labels) and min(counts.values()) >= 50
-    assert all("\t" not in r["text"] and r["labels"] == [] for r in written)
-    source = next(s for s in SOURCES if s.dataset == dataset)
-    # The positives are the head's and the look-alikes its negatives; no other head learns
-    # from them, and they bind no threshold (the rule's sources are public sets).
-    assert source.heads == {head: {positive: [head], negative: []}}
+def test_the_written_self_harm_statements_teach_the_self_harm_head_alone() -> None:
+    rows = self_harm_rows()
+    assert len({r["id"] for r in rows}) == len({r["text"] for r in rows}) == len(rows)
+    labels = [r["label"] for r in rows]
+    assert set(labels) == {"disclosure", "lookalike"} and labels.count("lookalike") >= 50
+    assert all("\t" not in r["text"] and r["labels"] == [] for r in rows)
+    source = next(s for s in SOURCES if s.dataset == "self_harm_statements")
+    # Disclosures are self-harm's positives and look-alikes its negatives; no other head
+    # learns from them, and they bind no threshold (the rule's sources are public sets).
+    assert source.heads == {"self-harm": {"disclosure": ["self-harm"], "lookalike": []}}
     assert source.benign == source.unsafe == () and not source.noncommercial
     # The integration test's harm lines are in no split (they would grade their own fit).
     from tests.integration import test_default_quality as lines
 
-    texts = {r["text"].casefold() for r in written}
+    texts = {r["text"].casefold() for r in rows}
     checked = [*lines.HARMFUL, *lines.EVERYDAY, *lines.SELF_HARM, *lines.LOOKALIKES]
     assert not texts & {t.casefold() for t in checked}
-    assert {split_of(r["id"]) for r in written} == {"train", "validation", "held_out"}
+    assert {split_of(r["id"]) for r in rows} == {"train", "validation", "held_out"}
 
 
 @pytest.fixture(scope="module")
