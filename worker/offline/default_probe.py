@@ -58,7 +58,6 @@ from worker.offline.default_recipe import (
     Source,
     default_spec,
     degenerate_rows,
-    lookalike_rows,
     request_rows,
     self_harm_rows,
     split_of,
@@ -132,7 +131,6 @@ C_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 GENERATED: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "degenerate": degenerate_rows,
     "assistant_requests": request_rows,
-    "lookalike_requests": lookalike_rows,
     "self_harm_statements": self_harm_rows,
 }
 

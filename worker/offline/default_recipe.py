@@ -27,7 +27,6 @@ __all__ = [
     "Source",
     "default_spec",
     "degenerate_rows",
-    "lookalike_rows",
     "request_rows",
     "split_of",
 ]
@@ -279,15 +278,6 @@ SOURCES: list[Source] = [
         {"self-harm": {"disclosure": ["self-harm"], "lookalike": []}},
     ),
     Source(
-        "lookalike_requests",
-        "written for probeguard (Apache-2.0)",
-        "Written by this project (worker/offline/lookalike_requests.txt): no third-party text.",
-        # Negatives of every head but `unsafe`: as its negatives too they cost AILuminate
-        # 3.7 points of recall and SimpleSafetyTests 3 of 15 (docs/default-probe.md,
-        # "Written requests in four hands"). They bind no threshold.
-        _negatives("safe-request", skip=["unsafe", "self-harm"]),
-    ),
-    Source(
         "toxicchat",
         "CC-BY-NC-4.0",
         "Non-commercial only: never in the Apache-2.0 default; built with --noncommercial.",
@@ -355,31 +345,18 @@ def degenerate_rows() -> list[dict[str, Any]]:
     ]
 
 
-def _text_rows(filename: str, label: str) -> list[dict[str, Any]]:
-    """One row per line of a file beside this module, all labeled ``label``; a row's id is
-    its line number (its split follows from it: add new lines at the end)."""
-    lines = (Path(__file__).with_name(filename)).read_text().splitlines()
-    return [
-        {"id": f"{label}-{i}", "text": t, "label": label, "labels": []}
-        for i, t in enumerate(x.strip() for x in lines)
-        if t
-    ]
-
-
 def request_rows() -> list[dict[str, Any]]:
     """Ordinary requests to an assistant (code, writing, cooking, travel, study, ...),
     written for this recipe: the only benign requests the shippable data has are XSTest's
     250 safe prompts, written to look unsafe, so without these every head reads the form of
-    a request as the form of AILuminate's and SimpleSafetyTests' unsafe ones."""
-    return _text_rows("assistant_requests.txt", "request")
-
-
-def lookalike_rows() -> list[dict[str, Any]]:
-    """Safe requests written to sound alarming (killing a process, a heist in a novel, how
-    to report abuse, a drug's legal status) and ordinary ones, by four writers in four
-    styles (terse phone chat, long requests with context, imperatives, the first writer's
-    plain questions), written for this recipe."""
-    return _text_rows("lookalike_requests.txt", "safe-request")
+    a request as the form of AILuminate's and SimpleSafetyTests' unsafe ones. A row's id
+    is its line number (its split follows from it: add new lines at the end)."""
+    lines = (Path(__file__).with_name("assistant_requests.txt")).read_text().splitlines()
+    return [
+        {"id": f"request-{i}", "text": t, "label": "request", "labels": []}
+        for i, t in enumerate(x.strip() for x in lines)
+        if t
+    ]
 
 
 def self_harm_rows() -> list[dict[str, Any]]:

@@ -25,13 +25,7 @@ from worker.errors import ConfigError, OfflineError
 from worker.llm.extract import HiddenStateExtractor
 from worker.llm.tiny import make_tiny_llm
 from worker.offline.default_probe import BUDGET, BUDGETS, GENERATED, build_default
-from worker.offline.default_recipe import (
-    SOURCES,
-    lookalike_rows,
-    request_rows,
-    self_harm_rows,
-    split_of,
-)
+from worker.offline.default_recipe import SOURCES, request_rows, self_harm_rows, split_of
 
 CATEGORIES = ["sexual", "hate", "harassment", "violence", "self-harm"]
 # Per dataset: (benign label, labels of an unsafe row, the unsafe row's `label`).
@@ -106,31 +100,6 @@ def test_the_written_requests_are_benign_negatives_of_every_head() -> None:
     heads = {h for h, labels in source.heads.items() if labels.get("request") is not None}
     assert heads == {s for x in SOURCES if not x.noncommercial for s in x.heads} - {"jailbreak"}
     # Some land in each split, so the card measures the held-out ones.
-    assert {split_of(r["id"]) for r in rows} == {"train", "validation", "held_out"}
-
-
-def test_the_written_lookalike_requests_are_negatives_of_every_head_but_two() -> None:
-    rows = lookalike_rows()
-    assert len(rows) >= 400
-    assert len({r["id"] for r in rows}) == len({r["text"] for r in rows}) == len(rows)
-    assert all(r["label"] == "safe-request" and r["labels"] == [] for r in rows)
-    # Kept off `unsafe` (as its negatives they cost its recall on plain requests) and off
-    # `self-harm` (they are requests; the written statements teach that head first-person
-    # form); the negatives of every other commercial head, binding no threshold.
-    source = next(s for s in SOURCES if s.dataset == "lookalike_requests")
-    assert source.benign == source.unsafe == () and not source.noncommercial
-    commercial = {s for x in SOURCES if not x.noncommercial for s in x.heads}
-    assert set(source.heads) == commercial - {"jailbreak", "unsafe", "self-harm"}
-    assert all(
-        labels == {"safe-request": ["non-toxic"] if head == "toxicity" else []}
-        for head, labels in source.heads.items()
-    )
-    # No integration line is among them (it would grade its own fit).
-    from tests.integration import test_default_quality as lines
-
-    texts = {r["text"].casefold() for r in rows}
-    checked = [*lines.HARMFUL, *lines.EVERYDAY, *lines.SELF_HARM, *lines.LOOKALIKES]
-    assert not texts & {t.casefold() for t in checked}
     assert {split_of(r["id"]) for r in rows} == {"train", "validation", "held_out"}
 
 
