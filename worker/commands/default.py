@@ -31,9 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "then writes the checkpoint and its data card (with the thresholds for other "
         "budgets). The LLM comes from PROBEGUARD_MODEL and the text form from "
         "PROBEGUARD_TEXT_FORM (chat: the folder gets a -chat suffix). On 2 CPU cores once "
-        "the caches exist: 20-40 minutes for the raw form's fifteen seeds, 2 for the "
-        "chat form's one (building the caches: about 30-40; the chat form's took 26 on "
-        "cores shared with other work).",
+        "the caches exist: 20-40 minutes for the raw form's fifteen seeds, about 7 for "
+        "the chat form's one, 35 for fifteen (building the caches: about 30-40; the chat "
+        "form's took 26 on cores shared with other work).",
     )
     build.add_argument(
         "--data-root",
