@@ -239,6 +239,10 @@ def _show(args: argparse.Namespace) -> int:
                   f"{', '.join(card.get('operating_points', {}))})"
                   + (f", priced by {price}" if price else "")
                   + (", thresholds chosen jointly" if rule == "joint" else ""))  # fmt: skip
+        for what in ("benign", "unsafe"):
+            if rates := card.get(f"oof_{what}_flagged"):
+                print(f"  out of fold, {what} rows flagged: "
+                      + ", ".join(f"{k} {v:.1%}" for k, v in rates.items()))  # fmt: skip
         for dataset, measured in card["held_out"].items():
             policy = measured.get("policy", {})
             shares = [f"{k} {policy[k]:.1%}" for k in ("benign_flagged", "unsafe_flagged")

@@ -333,6 +333,14 @@ class DefaultFit:
     budget_rule: BudgetRule = "greedy"  # label by label, or all at once (probes.budget)
     lion_epochs: int | None = None  # lion+logistic: the epochs of the Lion fit before it
 
+    @property
+    def oof_unsafe_rates(self) -> dict[str, float]:
+        """Per source: the share of its unsafe rows flagged out of fold, what the budget
+        bought (a head whose threshold the rule sets out of reach shows here, before any
+        held-out row is read)."""
+        r = self.rule
+        return flag_rates(r.unsafe, r.unsafe_groups, [self.thresholds[x] for x in r.flag])
+
 
 def fit_default(
     loaded: Sequence[Loaded],
@@ -704,6 +712,7 @@ def _card(
         "weights": SHIPPED_WEIGHTS,
         "budget": budget,
         "oof_benign_flagged": {k: _rounded(v) for k, v in fitted.oof_benign_rates.items()},
+        "oof_unsafe_flagged": {k: _rounded(v) for k, v in fitted.oof_unsafe_rates.items()},
         "operating_points": fitted.operating_points,
         "sources": [
             {

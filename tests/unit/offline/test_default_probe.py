@@ -369,6 +369,10 @@ def test_thresholds_keep_every_benign_source_inside_the_budget(built: tuple[Path
     hard = {s.dataset: s.hard for s in SOURCES}
     assert rates and all(rate <= BUDGET * hard[g] + 1e-9 for g, rate in rates.items())
     assert set(rates) >= {"convabuse", "xstest", "degenerate"}
+    # What the budget bought: per source with unsafe rows, the share flagged out of fold.
+    bought = card["oof_unsafe_flagged"]
+    assert set(bought) >= {"ailuminate_demo", "simplesafetytests", "xstest"}
+    assert "degenerate" not in bought and all(0 <= v <= 1 for v in bought.values())
     # Every shipped operating point; a larger budget never raises a threshold.
     points = card["operating_points"]
     assert set(points) == {f"{b:g}" for b in BUDGETS}
@@ -584,6 +588,7 @@ def test_default_show_prints_the_shipped_card(capsys: pytest.CaptureFixture[str]
     out = capsys.readouterr().out
     assert "flag budget: 0.03 of ordinary chat" in out
     assert "held-out convabuse" in out and "policy: benign_flagged" in out
+    assert "out of fold, benign rows flagged: " in out and "convabuse 2." in out
     # How it was fitted, and which heads the Lion fit kept.
     assert "fitted by lion+logistic over layers 0-30 (Lion's heads kept: " in out
     assert out.count("held off the sources' directions: toxicity") == 1  # raw, not chat
