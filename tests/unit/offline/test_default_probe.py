@@ -588,7 +588,8 @@ def test_default_show_prints_the_shipped_card(capsys: pytest.CaptureFixture[str]
     out = capsys.readouterr().out
     assert "flag budget: 0.03 of ordinary chat" in out
     assert "held-out convabuse" in out and "policy: benign_flagged" in out
-    assert "out of fold, benign rows flagged: " in out and "convabuse 2." in out
+    oof = [x for x in out.splitlines() if x.startswith("  out of fold, benign rows flagged: ")]
+    assert len(oof) == 2 and all("convabuse " in x for x in oof)  # raw and chat
     # How it was fitted, and which heads the Lion fit kept.
     assert "fitted by lion+logistic over layers 0-30 (Lion's heads kept: " in out
     assert out.count("held off the sources' directions: toxicity") == 1  # raw, not chat
