@@ -263,6 +263,19 @@ def test_logistic_heads_take_the_c_that_transfers_best_to_a_left_out_source(
     assert scored >= 3  # toxicity, hate, unsafe, ... have sources with both classes
 
 
+@pytest.fixture
+def one_c(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``choose_c`` over a single C, for tests of what surrounds the choice (the grid's own
+    test is above): leaving each source out for seven Cs was most of their time."""
+    import worker.offline.default_probe as default_probe
+
+    real = default_probe.choose_c
+    monkeypatch.setattr(
+        default_probe, "choose_c", lambda *a, **kw: real(*a, **{**kw, "grid": [1e-2]})
+    )
+
+
+@pytest.mark.usefixtures("one_c")
 def test_source_invariant_heads_fit_with_every_rows_source(
     data_root: Path, tmp_path: Path, built: tuple[Path, dict], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -329,6 +342,7 @@ def test_lion_then_logistic_fits_the_heads_on_the_mix_lion_learned(
             assert probe.spec.calibration.get(head.name) == lion.spec.calibration.get(head.name)
 
 
+@pytest.mark.usefixtures("one_c")
 def test_seeds_make_the_default_a_soup_of_seeds_and_the_card_says_so(
     data_root: Path, tmp_path: Path, built: tuple[Path, dict], caplog: pytest.LogCaptureFixture
 ) -> None:
