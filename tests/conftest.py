@@ -172,6 +172,19 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         workeroutput["fault_rows"] = [dataclasses.asdict(r) for r in ROWS]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (a worker per core), one torch thread per worker and per process
+    a test starts, unless the caller set ``OMP_NUM_THREADS``: torch's default of a thread
+    per core in every worker oversubscribes the cores and its threads spin (a default-build
+    test took 94 s in CI beside the other worker, 13 s alone)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if hasattr(config, "workerinput") and workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: Any, error: object) -> None:
     """The controller side of :func:`pytest_sessionfinish` (an xdist hook, so optional)."""
