@@ -321,7 +321,6 @@ class DefaultFit:
     result: FitResult
     cv: CVResult
     thresholds: dict[str, float]
-    oof_benign_rates: dict[str, float]  # per source: share of its benign rows flagged
     # budget ("0.03") -> the flagging labels' thresholds at that budget (the card ships
     # them, so a deployment picks another budget without a rebuild)
     operating_points: dict[str, dict[str, float]]
@@ -334,12 +333,20 @@ class DefaultFit:
     lion_epochs: int | None = None  # lion+logistic: the epochs of the Lion fit before it
 
     @property
+    def oof_benign_rates(self) -> dict[str, float]:
+        """Per source: the share of its benign rows flagged out of fold (within the budget)."""
+        return flag_rates(self.rule.benign, self.rule.groups, self._flag_thresholds)
+
+    @property
     def oof_unsafe_rates(self) -> dict[str, float]:
         """Per source: the share of its unsafe rows flagged out of fold, what the budget
         bought (a head whose threshold the rule sets out of reach shows here, before any
         held-out row is read)."""
-        r = self.rule
-        return flag_rates(r.unsafe, r.unsafe_groups, [self.thresholds[x] for x in r.flag])
+        return flag_rates(self.rule.unsafe, self.rule.unsafe_groups, self._flag_thresholds)
+
+    @property
+    def _flag_thresholds(self) -> list[float]:
+        return [self.thresholds[x] for x in self.rule.flag]
 
 
 def fit_default(
@@ -411,9 +418,8 @@ def fit_default(
     chosen = points[f"{budget:g}"]
     thresholds = {**cv.thresholds, **chosen}
     result.probe.set_thresholds(thresholds)
-    rates = flag_rates(rule.benign, rule.groups, [chosen[x] for x in rule.flag])
     return DefaultFit(
-        result, cv, thresholds, rates, points, rule, c_choice, solver, invariant, price,
+        result, cv, thresholds, points, rule, c_choice, solver, invariant, price,
         budget_rule, lion[1].epochs if lion is not None else None,
     )  # fmt: skip
 
