@@ -80,7 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--rules",
         default="greedy,joint",
         help="the rules measured side by side on the same fit and draws: greedy (the "
-        "recipe's, recall_thresholds at its price), joint (joint_thresholds) (both)",
+        "recipe's, recall_thresholds at its price), joint (joint_thresholds), heads "
+        "(joint_thresholds with each label's own recall counted) (default: greedy,joint)",
     )
     p.add_argument("--temperature", type=float, default=0.25, help="joint's smoothing")
     p.add_argument("--steps", type=int, default=1500, help="joint's most L-BFGS iterations")
@@ -88,8 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.draws < 0 or args.noise < 0:
         p.error("--draws and --noise must not be negative")
     args.rules = args.rules.split(",")
-    if not args.rules or set(args.rules) - {"greedy", "joint"}:
-        p.error(f"--rules: greedy and/or joint, got {args.rules}")
+    if not args.rules or set(args.rules) - {"greedy", "joint", "heads"}:
+        p.error(f"--rules: greedy, joint and/or heads, got {args.rules}")
     return args
 
 
@@ -123,10 +124,13 @@ def main(argv: list[str] | None = None) -> int:
         inputs = nudged(rule, args.noise, draw)
         for name in args.rules:
             at = time.time()
+            own = {"own": inputs.own} if name == "heads" else {}
             chosen = (
                 inputs.thresholds(args.budget, price)
                 if name == "greedy"
-                else inputs.joint(args.budget, temperature=args.temperature, steps=args.steps)
+                else inputs.joint(
+                    args.budget, temperature=args.temperature, steps=args.steps, **own
+                )
             )
             took = round(time.time() - at, 1)
             probe.set_thresholds({**fitted.thresholds, **chosen})

@@ -29,9 +29,10 @@ from probes.errors import ProbeError
 
 # What a newly flagged benign row costs the budget rule (recall_thresholds).
 BudgetPrice = Literal["share", "scarcity"]
-# How the thresholds are chosen: label by label (recall_thresholds) or all at once
-# (joint_thresholds).
-BudgetRule = Literal["greedy", "joint"]
+# How the thresholds are chosen: label by label (recall_thresholds), all at once
+# (joint_thresholds), or all at once with every label's own recall counted beside the
+# sources' (joint_thresholds' ``own``).
+BudgetRule = Literal["greedy", "joint", "heads"]
 
 __all__ = [
     "BudgetPrice",
@@ -234,6 +235,7 @@ def joint_thresholds(
     steps: int = 1500,
     at_least: Mapping[str, float] | None = None,
     at_most: Mapping[str, float] | None = None,
+    own: Mapping[str, Tensor] | None = None,
 ) -> dict[str, float]:
     """Per label, the threshold chosen for every label at once: the policy flags at most
     ``budget`` of every benign group (as :func:`recall_thresholds`), and among such
@@ -256,6 +258,12 @@ def joint_thresholds(
     ``at_least`` / ``at_most``: per label, bounds the thresholds keep (one of them; the
     thresholds of a tighter / looser budget, so that a looser budget never raises a
     threshold; ``at_most`` must itself keep every group within ``budget``).
+
+    ``own``: per label, a mask over the unsafe rows (those positive for it). Each label's
+    own recall on its rows (its flag alone, not the policy's) is then a group of its own,
+    and the objective weighs the sources' mean log recall and the labels' half each, so
+    the budget is not met by setting a label out of reach (at zero recall its log costs
+    as much as a source's would): every head stays in use.
     """
     C = len(labels)
     shares, parts = _checked(benign, groups, unsafe, C, budget)
@@ -276,6 +284,7 @@ def joint_thresholds(
     if not unsafe_parts:
         raise ProbeError("no unsafe rows to choose thresholds for")
     mean_u = torch.stack([rows.double() / rows.sum() for rows in unsafe_parts.values()])
+    own_cols, mean_own = _own(own or {}, labels, len(unsafe))
     # The start: each label flags the same share of every group (its strictest quantile).
     start = [
         max(_threshold(b[rows, j], float(shares[g]) / max(C, 1)) for g, rows in parts.items())
@@ -315,7 +324,12 @@ def joint_thresholds(
         recall = mean_u @ soft_any(zu)
         spent = mean_b @ soft_any(zb)
         over = torch.relu(spent - cap) / slack
-        loss = -torch.log(recall + 1e-3).mean() + 1e3 * over.pow(2).sum() + 1e-3 * spent.sum()
+        gain = torch.log(recall + 1e-3).mean()
+        if own_cols:
+            flags = torch.sigmoid((zu[:, own_cols] - thetas()[own_cols]) / temperature)
+            mine = (mean_own * flags.T).sum(1)  # each label's own recall on its rows
+            gain = (gain + torch.log(mine + 1e-3).mean()) / 2
+        loss = -gain + 1e3 * over.pow(2).sum() + 1e-3 * spent.sum()
         loss.backward()
         return loss
 
@@ -347,3 +361,21 @@ def joint_thresholds(
         low, high = (low, mid) if within(at(mid)) else (mid, high)
     t = at(high)
     return dict(zip(labels, [min(1.0, float(x)) for x in t], strict=True))
+
+
+def _own(own: Mapping[str, Tensor], labels: Sequence[str], n: int) -> tuple[list[int], Tensor]:
+    """joint_thresholds' ``own``: the labels' columns, and per label a row-averaging
+    vector over its ``n`` unsafe rows ``[len(own), n]`` (labels without rows left out)."""
+    if unknown := sorted(set(own) - set(labels)):
+        raise ProbeError(f"own recall asked for labels {unknown} not among {list(labels)}")
+    cols, means = [], []
+    for j, label in enumerate(labels):
+        rows = own.get(label)
+        if rows is None:
+            continue
+        if rows.shape != (n,):
+            raise ProbeError(f"{label}: a mask of {tuple(rows.shape)} for {n} unsafe rows")
+        if bool(rows.any()):
+            cols.append(j)
+            means.append(rows.double() / rows.double().sum())
+    return cols, (torch.stack(means) if means else torch.zeros(0, n, dtype=torch.float64))

@@ -110,11 +110,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     build.add_argument(
         "--budget-rule",
-        choices=["greedy", "joint"],
+        choices=["greedy", "joint", "heads"],
         default=None,
         help="how the flag thresholds are chosen: greedy, label by label (at "
-        "--budget-price), or joint, every label's at once (default: the recipe's for the "
-        "text form; docs/default-probe.md)",
+        "--budget-price); joint, every label's at once for the datasets' unsafe recall; "
+        "heads, joint with each label's own recall on its rows counted as much, so no "
+        "head is set out of reach (default: the recipe's for the text form; "
+        "docs/default-probe.md)",
     )
     build.add_argument("--folds", type=int, default=4, help="cross-validation folds (4)")
     build.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
@@ -238,11 +240,16 @@ def _show(args: argparse.Namespace) -> int:
             print(f"  flag budget: {card['budget']:g} of ordinary chat (card ships "
                   f"{', '.join(card.get('operating_points', {}))})"
                   + (f", priced by {price}" if price else "")
-                  + (", thresholds chosen jointly" if rule == "joint" else ""))  # fmt: skip
+                  + (", thresholds chosen jointly" if rule == "joint" else "")
+                  + (", thresholds chosen jointly, each head's own recall counted"
+                     if rule == "heads" else ""))  # fmt: skip
         for what in ("benign", "unsafe"):
             if rates := card.get(f"oof_{what}_flagged"):
                 print(f"  out of fold, {what} rows flagged: "
                       + ", ".join(f"{k} {v:.1%}" for k, v in rates.items()))  # fmt: skip
+        if recall := card.get("oof_head_recall"):
+            print("  out of fold, each head's own rows it flags: "
+                  + ", ".join(f"{k} {v:.1%}" for k, v in recall.items()))  # fmt: skip
         for dataset, measured in card["held_out"].items():
             policy = measured.get("policy", {})
             shares = [f"{k} {policy[k]:.1%}" for k in ("benign_flagged", "unsafe_flagged")

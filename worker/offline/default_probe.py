@@ -123,6 +123,9 @@ RULE: dict[str | None, BudgetRule] = {None: "joint"}
 # from other seeds measures alike (docs/default-probe.md). The command line applies it
 # (`default build --seeds`); build_default takes the config's.
 SEEDS: dict[str | None, int] = {None: 15}
+# The heads rule counts a flagging label's own recall where the development rows hold at
+# least this many unsafe rows positive for it (fewer: a recall too coarse to steer by).
+OWN_ROWS = 5
 # The logistic heads' inverse L2 strengths tried by leaving one source out (choose_c).
 C_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 
@@ -252,7 +255,8 @@ class CChoice:
 class RuleInputs:
     """What the budget rule chooses the flag thresholds on: the flagging labels'
     out-of-fold probabilities of the benign and of the unsafe development rows, each
-    row's source, and each source's budget multiple (``hard``)."""
+    row's source, each source's budget multiple (``hard``) and, per flagging label with at
+    least :data:`OWN_ROWS` of them, which unsafe rows are positive for it (``own``)."""
 
     flag: list[str]
     benign: torch.Tensor
@@ -260,19 +264,24 @@ class RuleInputs:
     unsafe: torch.Tensor
     unsafe_groups: list[str]
     hard: dict[str, float]
+    own: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @staticmethod
     def of(dev: Sequence[Loaded], spec: ProbeSpec, oof_probs: torch.Tensor) -> RuleInputs:
         """From the development rows ``dev`` (in the order of ``oof_probs``' rows)."""
         roles = [r for d in dev for r in d.roles]
         cols = [spec.labels.index(x) for x in spec.flag_labels]
+        unsafe = torch.tensor([r == "unsafe" for r in roles])
+        targets = torch.cat([d.data.targets for d in dev])[unsafe][:, cols]
+        positive = {x: targets[:, j] == 1 for j, x in enumerate(spec.flag_labels)}
         return RuleInputs(
             flag=list(spec.flag_labels),
             benign=oof_probs[torch.tensor([r == "benign" for r in roles])][:, cols],
             groups=[d.source.dataset for d in dev for r in d.roles if r == "benign"],
-            unsafe=oof_probs[torch.tensor([r == "unsafe" for r in roles])][:, cols],
+            unsafe=oof_probs[unsafe][:, cols],
             unsafe_groups=[d.source.dataset for d in dev for r in d.roles if r == "unsafe"],
             hard={d.source.dataset: d.source.hard for d in dev},
+            own={x: rows for x, rows in positive.items() if int(rows.sum()) >= OWN_ROWS},
         )
 
     def shares(self, budget: float) -> dict[str, float]:
@@ -294,18 +303,20 @@ class RuleInputs:
         self, budgets: Sequence[float], rule: BudgetRule, price: BudgetPrice = "share"
     ) -> dict[str, dict[str, float]]:
         """The thresholds at each of ``budgets`` (the first: the one the probe ships at), by
-        ``rule``: :meth:`thresholds` (greedy, at ``price``) or :meth:`joint`. Either way a
-        looser budget never raises a threshold: the joint rule's are chosen at the first
-        budget, then outward from it, each bounded by its neighbour's on the way."""
+        ``rule``: :meth:`thresholds` (greedy, at ``price``) or :meth:`joint` (``heads``:
+        with each label's own recall counted). Either way a looser budget never raises a
+        threshold: the joint rules' are chosen at the first budget, then outward from it,
+        each bounded by its neighbour's on the way."""
         if rule == "greedy":
             return {f"{b:g}": self.thresholds(b, price) for b in sorted(set(budgets))}
-        first, chosen = budgets[0], {budgets[0]: self.joint(budgets[0])}
+        own = {"own": self.own} if rule == "heads" else {}
+        first, chosen = budgets[0], {budgets[0]: self.joint(budgets[0], **own)}
         looser = sorted(b for b in set(budgets) if b > first)
         tighter = sorted((b for b in set(budgets) if b < first), reverse=True)
         for outward, side in ((looser, "at_most"), (tighter, "at_least")):
             previous = chosen[first]
             for b in outward:
-                chosen[b] = previous = self.joint(b, **{side: previous})
+                chosen[b] = previous = self.joint(b, **{side: previous}, **own)
         return {f"{b:g}": chosen[b] for b in sorted(chosen)}
 
     def joint(self, budget: float, **options: Any) -> dict[str, float]:
@@ -343,6 +354,18 @@ class DefaultFit:
         bought (a head whose threshold the rule sets out of reach shows here, before any
         held-out row is read)."""
         return flag_rates(self.rule.unsafe, self.rule.unsafe_groups, self._flag_thresholds)
+
+    @property
+    def oof_head_recall(self) -> dict[str, float]:
+        """Per flagging label with at least :data:`OWN_ROWS` unsafe rows positive for it:
+        the share of them its own head flags out of fold (the heads budget rule keeps each
+        above zero; a label at zero is a head set out of reach)."""
+        t = dict(zip(self.rule.flag, self._flag_thresholds, strict=True))
+        column = {x: j for j, x in enumerate(self.rule.flag)}
+        return {
+            x: float((self.rule.unsafe[rows, column[x]].double() >= t[x]).double().mean())
+            for x, rows in self.rule.own.items()
+        }
 
     @property
     def _flag_thresholds(self) -> list[float]:
@@ -719,6 +742,7 @@ def _card(
         "budget": budget,
         "oof_benign_flagged": {k: _rounded(v) for k, v in fitted.oof_benign_rates.items()},
         "oof_unsafe_flagged": {k: _rounded(v) for k, v in fitted.oof_unsafe_rates.items()},
+        "oof_head_recall": {k: _rounded(v) for k, v in fitted.oof_head_recall.items()},
         "operating_points": fitted.operating_points,
         "sources": [
             {
@@ -752,9 +776,9 @@ def _card(
 
 def _rule(fitted: DefaultFit) -> dict[str, Any]:
     """The card's record of the budget rule where it is not the greedy rule at share (the
-    joint rule has no price)."""
-    if fitted.budget_rule == "joint":
-        return {"budget_rule": "joint"}
+    joint rules have no price)."""
+    if fitted.budget_rule != "greedy":
+        return {"budget_rule": fitted.budget_rule}
     return {"budget_price": fitted.price} if fitted.price != "share" else {}
 
 

@@ -151,5 +151,6 @@ def test_default_build_reads_the_source_invariant_heads(
     # ... and its rule.
     assert parser.parse_args(base).budget_rule is None
     assert parser.parse_args([*base, "--budget-rule", "joint"]).budget_rule == "joint"
+    assert parser.parse_args([*base, "--budget-rule", "heads"]).budget_rule == "heads"
     with pytest.raises(SystemExit):
         parser.parse_args([*base, "--budget-rule", "bagged"])

@@ -387,6 +387,10 @@ def test_thresholds_keep_every_benign_source_inside_the_budget(built: tuple[Path
     bought = card["oof_unsafe_flagged"]
     assert set(bought) >= {"ailuminate_demo", "simplesafetytests", "xstest"}
     assert "degenerate" not in bought and all(0 <= v <= 1 for v in bought.values())
+    # ... and per flagging label with rows enough, the share of its rows its own head flags.
+    own = card["oof_head_recall"]
+    assert {"toxic", "self-harm", "unsafe"} <= set(own) <= set(card["flag_labels"])
+    assert all(0 <= v <= 1 for v in own.values())
     # Every shipped operating point; a larger budget never raises a threshold.
     points = card["operating_points"]
     assert set(points) == {f"{b:g}" for b in BUDGETS}
@@ -403,14 +407,16 @@ def test_a_budget_rule_other_than_the_recipes_keeps_the_budget_and_says_so(
     options: dict[str, Any] = {"solver": "lion", "config": config, "budget_rule": "greedy"}
     card, _ = _rebuild(data_root, built, tmp_path / "shared", price="share", **options)
     scarce, _ = _rebuild(data_root, built, tmp_path / "scarce", **options)
+    heads, _ = _rebuild(data_root, built, tmp_path / "heads", **{**options, "budget_rule": "heads"})
     # The card names the greedy rule's price where it is not share; the raw recipe's is
     # scarcity (PRICE), and its rule is joint (RULE), which has no price: the card names it.
     assert "budget_price" not in card["fit"] and "budget_rule" not in card["fit"]
     assert scarce["fit"]["budget_price"] == "scarcity" and "budget_rule" not in scarce["fit"]
     joint = built[1]
     assert joint["fit"]["budget_rule"] == "joint" and "budget_price" not in joint["fit"]
+    assert heads["fit"]["budget_rule"] == "heads" and "budget_price" not in heads["fit"]
     hard = {s.dataset: s.hard for s in SOURCES}
-    for fit in (card, joint):  # either way: every source within its budget, and a looser
+    for fit in (card, joint, heads):  # each: every source within its budget, and a looser
         rates = fit["oof_benign_flagged"]  # budget never raises a threshold
         assert rates and all(rate <= BUDGET * hard[g] + 1e-9 for g, rate in rates.items())
         tight, loose = fit["operating_points"]["0.01"], fit["operating_points"]["0.1"]

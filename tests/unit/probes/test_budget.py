@@ -186,3 +186,35 @@ def test_joint_thresholds_keep_their_bounds_so_a_looser_budget_never_raises_one(
         joint_thresholds(*args, budget=0.02, steps=5, at_most=loose)
     with pytest.raises(ProbeError, match="one bound"):
         joint_thresholds(*args, budget=0.05, at_least=mid, at_most=mid)
+
+
+def test_the_heads_rule_keeps_a_label_in_use_that_the_joint_rule_sets_out_of_reach() -> None:
+    # y's positives (the first 10 unsafe rows) are flagged by x already: for the policy's
+    # recall y buys nothing, so the joint rule spends no budget on it and the y head flags
+    # none of its own rows (a self-harm head set out of reach while an unsafe head flags
+    # its rows in development, and not the first-person lines it alone ranks).
+    g = torch.Generator().manual_seed(0)
+    benign = torch.rand(400, 2, generator=g) ** torch.tensor([3.0, 6.0])
+    unsafe = torch.rand(40, 2, generator=g) * torch.tensor([0.5, 1.0]) + torch.tensor([0.5, 0.0])
+    unsafe[:10, 0], unsafe[:10, 1] = 0.99, 0.8 + 0.15 * torch.rand(10, generator=g)
+    groups, unsafe_groups = ["a"] * 400, ["u"] * 40
+    own = {"y": torch.arange(40) < 10}
+    args = (benign, groups, unsafe, unsafe_groups, ["x", "y"])
+
+    def own_recall(t: dict[str, float]) -> float:
+        return float((unsafe[:10, 1] >= t["y"]).float().mean())
+
+    def recall(t: dict[str, float]) -> float:
+        return float((unsafe >= torch.tensor([t["x"], t["y"]])).any(dim=1).float().mean())
+
+    joint = joint_thresholds(*args, budget=0.05)
+    heads = joint_thresholds(*args, budget=0.05, own=own)
+    assert own_recall(joint) <= 0.1 < 0.5 <= own_recall(heads)
+    for t in (joint, heads):
+        assert flag_rates(benign, groups, [t["x"], t["y"]])["a"] <= 0.05
+    # ... at a small cost to the policy's recall, not all of it.
+    assert recall(heads) >= 0.75 * recall(joint)
+    with pytest.raises(ProbeError, match="not among"):
+        joint_thresholds(*args, budget=0.05, own={"z": own["y"]})
+    with pytest.raises(ProbeError, match="mask"):
+        joint_thresholds(*args, budget=0.05, own={"y": own["y"][:5]})
