@@ -240,9 +240,8 @@ def _show(args: argparse.Namespace) -> int:
             print(f"  flag budget: {card['budget']:g} of ordinary chat (card ships "
                   f"{', '.join(card.get('operating_points', {}))})"
                   + (f", priced by {price}" if price else "")
-                  + (", thresholds chosen jointly" if rule == "joint" else "")
-                  + (", thresholds chosen jointly, each head's own recall counted"
-                     if rule == "heads" else ""))  # fmt: skip
+                  + (", thresholds chosen jointly" if rule in ("joint", "heads") else "")
+                  + (", each head's own recall counted" if rule == "heads" else ""))  # fmt: skip
         for what in ("benign", "unsafe"):
             if rates := card.get(f"oof_{what}_flagged"):
                 print(f"  out of fold, {what} rows flagged: "

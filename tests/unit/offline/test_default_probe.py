@@ -401,8 +401,15 @@ def test_thresholds_keep_every_benign_source_inside_the_budget(built: tuple[Path
 
 
 def test_a_budget_rule_other_than_the_recipes_keeps_the_budget_and_says_so(
-    data_root: Path, tmp_path: Path, built: tuple[Path, dict]
+    data_root: Path,
+    tmp_path: Path,
+    built: tuple[Path, dict],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
+    import worker.defaults
+    from worker.cli import main
+
     config = FitConfig(max_epochs=1, patience=1, batch_size=16)
     options: dict[str, Any] = {"solver": "lion", "config": config, "budget_rule": "greedy"}
     card, _ = _rebuild(data_root, built, tmp_path / "shared", price="share", **options)
@@ -421,6 +428,13 @@ def test_a_budget_rule_other_than_the_recipes_keeps_the_budget_and_says_so(
         assert rates and all(rate <= BUDGET * hard[g] + 1e-9 for g, rate in rates.items())
         tight, loose = fit["operating_points"]["0.01"], fit["operating_points"]["0.1"]
         assert all(loose[k] <= tight[k] for k in tight)
+    # `default show` names each rule, and prints what each head flags of its own rows.
+    monkeypatch.setattr(worker.defaults, "ROOT", tmp_path)
+    capsys.readouterr()
+    assert main(["default", "show"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(", thresholds chosen jointly, each head's own recall counted") == 1
+    assert out.count("  out of fold, each head's own rows it flags: toxic ") == 3
 
 
 def _pinned(monkeypatch: pytest.MonkeyPatch, folder: Path, card: bool = True) -> None:
