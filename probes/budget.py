@@ -364,8 +364,9 @@ def joint_thresholds(
 
 
 def _own(own: Mapping[str, Tensor], labels: Sequence[str], n: int) -> tuple[list[int], Tensor]:
-    """joint_thresholds' ``own``: the labels' columns, and per label a row-averaging
-    vector over its ``n`` unsafe rows ``[len(own), n]`` (labels without rows left out)."""
+    """joint_thresholds' ``own``: the columns of the labels it gives rows for, and the
+    row-averaging matrix ``[len(columns), n]`` over the ``n`` unsafe rows (each label's
+    row: one over its count on its rows, zero elsewhere)."""
     if unknown := sorted(set(own) - set(labels)):
         raise ProbeError(f"own recall asked for labels {unknown} not among {list(labels)}")
     cols, means = [], []

@@ -358,12 +358,13 @@ class DefaultFit:
     @property
     def oof_head_recall(self) -> dict[str, float]:
         """Per flagging label with at least :data:`OWN_ROWS` unsafe rows positive for it:
-        the share of them its own head flags out of fold (the heads budget rule keeps each
-        above zero; a label at zero is a head set out of reach)."""
-        t = dict(zip(self.rule.flag, self._flag_thresholds, strict=True))
+        the share of them its own head flags out of fold (what the heads budget rule weighs
+        beside the sources' recall; a label at zero is a head set out of reach)."""
         column = {x: j for j, x in enumerate(self.rule.flag)}
         return {
-            x: float((self.rule.unsafe[rows, column[x]].double() >= t[x]).double().mean())
+            x: float(
+                (self.rule.unsafe[rows, column[x]].double() >= self.thresholds[x]).double().mean()
+            )
             for x, rows in self.rule.own.items()
         }
 
