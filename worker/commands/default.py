@@ -249,6 +249,11 @@ def _show(args: argparse.Namespace) -> int:
         if recall := card.get("oof_head_recall"):
             print("  out of fold, each head's own rows it flags: "
                   + ", ".join(f"{k} {v:.1%}" for k, v in recall.items()))  # fmt: skip
+        if left := card.get("oof_left_out_benign_flagged"):
+            within = card.get("oof_benign_flagged", {})
+            print("  out of fold, benign rows flagged at thresholds chosen without them: "
+                  + ", ".join(f"{k} {v:.1%}" + (f" (with them {within[k]:.1%})" if k in within
+                              else "") for k, v in left.items()))  # fmt: skip
         for dataset, measured in card["held_out"].items():
             policy = measured.get("policy", {})
             shares = [f"{k} {policy[k]:.1%}" for k in ("benign_flagged", "unsafe_flagged")

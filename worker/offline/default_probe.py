@@ -126,6 +126,10 @@ SEEDS: dict[str | None, int] = {None: 15}
 # The heads rule counts a flagging label's own recall where the development rows hold at
 # least this many unsafe rows positive for it (fewer: a recall too coarse to steer by).
 OWN_ROWS = 5
+# The card reports, per benign source with at least this many development rows, the share
+# of them flagged at thresholds chosen without that source (RuleInputs.left_out): fewer,
+# and one row moves the share by more than a point.
+LEFT_OUT_ROWS = 100
 # The logistic heads' inverse L2 strengths tried by leaving one source out (choose_c).
 C_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 
@@ -323,6 +327,40 @@ class RuleInputs:
         """The same, all at once: :func:`probes.budget.joint_thresholds`."""
         return joint_thresholds(*self.rows(), budget=self.shares(budget), **options)
 
+    def without(self, source: str) -> RuleInputs:
+        """The same with none of ``source``'s rows, benign or unsafe (the labels' own rows
+        counted where :data:`OWN_ROWS` of them are left)."""
+        benign = torch.tensor([g != source for g in self.groups], dtype=torch.bool)
+        unsafe = torch.tensor([g != source for g in self.unsafe_groups], dtype=torch.bool)
+        own = {x: rows[unsafe] for x, rows in self.own.items()}
+        return RuleInputs(
+            flag=self.flag,
+            benign=self.benign[benign],
+            groups=[g for g in self.groups if g != source],
+            unsafe=self.unsafe[unsafe],
+            unsafe_groups=[g for g in self.unsafe_groups if g != source],
+            hard={g: h for g, h in self.hard.items() if g != source},
+            own={x: rows for x, rows in own.items() if int(rows.sum()) >= OWN_ROWS},
+        )
+
+    def left_out(
+        self, budget: float, rule: BudgetRule, price: BudgetPrice = "share"
+    ) -> dict[str, float]:
+        """Per benign source with at least :data:`LEFT_OUT_ROWS` rows (and another source
+        beside it): the share of its rows flagged at the thresholds ``rule`` chooses at
+        ``budget`` without it (:meth:`without`). A source the rule sees stays inside its
+        share by construction; this is what text the thresholds never saw may cost, the
+        shift a deployment's own traffic is to them."""
+        out = {}
+        for source in sorted(set(self.groups)):
+            n = self.groups.count(source)
+            if n < LEFT_OUT_ROWS or n == len(self.groups):
+                continue
+            chosen = self.without(source).points([budget], rule, price)[f"{budget:g}"]
+            thresholds = [chosen[x] for x in self.flag]
+            out[source] = flag_rates(self.benign, self.groups, thresholds)[source]
+        return out
+
 
 @dataclass
 class DefaultFit:
@@ -342,6 +380,8 @@ class DefaultFit:
     price: BudgetPrice = "share"  # what a flagged benign row costs (recall_thresholds)
     budget_rule: BudgetRule = "greedy"  # label by label, or all at once (probes.budget)
     lion_epochs: int | None = None  # lion+logistic: the epochs of the Lion fit before it
+    # benign source -> its share flagged at thresholds chosen without it (RuleInputs.left_out)
+    left_out: dict[str, float] = field(default_factory=dict)
 
     @property
     def oof_benign_rates(self) -> dict[str, float]:
@@ -445,6 +485,7 @@ def fit_default(
     return DefaultFit(
         result, cv, thresholds, points, rule, c_choice, solver, invariant, price,
         budget_rule, lion[1].epochs if lion is not None else None,
+        rule.left_out(budget, budget_rule, price),
     )  # fmt: skip
 
 
@@ -744,6 +785,7 @@ def _card(
         "oof_benign_flagged": {k: _rounded(v) for k, v in fitted.oof_benign_rates.items()},
         "oof_unsafe_flagged": {k: _rounded(v) for k, v in fitted.oof_unsafe_rates.items()},
         "oof_head_recall": {k: _rounded(v) for k, v in fitted.oof_head_recall.items()},
+        "oof_left_out_benign_flagged": {k: _rounded(v) for k, v in fitted.left_out.items()},
         "operating_points": fitted.operating_points,
         "sources": [
             {

@@ -24,7 +24,14 @@ from tests.unit.offline_helpers import tiny_extractor
 from worker.errors import ConfigError, OfflineError
 from worker.llm.extract import HiddenStateExtractor
 from worker.llm.tiny import make_tiny_llm
-from worker.offline.default_probe import BUDGET, BUDGETS, GENERATED, build_default
+from worker.offline.default_probe import (
+    BUDGET,
+    BUDGETS,
+    GENERATED,
+    LEFT_OUT_ROWS,
+    RuleInputs,
+    build_default,
+)
 from worker.offline.default_recipe import SOURCES, request_rows, self_harm_rows, split_of
 
 CATEGORIES = ["sexual", "hate", "harassment", "violence", "self-harm"]
@@ -400,6 +407,35 @@ def test_thresholds_keep_every_benign_source_inside_the_budget(built: tuple[Path
     assert {k: probe.spec.thresholds[k] for k in tight} == pytest.approx(points["0.03"])
 
 
+@pytest.mark.parametrize("rule", ["greedy", "joint", "heads"])
+def test_a_source_left_out_of_the_budget_rule_shows_how_far_unseen_text_exceeds_it(
+    rule: str,
+) -> None:
+    # Two benign sources, one scoring higher (text unlike the other's): in the rule, each
+    # stays about inside the budget; at thresholds chosen without the higher one, much more of
+    # it is flagged. That is the shift the card reports; the lower one, left out, is not
+    # flagged more than its budget.
+    g = torch.Generator().manual_seed(0)
+    n = LEFT_OUT_ROWS
+    low, high = torch.rand(n, 1, generator=g) * 0.5, 0.3 + torch.rand(n, 1, generator=g) * 0.5
+    unsafe = 0.6 + torch.rand(n, 1, generator=g) * 0.4
+
+    def inputs(benign: torch.Tensor, groups: list[str]) -> RuleInputs:
+        hard = {"low": 1.0, "high": 1.0, "bad": 1.0}
+        own = {"a": torch.ones(n, dtype=torch.bool)}
+        return RuleInputs(["a"], benign, groups, unsafe, ["bad"] * n, hard, own)
+
+    both = inputs(torch.cat([low, high]), ["low"] * n + ["high"] * n)
+    threshold = both.points([0.05], rule)["0.05"]["a"]  # type: ignore[arg-type]
+    within = float((high >= threshold).double().mean())  # the joint rules: about the budget
+    assert within <= 0.05 + 2 / n
+    left = both.left_out(0.05, rule)  # type: ignore[arg-type]
+    assert left["high"] > 0.5 > 5 * within and left["low"] <= 0.05 + 2 / n
+    # A source with fewer rows than a share can be read on is not reported.
+    few = inputs(torch.cat([low[1:], high]), ["low"] * (n - 1) + ["high"] * n)
+    assert set(few.left_out(0.05, rule)) == {"high"}  # type: ignore[arg-type]
+
+
 def test_a_budget_rule_other_than_the_recipes_keeps_the_budget_and_says_so(
     data_root: Path,
     tmp_path: Path,
@@ -414,7 +450,12 @@ def test_a_budget_rule_other_than_the_recipes_keeps_the_budget_and_says_so(
     options: dict[str, Any] = {"solver": "lion", "config": config, "budget_rule": "greedy"}
     card, _ = _rebuild(data_root, built, tmp_path / "shared", price="share", **options)
     scarce, _ = _rebuild(data_root, built, tmp_path / "scarce", **options)
+    # (The stand-ins' sources are small: each benign one reported as left out of the rule.)
+    monkeypatch.setattr("worker.offline.default_probe.LEFT_OUT_ROWS", 5)
     heads, _ = _rebuild(data_root, built, tmp_path / "heads", **{**options, "budget_rule": "heads"})
+    left = heads["oof_left_out_benign_flagged"]
+    assert set(left) == set(heads["oof_benign_flagged"]) >= {"convabuse", "xstest"}
+    assert all(0 <= v <= 1 for v in left.values()) and not card["oof_left_out_benign_flagged"]
     # The card names the greedy rule's price where it is not share; the raw recipe's is
     # scarcity (PRICE), and its rule is joint (RULE), which has no price: the card names it.
     assert "budget_price" not in card["fit"] and "budget_rule" not in card["fit"]
@@ -435,6 +476,7 @@ def test_a_budget_rule_other_than_the_recipes_keeps_the_budget_and_says_so(
     out = capsys.readouterr().out
     assert out.count(", thresholds chosen jointly, each head's own recall counted") == 1
     assert out.count("  out of fold, each head's own rows it flags: toxic ") == 3
+    assert out.count("  out of fold, benign rows flagged at thresholds chosen without them: ") == 1
 
 
 def _pinned(monkeypatch: pytest.MonkeyPatch, folder: Path, card: bool = True) -> None:
