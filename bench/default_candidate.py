@@ -34,16 +34,14 @@ from worker.offline.adoption import Judgement, judge, lines_judged_right
 from worker.offline.default_recipe import default_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from default_probe import _load, _summary, measure  # bench/default_probe.py
+from default_probe import _load, _summary, add_row_args, measure  # bench/default_probe.py
 
 from _shared import log
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cache-root", type=Path, required=True, help="the recipe's caches")
-    p.add_argument("--data-root", type=Path, required=True, help="<dataset>/train.jsonl texts")
-    p.add_argument("--toxicchat", type=Path, required=True, help="ToxicChat's cache (all rows)")
+    add_row_args(p, toxicchat=True)
     p.add_argument("--candidate", type=Path, required=True, help="a `default build --out`")
     p.add_argument(
         "--shipped",

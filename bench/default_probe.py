@@ -92,11 +92,18 @@ TOXICCHAT = Source(
 )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_row_args(p: argparse.ArgumentParser, *, toxicchat: bool = False) -> None:
+    """The arguments naming the rows measured (:func:`_load`); ``toxicchat``: required."""
     p.add_argument("--cache-root", type=Path, required=True, help="the recipe's caches")
     p.add_argument("--data-root", type=Path, required=True, help="<dataset>/train.jsonl texts")
-    p.add_argument("--toxicchat", type=Path, default=None, help="ToxicChat's cache (all rows)")
+    p.add_argument(
+        "--toxicchat", type=Path, required=toxicchat, help="ToxicChat's cache (all rows)"
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_row_args(p)
     p.add_argument(
         "--default",
         type=Path,
