@@ -53,13 +53,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def held_out(probe: Probe, args: argparse.Namespace, hidden_size: int) -> dict[str, Any]:
-    """``probe`` on every held-out row, as ``bench/default_probe.py``'s table rows."""
-    spec = default_spec(hidden_size, list(probe.spec.layers), pool=probe.spec.token_pool)
-    _, held = _load(spec, args)
-    return {name: _summary(measure(probe, item), name) for name, item in held.items()}
-
-
 def _print(j: Judgement) -> None:
     print(f"{'target':<44} {'shipped':>9} {'candidate':>10} {'limit':>9}")
     for v in j.verdicts:
@@ -95,9 +88,17 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(missing(llm))
     candidate, _ = load_checkpoint(args.candidate, llm)
 
+    # The held-out rows and the lines' states, read once for both probes where they read
+    # the same layers and pool (a rebuild of the recipe does).
+    rows: dict[tuple, dict[str, Any]] = {}
+    states: dict[tuple, Any] = {}
+
     def scores_of(probe: Probe) -> Any:
         def scores(texts: Any) -> torch.Tensor:
-            out = extractor.extract(list(texts), layers=list(probe.spec.layers))
+            key = (tuple(probe.spec.layers), tuple(texts))
+            if key not in states:
+                states[key] = extractor.extract(list(texts), layers=list(key[0]))
+            out = states[key]
             if out.index != list(range(len(texts))):
                 raise SystemExit(f"a line could not be read: {out.errors}")
             return probe.predict_proba_many(out.hidden.float(), out.mask)
@@ -106,7 +107,12 @@ def main(argv: list[str] | None = None) -> int:
 
     tables, lines = {}, {}
     for name, probe in (("shipped", shipped), ("candidate", candidate)):
-        tables[name] = held_out(probe, args, llm.hidden_size)
+        key = (tuple(probe.spec.layers), probe.spec.token_pool)
+        if key not in rows:
+            spec = default_spec(llm.hidden_size, list(key[0]), pool=key[1])
+            rows[key] = _load(spec, args)[1]
+        held = rows[key]
+        tables[name] = {ds: _summary(measure(probe, item), ds) for ds, item in held.items()}
         lines[name] = lines_judged_right(probe, scores_of(probe))
         log(f"{name}: measured")
     judgement = judge(tables["shipped"], tables["candidate"], lines["shipped"], lines["candidate"])

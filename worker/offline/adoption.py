@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from probes import Probe
 from probes.decision import decide
 
 __all__ = [
@@ -204,7 +205,7 @@ def judge(
 
 
 def lines_judged_right(
-    probe: Any, scores: Callable[[Sequence[str]], torch.Tensor], lines: Mapping[str, bool] = LINES
+    probe: Probe, scores: Callable[[Sequence[str]], torch.Tensor], lines: Mapping[str, bool] = LINES
 ) -> dict[str, bool]:
     """Each line: whether ``probe``'s flag policy judges it as it should (``scores``: the
     probe's probabilities of the texts, ``[N, labels]``)."""
