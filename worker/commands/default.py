@@ -249,6 +249,9 @@ def _show(args: argparse.Namespace) -> int:
         if recall := card.get("oof_head_recall"):
             print("  out of fold, each head's own rows it flags: "
                   + ", ".join(f"{k} {v:.1%}" for k, v in recall.items()))  # fmt: skip
+        if ranked := card.get("oof_policy_auprc"):
+            print("  out of fold, the policy's AUPRC (benign against unsafe rows): "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in ranked.items()))  # fmt: skip
         if left := card.get("oof_left_out_benign_flagged"):
             within = card.get("oof_benign_flagged", {})
             print("  out of fold, benign rows flagged at thresholds chosen without them: "

@@ -327,6 +327,23 @@ class RuleInputs:
         """The same, all at once: :func:`probes.budget.joint_thresholds`."""
         return joint_thresholds(*self.rows(), budget=self.shares(budget), **options)
 
+    def policy_auprc(self, thresholds: Sequence[float]) -> dict[str, float]:
+        """Per source with benign and unsafe rows: the AUPRC of the policy's margin
+        (:func:`probes.budget.flag_margin`) at ``thresholds`` (one per :attr:`flag`),
+        benign against unsafe rows. The thresholds move it, not only the heads: a label
+        set far below its probabilities on ordinary text puts that text at the top of the
+        ranking (the heads rule, counting `violence/graphic`'s 12 rows of its own, cost
+        OpenAI's 0.02 so, out of fold and held out alike: docs/default-probe.md)."""
+        benign = flag_margin(self.benign, thresholds)
+        unsafe = flag_margin(self.unsafe, thresholds)
+        out = {}
+        for source in sorted(set(self.groups) & set(self.unsafe_groups)):
+            b = benign[torch.tensor([g == source for g in self.groups])]
+            u = unsafe[torch.tensor([g == source for g in self.unsafe_groups])]
+            y = torch.cat([torch.zeros(len(b)), torch.ones(len(u))])
+            out[source] = average_precision(y.numpy(), torch.cat([b, u]).numpy())
+        return out
+
     def without(self, source: str) -> RuleInputs:
         """The same with none of ``source``'s rows, benign or unsafe (the labels' own rows
         counted where :data:`OWN_ROWS` of them are left)."""
@@ -394,6 +411,12 @@ class DefaultFit:
         bought (a head whose threshold the rule sets out of reach shows here, before any
         held-out row is read)."""
         return flag_rates(self.rule.unsafe, self.rule.unsafe_groups, self._flag_thresholds)
+
+    @property
+    def oof_policy_auprc(self) -> dict[str, float]:
+        """Per source with benign and unsafe rows: how the policy ranks them out of fold
+        (:meth:`RuleInputs.policy_auprc` at the shipped thresholds)."""
+        return self.rule.policy_auprc(self._flag_thresholds)
 
     @property
     def oof_head_recall(self) -> dict[str, float]:
@@ -785,6 +808,7 @@ def _card(
         "oof_benign_flagged": {k: _rounded(v) for k, v in fitted.oof_benign_rates.items()},
         "oof_unsafe_flagged": {k: _rounded(v) for k, v in fitted.oof_unsafe_rates.items()},
         "oof_head_recall": {k: _rounded(v) for k, v in fitted.oof_head_recall.items()},
+        "oof_policy_auprc": {k: _rounded(v) for k, v in fitted.oof_policy_auprc.items()},
         "oof_left_out_benign_flagged": {k: _rounded(v) for k, v in fitted.left_out.items()},
         "operating_points": fitted.operating_points,
         "sources": [

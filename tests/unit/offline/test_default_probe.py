@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from probes import load_checkpoint, save_checkpoint
 from probes.errors import CheckpointError
+from probes.metrics import average_precision
 from probes.offline.cache import HiddenStateCache
 from probes.offline.dataset import ProbeDataset
 from probes.offline.fit import FitConfig
@@ -398,6 +399,10 @@ def test_thresholds_keep_every_benign_source_inside_the_budget(built: tuple[Path
     own = card["oof_head_recall"]
     assert {"toxic", "self-harm", "unsafe"} <= set(own) <= set(card["flag_labels"])
     assert all(0 <= v <= 1 for v in own.values())
+    # ... and per source with both kinds of rows, how the policy ranks them.
+    ranked = card["oof_policy_auprc"]
+    assert set(ranked) == set(rates) & set(bought) and {"convabuse", "xstest"} <= set(ranked)
+    assert all(0 < v <= 1 for v in ranked.values())
     # Every shipped operating point; a larger budget never raises a threshold.
     points = card["operating_points"]
     assert set(points) == {f"{b:g}" for b in BUDGETS}
@@ -434,6 +439,26 @@ def test_a_source_left_out_of_the_budget_rule_shows_how_far_unseen_text_exceeds_
     # A source with fewer rows than a share can be read on is not reported.
     few = inputs(torch.cat([low[1:], high]), ["low"] * (n - 1) + ["high"] * n)
     assert set(few.left_out(0.05, rule)) == {"high"}  # type: ignore[arg-type]
+
+
+def test_the_policys_ranking_out_of_fold_falls_where_a_label_is_set_below_ordinary_text() -> None:
+    # Label a tells the rows apart; label b is noise on both. With b out of reach, the
+    # policy ranks by a alone; with b's threshold below its benign scores, b's noise tops
+    # the policy's margin and the ranking falls, while no head changed.
+    g = torch.Generator().manual_seed(0)
+    n = 200
+    a = torch.cat([torch.rand(n, generator=g) * 0.6, 0.4 + torch.rand(n, generator=g) * 0.6])
+    b = torch.rand(2 * n, generator=g) * 0.5
+    scores = torch.stack([a, b], dim=1)
+    inputs = RuleInputs(["a", "b"], scores[:n], ["src"] * n, scores[n:], ["src"] * n, {"src": 1.0})
+    y = torch.cat([torch.zeros(n), torch.ones(n)])
+    alone = average_precision(y.numpy(), a.numpy())
+    assert inputs.policy_auprc([0.5, 0.999]) == {"src": pytest.approx(alone, abs=1e-6)}
+    assert inputs.policy_auprc([0.5, 0.02])["src"] < alone - 0.1
+    # A source with benign rows only has no ranking to report.
+    two = RuleInputs(["a", "b"], scores, ["src"] * n + ["other"] * n, scores[n:], ["src"] * n,
+                     {"src": 1.0, "other": 1.0})  # fmt: skip
+    assert set(two.policy_auprc([0.5, 0.5])) == {"src"}
 
 
 def test_a_budget_rule_other_than_the_recipes_keeps_the_budget_and_says_so(
@@ -477,6 +502,7 @@ def test_a_budget_rule_other_than_the_recipes_keeps_the_budget_and_says_so(
     assert out.count(", thresholds chosen jointly, each head's own recall counted") == 1
     assert out.count("  out of fold, each head's own rows it flags: toxic ") == 3
     assert out.count("  out of fold, benign rows flagged at thresholds chosen without them: ") == 1
+    assert out.count("  out of fold, the policy's AUPRC (benign against unsafe rows): ") == 3
 
 
 def _pinned(monkeypatch: pytest.MonkeyPatch, folder: Path, card: bool = True) -> None:
