@@ -124,8 +124,13 @@ RULE: dict[str | None, BudgetRule] = {None: "joint"}
 # (`default build --seeds`); build_default takes the config's.
 SEEDS: dict[str | None, int] = {None: 15}
 # The heads rule counts a flagging label's own recall where the development rows hold at
-# least this many unsafe rows positive for it (fewer: a recall too coarse to steer by).
-OWN_ROWS = 5
+# least this many unsafe rows positive for it (fewer: a recall too coarse to steer by, one
+# row moving it by more than 2 points). At 5, `violence/graphic`'s 12 rows, counted as much
+# as the hundreds of the others, set it at 0.03 in both raw builds: out of fold the
+# policy's AUPRC fell 0.014-0.024 on ConvAbuse and OpenAI (held out 0.02-0.03, ToxicChat
+# 0.06-0.08); at 50, within 0.006 of the joint rule's, the unsafe recall kept
+# (docs/default-probe.md, "The heads rule in the raw form, judged held out").
+OWN_ROWS = 50
 # The card reports, per benign source with at least this many development rows, the share
 # of them flagged at thresholds chosen without that source (RuleInputs.left_out): fewer,
 # and one row moves the share by more than a point.

@@ -30,6 +30,8 @@ from worker.offline.default_probe import (
     BUDGETS,
     GENERATED,
     LEFT_OUT_ROWS,
+    OWN_ROWS,
+    Loaded,
     RuleInputs,
     build_default,
 )
@@ -397,7 +399,7 @@ def test_thresholds_keep_every_benign_source_inside_the_budget(built: tuple[Path
     assert "degenerate" not in bought and all(0 <= v <= 1 for v in bought.values())
     # ... and per flagging label with rows enough, the share of its rows its own head flags.
     own = card["oof_head_recall"]
-    assert {"toxic", "self-harm", "unsafe"} <= set(own) <= set(card["flag_labels"])
+    assert {"toxic", "unsafe"} <= set(own) <= set(card["flag_labels"])
     assert all(0 <= v <= 1 for v in own.values())
     # ... and per source with both kinds of rows, how the policy ranks them.
     ranked = card["oof_policy_auprc"]
@@ -439,6 +441,23 @@ def test_a_source_left_out_of_the_budget_rule_shows_how_far_unseen_text_exceeds_
     # A source with fewer rows than a share can be read on is not reported.
     few = inputs(torch.cat([low[1:], high]), ["low"] * (n - 1) + ["high"] * n)
     assert set(few.left_out(0.05, rule)) == {"high"}  # type: ignore[arg-type]
+
+
+def test_the_heads_rule_counts_no_label_with_rows_too_few_to_steer_by() -> None:
+    # A label's own recall on a dozen rows moves by 8 points a row: the raw heads build
+    # set `violence/graphic` (12 rows) at 0.03 for it, and its noise topped the policy's
+    # ranking. Only labels with OWN_ROWS rows of their own are counted.
+    flag = ["common", "rare"]
+    spec = SimpleNamespace(labels=["toxicity", *flag], flag_labels=flag)
+    names = [frozenset({"ok"})] * 100 + [frozenset({"bad"})] * 72
+    targets = torch.zeros(len(names), 3)
+    targets[100:160, 1] = 1  # 60 rows of the common label's own
+    targets[160:, 2] = 1  # 12 of the rare one's
+    source = SimpleNamespace(dataset="src", hard=1.0, benign=["ok"], unsafe=["bad"])
+    dev = [Loaded(source, SimpleNamespace(targets=targets), names)]  # type: ignore[arg-type]
+    inputs = RuleInputs.of(dev, spec, torch.rand(len(names), 3))  # type: ignore[arg-type]
+    assert OWN_ROWS > 12 and set(inputs.own) == {"common"}
+    assert int(inputs.own["common"].sum()) == 60
 
 
 def test_the_policys_ranking_out_of_fold_falls_where_a_label_is_set_below_ordinary_text() -> None:
