@@ -131,6 +131,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "agreed where 5 did not: docs/default-probe.md)",
     )
     build.add_argument(
+        "--rule-inputs",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also write what the budget rule chose the thresholds on (each development "
+        "row's out-of-fold probabilities, source and role) to FILE, so "
+        "bench/threshold_rules.py compares rules and budgets on this fit without a refit",
+    )
+    build.add_argument(
         "--pin", action="store_true", help="record the new manifest's sha256 in pins.json"
     )
     build.set_defaults(func=_build)
@@ -173,6 +182,7 @@ def _build(args: argparse.Namespace) -> int:
         folds=args.folds,
         key=settings.cache_key_bytes,
         dtype=resolve_state_dtype(settings.state_dtype, extractor.model_type),
+        rule_inputs=args.rule_inputs,
     )
     if args.pin:
         pins = json.loads(PINS.read_text()) if PINS.is_file() else {}

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save as st_save
 
 from probes import Probe, build_probe, load_checkpoint, save_checkpoint
 from probes.budget import (
@@ -135,6 +137,9 @@ OWN_ROWS = 50
 # of them flagged at thresholds chosen without that source (RuleInputs.left_out): fewer,
 # and one row moves the share by more than a point.
 LEFT_OUT_ROWS = 100
+# What `default build --rule-inputs` writes: RuleInputs as safetensors, its lists in the
+# header (no pickle), read back by RuleInputs.load (bench/threshold_rules.py).
+RULE_INPUTS_FORMAT = "probeguard-rule-inputs/1"
 # The logistic heads' inverse L2 strengths tried by leaving one source out (choose_c).
 C_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 
@@ -349,6 +354,66 @@ class RuleInputs:
             out[source] = average_precision(y.numpy(), torch.cat([b, u]).numpy())
         return out
 
+    def head_recall(self, thresholds: Mapping[str, float]) -> dict[str, float]:
+        """Per label with rows of its own (:attr:`own`): the share of them its own head
+        flags at ``thresholds`` (what the heads rule weighs beside the sources' recall; a
+        label at zero is a head set out of reach)."""
+        column = {x: j for j, x in enumerate(self.flag)}
+        return {
+            x: float((self.unsafe[rows, column[x]].double() >= thresholds[x]).double().mean())
+            for x, rows in self.own.items()
+        }
+
+    def save(self, path: Path, **about: str) -> None:
+        """Write these inputs to ``path`` (safetensors; the row lists and ``about``, e.g.
+        the checkpoint they were chosen for, in its header) for :meth:`load`."""
+        tensors = {
+            "benign": self.benign.float().contiguous(),
+            "unsafe": self.unsafe.float().contiguous(),
+            **{f"own/{x}": rows.to(torch.uint8).contiguous() for x, rows in self.own.items()},
+        }
+        lists = {"flag": self.flag, "groups": self.groups, "unsafe_groups": self.unsafe_groups}
+        header = {k: json.dumps(v) for k, v in {**lists, "hard": self.hard}.items()}
+        atomic_write(path, st_save(tensors, {"format": RULE_INPUTS_FORMAT, **header, **about}))
+
+    @staticmethod
+    def load(path: Path) -> tuple[RuleInputs, dict[str, str]]:
+        """What :meth:`save` wrote (and its ``about``), checked for shape: an
+        :class:`~worker.errors.OfflineError` naming the file otherwise."""
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                header = dict(f.metadata() or {})
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        except (OSError, SafetensorError) as exc:
+            raise OfflineError(f"cannot read the rule inputs {str(path)!r}: {exc}") from exc
+        if header.get("format") != RULE_INPUTS_FORMAT:
+            raise OfflineError(
+                f"{str(path)!r} is not a file of rule inputs ({RULE_INPUTS_FORMAT}): "
+                "`probeguard default build --rule-inputs` writes them"
+            )
+        try:
+            flag, groups, unsafe_groups, hard = (
+                json.loads(header.pop(k)) for k in ("flag", "groups", "unsafe_groups", "hard")
+            )
+            inputs = RuleInputs(
+                flag, tensors.pop("benign"), groups, tensors.pop("unsafe"), unsafe_groups,
+                {str(k): float(v) for k, v in hard.items()},
+                {k.removeprefix("own/"): v.bool() for k, v in tensors.items()},
+            )  # fmt: skip
+        except (KeyError, ValueError, TypeError, AttributeError) as exc:
+            raise OfflineError(f"{str(path)!r}: incomplete rule inputs ({exc})") from exc
+        shapes_ok = (
+            inputs.benign.shape == (len(groups), len(flag))
+            and inputs.unsafe.shape == (len(unsafe_groups), len(flag))
+            and set(inputs.own) <= set(flag)
+            and all(v.shape == (len(unsafe_groups),) for v in inputs.own.values())
+            and set(groups) | set(unsafe_groups) <= set(inputs.hard)
+        )
+        if not shapes_ok:
+            raise OfflineError(f"{str(path)!r}: the rule inputs' rows and labels do not agree")
+        header.pop("format")
+        return inputs, header
+
     def without(self, source: str) -> RuleInputs:
         """The same with none of ``source``'s rows, benign or unsafe (the labels' own rows
         counted where :data:`OWN_ROWS` of them are left)."""
@@ -426,15 +491,8 @@ class DefaultFit:
     @property
     def oof_head_recall(self) -> dict[str, float]:
         """Per flagging label with at least :data:`OWN_ROWS` unsafe rows positive for it:
-        the share of them its own head flags out of fold (what the heads budget rule weighs
-        beside the sources' recall; a label at zero is a head set out of reach)."""
-        column = {x: j for j, x in enumerate(self.rule.flag)}
-        return {
-            x: float(
-                (self.rule.unsafe[rows, column[x]].double() >= self.thresholds[x]).double().mean()
-            )
-            for x, rows in self.rule.own.items()
-        }
+        the share of them its own head flags out of fold (:meth:`RuleInputs.head_recall`)."""
+        return self.rule.head_recall(self.thresholds)
 
     @property
     def _flag_thresholds(self) -> list[float]:
@@ -702,6 +760,7 @@ def build_default(
     key: bytes | None = None,
     evaluate_on: Sequence[Source] = (),
     dtype: StateDtype = "float16",
+    rule_inputs: Path | None = None,
 ) -> BuildResult:
     """Build caches for the recipe's sources (resuming; encrypted with ``key`` when given;
     states stored as ``dtype``: Gemma 3's exceed float16's range, so bfloat16 there),
@@ -710,7 +769,9 @@ def build_default(
     budget rule's; None: the recipe's for the extractor's text form, :data:`INVARIANT`,
     :data:`RULE`, :data:`PRICE`), measure it per source on the held-out rows (and on every
     row of ``evaluate_on``: sources it never trains on), and write it to ``out``
-    (``manifest.json``, ``tensors.safetensors``, ``card.json``)."""
+    (``manifest.json``, ``tensors.safetensors``, ``card.json``); ``rule_inputs``: also
+    write what the budget rule chose the thresholds on there (:meth:`RuleInputs.save`,
+    naming the checkpoint's tensors), for ``bench/threshold_rules.py``."""
     started = time.time()
     sources = [s for s in SOURCES if noncommercial or not s.noncommercial]
     # A mean, max or last token reads every layer's summary (the cache stores them all);
@@ -757,6 +818,12 @@ def build_default(
         weights=SHIPPED_WEIGHTS,
     )
     probe, _ = load_checkpoint(out, extractor.fingerprint)  # what ships is what is measured
+    if rule_inputs is not None:
+        tensors = hashlib.sha256((out / "tensors.safetensors").read_bytes()).hexdigest()
+        fitted.rule.save(
+            rule_inputs, checkpoint_tensors_sha256=tensors, budget=f"{budget:g}",
+            budget_rule=budget_rule, budget_price=price,
+        )  # fmt: skip
     measured = {x.source.dataset: measure(probe, x.part("held_out")) for x in loaded}
     for s in evaluate_on:
         measured[s.dataset] = measure(

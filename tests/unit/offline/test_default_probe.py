@@ -496,7 +496,9 @@ def test_a_budget_rule_other_than_the_recipes_keeps_the_budget_and_says_so(
     scarce, _ = _rebuild(data_root, built, tmp_path / "scarce", **options)
     # (The stand-ins' sources are small: each benign one reported as left out of the rule.)
     monkeypatch.setattr("worker.offline.default_probe.LEFT_OUT_ROWS", 5)
-    heads, _ = _rebuild(data_root, built, tmp_path / "heads", **{**options, "budget_rule": "heads"})
+    rules = tmp_path / "heads.rules"
+    heads_options = {**options, "budget_rule": "heads", "rule_inputs": rules}
+    heads, _ = _rebuild(data_root, built, tmp_path / "heads", **heads_options)
     left = heads["oof_left_out_benign_flagged"]
     assert set(left) == set(heads["oof_benign_flagged"]) >= {"convabuse", "xstest"}
     assert all(0 <= v <= 1 for v in left.values()) and not card["oof_left_out_benign_flagged"]
@@ -522,6 +524,57 @@ def test_a_budget_rule_other_than_the_recipes_keeps_the_budget_and_says_so(
     assert out.count("  out of fold, each head's own rows it flags: toxic ") == 3
     assert out.count("  out of fold, benign rows flagged at thresholds chosen without them: ") == 1
     assert out.count("  out of fold, the policy's AUPRC (benign against unsafe rows): ") == 3
+    # What the rule chose on, saved: bench/threshold_rules.py picks the same thresholds
+    # from it again and writes the build's probe at another rule's.
+    from tests.unit.bench.test_benches import last_json, load_bench
+
+    bench = load_bench("threshold_rules")
+    argv = ["--rule-inputs", str(rules), "--rules", "heads,joint"]
+    write = ["--checkpoint", str(tmp_path / "heads"), "--out", str(tmp_path / "j")]
+    write += ["--rule", "joint"]
+    assert bench.main([*argv, *write]) == 0
+    measured = last_json(capsys)
+    assert measured["built_with"] == "heads" and measured["price"] == "scarcity"
+    again = measured["rules"]["heads"]
+    assert again["thresholds"] == pytest.approx(heads["operating_points"]["0.03"], abs=1e-4)
+    assert again["benign_flagged"] == pytest.approx(heads["oof_benign_flagged"], abs=1e-4)
+    assert again["policy_auprc"] == pytest.approx(heads["oof_policy_auprc"], abs=1e-4)
+    joint_probe, _ = load_checkpoint(tmp_path / "j", tiny_extractor().fingerprint)
+    picked = {k: joint_probe.spec.thresholds[k] for k in measured["rules"]["joint"]["thresholds"]}
+    assert picked == pytest.approx(measured["rules"]["joint"]["thresholds"], abs=1e-4)
+    # Another build's checkpoint is refused: these inputs were not its rule's.
+    write[1] = str(built[0])
+    with pytest.raises(SystemExit, match="were not saved by the build of"):
+        bench.main([*argv, *write])
+
+
+def test_rule_inputs_read_back_as_written_and_anything_else_is_refused_by_name(
+    tmp_path: Path, built: tuple[Path, dict]
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    own = {"a": torch.rand(4, generator=g) > 0.5}
+    inputs = RuleInputs(
+        ["a", "b"], torch.rand(3, 2, generator=g), ["x", "x", "y"],
+        torch.rand(4, 2, generator=g), ["z"] * 4, {"x": 1.0, "y": 3.0, "z": 1.0}, own,
+    )  # fmt: skip
+    path = tmp_path / "rules"
+    inputs.save(path, budget="0.03")
+    back, about = RuleInputs.load(path)
+    assert about == {"budget": "0.03"}
+    assert (back.flag, back.groups, back.unsafe_groups, back.hard) == (
+        inputs.flag, inputs.groups, inputs.unsafe_groups, inputs.hard,
+    )  # fmt: skip
+    assert torch.equal(back.benign, inputs.benign) and torch.equal(back.unsafe, inputs.unsafe)
+    assert set(back.own) == {"a"} and torch.equal(back.own["a"], own["a"])
+    # Not rule inputs (a checkpoint's tensors, text), or rows that disagree: an error naming
+    # the file, never a half-read rule.
+    (tmp_path / "text").write_text("not safetensors")
+    for other in (built[0] / "tensors.safetensors", tmp_path / "text", tmp_path / "missing"):
+        with pytest.raises(OfflineError, match=str(other.name)):
+            RuleInputs.load(other)
+    replace(inputs, groups=["x", "y"]).save(path)
+    with pytest.raises(OfflineError, match="rows and labels do not agree"):
+        RuleInputs.load(path)
 
 
 def _pinned(monkeypatch: pytest.MonkeyPatch, folder: Path, card: bool = True) -> None:
