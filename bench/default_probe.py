@@ -19,7 +19,8 @@ benign development rows, the budget for every source: not the default's greedy
 not at the default's operating rule; AUPRC does not depend on thresholds).
 
 ``--ablate``: the default's recipe fitted again without each source in turn (the same
-folds, seed and budget), every dataset measured again: what each set adds.
+folds, seed, budget, held heads, price and rule; ``--ablate-seeds`` seeds, one by
+default), every dataset measured again: what each set adds.
 
 Example (the caches ``probeguard default build --cache-root runs/default-cache`` made)::
 
@@ -56,6 +57,9 @@ from schemas import ProbeSpec
 from worker.defaults import find_default, missing
 from worker.offline.default_probe import (
     BUDGET,
+    INVARIANT,
+    PRICE,
+    RULE,
     SOLVER,
     Loaded,
     fit_default,
@@ -126,6 +130,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["lion", "logistic", "lion+logistic"],
         default=SOLVER,
         help=f"the ablation's solver (the recipe's: {SOLVER}; lion for token-level pools)",
+    )
+    p.add_argument(
+        "--ablate-seeds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="each ablation fit the soup of N seeds' (default 1: twelve fits of the raw "
+        "recipe's fifteen would take a day on 2 cores)",
     )
     p.add_argument("--folds", type=int, default=4)
     p.add_argument("--epochs", type=int, default=25)
@@ -265,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             table["minilm_lr"][name] = peer.measure(item, x, name)
             log(f"MiniLM + LR on {name}: {table['minilm_lr'][name]}")
     if args.ablate:
-        table |= ablation(args, llm.hidden_size, llm.num_layers)
+        table |= ablation(args, llm.hidden_size, llm.num_layers, llm.form)
     _print(table)
     print(json.dumps({"question": "default vs MiniLM + LR vs ablations, held out",
                       "budget": args.budget, "table": table,
@@ -285,20 +297,31 @@ def _load(spec: ProbeSpec, args: argparse.Namespace) -> tuple[list[Loaded], dict
     return loaded, held
 
 
-def ablation(args: argparse.Namespace, hidden_size: int, num_layers: int) -> dict[str, Any]:
+def ablation(
+    args: argparse.Namespace, hidden_size: int, num_layers: int, form: str | None
+) -> dict[str, Any]:
     """The recipe fitted on every source, then without each in turn: the probe kind is
     ``--ablate-pool`` over every layer (a mean pool fits in a minute or two where the
-    shipped gate takes twenty: ten fits), the rule, folds and budget the default's."""
+    shipped gate takes twenty: ten fits); the held heads, price, rule, folds and budget
+    the recipe's for the caches' text form; ``--ablate-seeds`` seeds (the recipe's raw
+    form ships fifteen)."""
     spec = default_spec(hidden_size, list(range(num_layers + 1)), pool=args.ablate_pool)
     loaded, held = _load(spec, args)
-    config = FitConfig(max_epochs=args.epochs, patience=4)
+    config = FitConfig(max_epochs=args.epochs, patience=4, seeds=args.ablate_seeds)
+    recipe: dict[str, Any] = {
+        "invariant": INVARIANT.get(form, ()),
+        "price": PRICE.get(form, "share"),
+        "budget_rule": RULE.get(form, "greedy"),
+    }
+    log(f"ablation: {args.ablate_solver}, {args.ablate_seeds} seed(s), {recipe}")
     out = {}
     for left_out in [None, *(s.dataset for s in _sources())]:
         t0 = time.time()
         rest = [x for x in loaded if x.source.dataset != left_out]
         fitted = fit_default(
-            rest, spec, config, budget=args.budget, folds=args.folds, solver=args.ablate_solver
-        )
+            rest, spec, config, budget=args.budget, folds=args.folds,
+            solver=args.ablate_solver, **recipe,
+        )  # fmt: skip
         key = f"{args.ablate_pool}, {args.ablate_solver}: " + (
             "every source" if left_out is None else f"without {left_out}"
         )

@@ -271,3 +271,32 @@ def test_score_engine_bench_runs_on_the_tiny_llm(capsys, texts: Path) -> None:
     assert isinstance(out["host_overhead_ms"], float) and out["backlog_msg_s"] > 0
     (paced,) = out["paced"]
     assert paced["load"] == 0.5 and paced["n"] > 0 and paced["p99_ms"] >= paced["p50_ms"]
+
+
+def test_default_probe_ablation_fits_the_recipe_of_the_caches_text_form(monkeypatch) -> None:
+    # What each set adds is read on the recipe that ships: its held heads, price, rule and
+    # the seeds asked for, per text form (the ablation once fitted none of them).
+    from types import SimpleNamespace
+
+    from worker.offline.default_probe import INVARIANT, PRICE, RULE
+
+    bench = load_bench("default_probe")
+    calls: list[tuple[list, dict]] = []
+
+    def fit(rest, spec, config, **options):
+        calls.append((rest, {**options, "seeds": config.seeds}))
+        return SimpleNamespace(result=SimpleNamespace(probe=None))
+
+    monkeypatch.setattr(bench, "fit_default", fit)
+    monkeypatch.setattr(bench, "_load", lambda spec, args: ([], {}))
+    args = bench.parse_args(["--cache-root", "c", "--data-root", "d", "--ablate-seeds", "3"])
+    for form in (None, "chat"):
+        calls.clear()
+        table = bench.ablation(args, 8, 2, form)
+        assert len(table) == len(calls) == 1 + len(bench._sources())
+        for _, options in calls:
+            assert options["invariant"] == INVARIANT.get(form, ())
+            assert options["price"] == PRICE.get(form, "share")
+            assert options["budget_rule"] == RULE.get(form, "greedy")
+            assert options["seeds"] == 3
+    assert INVARIANT[None] and RULE[None] != "greedy"  # the raw form's differ from the defaults
