@@ -112,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     inputs, about = RuleInputs.load(args.rule_inputs)
     budget = args.budget if args.budget is not None else float(about.get("budget", "0.03"))
     price = args.price or about.get("budget_price", "share")
-    own = {x: rows for x, rows in inputs.own.items() if int(rows.sum()) >= args.own_rows}
-    inputs = replace(inputs, own=own)
+    inputs = replace(inputs, own_rows=args.own_rows)
     out = {}
     for rule in args.rules:
         out[rule] = row = measure_rule(inputs, rule, budget, price)

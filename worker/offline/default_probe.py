@@ -269,8 +269,9 @@ class CChoice:
 class RuleInputs:
     """What the budget rule chooses the flag thresholds on: the flagging labels'
     out-of-fold probabilities of the benign and of the unsafe development rows, each
-    row's source, each source's budget multiple (``hard``) and, per flagging label with at
-    least :data:`OWN_ROWS` of them, which unsafe rows are positive for it (``own``)."""
+    row's source, each source's budget multiple (``hard``) and, per flagging label, which
+    unsafe rows are positive for it (``own``; the heads rule counts the labels with at
+    least ``own_rows`` of them, :data:`OWN_ROWS` when None: :attr:`counted`)."""
 
     flag: list[str]
     benign: torch.Tensor
@@ -279,6 +280,13 @@ class RuleInputs:
     unsafe_groups: list[str]
     hard: dict[str, float]
     own: dict[str, torch.Tensor] = field(default_factory=dict)
+    own_rows: int | None = None
+
+    @property
+    def counted(self) -> dict[str, torch.Tensor]:
+        """The labels' own rows the heads rule counts: where there are ``own_rows``."""
+        least = OWN_ROWS if self.own_rows is None else self.own_rows
+        return {x: rows for x, rows in self.own.items() if int(rows.sum()) >= least}
 
     @staticmethod
     def of(dev: Sequence[Loaded], spec: ProbeSpec, oof_probs: torch.Tensor) -> RuleInputs:
@@ -295,7 +303,7 @@ class RuleInputs:
             unsafe=oof_probs[unsafe][:, cols],
             unsafe_groups=[d.source.dataset for d in dev for r in d.roles if r == "unsafe"],
             hard={d.source.dataset: d.source.hard for d in dev},
-            own={x: rows for x, rows in positive.items() if int(rows.sum()) >= OWN_ROWS},
+            own=positive,
         )
 
     def shares(self, budget: float) -> dict[str, float]:
@@ -323,7 +331,7 @@ class RuleInputs:
         each bounded by its neighbour's on the way."""
         if rule == "greedy":
             return {f"{b:g}": self.thresholds(b, price) for b in sorted(set(budgets))}
-        own = {"own": self.own} if rule == "heads" else {}
+        own = {"own": self.counted} if rule == "heads" else {}
         first, chosen = budgets[0], {budgets[0]: self.joint(budgets[0], **own)}
         looser = sorted(b for b in set(budgets) if b > first)
         tighter = sorted((b for b in set(budgets) if b < first), reverse=True)
@@ -355,13 +363,13 @@ class RuleInputs:
         return out
 
     def head_recall(self, thresholds: Mapping[str, float]) -> dict[str, float]:
-        """Per label with rows of its own (:attr:`own`): the share of them its own head
+        """Per label with rows of its own (:attr:`counted`): the share of them its own head
         flags at ``thresholds`` (what the heads rule weighs beside the sources' recall; a
         label at zero is a head set out of reach)."""
         column = {x: j for j, x in enumerate(self.flag)}
         return {
             x: float((self.unsafe[rows, column[x]].double() >= thresholds[x]).double().mean())
-            for x, rows in self.own.items()
+            for x, rows in self.counted.items()
         }
 
     def save(self, path: Path, **about: str) -> None:
@@ -416,7 +424,7 @@ class RuleInputs:
 
     def without(self, source: str) -> RuleInputs:
         """The same with none of ``source``'s rows, benign or unsafe (the labels' own rows
-        counted where :data:`OWN_ROWS` of them are left)."""
+        counted where ``own_rows`` of them are left: :attr:`counted`)."""
         benign = torch.tensor([g != source for g in self.groups], dtype=torch.bool)
         unsafe = torch.tensor([g != source for g in self.unsafe_groups], dtype=torch.bool)
         own = {x: rows[unsafe] for x, rows in self.own.items()}
@@ -427,7 +435,8 @@ class RuleInputs:
             unsafe=self.unsafe[unsafe],
             unsafe_groups=[g for g in self.unsafe_groups if g != source],
             hard={g: h for g, h in self.hard.items() if g != source},
-            own={x: rows for x, rows in own.items() if int(rows.sum()) >= OWN_ROWS},
+            own=own,
+            own_rows=self.own_rows,
         )
 
     def left_out(
