@@ -27,7 +27,6 @@ heads rule in the raw form, judged held out"). The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import time
@@ -93,10 +92,9 @@ def rethreshold(
     inputs: RuleInputs, about: dict[str, str], args: argparse.Namespace, budget: float, price: Any
 ) -> None:
     """``--checkpoint``'s probe with the thresholds ``--rule`` picks, written to ``--out``."""
-    tensors = (args.checkpoint / "tensors.safetensors").read_bytes()
-    if hashlib.sha256(tensors).hexdigest() != about.get("checkpoint_tensors_sha256"):
+    probe, manifest = load_checkpoint(args.checkpoint, None)  # verified: its tensors' digest
+    if manifest.tensors_sha256 != about.get("checkpoint_tensors_sha256"):
         raise SystemExit(f"{args.rule_inputs} were not saved by the build of {args.checkpoint}")
-    probe, manifest = load_checkpoint(args.checkpoint, None)
     if list(probe.spec.flag_labels) != inputs.flag:
         raise SystemExit(f"{args.checkpoint} flags {probe.spec.flag_labels}, not {inputs.flag}")
     points = inputs.points([budget, *BUDGETS], args.rule, price)

@@ -826,11 +826,10 @@ def build_default(
         counters=counters,
         weights=SHIPPED_WEIGHTS,
     )
-    probe, _ = load_checkpoint(out, extractor.fingerprint)  # what ships is what is measured
+    probe, manifest = load_checkpoint(out, extractor.fingerprint)  # what ships is measured
     if rule_inputs is not None:
-        tensors = hashlib.sha256((out / "tensors.safetensors").read_bytes()).hexdigest()
         fitted.rule.save(
-            rule_inputs, checkpoint_tensors_sha256=tensors, budget=f"{budget:g}",
+            rule_inputs, checkpoint_tensors_sha256=manifest.tensors_sha256, budget=f"{budget:g}",
             budget_rule=budget_rule, budget_price=price,
         )  # fmt: skip
     measured = {x.source.dataset: measure(probe, x.part("held_out")) for x in loaded}
