@@ -57,14 +57,12 @@ from schemas import ProbeSpec
 from worker.defaults import find_default, missing
 from worker.offline.default_probe import (
     BUDGET,
-    INVARIANT,
-    PRICE,
-    RULE,
     SOLVER,
     Loaded,
     fit_default,
     load_source,
     measure,
+    recipe_rule,
 )
 from worker.offline.default_recipe import SOURCES, Source, default_spec
 
@@ -308,11 +306,7 @@ def ablation(
     spec = default_spec(hidden_size, list(range(num_layers + 1)), pool=args.ablate_pool)
     loaded, held = _load(spec, args)
     config = FitConfig(max_epochs=args.epochs, patience=4, seeds=args.ablate_seeds)
-    recipe: dict[str, Any] = {
-        "invariant": INVARIANT.get(form, ()),
-        "price": PRICE.get(form, "share"),
-        "budget_rule": RULE.get(form, "greedy"),
-    }
+    recipe = recipe_rule(form)
     log(f"ablation: {args.ablate_solver}, {args.ablate_seeds} seed(s), {recipe}")
     out = {}
     for left_out in [None, *(s.dataset for s in _sources())]:

@@ -750,6 +750,17 @@ def _rounded(x: float) -> float | None:
     return round(x, 4) if x == x else None
 
 
+def recipe_rule(form: str | None) -> dict[str, Any]:
+    """The recipe's held heads, budget price and budget rule for a text form (``form``:
+    None for the raw text): :func:`fit_default`'s ``invariant``, ``price`` and
+    ``budget_rule``."""
+    return {
+        "invariant": INVARIANT.get(form, ()),
+        "price": PRICE.get(form, "share"),
+        "budget_rule": RULE.get(form, "greedy"),
+    }
+
+
 def build_default(
     data_root: Path,
     out: Path,
@@ -802,9 +813,10 @@ def build_default(
     loaded = [load_source(s, spec, cache_root, data_root, extractor, key, dtype) for s in sources]
     log.info("default: %d rows in %d sources", sum(len(x.data) for x in loaded), len(loaded))
     form = extractor.fingerprint.form
-    invariant = INVARIANT.get(form, ()) if invariant is None else invariant
-    price = price or PRICE.get(form, "share")
-    budget_rule = budget_rule or RULE.get(form, "greedy")
+    recipe = recipe_rule(form)
+    invariant = recipe["invariant"] if invariant is None else invariant
+    price = price or recipe["price"]
+    budget_rule = budget_rule or recipe["budget_rule"]
     fitted = fit_default(
         loaded,
         spec,
