@@ -9,7 +9,9 @@ digit with the machine that built the caches), against issue 42's targets
 - a target it misses, the candidate loses nothing on: no share of benign rows higher, no
   share of unsafe rows lower, no AUPRC more than :data:`AUPRC_SLACK` lower;
 - every line the shipped default judges right, the candidate judges right;
-- and something is better: a target newly met or a line newly judged right.
+- and something is better: a target newly met or a line newly judged right;
+- and beyond the targets, what :data:`HELD` names is not traded away: no more than its
+  slack worse than the shipped default (ToxiGen's own rows, which no target reads).
 
 The lines are written here, not drawn from any dataset; the integration test
 ``tests/integration/test_default_quality.py`` holds both packaged defaults to them.
@@ -31,10 +33,12 @@ __all__ = [
     "DEGENERATE",
     "EVERYDAY",
     "HARMFUL",
+    "HELD",
     "LINES",
     "LOOKALIKES",
     "SELF_HARM",
     "TARGETS",
+    "Held",
     "Judgement",
     "Target",
     "Verdict",
@@ -105,6 +109,15 @@ class Target:
     def met(self, value: float) -> bool:
         return value <= self.bound if self.at_most else value >= self.bound
 
+    def limit(self, shipped: float, row: Mapping[str, Any]) -> float:
+        """What a candidate must reach: the bound where the shipped default meets it;
+        where it misses, its figure (an AUPRC: :data:`AUPRC_SLACK` lower)."""
+        if self.met(shipped):
+            return self.bound
+        if self.metric.endswith("auprc"):
+            return shipped - AUPRC_SLACK
+        return shipped  # a share: nothing lost, not one row
+
 
 def _auprc(name: str, dataset: str, bound: float) -> tuple[Target, Target]:
     """An AUPRC target, read on the flag policy and on the dataset's task head."""
@@ -130,8 +143,41 @@ TARGETS: tuple[Target, ...] = (
 
 
 @dataclass(frozen=True)
+class Held:
+    """A figure beyond the targets that a candidate may not trade away: ``metric`` of
+    ``dataset`` at most ``slack`` worse than the shipped default's. For a share, ``slack``
+    counts rows of the table's ``per`` column (``"benign"``: the dataset's benign rows),
+    so a limit says how many rows it lets go."""
+
+    name: str
+    dataset: str
+    metric: str
+    slack: float
+    at_most: bool = False
+    per: str | None = None
+
+    def met(self, value: float) -> bool:
+        return False  # no bound: nothing to newly meet
+
+    def limit(self, shipped: float, row: Mapping[str, Any]) -> float:
+        slack = self.slack / float(row[self.per]) if self.per else self.slack
+        return shipped + slack if self.at_most else shipped - slack
+
+
+# ToxiGen's demonstrations (implicit hate and neutral statements about groups): no target
+# reads them, and a recipe that weighs them less reads better on ToxicChat (the ablation in
+# docs/default-probe.md); written before any such candidate was built. On its 101
+# held-out rows (48 neutral) one neutral statement is 2.1 points and its hate head's AUPRC
+# moves by about 0.04 with the sample: two statements, and 0.03.
+HELD: tuple[Held, ...] = (
+    Held("ToxiGen neutral flagged", "toxigen_demonstrations", "benign_flagged", 2, True, "benign"),
+    Held("ToxiGen AUPRC, hate head", "toxigen_demonstrations", "task_head_auprc", 0.03),
+)
+
+
+@dataclass(frozen=True)
 class Verdict:
-    target: Target
+    target: Target | Held
     shipped: float
     candidate: float
     limit: float  # what the candidate had to reach (the bound, or the shipped figure)
@@ -170,14 +216,6 @@ class Judgement:
         }
 
 
-def _limit(target: Target, shipped: float) -> float:
-    if target.met(shipped):
-        return target.bound
-    if target.metric.endswith("auprc"):
-        return shipped - AUPRC_SLACK
-    return shipped  # a share: nothing lost, not one row
-
-
 def judge(
     shipped: Mapping[str, Mapping[str, Any]],
     candidate: Mapping[str, Mapping[str, Any]],
@@ -189,12 +227,12 @@ def judge(
     (line -> judged right). A target whose figure either table lacks is an error, not a
     pass."""
     verdicts = []
-    for t in TARGETS:
+    for t in (*TARGETS, *HELD):
         try:
             was, now = float(shipped[t.dataset][t.metric]), float(candidate[t.dataset][t.metric])
+            limit = t.limit(was, shipped[t.dataset])
         except (KeyError, TypeError) as exc:
             raise ValueError(f"{t.name}: {t.dataset}'s {t.metric} is not measured") from exc
-        limit = _limit(t, was)
         ok = now <= limit + 1e-9 if t.at_most else now >= limit - 1e-9
         verdicts.append(Verdict(t, was, now, limit, ok, t.met(now) and not t.met(was)))
     if set(shipped_lines) != set(candidate_lines):

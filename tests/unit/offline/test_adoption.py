@@ -13,6 +13,7 @@ from probes import build_probe
 from tests.unit.offline_helpers import tiny_extractor
 from worker.offline.adoption import (
     AUPRC_SLACK,
+    HELD,
     LINES,
     TARGETS,
     judge,
@@ -32,6 +33,12 @@ def _table() -> dict[str, dict[str, Any]]:
         "hatecheck": {"task_head_auprc": 0.921},
         "ailuminate_demo": {"unsafe_flagged": 0.83},
         "simplesafetytests": {"unsafe_flagged": 0.7333},
+        # 8 of 48 neutral statements flagged
+        "toxigen_demonstrations": {
+            "benign": 48,
+            "benign_flagged": 8 / 48,
+            "task_head_auprc": 0.767,
+        },
     }
 
 
@@ -48,7 +55,7 @@ def _with(table: dict, dataset: str, metric: str, value: float) -> dict:
 def test_the_same_default_is_not_adopted_over_itself() -> None:
     j = judge(_table(), _table(), RIGHT, RIGHT)
     assert all(v.ok for v in j.verdicts) and not j.adopt  # nothing better
-    assert len(j.verdicts) == len(TARGETS)
+    assert len(j.verdicts) == len(TARGETS) + len(HELD)
 
 
 def test_a_target_newly_met_losing_nothing_is_adopted() -> None:
@@ -78,6 +85,27 @@ def test_a_loss_anywhere_is_not_adopted_whatever_it_gains(
     candidate = _with(gains, dataset, metric, value)
     j = judge(_table(), candidate, {**RIGHT, HARM: False}, RIGHT)  # a line gained too
     assert not j.adopt and j.as_json()["failed"] == [failed]
+
+
+@pytest.mark.parametrize(
+    ("metric", "value", "ok"),
+    [
+        # two more neutral statements flagged are let go, a third is not
+        ("benign_flagged", 10 / 48, True),
+        ("benign_flagged", 11 / 48, False),
+        # the hate head's AUPRC may read 0.03 lower, no more
+        ("task_head_auprc", 0.767 - 0.03, True),
+        ("task_head_auprc", 0.767 - 0.031, False),
+    ],
+)
+def test_toxigens_own_rows_are_not_traded_away_for_a_target(
+    metric: str, value: float, ok: bool
+) -> None:
+    gains = _with(_table(), "toxicchat", "task_head_auprc", 0.56)  # a target newly met
+    j = judge(_table(), _with(gains, "toxigen_demonstrations", metric, value), RIGHT, RIGHT)
+    assert j.adopt is ok
+    held = [v for v in j.verdicts if v.target in HELD]
+    assert [v.ok for v in held].count(False) == (not ok) and not any(v.newly_met for v in held)
 
 
 def test_a_missed_auprc_within_the_slack_and_a_line_gained_is_adopted() -> None:
