@@ -140,6 +140,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         "bench/threshold_rules.py compares rules and budgets on this fit without a refit",
     )
     build.add_argument(
+        "--variant",
+        type=_variant,
+        default=None,
+        metavar="FILE",
+        help="a JSON object editing the recipe's sources, to measure a change before the "
+        "recipe takes it: dataset -> the fields it replaces (heads, cap, repeat, benign, "
+        "unsafe, hard) or null to leave the dataset out, e.g. "
+        '{"toxigen_demonstrations": {"heads": {"hate": {"hate": ["hate"], "neutral": []}}}}; '
+        "the card records it (not with --pin: to ship a change, edit the recipe)",
+    )
+    build.add_argument(
         "--pin", action="store_true", help="record the new manifest's sha256 in pins.json"
     )
     build.set_defaults(func=_build)
@@ -159,6 +170,11 @@ def _build(args: argparse.Namespace) -> int:
     from worker.offline.default_probe import BUDGET, POOL, SEEDS, build_default
     from worker.settings import load_settings
 
+    if args.variant and args.pin:
+        raise SystemExit(
+            "--variant builds a measurement, not a default: to ship the change, edit the "
+            "recipe (worker/offline/default_recipe.py) and build it without --variant"
+        )
     settings = load_settings()
     extractor = HiddenStateExtractor.from_settings(settings)
     # One folder per LLM and text form: the chat form's default sits beside the raw one.
@@ -183,6 +199,7 @@ def _build(args: argparse.Namespace) -> int:
         key=settings.cache_key_bytes,
         dtype=resolve_state_dtype(settings.state_dtype, extractor.model_type),
         rule_inputs=args.rule_inputs,
+        variant=args.variant,
     )
     if args.pin:
         pins = json.loads(PINS.read_text()) if PINS.is_file() else {}
@@ -192,6 +209,24 @@ def _build(args: argparse.Namespace) -> int:
         PINS.write_text(json.dumps(pins, indent=1, sort_keys=True) + "\n")
     print(json.dumps({"out": str(out), **result.card}, indent=1))
     return 0
+
+
+def _variant(value: str) -> dict:
+    """``--variant``: a readable JSON object (its names are checked against the recipe
+    before the LLM loads: :func:`~worker.offline.default_recipe.vary`)."""
+    from worker.offline.default_recipe import SOURCES, vary
+
+    try:
+        variant = json.loads(Path(value).read_text())
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"{value}: {exc}") from exc
+    if not isinstance(variant, dict):
+        raise argparse.ArgumentTypeError(f"{value}: not a JSON object of dataset -> edits")
+    try:
+        vary(SOURCES, variant)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{value}: {exc}") from exc
+    return variant
 
 
 def _count(value: str) -> int:

@@ -63,6 +63,7 @@ from worker.offline.default_recipe import (
     request_rows,
     self_harm_rows,
     split_of,
+    vary,
 )
 from worker.offline.fit_eval import load_split
 
@@ -781,6 +782,7 @@ def build_default(
     evaluate_on: Sequence[Source] = (),
     dtype: StateDtype = "float16",
     rule_inputs: Path | None = None,
+    variant: Mapping[str, Any] | None = None,
 ) -> BuildResult:
     """Build caches for the recipe's sources (resuming; encrypted with ``key`` when given;
     states stored as ``dtype``: Gemma 3's exceed float16's range, so bfloat16 there),
@@ -791,9 +793,16 @@ def build_default(
     row of ``evaluate_on``: sources it never trains on), and write it to ``out``
     (``manifest.json``, ``tensors.safetensors``, ``card.json``); ``rule_inputs``: also
     write what the budget rule chose the thresholds on there (:meth:`RuleInputs.save`,
-    naming the checkpoint's tensors), for ``bench/threshold_rules.py``."""
+    naming the checkpoint's tensors), for ``bench/threshold_rules.py``; ``variant``: the
+    recipe's sources edited (:func:`~worker.offline.default_recipe.vary`; the card records
+    it)."""
     started = time.time()
     sources = [s for s in SOURCES if noncommercial or not s.noncommercial]
+    if variant:
+        try:
+            sources = vary(sources, variant)
+        except ValueError as exc:
+            raise OfflineError(str(exc)) from exc
     # A mean, max or last token reads every layer's summary (the cache stores them all);
     # token-level pools read the layers the cache stores token by token.
     top = extractor.num_layers
@@ -864,6 +873,8 @@ def build_default(
         seeds=config.seeds,
         started=started,
     )
+    if variant:
+        card["variant"] = dict(variant)  # not the recipe: what differs, beside the figures
     atomic_write(out / "card.json", json.dumps(card, indent=1) + "\n")
     return BuildResult(out, card)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ __all__ = [
     "degenerate_rows",
     "request_rows",
     "split_of",
+    "vary",
 ]
 
 NAME = "moderation"
@@ -290,6 +291,57 @@ SOURCES: list[Source] = [
         unsafe=("toxic",),
     ),
 ]
+
+
+# What a variant may change of a source (``default build --variant``).
+_VARIED = {
+    "heads": dict,
+    "cap": dict,
+    "repeat": dict,
+    "benign": list,
+    "unsafe": list,
+    "hard": float,
+}
+
+
+def vary(sources: Sequence[Source], variant: Mapping[str, Any]) -> list[Source]:
+    """``sources`` with ``variant``'s edits, to measure a change before the recipe takes
+    it (``default build --variant``): dataset -> the :class:`Source` fields it replaces
+    (heads, cap, repeat, benign, unsafe, hard), or None to leave the source out. A
+    dataset, field, head or label the recipe does not know is a :class:`ValueError`
+    naming it, before anything is built."""
+    known = {s.dataset: s for s in sources}
+    heads = {h.name: set(h.labels) for h in HEADS}
+    for dataset, edits in variant.items():
+        if dataset not in known:
+            raise ValueError(f"variant: no source {dataset!r} (the recipe's: {sorted(known)})")
+        if edits is None:
+            continue
+        if not isinstance(edits, dict):
+            raise ValueError(f"variant: {dataset}: an object of fields or null, not {edits!r}")
+        for name, value in edits.items():
+            kind = _VARIED.get(name)
+            if kind is None:
+                raise ValueError(f"variant: {dataset}: no field {name!r} (one of {list(_VARIED)})")
+            if not isinstance(value, (int, float) if kind is float else kind):
+                raise ValueError(f"variant: {dataset}.{name}: not a {kind.__name__}: {value!r}")
+        for head, mapping in edits.get("heads", {}).items():
+            if head not in heads:
+                raise ValueError(f"variant: {dataset}: no head {head!r} (one of {list(heads)})")
+            for label, names in mapping.items():
+                if not isinstance(names, list) or set(names) - heads[head]:
+                    raise ValueError(
+                        f"variant: {dataset}: {head}: {label} -> {names!r} is not a list of "
+                        f"the head's labels {sorted(heads[head])}"
+                    )
+    out = []
+    for source in sources:
+        edits = variant.get(source.dataset, {})
+        if edits is None:
+            continue
+        fields = {k: tuple(v) if _VARIED[k] is list else v for k, v in edits.items()}
+        out.append(replace(source, **fields))
+    return out
 
 
 def default_spec(

@@ -35,7 +35,13 @@ from worker.offline.default_probe import (
     RuleInputs,
     build_default,
 )
-from worker.offline.default_recipe import SOURCES, request_rows, self_harm_rows, split_of
+from worker.offline.default_recipe import (
+    SOURCES,
+    request_rows,
+    self_harm_rows,
+    split_of,
+    vary,
+)
 
 CATEGORIES = ["sexual", "hate", "harassment", "violence", "self-harm"]
 # Per dataset: (benign label, labels of an unsafe row, the unsafe row's `label`).
@@ -819,3 +825,55 @@ def test_the_command_line_builds_with_the_recipes_seeds_for_the_text_form(
     monkeypatch.setenv("PROBEGUARD_TEXT_FORM", "chat")  # a form the recipe gives no seeds
     assert main(argv) == 0
     assert seeds == [(0, 3), (5, 2), (0, 1)]
+
+
+HATE_ONLY = {"hate": {"hate": ["hate"], "neutral": []}}
+
+
+def test_a_variant_edits_the_recipes_sources_and_refuses_what_it_does_not_know() -> None:
+    varied = vary(SOURCES, {"toxigen_demonstrations": {"heads": HATE_ONLY, "benign": []},
+                            "degenerate": None})  # fmt: skip
+    by_name = {s.dataset: s for s in varied}
+    assert "degenerate" not in by_name and len(varied) == len(SOURCES) - 1
+    toxigen = by_name["toxigen_demonstrations"]
+    assert toxigen.heads == HATE_ONLY and toxigen.benign == () and toxigen.hard == 3.0
+    assert by_name["xstest"] == next(s for s in SOURCES if s.dataset == "xstest")
+    for variant, named in [
+        ({"toxigen": {}}, "no source 'toxigen'"),
+        ({"xstest": {"weight": 2}}, "no field 'weight'"),
+        ({"xstest": {"hard": "3"}}, "xstest.hard: not a float"),
+        ({"xstest": {"heads": {"unsafe-requests": {}}}}, "no head 'unsafe-requests'"),
+        ({"xstest": {"heads": {"unsafe": {"unsafe": ["toxic"]}}}}, "the head's labels"),
+        ({"xstest": ["hard"]}, "an object of fields or null"),
+    ]:
+        with pytest.raises(ValueError, match=named):
+            vary(SOURCES, variant)
+
+
+def test_a_variant_build_trains_the_edited_sources_and_its_card_says_so(
+    data_root: Path, tmp_path: Path, built: tuple[Path, dict], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from worker.cli import main
+
+    config = FitConfig(max_epochs=1, patience=1, batch_size=16)
+    variant = {"toxigen_demonstrations": {"heads": HATE_ONLY}, "simplesafetytests": None}
+    card, _ = _rebuild(data_root, built, tmp_path / "v", config=config, variant=variant)
+    assert card["variant"] == variant and "variant" not in built[1]
+    sources = {s["dataset"]: s for s in card["sources"]}
+    assert "simplesafetytests" not in sources and "simplesafetytests" not in card["held_out"]
+    assert sources["toxigen_demonstrations"]["heads"] == ["hate"]
+    # ToxiGen's rows now train the hate head alone: measured only there.
+    measured = card["held_out"]["toxigen_demonstrations"]["heads"]
+    assert {h for h, m in measured.items() if m["rows"]} == {"hate"}
+    # The command line reads the file, checks it before the LLM loads, and never pins it.
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"toxigen": null}')
+    argv = ["default", "build", "--data-root", str(data_root), "--out", str(tmp_path / "x")]
+    for file, said in [(bad, "no source 'toxigen'"), (tmp_path / "none.json", "No such file")]:
+        with pytest.raises(SystemExit):
+            main([*argv, "--variant", str(file)])
+        assert said in capsys.readouterr().err
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(variant))
+    with pytest.raises(SystemExit, match="edit the recipe"):
+        main([*argv, "--variant", str(good), "--pin"])
