@@ -227,7 +227,8 @@ def judge(
     (line -> judged right). A target whose figure either table lacks is an error, not a
     pass."""
     verdicts = []
-    for t in (*TARGETS, *HELD):
+    limits: tuple[Target | Held, ...] = (*TARGETS, *HELD)
+    for t in limits:
         try:
             was, now = float(shipped[t.dataset][t.metric]), float(candidate[t.dataset][t.metric])
             limit = t.limit(was, shipped[t.dataset])

@@ -339,7 +339,9 @@ def vary(sources: Sequence[Source], variant: Mapping[str, Any]) -> list[Source]:
         edits = variant.get(source.dataset, {})
         if edits is None:
             continue
-        fields = {k: tuple(v) if _VARIED[k] is list else v for k, v in edits.items()}
+        fields: dict[str, Any] = {
+            k: tuple(v) if _VARIED[k] is list else v for k, v in edits.items()
+        }
         out.append(replace(source, **fields))
     return out
 

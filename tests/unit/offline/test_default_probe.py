@@ -838,14 +838,15 @@ def test_a_variant_edits_the_recipes_sources_and_refuses_what_it_does_not_know()
     toxigen = by_name["toxigen_demonstrations"]
     assert toxigen.heads == HATE_ONLY and toxigen.benign == () and toxigen.hard == 3.0
     assert by_name["xstest"] == next(s for s in SOURCES if s.dataset == "xstest")
-    for variant, named in [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"toxigen": {}}, "no source 'toxigen'"),
         ({"xstest": {"weight": 2}}, "no field 'weight'"),
         ({"xstest": {"hard": "3"}}, "xstest.hard: not a float"),
         ({"xstest": {"heads": {"unsafe-requests": {}}}}, "no head 'unsafe-requests'"),
         ({"xstest": {"heads": {"unsafe": {"unsafe": ["toxic"]}}}}, "the head's labels"),
         ({"xstest": ["hard"]}, "an object of fields or null"),
-    ]:
+    ]
+    for variant, named in cases:
         with pytest.raises(ValueError, match=named):
             vary(SOURCES, variant)
 
