@@ -328,6 +328,8 @@ def vary(sources: Sequence[Source], variant: Mapping[str, Any]) -> list[Source]:
         for head, mapping in edits.get("heads", {}).items():
             if head not in heads:
                 raise ValueError(f"variant: {dataset}: no head {head!r} (one of {list(heads)})")
+            if not isinstance(mapping, dict):
+                raise ValueError(f"variant: {dataset}: {head}: not an object of label -> labels")
             for label, names in mapping.items():
                 if not isinstance(names, list) or set(names) - heads[head]:
                     raise ValueError(

@@ -844,6 +844,7 @@ def test_a_variant_edits_the_recipes_sources_and_refuses_what_it_does_not_know()
         ({"xstest": {"hard": "3"}}, "xstest.hard: not a float"),
         ({"xstest": {"heads": {"unsafe-requests": {}}}}, "no head 'unsafe-requests'"),
         ({"xstest": {"heads": {"unsafe": {"unsafe": ["toxic"]}}}}, "the head's labels"),
+        ({"xstest": {"heads": {"unsafe": ["unsafe"]}}}, "unsafe: not an object"),
         ({"xstest": ["hard"]}, "an object of fields or null"),
     ]
     for variant, named in cases:
