@@ -4,12 +4,18 @@ OpenAI's own client; what is measured in seconds is in ``bench/serve_abuse.py``.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -20,7 +26,7 @@ from tests.kafka_helpers import allow_verdict
 from tests.serve_helpers import publish
 from worker.embedded import EmbeddedBroker
 from worker.kafka.outbox import QUEUE_RECORDS, Outbox
-from worker.serve.bodies import INLINE_BYTES
+from worker.serve.bodies import CHECK_QUEUE, INLINE_BYTES
 
 pytestmark = pytest.mark.integration
 
@@ -73,6 +79,55 @@ def test_large_bodies_are_checked_in_a_niced_process_and_refused_the_same(
     assert small.status_code == 200
     assert served.metric('probeguard_serve_body_checks_total{where="process"}') == 3
     assert served.metric('probeguard_serve_body_checks_total{where="thread"}') == 1
+
+
+@contextlib.contextmanager
+def busy_cores() -> Iterator[None]:
+    """Every core this process may run on kept busy by another process at the usual
+    priority, as a scorer or a build beside the server keeps them."""
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in os.sched_getaffinity(0)
+    ]
+    try:
+        time.sleep(0.5)  # running
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="SCHED_IDLE is Linux's")
+def test_large_bodies_on_a_busy_machine_are_answered_in_time_and_hold_up_no_one(
+    serve, redis_ns: RedisNamespace
+) -> None:
+    """A large body is checked only on CPU the machine leaves idle. With its cores kept
+    busy by other processes, two such bodies waited without end and held both of the
+    parser's places, so every other request's body waited behind them (the server
+    answered nothing). Now a large body waits at most PROBEGUARD_SERVE_TIMEOUT_S, then is
+    a 503 with Retry-After; past CHECK_QUEUE waiting, one is a 503 at once; and a small
+    body never waits behind them."""
+    publish(redis_ns)
+    served = serve(serve_timeout_s=2.0, serve_rate_burst=1000)
+    wrong = b'{"input": [' + b",".join([b"1"] * 200_000) + b"]}"
+    clients = [served.client(served.key) for _ in range(CHECK_QUEUE + 1)]
+    with busy_cores(), ThreadPoolExecutor(len(clients)) as pool:
+        large = [pool.submit(c.post, "/v1/moderations", content=wrong, timeout=30) for c in clients]
+        time.sleep(0.5)  # the bodies read and waiting for their checks
+        small = served.http.post("/v1/moderations", json={"input": [1] * 10}, timeout=30)
+        assert small.status_code == 400, small.text[:300]  # its 400 at once, not behind them
+        answers = [f.result() for f in large]
+    errors = [r.json()["error"] for r in answers]
+    assert [r.status_code for r in answers] == [503] * len(answers), errors
+    assert sorted(e["code"] for e in errors) == ["busy"] + ["timeout"] * CHECK_QUEUE, errors
+    assert all(float(r.headers["retry-after"]) > 0 for r in answers)
+    assert all("PROBEGUARD_SERVE_TIMEOUT_S" in e["message"] for e in errors if e["code"] != "busy")
+    for c in clients:
+        c.close()
+    # The machine idle again, the same body is checked and refused as before.
+    r = served.http.post("/v1/moderations", content=wrong)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "too_many_inputs"
 
 
 def test_urllib_reads_the_413_of_a_body_over_the_limit(serve, redis_ns: RedisNamespace) -> None:

@@ -8,13 +8,20 @@ one per item. At most ``PARSE_THREADS`` bodies are validated at once, off the ev
 
 - a body of at most ``INLINE_BYTES`` (every ordinary request) on a worker thread;
 - a larger one first in one of ``PARSE_THREADS`` worker processes at the lowest CPU
-  priority (``SCHED_IDLE``, :mod:`worker.serve.niced`; started on the first such body).
-  pydantic holds the GIL while it validates, so a client sending megabyte bodies of wrong
-  items (~40-90 ms each) took the interpreter from the scoring thread and the event loop;
-  in a process of its own it takes only CPU, and only what the server leaves idle. Only a
-  body the schema accepts is then validated again here, which for valid text costs about a
-  millisecond per megabyte. What crosses between the processes is the body as ``bytes``
-  and the refusal's fields: no client data is ever unpickled as objects.
+  priority (``SCHED_IDLE``, :mod:`worker.serve.niced`; started on the first such body,
+  their imports done at the server's priority). pydantic holds the GIL while it validates,
+  so a client sending megabyte bodies of wrong items (~40-90 ms each) took the interpreter
+  from the scoring thread and the event loop; in a process of its own it takes only CPU,
+  and only what the machine leaves idle. Only a body the schema accepts is then validated
+  again here, which for valid text costs about a millisecond per megabyte. What crosses
+  between the processes is the body as ``bytes`` and the refusal's fields: no client data
+  is ever unpickled as objects.
+
+A large body's check may so wait as long as the machine's cores are busy (a scorer or a
+build beside the server): it waits at most ``PROBEGUARD_SERVE_TIMEOUT_S``, then is a 503
+with ``Retry-After``; at most ``CHECK_QUEUE`` large bodies wait for or hold a checker
+process at once (a check past its time still holds one until it ends), the rest are 503
+at once; and small bodies never wait behind large ones (they have places of their own).
 """
 
 from __future__ import annotations
@@ -38,10 +45,18 @@ from schemas.moderation_api import HARD_MAX_INPUTS
 from worker.serve.errors import ApiError
 from worker.serve.niced import lower_priority
 
-__all__ = ["INLINE_BYTES", "PARSE_THREADS", "BodyReader", "Parser", "declared_length"]
+__all__ = [
+    "CHECK_QUEUE",
+    "INLINE_BYTES",
+    "PARSE_THREADS",
+    "BodyReader",
+    "Parser",
+    "declared_length",
+]
 
 PARSE_THREADS = 2  # bodies validated at once (a third waits; the event loop never does)
 INLINE_BYTES = 64 * 1024  # larger bodies are checked in a worker process first
+CHECK_QUEUE = 8  # large bodies waiting for, or in, a checker process (each <= the body cap)
 
 
 def declared_length(request: Request) -> int:
@@ -121,10 +136,12 @@ class Parser:
     first few offending fields, or a 413 when the body holds more inputs or longer texts
     than the schema's ceilings."""
 
-    def __init__(self, collector: CollectorRegistry) -> None:
+    def __init__(self, collector: CollectorRegistry, timeout_s: float = 30.0) -> None:
+        self.timeout_s = timeout_s  # longest a large body waits for its check
         self._limiter = anyio.CapacityLimiter(PARSE_THREADS)
         self._pool: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._checking = 0  # large bodies waiting for, or in, a checker process
         self.checks = Counter(
             "probeguard_serve_body_checks",
             "Request bodies validated, by where: thread (small ones), process (larger than "
@@ -134,30 +151,61 @@ class Parser:
         )
 
     async def parse(self, model: type[Any], body: bytes, *, max_inputs: int) -> Any:
+        if len(body) > INLINE_BYTES:
+            self.checks.labels("process").inc()
+            await self._check_elsewhere(model, body, max_inputs)
+        else:
+            self.checks.labels("thread").inc()
         async with self._limiter:
-            if len(body) > INLINE_BYTES:
-                self.checks.labels("process").inc()
-                await self._check_elsewhere(model, body, max_inputs)
-            else:
-                self.checks.labels("thread").inc()
             return await anyio.to_thread.run_sync(_validate, model, body, max_inputs)
 
     async def _check_elsewhere(self, model: type[Any], body: bytes, max_inputs: int) -> None:
+        with self._lock:
+            full = self._checking >= CHECK_QUEUE
+            self._checking += 0 if full else 1
+        if full:
+            raise ApiError(
+                503,
+                f"{CHECK_QUEUE} large bodies are waiting for their checks; try again",
+                code="busy",
+                retry_after_s=1.0,
+            )
         ref = f"{model.__module__}:{model.__qualname__}"
         pool = self._workers()
         try:
-            refusal = await asyncio.get_running_loop().run_in_executor(
-                pool, _refusal_fields, ref, body, max_inputs
-            )
-        except BrokenProcessPool:  # a worker died (killed, out of memory): start anew
-            with self._lock:
-                if self._pool is pool:
-                    self._pool = None
+            future = pool.submit(_refusal_fields, ref, body, max_inputs)
+        except BrokenProcessPool:
+            self._checked(None)
+            raise self._restarted(pool) from None
+        future.add_done_callback(self._checked)  # also when cancelled below
+        try:
+            # On timeout the wait cancels the check: one not started never will be (a
+            # started one runs out in its process, which _checked counts until then).
+            refusal = await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+        except TimeoutError:
             raise ApiError(
-                503, "the body checker restarted; try again", code="busy", retry_after_s=1.0
+                503,
+                f"the body was not checked within {self.timeout_s:g}s "
+                "(PROBEGUARD_SERVE_TIMEOUT_S): the server is busy; try again",
+                code="timeout",
+                retry_after_s=1.0,
             ) from None
+        except BrokenProcessPool:  # a worker died (killed, out of memory): start anew
+            raise self._restarted(pool) from None
         if refusal is not None:
             raise ApiError(**refusal)
+
+    def _checked(self, _: object) -> None:
+        with self._lock:
+            self._checking -= 1
+
+    def _restarted(self, pool: ProcessPoolExecutor) -> ApiError:
+        with self._lock:
+            if self._pool is pool:
+                self._pool = None
+        return ApiError(
+            503, "the body checker restarted; try again", code="busy", retry_after_s=1.0
+        )
 
     def _workers(self) -> ProcessPoolExecutor:
         with self._lock:
@@ -165,7 +213,7 @@ class Parser:
                 self._pool = ProcessPoolExecutor(
                     PARSE_THREADS,
                     mp_context=multiprocessing.get_context("spawn"),
-                    initializer=lower_priority,
+                    initializer=_lowered,
                 )
             return self._pool
 
@@ -175,6 +223,13 @@ class Parser:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _lowered() -> None:
+    """A checker process's initializer: by now this module and the schemas are imported,
+    at the server's priority (a process at the lowest took minutes to import them on a
+    busy machine); the checks run at the lowest."""
+    lower_priority()
 
 
 def _refusal_fields(ref: str, body: bytes, max_inputs: int) -> dict[str, Any] | None:

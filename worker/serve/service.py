@@ -73,7 +73,7 @@ class Service:
             RateLimiter(settings.serve_new_keys_per_address, settings.serve_new_keys_burst),
             self.collector,
         )
-        self.parser = Parser(self.collector)
+        self.parser = Parser(self.collector, settings.serve_timeout_s)
         self._stack = contextlib.ExitStack()
 
     # --- lifecycle -------------------------------------------------------------
