@@ -879,3 +879,58 @@ def test_a_variant_build_trains_the_edited_sources_and_its_card_says_so(
     good.write_text(json.dumps(variant))
     with pytest.raises(SystemExit, match="edit the recipe"):
         main([*argv, "--variant", str(good), "--pin"])
+
+
+def test_the_candidate_bench_judges_a_rebuild_on_the_same_rows_and_lines(
+    built: tuple[Path, dict],
+    data_root: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``bench/default_candidate.py`` (the adoption rule on real data) run end to end on
+    the tiny recipe: the shipped build against itself is adopted nowhere and fails
+    nothing; a candidate that flags everything fails every benign target the shipped one
+    met and loses only lines that should not be flagged; caches of another LLM stop it
+    before anything is measured."""
+    from tests.unit.bench.test_benches import last_json, load_bench
+    from worker.offline.adoption import LINES, TARGETS
+    from worker.offline.build_cache import build_cache
+
+    out, _ = built
+    tc = tmp_path / "tc" / "toxicchat-all"
+    build_cache(data_root / "toxicchat" / "train.jsonl", tc, tiny_extractor(), progress=False)
+    monkeypatch.setattr(HiddenStateExtractor, "from_settings", lambda settings: tiny_extractor())
+    bench = load_bench("default_candidate")
+    rows = ["--cache-root", str(out.parent / "caches"), "--data-root", str(data_root)]
+    rows += ["--toxicchat", str(tc), "--shipped", str(out)]
+
+    assert bench.main([*rows, "--candidate", str(out)]) == 0
+    same = last_json(capsys)
+    assert same["tables"]["shipped"] == same["tables"]["candidate"]
+    assert {"toxicchat", "convabuse", "xstest"} <= set(same["tables"]["candidate"])
+    assert same["adopt"] is False  # nothing better
+    assert same["failed"] == same["newly_met"] == same["lines_lost"] == same["lines_gained"] == []
+
+    probe, _ = load_checkpoint(out, tiny_extractor().fingerprint)
+    probe.set_thresholds({x: 0.0 for x in probe.spec.flag_labels})
+    everything = tmp_path / "everything"
+    save_checkpoint(probe, everything, llm=tiny_extractor().fingerprint)
+    assert bench.main([*rows, "--candidate", str(everything)]) == 0
+    flags = last_json(capsys)
+    shipped, candidate = flags["tables"]["shipped"], flags["tables"]["candidate"]
+    assert all(
+        candidate[d]["benign_flagged"] == 1.0 for d in candidate if "benign_flagged" in candidate[d]
+    )
+    met = [
+        t.name
+        for t in TARGETS
+        if t.metric == "benign_flagged" and shipped[t.dataset][t.metric] <= t.bound
+    ]
+    assert met and set(met) <= set(flags["failed"]) and flags["adopt"] is False
+    should = {line[:60]: flag for line, flag in LINES.items()}  # the JSON cuts them at 60
+    assert flags["lines_lost"] and not any(should[t] for t in flags["lines_lost"])
+
+    monkeypatch.setattr(HiddenStateExtractor, "from_settings", lambda s: _chat_extractor())
+    with pytest.raises(SystemExit, match="set PROBEGUARD_TEXT_FORM"):
+        bench.main([*rows, "--candidate", str(out)])
