@@ -17,7 +17,7 @@ one per item. At most ``PARSE_THREADS`` bodies are validated at once, off the ev
   between the processes is the body as ``bytes`` and the refusal's fields: no client data
   is ever unpickled as objects.
 
-A large body's check may so wait as long as the machine's cores are busy (a scorer or a
+A large body's check can so wait for as long as the machine's cores are busy (a scorer or a
 build beside the server): it waits at most ``PROBEGUARD_SERVE_TIMEOUT_S``, then is a 503
 with ``Retry-After``; at most ``CHECK_QUEUE`` large bodies wait for or hold a checker
 process at once (a check past its time still holds one until it ends), the rest are 503
@@ -226,9 +226,10 @@ class Parser:
 
 
 def _lowered() -> None:
-    """A checker process's initializer: by now this module and the schemas are imported,
-    at the server's priority (a process at the lowest took minutes to import them on a
-    busy machine); the checks run at the lowest."""
+    """A checker process's initializer: by now this module and the request schemas
+    (:mod:`schemas.moderation_api`) are imported, at the server's priority (imported at the
+    lowest, the first check took over a minute on a busy machine); the checks run at the
+    lowest."""
     lower_priority()
 
 
