@@ -130,6 +130,35 @@ def test_large_bodies_on_a_busy_machine_are_answered_in_time_and_hold_up_no_one(
     assert r.status_code == 413 and r.json()["error"]["code"] == "too_many_inputs"
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="SCHED_IDLE is Linux's")
+def test_new_keys_on_a_busy_machine_are_answered_in_time(serve, redis_ns: RedisNamespace) -> None:
+    """An unseen key with a scrypt entry is checked only on CPU the machine leaves idle:
+    with its cores kept busy by other processes, a valid new key's first request waited
+    22 s, and would wait as long as they stayed busy. Now the check waits at most
+    PROBEGUARD_SERVE_TIMEOUT_S, then the request is a 503 with Retry-After (the key is not
+    refused: once checked, it is remembered); keys checked before answer throughout."""
+    publish(redis_ns)
+    served = serve(names=("alpha", "beta"), key_scheme="scrypt", serve_timeout_s=2.0)
+    alpha = served.client(served.keys["alpha"])
+    assert alpha.post("/v1/moderations", json={"input": "hello"}).status_code == 200
+    beta = served.client(served.keys["beta"], local_address="127.0.1.2")
+    with busy_cores():
+        started = time.monotonic()
+        r = beta.post("/v1/moderations", json={"input": "hello"}, timeout=15)
+        waited = time.monotonic() - started
+        assert r.status_code == 503, r.text[:300]
+        assert r.json()["error"]["code"] == "timeout" and float(r.headers["retry-after"]) > 0
+        assert "PROBEGUARD_SERVE_TIMEOUT_S" in r.json()["error"]["message"]
+        assert waited < 10, waited
+        # A key verified before is a dictionary lookup: busy cores do not hold it up.
+        assert alpha.post("/v1/moderations", json={"input": "hi"}, timeout=15).status_code == 200
+    # The machine idle again, the same key is checked, and verified.
+    r = beta.post("/v1/moderations", json={"input": "hello"}, timeout=30)
+    assert r.status_code == 200, r.text[:300]
+    for c in (alpha, beta):
+        c.close()
+
+
 def test_urllib_reads_the_413_of_a_body_over_the_limit(serve, redis_ns: RedisNamespace) -> None:
     """A 6 MB body used to be refused unread and the socket closed under it: urllib, which
     sends its whole body before reading, got a broken pipe instead of the 413."""

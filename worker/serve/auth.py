@@ -13,7 +13,10 @@ unauthenticated traffic kept from hurting authenticated traffic.
 - Entries made before are scrypt (16 MiB, ~0.1 s each): while any is configured, checks
   run on at most ``SCRYPT_THREADS`` threads, at a lower CPU priority than the scoring
   (:mod:`worker.serve.niced`); at most ``SCRYPT_QUEUE`` more unseen keys wait for them, and
-  the rest get a 503 with ``Retry-After``, so such a flood costs bounded memory and CPU.
+  the rest get a 503 with ``Retry-After``, so such a flood costs bounded memory and CPU. A
+  check waits at most ``PROBEGUARD_SERVE_TIMEOUT_S`` (the scrypt threads get no CPU while
+  other processes keep every core busy), then the request is a 503 with ``Retry-After``
+  and the key is neither refused nor verified.
   Every refusal of an unseen key then answers after as long as a scrypt check takes, a
   SHA-256 entry's included, so the time does not tell which names exist or how.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import anyio
 from prometheus_client import CollectorRegistry, Counter
@@ -33,12 +37,13 @@ from starlette.requests import Request
 
 from worker.serve.errors import ApiError
 from worker.serve.keys import KeyRing, RateLimiter, Seen
-from worker.serve.niced import NicedThreads
+from worker.serve.niced import NicedThreads, Rationed
 
 __all__ = ["SCRYPT_QUEUE", "SCRYPT_THREADS", "Authenticator", "Caller", "client_address"]
 
 SCRYPT_THREADS = 2
 SCRYPT_QUEUE = 32
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -77,17 +82,24 @@ class Authenticator:
         keys: KeyRing | None,
         new_keys: RateLimiter,
         collector: CollectorRegistry,
+        timeout_s: float = 30.0,
     ) -> None:
         self.keys = keys
         self.new_keys = new_keys  # unseen keys per client address
         self._scrypt = NicedThreads(SCRYPT_THREADS, "serve-scrypt")
-        self._waiting = 0  # unseen keys waiting for, or in, a scrypt thread
+        # Unseen keys waiting for, or in, a scrypt thread; timeout_s: the longest one waits.
+        self._places = Rationed(
+            SCRYPT_THREADS + SCRYPT_QUEUE,
+            timeout_s,
+            what="the API key",
+            busy="too many new API keys being checked",
+        )
         self.checks = Counter(
             "probeguard_serve_key_checks",
             "API keys presented, by what their check found (verified, refused: from memory; "
             "malformed; unknown_name; sha256_ok, sha256_wrong, scrypt_ok, scrypt_wrong; "
             "limited: too many unseen keys from the address; busy: too many waiting for "
-            "scrypt)",
+            "scrypt; timeout: not checked within PROBEGUARD_SERVE_TIMEOUT_S)",
             ["result"],
             registry=collector,
         )
@@ -126,27 +138,33 @@ class Authenticator:
         ring = self.keys
         if not ring.slow:  # SHA-256 entries only: microseconds, on the loop
             return self._checked(key, ring.check(key))
-        if self._waiting >= SCRYPT_THREADS + SCRYPT_QUEUE:
-            self.checks.labels("busy").inc()
-            raise ApiError(
-                503, "too many new API keys being checked", code="busy", retry_after_s=1.0
-            )
-        if not ring.names_an_entry(key) or ring.fast(key):
-            # No scrypt (nor a place in its queue), but as late as one would answer now,
-            # queue included: the time of a refusal must not tell which names exist.
-            check_s = ring.check_s
-            if check_s is None:
-                check_s = await self._scrypt.run(ring.calibrate)
-            name = ring.check(key)
-            await anyio.sleep(check_s * (1 + self._waiting // SCRYPT_THREADS))
-            return self._checked(key, name)
-        self._waiting += 1
         try:
-            name = await self._scrypt.run(ring.verify, key)
-        finally:
-            self._waiting -= 1
+            if not ring.names_an_entry(key) or ring.fast(key):
+                # No scrypt (nor a place in its queue), but as late as one would answer
+                # now, queue included, and as busy: a refusal must not tell which names exist.
+                self._places.take(hold=False)
+                check_s = ring.check_s
+                if check_s is None:
+                    check_s = await self._niced(ring.calibrate)
+                name = ring.check(key)
+                await anyio.sleep(check_s * (1 + self._places.taken // SCRYPT_THREADS))
+                return self._checked(key, name)
+            name = await self._niced(ring.verify, key)
+        except ApiError as exc:  # busy, or not checked in time
+            self.checks.labels(exc.code or "busy").inc()
+            raise
         self.checks.labels("scrypt_ok" if name else "scrypt_wrong").inc()
         return name
+
+    async def _niced(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on a scrypt thread, in a place (:class:`Rationed`)."""
+        self._places.take()
+        try:
+            future = self._scrypt.submit(fn, *args)
+        except BaseException:
+            self._places.give()
+            raise
+        return await self._places.wait(future)
 
     def _checked(self, key: str, name: str | None) -> str | None:
         """Count a check that ran no scrypt; ``name``: what it found."""

@@ -26,7 +26,6 @@ at once; and small bodies never wait behind large ones (they have places of thei
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import json
 import multiprocessing
@@ -43,7 +42,7 @@ from starlette.requests import ClientDisconnect, Request
 from schemas import describe_error
 from schemas.moderation_api import HARD_MAX_INPUTS
 from worker.serve.errors import ApiError
-from worker.serve.niced import lower_priority
+from worker.serve.niced import Rationed, lower_priority
 
 __all__ = [
     "CHECK_QUEUE",
@@ -137,11 +136,15 @@ class Parser:
     than the schema's ceilings."""
 
     def __init__(self, collector: CollectorRegistry, timeout_s: float = 30.0) -> None:
-        self.timeout_s = timeout_s  # longest a large body waits for its check
         self._limiter = anyio.CapacityLimiter(PARSE_THREADS)
         self._pool: ProcessPoolExecutor | None = None
-        self._lock = threading.Lock()
-        self._checking = 0  # large bodies waiting for, or in, a checker process
+        self._lock = threading.Lock()  # the pool, started on the first large body
+        self._places = Rationed(  # timeout_s: longest a large body waits for its check
+            CHECK_QUEUE,
+            timeout_s,
+            what="the body",
+            busy=f"{CHECK_QUEUE} large bodies are waiting for their checks; try again",
+        )
         self.checks = Counter(
             "probeguard_serve_body_checks",
             "Request bodies validated, by where: thread (small ones), process (larger than "
@@ -160,44 +163,20 @@ class Parser:
             return await anyio.to_thread.run_sync(_validate, model, body, max_inputs)
 
     async def _check_elsewhere(self, model: type[Any], body: bytes, max_inputs: int) -> None:
-        with self._lock:
-            full = self._checking >= CHECK_QUEUE
-            self._checking += 0 if full else 1
-        if full:
-            raise ApiError(
-                503,
-                f"{CHECK_QUEUE} large bodies are waiting for their checks; try again",
-                code="busy",
-                retry_after_s=1.0,
-            )
+        self._places.take()
         ref = f"{model.__module__}:{model.__qualname__}"
         pool = self._workers()
         try:
             future = pool.submit(_refusal_fields, ref, body, max_inputs)
         except BrokenProcessPool:
-            self._checked(None)
+            self._places.give()
             raise self._restarted(pool) from None
-        future.add_done_callback(self._checked)  # also when cancelled below
         try:
-            # On timeout the wait cancels the check: one not started never will be (a
-            # started one runs out in its process, which _checked counts until then).
-            refusal = await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
-        except TimeoutError:
-            raise ApiError(
-                503,
-                f"the body was not checked within {self.timeout_s:g}s "
-                "(PROBEGUARD_SERVE_TIMEOUT_S): the server is busy; try again",
-                code="timeout",
-                retry_after_s=1.0,
-            ) from None
+            refusal = await self._places.wait(future)
         except BrokenProcessPool:  # a worker died (killed, out of memory): start anew
             raise self._restarted(pool) from None
         if refusal is not None:
             raise ApiError(**refusal)
-
-    def _checked(self, _: object) -> None:
-        with self._lock:
-            self._checking -= 1
 
     def _restarted(self, pool: ProcessPoolExecutor) -> ApiError:
         with self._lock:

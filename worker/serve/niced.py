@@ -10,6 +10,11 @@ slices of a few milliseconds that the valid callers' requests waited behind
 ``SCHED_IDLE`` is refused, the work runs ``NICE`` steps below the process, and elsewhere at
 the process's priority. Under a saturated server such work waits until the server has a
 moment: a flood of large bodies is what waits, not the callers who send small ones.
+
+Such work is also rationed (:class:`Rationed`): a bounded number of pieces waiting or
+running, each waited for at most ``PROBEGUARD_SERVE_TIMEOUT_S``. While other processes keep
+every core busy (a scorer, a build beside the server), ``SCHED_IDLE`` work gets no CPU at
+all: without the deadline, its callers waited as long as the machine stayed busy.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
-__all__ = ["NICE", "NicedThreads", "lower_priority"]
+from worker.serve.errors import ApiError
+
+__all__ = ["NICE", "NicedThreads", "Rationed", "lower_priority"]
 
 log = logging.getLogger(__name__)
 NICE = 10
@@ -52,8 +59,50 @@ class NicedThreads:
             threads, thread_name_prefix=name, initializer=lower_priority, initargs=(nice,)
         )
 
-    async def run(self, fn: Callable[..., T], *args: object) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        return self._pool.submit(fn, *args)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Rationed:
+    """Places for the work above: at most ``places`` pieces waiting for, or running on,
+    the lowered threads or processes (one more is a 503 ``busy``), each waited for at most
+    ``timeout_s`` (then a 503 ``timeout``). A piece gives its place back when it ends, not
+    when its caller stops waiting: one not started is dropped, one started runs out and
+    holds its place meanwhile, so what such work holds stays bounded."""
+
+    def __init__(self, places: int, timeout_s: float, *, what: str, busy: str) -> None:
+        self.places = places
+        self.timeout_s = timeout_s
+        self._what = what  # "the body": what was not checked in time
+        self._busy = busy  # the message of the 503 when every place is taken
+        self._lock = threading.Lock()  # places are given back on the pools' threads
+        self.taken = 0
+
+    def take(self, *, hold: bool = True) -> None:
+        """A place, or a 503 ``busy`` (``hold=False``: the same answer, no place taken)."""
+        with self._lock:
+            if self.taken >= self.places:
+                raise ApiError(503, self._busy, code="busy", retry_after_s=1.0)
+            self.taken += int(hold)
+
+    def give(self, _: object = None) -> None:
+        """A place back (a future's done-callback)."""
+        with self._lock:
+            self.taken -= 1
+
+    async def wait(self, future: Future[T]) -> T:
+        """``future``'s result (it holds a place :meth:`take` gave), or a 503 ``timeout``."""
+        future.add_done_callback(self.give)  # also when cancelled below
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+        except TimeoutError:
+            raise ApiError(
+                503,
+                f"{self._what} was not checked within {self.timeout_s:g}s "
+                "(PROBEGUARD_SERVE_TIMEOUT_S): the server is busy; try again",
+                code="timeout",
+                retry_after_s=1.0,
+            ) from None

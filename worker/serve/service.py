@@ -72,6 +72,7 @@ class Service:
             keys,
             RateLimiter(settings.serve_new_keys_per_address, settings.serve_new_keys_burst),
             self.collector,
+            settings.serve_timeout_s,
         )
         self.parser = Parser(self.collector, settings.serve_timeout_s)
         self._stack = contextlib.ExitStack()

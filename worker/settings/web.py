@@ -180,8 +180,9 @@ class ServeSettings(Section):
     serve_timeout_s: Annotated[float, Field(gt=0.0, le=600.0)] = Field(
         30.0,
         description="Longest a request waits for its batch to start, seconds (then 503, and "
-        "it is never scored; a started batch is waited for), and a body over 64 KiB for its "
-        "check, which runs only on CPU the machine leaves idle (then 503).",
+        "it is never scored; a started batch is waited for), and a body over 64 KiB or an "
+        "unseen API key with a scrypt entry for its check, which runs only on CPU the "
+        "machine leaves idle (then 503).",
     )
     serve_do_not_store: bool = Field(
         False,
