@@ -13,12 +13,12 @@ unauthenticated traffic kept from hurting authenticated traffic.
 - Entries made before are scrypt (16 MiB, ~0.1 s each): while any is configured, checks
   run on at most ``SCRYPT_THREADS`` threads, at a lower CPU priority than the scoring
   (:mod:`worker.serve.niced`); at most ``SCRYPT_QUEUE`` more unseen keys wait for them, and
-  the rest get a 503 with ``Retry-After``, so such a flood costs bounded memory and CPU. A
-  check waits at most ``PROBEGUARD_SERVE_TIMEOUT_S`` (the scrypt threads get no CPU while
-  other processes keep every core busy), then the request is a 503 with ``Retry-After``
-  and the key is neither refused nor verified.
+  the rest get a 503 with ``Retry-After``, so such a flood costs bounded memory and CPU.
   Every refusal of an unseen key then answers after as long as a scrypt check takes, a
-  SHA-256 entry's included, so the time does not tell which names exist or how.
+  SHA-256 entry's included, so the time does not tell which names exist or how. A check
+  waits at most ``PROBEGUARD_SERVE_TIMEOUT_S`` (the scrypt threads get no CPU while other
+  processes keep every core busy), then the request is a 503 with ``Retry-After`` and the
+  key is neither refused nor verified.
 
 Identities come from here only: the key's name (or, without keys, the client address),
 never from anything the client writes in its body.
