@@ -163,9 +163,9 @@ class Parser:
             return await anyio.to_thread.run_sync(_validate, model, body, max_inputs)
 
     async def _check_elsewhere(self, model: type[Any], body: bytes, max_inputs: int) -> None:
-        self._places.take()
         ref = f"{model.__module__}:{model.__qualname__}"
         pool = self._workers()
+        self._places.take()
         try:
             future = pool.submit(_refusal_fields, ref, body, max_inputs)
         except BrokenProcessPool:
