@@ -20,9 +20,10 @@ from worker.scoring.engine import Judged, Retain
 from worker.serve.auth import Authenticator
 from worker.serve.batcher import Expired, MicroBatcher
 from worker.serve.bodies import Parser
+from worker.serve.errors import ApiError
 from worker.serve.keys import KeyRing, RateLimiter, Scheme, Seen, new_key
 from worker.serve.mapping import attribute_labels, category_labels
-from worker.serve.niced import NICE
+from worker.serve.niced import NICE, Rationed
 from worker.serve.perspective_api import _spans
 from worker.serve.server import is_loopback
 
@@ -113,6 +114,37 @@ def test_scrypt_checks_run_below_the_scoring_threads_cpu_priority() -> None:
     assert base < 19, "the suite already runs at the lowest priority: nothing to lower"
     assert seen == [min(19, base + NICE)] * 2  # Linux caps nice at 19 (a niced test run)
     assert policies == [os.SCHED_IDLE] * 2
+
+
+def test_rationed_work_holds_its_place_until_it_ends_not_until_its_caller_gives_up() -> None:
+    """A check past its deadline is a 503 ``timeout`` for its caller, but keeps its place
+    while it still runs (so what such work holds stays bounded); one that never started
+    is dropped and gives its place back at once."""
+    places = Rationed(2, 0.2, what="the thing", busy="all taken")
+    release = threading.Event()
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(1) as pool:
+            places.take()
+            running = pool.submit(release.wait)
+            places.take()
+            queued = pool.submit(lambda: "never")  # behind the running one
+            with pytest.raises(ApiError) as late:
+                await places.wait(running)
+            assert late.value.status == 503 and late.value.code == "timeout"
+            assert "PROBEGUARD_SERVE_TIMEOUT_S" in late.value.message
+            with pytest.raises(ApiError):
+                await places.wait(queued)
+            assert queued.cancelled() and places.taken == 1  # the running one's
+            places.take()
+            with pytest.raises(ApiError) as full:
+                places.take(hold=False)
+            assert full.value.code == "busy" and full.value.message == "all taken"
+            places.give()
+            release.set()
+        assert running.done() and places.taken == 0
+
+    asyncio.run(scenario())
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="SCHED_IDLE is Linux's")
