@@ -158,13 +158,7 @@ class Authenticator:
 
     async def _niced(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` on a scrypt thread, in a place (:class:`Rationed`)."""
-        self._places.take()
-        try:
-            future = self._scrypt.submit(fn, *args)
-        except BaseException:
-            self._places.give()
-            raise
-        return await self._places.wait(future)
+        return await self._places.run(lambda: self._scrypt.submit(fn, *args))
 
     def _checked(self, key: str, name: str | None) -> str | None:
         """Count a check that ran no scrypt; ``name``: what it found."""

@@ -165,14 +165,10 @@ class Parser:
     async def _check_elsewhere(self, model: type[Any], body: bytes, max_inputs: int) -> None:
         ref = f"{model.__module__}:{model.__qualname__}"
         pool = self._workers()
-        self._places.take()
         try:
-            future = pool.submit(_refusal_fields, ref, body, max_inputs)
-        except BrokenProcessPool:
-            self._places.give()
-            raise self._restarted(pool) from None
-        try:
-            refusal = await self._places.wait(future)
+            refusal = await self._places.run(
+                lambda: pool.submit(_refusal_fields, ref, body, max_inputs)
+            )
         except BrokenProcessPool:  # a worker died (killed, out of memory): start anew
             raise self._restarted(pool) from None
         if refusal is not None:

@@ -93,6 +93,17 @@ class Rationed:
         with self._lock:
             self.taken -= 1
 
+    async def run(self, submit: Callable[[], Future[T]]) -> T:
+        """In a place: ``submit()``'s future (it starts the work on a lowered pool), waited
+        for as :meth:`wait` does; the place is given back if ``submit`` fails."""
+        self.take()
+        try:
+            future = submit()
+        except BaseException:
+            self.give()
+            raise
+        return await self.wait(future)
+
     async def wait(self, future: Future[T]) -> T:
         """``future``'s result (it holds a place :meth:`take` gave), or a 503 ``timeout``."""
         future.add_done_callback(self.give)  # also when cancelled below
