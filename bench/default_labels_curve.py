@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -42,7 +43,7 @@ from probes.offline.dataset import ProbeDataset
 from probes.offline.fit import predict_dataset
 from probes.offline.select import held_out
 from probes.targets import encode_target
-from schemas import ProbeSpec
+from schemas import OperatingPoint, ProbeSpec
 from worker.defaults import find_default
 from worker.learning.config import LearningConfig
 from worker.learning.online_learner import OnlineLearner
@@ -64,6 +65,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-root", type=Path, default=Path("../shared/data"))
     p.add_argument("--batch", type=int, default=16, help="labels per updater batch (16)")
     p.add_argument("--seed", type=int, default=0, help="order of the label stream")
+    p.add_argument(
+        "--operating-point",
+        default=str(LearningConfig().operating_point),
+        help="where the updater puts flag thresholds at each publish "
+        "(PROBEGUARD_OPERATING_POINT; default: the updater's, %(default)s)",
+    )
     return p.parse_args(argv)
 
 
@@ -107,10 +114,11 @@ def run(
     test: ProbeDataset,
     chat: ProbeDataset,
     batch: int,
+    config: LearningConfig,
 ) -> list[dict[str, Any]]:
     """Learn ``stream`` label by label as the updater does; figures at each of POINTS."""
     spec = probe.spec
-    learner = OnlineLearner(probe, LearningConfig(), fresh=fresh)
+    learner = OnlineLearner(probe, config, fresh=fresh)
     names = ["toxic" if t == 1 else "non-toxic" for t in stream.targets.tolist()]
     encoded = [encode_target(spec, [n]) for n in names]
     points = [p for p in POINTS if p <= len(stream)] + [len(stream)]
@@ -155,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
             "with `probeguard cache build` and the default --token-layers auto"
         )
     convabuse = next(s for s in SOURCES if s.dataset == "convabuse")
+    try:
+        point = OperatingPoint.parse(args.operating_point)
+    except ValueError as exc:
+        raise SystemExit(f"--operating-point: {exc}") from exc
+    config = dataclasses.replace(LearningConfig(), operating_point=point)
     curves = {}
     for name, probe, fresh in (
         ("from the default", default.probe, False),
@@ -176,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         log(f"{name}: {len(stream)} labels to learn, {len(test)} held-out ToxicChat rows, "
             f"{len(chat)} held-out ConvAbuse benign turns")  # fmt: skip
-        curves[name] = run(name, probe, fresh, stream, test, chat, args.batch)
+        curves[name] = run(name, probe, fresh, stream, test, chat, args.batch, config)
     cols = [
         "toxicity_auprc",
         "policy_auprc",
@@ -188,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(f"{name:<18}{r['labels']:>8}" + "".join(f"{r[c]:>26}" for c in cols))
     print(json.dumps({"question": "labels-to-quality: the updater from the default vs from zero",
-                      "curves": curves, "seconds": round(time.time() - started, 1)}))  # fmt: skip
+                      "operating_point": str(point), "curves": curves,
+                      "seconds": round(time.time() - started, 1)}))  # fmt: skip
     return 0
 
 
