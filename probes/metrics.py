@@ -5,8 +5,7 @@
 - :func:`best_f1_threshold` picks the threshold that maximizes F1 on a split;
   :func:`best_threshold` the one at an :class:`OperatingPoint` ("f1",
   "precision>=0.9": the most recall at that precision, "recall>=0.8": the most
-  precision at that recall, "fpr<=0.03": the most recall flagging at most 3 % of the
-  negatives).
+  precision at that recall).
 - :func:`recall_at_fpr` is the recall at 1 % false positives moderation services report;
   :func:`expected_calibration_error` (ECE) how far scores are from frequencies.
 - :func:`evaluate` is the full report ``eval`` prints: F1 at the chosen
@@ -132,18 +131,13 @@ def best_threshold(
 
     ``precision>=X``: the most recall among thresholds whose precision reaches X; when
     none does, the highest precision (the split cannot support X). ``recall>=X``: the most
-    precision among thresholds whose recall reaches X. ``fpr<=X``: the most recall among
-    thresholds that flag at most a share X of the negatives; when even the top score
-    flags more, a threshold above every score. Ties go to the higher F1. The
+    precision among thresholds whose recall reaches X. Ties go to the higher F1. The
     threshold sits halfway to the next lower score, as in :func:`best_f1_threshold`.
     With no positive, returns ``(0.5, 0.0)``.
 
     >>> y, s = np.array([0, 1, 0, 1, 1]), np.array([0.1, 0.2, 0.3, 0.5, 0.9])
     >>> best_threshold(y, s, OperatingPoint.parse("precision>=1.0"))
     (0.4, 0.8)
-    >>> t, f1 = best_threshold(y, s, OperatingPoint.parse("fpr<=0.5"))  # 1 of 2 negatives
-    >>> round(t, 3), round(f1, 3)
-    (0.15, 0.857)
     """
     y = np.asarray(y).astype(bool)
     if y.sum() == 0 or len(y) == 0:
@@ -153,15 +147,8 @@ def best_threshold(
     f1 = 2 * tps / (2 * tps + fps + (tps[-1] - tps))
     if point.metric == "f1":
         key = f1
-    elif point.metric == "fpr":
-        negatives = fps[-1]
-        fpr = fps / negatives if negatives else np.zeros_like(fps)
-        within = fpr <= point.bound + 1e-12
-        if not within.any():  # the top score alone flags too many negatives: flag nothing
-            return float(np.nextafter(s[0], np.inf)), 0.0
-        key = np.where(within, recall + 1e-9 * f1, -1.0)
     else:
-        reached = (precision if point.metric == "precision" else recall) >= point.bound - 1e-12
+        reached = (precision if point.metric == "precision" else recall) >= point.floor - 1e-12
         other = recall if point.metric == "precision" else precision
         if reached.any():
             key = np.where(reached, other + 1e-9 * f1, -1.0)

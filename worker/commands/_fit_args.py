@@ -87,8 +87,7 @@ def _selection_args(p: argparse.ArgumentParser) -> None:
         "--operating-point",
         default="f1",
         help="where flag thresholds go: 'f1' (its maximum), 'precision>=0.9' (the most recall "
-        "at that precision), 'recall>=0.8', 'fpr<=0.03' (the most recall flagging at most 3 %% "
-        "of the negatives) (default: f1)",
+        "at that precision), 'recall>=0.8' (default: f1)",
     )
 
 

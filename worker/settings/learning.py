@@ -137,9 +137,8 @@ class UpdaterSettings(Section):
     operating_point: str = Field(
         "f1",
         description="Where calibrated flag thresholds go: `f1` (its maximum), "
-        "`precision>=0.9` (the most recall at that precision), `recall>=0.8` (the most "
-        "precision at that recall) or `fpr<=0.03` (the most recall that flags at most 3 % of "
-        "the window's negatives: a budget on benign text, as the packaged default's).",
+        "`precision>=0.9` (the most recall at that precision) or `recall>=0.8` (the most "
+        "precision at that recall).",
     )
     labeler_max_labels: Annotated[int, Field(ge=0)] = Field(
         1000,
