@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -167,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         point = OperatingPoint.parse(args.operating_point)
     except ValueError as exc:
         raise SystemExit(f"--operating-point: {exc}") from exc
-    config = dataclasses.replace(LearningConfig(), operating_point=point)
+    config = LearningConfig(operating_point=point)
     curves = {}
     for name, probe, fresh in (
         ("from the default", default.probe, False),
