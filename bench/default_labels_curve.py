@@ -63,7 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-root", type=Path, required=True, help="the recipe's caches")
     p.add_argument("--data-root", type=Path, default=Path("../shared/data"))
     p.add_argument("--batch", type=int, default=16, help="labels per updater batch (16)")
-    p.add_argument("--seed", type=int, default=0, help="order of the label stream")
+    p.add_argument(
+        "--seed", type=int, default=0, help="order of the label stream and the dropout's draws"
+    )
     p.add_argument(
         "--operating-point",
         default=str(LearningConfig().operating_point),
@@ -188,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         log(f"{name}: {len(stream)} labels to learn, {len(test)} held-out ToxicChat rows, "
             f"{len(chat)} held-out ConvAbuse benign turns")  # fmt: skip
+        torch.manual_seed(args.seed)  # the probe's dropout while it learns: one run repeats
         curves[name] = run(name, probe, fresh, stream, test, chat, args.batch, config)
     cols = [
         "toxicity_auprc",
