@@ -149,6 +149,11 @@ def replace_spec(spec: ProbeSpec) -> ProbeSpec:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        point = OperatingPoint.parse(args.operating_point)
+    except ValueError as exc:
+        raise SystemExit(f"--operating-point: {exc}") from exc
+    config = LearningConfig(operating_point=point)
     started = time.time()
     cache = HiddenStateCache(args.toxicchat)
     llm = cache.manifest.llm
@@ -164,11 +169,6 @@ def main(argv: list[str] | None = None) -> int:
             "with `probeguard cache build` and the default --token-layers auto"
         )
     convabuse = next(s for s in SOURCES if s.dataset == "convabuse")
-    try:
-        point = OperatingPoint.parse(args.operating_point)
-    except ValueError as exc:
-        raise SystemExit(f"--operating-point: {exc}") from exc
-    config = LearningConfig(operating_point=point)
     curves = {}
     for name, probe, fresh in (
         ("from the default", default.probe, False),
