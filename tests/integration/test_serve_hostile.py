@@ -84,11 +84,14 @@ def test_large_bodies_are_checked_in_a_niced_process_and_refused_the_same(
 
 @contextlib.contextmanager
 def busy_cores() -> Iterator[None]:
-    """Every core this process may run on kept busy by another process at the usual
-    priority, as a scorer or a build beside the server keeps them."""
+    """Every core this process may run on kept busy by other processes at the usual
+    priority, as a scorer or a build beside the server keeps them: two per core. With one
+    per core, 2 of 8 runs of the large-body test alone saw the lowered checks finish in
+    time (a core left free for moments, it seems, runs them at full speed); with two, 12
+    of 12 did not."""
     hogs = [
         subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        for _ in os.sched_getaffinity(0)
+        for _ in range(2 * len(os.sched_getaffinity(0)))
     ]
     try:
         time.sleep(0.5)  # running
