@@ -311,6 +311,47 @@ def build_probe(spec: ProbeSpec, *, seed: int | None = None) -> Probe:
         return Probe(spec)
 
 
+def with_attention(
+    probe: Probe, *, d_inner: int | None = None, num_heads: int | None = None, seed: int = 0
+) -> Probe:
+    """A copy of a mean-pool ``probe`` that pools tokens by attention (the ``mha`` kind,
+    in ``d_inner`` dimensions split into ``num_heads`` heads: unset, the spec's), scoring
+    exactly as ``probe`` does until it learns: the attention block adds its output to the
+    plain mean of the same normalized states, and that output projection starts at zero.
+    Every other tensor (normalization, layer mix, heads, the exit head) is copied; the
+    block's query, key and value projections are drawn with ``seed``.
+
+    Fine-tuning then learns which tokens matter, which a mean pool cannot (the packaged
+    default is a mean pool: ``docs/default-probe.md``, "With the deployment's labels").
+
+    >>> spec = ProbeSpec(name="tox", token_pool="mean", layer_mix="scalar_mix", layers=[1, 2],
+    ...                  hidden_size=8, task="multiclass", labels=["ok", "toxic"], d_inner=4)
+    >>> with_attention(build_probe(spec, seed=0)).spec.token_pool
+    'mha'
+    """
+    if probe.spec.token_pool != "mean":
+        raise ProbeError(
+            f"only a mean pool starts an attention pool scoring as it did; this probe pools "
+            f"by {probe.spec.token_pool!r}"
+        )
+    data = {**probe.spec.model_dump(), "token_pool": "mha"}
+    data["d_inner"] = d_inner or data["d_inner"]
+    data["num_heads"] = num_heads or data["num_heads"]
+    spec = ProbeSpec.model_validate(data)
+    attending = build_probe(spec, seed=seed)
+    state = attending.state_dict()
+    kept = probe.state_dict()
+    missing = sorted(k for k in kept if k not in state)
+    if missing:
+        raise ProbeError(f"the attention probe lacks {missing}")  # a kind with its own tensors
+    state.update({k: v.detach().clone() for k, v in kept.items()})
+    state["pool.out"].zero_()  # the block's output: nothing added to the mean until it learns
+    state["pool.out_bias"].zero_()
+    attending.load_state_dict(state)
+    attending.train(probe.training)
+    return attending
+
+
 def slice_layer_state(
     state: dict[str, Tensor], shapes: dict[str, torch.Size], pick: Tensor
 ) -> dict[str, Tensor]:

@@ -19,6 +19,7 @@ from tests.integration.test_updater import GOOD, extractor, fast
 from tests.kafka_helpers import drain, produce_raw
 from tests.process_helpers import Threaded, wait_until
 from worker.kafka.clients import ensure_topics
+from worker.learning.resume import starting_point
 from worker.learning.updater import Updater
 from worker.scoring.scorer import Scorer
 from worker.settings import Settings
@@ -142,6 +143,7 @@ def test_labels_for_two_heads_publish_a_version_whose_verdicts_carry_both(
     # The first version was fine-tuned from the packaged default (no parent), not from zero.
     first = registry.manifest(min(registry.versions()))
     assert first.parent is None and [h.name for h in first.spec.heads] == ["toxicity", "spam"]
+    assert first.spec.token_pool == "mha"  # given an attention pool to learn (DEFAULT_ATTENTION)
     # The updater goes on learning: a later version may be live by the time we look.
     wait_until(lambda: (scorer.watcher.versions()["toxicity"]["live"] or 0) >= live, "scorer swap")
     verdicts = chats(settings, "v", ["what a lovely day", "CLICK HERE free money"])
@@ -153,6 +155,31 @@ def test_labels_for_two_heads_publish_a_version_whose_verdicts_carry_both(
         assert result.flagged == result.heads["spam"].flagged
         assert not result.heads["toxicity"].flagged  # it predicts, it does not flag
         assert len(result.heads["toxicity"].predicted) == 1
+
+
+def test_an_updater_starts_from_the_packaged_default_given_an_attention_pool(
+    settings: Settings, redis_ns: RedisNamespace, packaged: Path
+) -> None:
+    """It scores exactly as the default the scorers serve until it learns; with
+    PROBEGUARD_DEFAULT_ATTENTION=false it is the default's mean pool as shipped."""
+    registry = CheckpointRegistry(redis_ns.client, redis_ns.keys, "toxicity")
+    fp = extractor().fingerprint
+    default = worker.defaults.find_default(fp, "toxicity")
+    assert default is not None and default.probe.spec.token_pool == "mean"
+    start = starting_point(settings, registry, extractor())
+    assert start.probe.spec.token_pool == "mha" and start.version is None
+    assert start.source.endswith("given an attention pool") and not start.fresh
+    ex = extractor().extract([GOOD[0], "you absolute clown", "BUY NOW cheap pills"], [1, 2])
+    torch.testing.assert_close(
+        start.probe.eval().predict_proba_many(ex.hidden, ex.mask),
+        default.probe.eval().predict_proba_many(ex.hidden, ex.mask),
+        rtol=0,
+        atol=1e-6,
+    )
+    kept = starting_point(fast(settings, default_attention=False), registry, extractor())
+    assert kept.probe.spec.token_pool == "mean"
+    frozen = starting_point(fast(settings, learn_freeze_shared=True), registry, extractor())
+    assert frozen.probe.spec.token_pool == "mean"  # a frozen block would never learn
 
 
 def test_an_offline_checkpoint_is_served_and_learned_from_when_nothing_is_published(

@@ -1,8 +1,9 @@
 """Where an updater's tenure starts: the newest published version it can verify, else
-the seed checkpoint file, else the packaged default of the LLM (``worker/defaults``), else
-a fresh probe from a spec ("from zero": the seed spec, or :func:`default_spec`). When
-versions are published but none verifies (a key rotation), it refuses rather than start
-over, unless ``PROBEGUARD_START_OVER_UNVERIFIED`` says to."""
+the seed checkpoint file, else the packaged default of the LLM (``worker/defaults``; given
+an attention pool to learn, :func:`attend`), else a fresh probe from a spec ("from zero":
+the seed spec, or :func:`default_spec`). When versions are published but none verifies (a
+key rotation), it refuses rather than start over, unless
+``PROBEGUARD_START_OVER_UNVERIFIED`` says to."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import redis
 from probes import Probe, build_probe, spread_layers
 from probes.checkpoint import load_checkpoint, probe_from_bytes
 from probes.errors import CheckpointError
+from probes.probe import with_attention
 from schemas import CheckpointManifest, ProbeSpec, TrainingCounters
 from worker.defaults import PackagedDefault, serving_default
 from worker.errors import ConfigError, RegistryError
@@ -27,6 +29,7 @@ from worker.store.checkpoints import CheckpointRegistry
 __all__ = [
     "Start",
     "default_spec",
+    "given_attention",
     "newest_verifiable",
     "published_by_another",
     "restore_optimizer",
@@ -35,6 +38,11 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# The attention pool the packaged default is given (:func:`with_attention`): measured in
+# docs/default-probe.md, "With the deployment's labels".
+ATTENTION_DIM = 16
+ATTENTION_HEADS = 2
 
 
 def default_spec(name: str, num_layers: int, hidden_size: int) -> ProbeSpec:
@@ -105,12 +113,30 @@ def starting_point(
             raise ConfigError(f"seed checkpoint is for probe {manifest.probe!r}, not {name!r}")
         return Start(probe, manifest.counters, None, f"seed checkpoint {settings.seed_checkpoint}")
     if (packaged := packaged_default(settings, extractor, name)) is not None:
-        manifest = packaged.manifest
-        return Start(
-            packaged.probe, manifest.counters, None, f"the packaged default {packaged.folder}"
-        )
+        probe, source = packaged.probe, f"the packaged default {packaged.folder}"
+        if attend(settings, probe):
+            probe = given_attention(probe)
+            source += " given an attention pool"
+        return Start(probe, packaged.manifest.counters, None, source)
     probe = build_probe(seed_spec(settings, extractor, name), seed=0)
     return Start(probe, TrainingCounters(), None, "zero")
+
+
+def given_attention(default: Probe) -> Probe:
+    """The packaged default as an updater fine-tunes it: given an attention pool
+    (:func:`~probes.probe.with_attention`), scoring as it did until it learns."""
+    return with_attention(default, d_inner=ATTENTION_DIM, num_heads=ATTENTION_HEADS)
+
+
+def attend(settings: Settings, probe: Probe) -> bool:
+    """Whether an updater gives the packaged default ``probe`` an attention pool before it
+    learns (``DEFAULT_ATTENTION``): a mean pool whose pooling learns (not with
+    ``LEARN_FREEZE_SHARED``, which would keep the block silent)."""
+    return (
+        settings.default_attention
+        and probe.spec.token_pool == "mean"
+        and not settings.learn_freeze_shared
+    )
 
 
 def newest_verifiable(

@@ -238,15 +238,17 @@ def load_source(
     extractor: ExtractorLike | None,
     key: bytes | None = None,
     dtype: StateDtype = "float16",
+    token_layers: list[int] | None = None,
 ) -> Loaded:
     """``source``'s cache under ``cache_root`` (built first, or resumed, when an
-    ``extractor`` is given; states stored as ``dtype``) as targets over ``spec``'s heads."""
+    ``extractor`` is given; states stored as ``dtype``, token by token for ``token_layers``:
+    unset, the cache's default eight) as targets over ``spec``'s heads."""
     directory = cache_root / source.dataset
     if extractor is not None:
         file = _source_file(source, data_root, cache_root)
         if source.dataset in GENERATED:
             _drop_if_stale(directory, file)
-        build_cache(file, directory, extractor, key=key, dtype=dtype)
+        build_cache(file, directory, extractor, key=key, dtype=dtype, token_layers=token_layers)
     cache = HiddenStateCache(directory, key=key)
     data = load_split(cache, spec.token_pool, list(spec.layers), "label")
     names = cache.row_labels()

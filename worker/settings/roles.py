@@ -140,6 +140,13 @@ class ScorerSettings(Section):
         "one score per head), updaters fine-tune from it. `false`: scorers wait for a "
         "published version, updaters start from `SEED_CHECKPOINT` or from zero.",
     )
+    default_attention: bool = Field(
+        True,
+        description="An updater fine-tuning the packaged default (a mean pool) first gives "
+        "it an attention pool (`mha`: the same scores until it learns), so the deployment's "
+        "labels also teach it which tokens matter. `false`: fine-tune the mean pool as it is "
+        '(see docs/default-probe.md, "With the deployment\'s labels").',
+    )
     default_flag_budget: Annotated[float, Field(gt=0, lt=1)] | None = Field(
         None,
         description="The share of ordinary (benign) text the packaged default may flag, any "
