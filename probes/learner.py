@@ -29,9 +29,10 @@ the evidence for it is strong.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -94,6 +95,11 @@ class Learner:
         self.optimizer = Lion(groups, lr=lr, betas=betas, weight_decay=weight_decay)
         self.steps = 0
         self.examples = 0
+        # Label columns whose rows of the linear head(s) no step moves (heads held by
+        # worker.learning.anchor: they learn nothing of their own, the shared part keeps
+        # their scores). Lion's sign steps would otherwise move them at full size on the
+        # smallest gradient, decay and momentum included.
+        self.held_rows: list[int] = []
 
     def _check_targets(self, targets: Tensor, batch: int) -> Tensor:
         C = len(self.probe.spec.labels)
@@ -138,8 +144,10 @@ class Learner:
         for cols in multiclass_columns(self.probe.spec):  # softmax heads: cross-entropy
             known[:, cols] = False
             rows = ~targets[:, cols].isnan().any(dim=1)  # [B] rows annotating this head
-            classes = targets[:, cols].nan_to_num(0.0).argmax(dim=1)  # [B]
-            ce = F.cross_entropy(logits[:, cols], classes, reduction="none")  # [B]
+            # Class probabilities: one-hot for a label, soft for an anchored head's own
+            # opinion (worker.learning.anchor); one-hot gives the class index's loss.
+            probs = targets[:, cols].nan_to_num(0.0)  # [B, k]
+            ce = F.cross_entropy(logits[:, cols], probs, reduction="none")  # [B]
             cells = torch.cat([cells, ce[:, None]], dim=1)
             known = torch.cat([known, rows[:, None]], dim=1)
         total = (cells * known).sum()
@@ -192,10 +200,26 @@ class Learner:
             if torch.isfinite(exit_loss):
                 objective = objective + exit_loss
         objective.backward()
-        self.optimizer.step()
+        with self._rows_held():
+            self.optimizer.step()
         self.steps += 1
         self.examples += sum(int(t.shape[0]) for _, _, t in chunks)
         return float(loss.detach())
+
+    @contextlib.contextmanager
+    def _rows_held(self) -> Iterator[None]:
+        """Put :attr:`held_rows` of the linear head(s) back as they were after the step."""
+        if not self.held_rows:
+            yield
+            return
+        exit_head = self.probe.exit_head
+        heads = [self.probe.head] + ([exit_head.head] if exit_head is not None else [])
+        rows = torch.tensor(self.held_rows, dtype=torch.long)
+        kept = [(p, p.detach()[rows].clone()) for h in heads for p in (h.weight, h.bias)]
+        yield
+        with torch.no_grad():
+            for p, before in kept:
+                p[rows] = before
 
     @staticmethod
     def entropy_gap(weights: Tensor) -> Tensor:

@@ -32,6 +32,7 @@ class LearningConfig:
     mix_entropy: float = DEFAULTS.learn_mix_entropy  # layer-mix entropy penalty (probes.learner)
     layer_lr_scale: float = DEFAULTS.learn_layer_lr_scale  # lr multiplier of the mix scalars
     freeze_shared: bool = DEFAULTS.learn_freeze_shared  # step the linear head alone
+    anchor_unlabeled: bool = DEFAULTS.learn_anchor_unlabeled  # worker.learning.anchor
     operating_point: OperatingPoint = DEFAULTS.flag_operating_point  # where thresholds go
     # How replay stores hidden states (Settings.state_dtype resolved for the LLM: from_settings).
     state_dtype: StateDtype = "float16"
@@ -57,6 +58,7 @@ class LearningConfig:
             mix_entropy=settings.learn_mix_entropy,
             layer_lr_scale=settings.learn_layer_lr_scale,
             freeze_shared=settings.learn_freeze_shared,
+            anchor_unlabeled=settings.learn_anchor_unlabeled,
             operating_point=settings.flag_operating_point,
             state_dtype=resolve_state_dtype(settings.state_dtype, model_type),
             drop_layer_weight=settings.learn_drop_layer_weight,

@@ -33,6 +33,7 @@ from probes.drift import probe_reference
 from probes.learner import Learner
 from probes.probe import Probe, keep_layers, slice_layer_state
 from schemas import DriftReference, TrainingCounters
+from worker.learning.anchor import Anchor
 from worker.learning.config import LearningConfig
 from worker.learning.recalibrate import recalibrate
 from worker.learning.replay import (
@@ -104,6 +105,10 @@ class OnlineLearner:
             else None
         )
         self.warmup: list[Example] | None = [] if fresh else None
+        # Heads no label has reached hold the scores they started the tenure with (nothing
+        # to hold in a fresh probe, nor where the shared part does not learn).
+        holds = config.anchor_unlabeled and not (fresh or config.freeze_shared)
+        self.anchor = Anchor(probe) if holds and spec.heads and spec.task == "multilabel" else None
         self.last_loss: float | None = None
         self.low_weight_runs: dict[int, int] = {}  # layer -> publishes in a row below the bar
         self.bucket_seen: Counter[int] = Counter()  # examples learned per balance bucket
@@ -149,7 +154,10 @@ class OnlineLearner:
         # Test, then train: the prequential score comes from the probe before this step.
         logits = self.probe.predict_logits_many(hidden, mask)  # [B, C], uncalibrated
         self.prequential.add(self.probe.probabilities(logits), targets, logits)
-        new = replay_examples(self.probe, hidden, mask, targets, buckets, self._dtype)
+        learned = targets
+        if self.anchor is not None:
+            learned, self.lion.held_rows = self.anchor.fill(hidden, mask, targets)
+        new = replay_examples(self.probe, hidden, mask, learned, buckets, self._dtype)
         steps_before = self.lion.steps
         if self.warmup is not None:
             self.warmup.extend(new)
@@ -161,6 +169,8 @@ class OnlineLearner:
         self._train(new)
         self._count(targets)
         self.bucket_seen.update(buckets)
+        if self.anchor is not None:
+            self.anchor.labeled = self.anchor.reached(targets)
         return self.lion.steps - steps_before
 
     def learn_extraction(self, ex: Extraction, labeled: Sequence[Labeled]) -> Learned:
@@ -290,6 +300,8 @@ class OnlineLearner:
             shapes = {k: v.shape for k, v in probe.state_dict().items()}
             self.ema = slice_layer_state(self.ema, shapes, pick)
         self.replay.keep_first_layers(keep)
+        if self.anchor is not None:
+            self.anchor.keep_first_layers(keep)
 
     def metrics(self) -> dict[str, float]:
         """Prequential metrics, the layer-weight entropy and, per calibrated head, the labels

@@ -114,6 +114,14 @@ class UpdaterSettings(Section):
     learn_layer_lr_scale: Annotated[float, Field(gt=0)] = Field(
         30.0, description="Learning-rate multiplier of the layer-mix scalars."
     )
+    learn_anchor_unlabeled: bool = Field(
+        True,
+        description="While a multi-head probe learns, hold each head no label of this "
+        "tenure has reached to the scores it gave when the tenure began (its own "
+        "probabilities as targets on every labeled text), so labels for one head do not move "
+        "the others through the pooling and mix they share; a head learns from its labels "
+        "from the first that reaches it. `false`: unlabeled heads follow the shared part.",
+    )
     learn_freeze_shared: bool = Field(
         False,
         description="Train only the linear head's rows; the token pooling and layer mix that "
