@@ -56,6 +56,14 @@ class Anchor:
         hit = {name for name, (_, cols) in self.columns.items() if known[:, cols].any()}
         return self.labeled | hit
 
+    def release(self, targets: Tensor) -> list[int]:
+        """Record the heads ``targets`` (a batch learned) reaches; the label columns of
+        those reached for the first time, whose held opinions must go."""
+        reached = self.reached(targets)
+        new = reached - self.labeled
+        self.labeled = reached
+        return sorted(c for name in new for c in self.columns[name][1])
+
     def fill(self, hidden: Tensor, mask: Tensor, targets: Tensor) -> tuple[Tensor, list[int]]:
         """``targets [B, C]`` with every cell of a head that neither this batch nor an
         earlier one annotates set to the frozen probe's probability for ``hidden`` (a

@@ -23,7 +23,7 @@ import copy
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -158,6 +158,9 @@ class OnlineLearner:
         if self.anchor is not None:
             learned, self.lion.held_rows = self.anchor.fill(hidden, mask, targets)
         new = replay_examples(self.probe, hidden, mask, learned, buckets, self._dtype)
+        if learned is not targets:  # which cells are a held head's opinion, not a label
+            opinion = targets.isnan() & ~learned.isnan()  # [B, C]
+            new = [replace(e, anchored=opinion[b]) for b, e in enumerate(new)]
         steps_before = self.lion.steps
         if self.warmup is not None:
             self.warmup.extend(new)
@@ -166,11 +169,11 @@ class OnlineLearner:
             else:
                 self._set_stats(self.warmup)
                 new, self.warmup = self.warmup, None
+        if self.anchor is not None:  # a head reached for the first time forgets its opinions
+            self.replay.release(self.anchor.release(targets))  # (replayed, they would teach it)
         self._train(new)
         self._count(targets)
         self.bucket_seen.update(buckets)
-        if self.anchor is not None:
-            self.anchor.labeled = self.anchor.reached(targets)
         return self.lion.steps - steps_before
 
     def learn_extraction(self, ex: Extraction, labeled: Sequence[Labeled]) -> Learned:
@@ -367,7 +370,8 @@ class OnlineLearner:
 class _Saved:
     """What one batch of :meth:`OnlineLearner.learn` may change, copied before it: the
     weights and normalization, the Lion momentum and counts, the EMA, replay (and its
-    sampling state), the prequential window, the warm-up and the counters."""
+    sampling state), the prequential window, the warm-up, the counters and the heads the
+    anchor has seen reached."""
 
     weights: dict[str, Tensor]
     optimizer: dict[str, Any]
@@ -380,6 +384,7 @@ class _Saved:
     last_loss: float | None
     counters: TrainingCounters
     bucket_seen: Counter[int]
+    anchor_labeled: frozenset[str] | None
 
     @classmethod
     def of(cls, learner: OnlineLearner) -> _Saved:
@@ -399,6 +404,7 @@ class _Saved:
             last_loss=learner.last_loss,
             counters=learner.counters,
             bucket_seen=learner.bucket_seen.copy(),
+            anchor_labeled=None if learner.anchor is None else learner.anchor.labeled,
         )
 
     def restore(self, learner: OnlineLearner) -> None:
@@ -424,4 +430,6 @@ class _Saved:
         learner.warmup = self.warmup
         learner.last_loss = self.last_loss
         learner.counters = self.counters
+        if learner.anchor is not None and self.anchor_labeled is not None:
+            learner.anchor.labeled = self.anchor_labeled
         learner.bucket_seen = self.bucket_seen

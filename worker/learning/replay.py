@@ -38,6 +38,9 @@ class Example:
     x: Tensor  # [L, D] summaries or [L, T, D] tokens, fp16 or bf16
     target: Tensor  # [] int64 class index, or [C] float 0/1
     bucket: int  # class used for balancing (multilabel: first positive label, else C)
+    # [C] bool: cells of ``target`` holding a held head's own opinion, not a label
+    # (worker.learning.anchor); None: every known cell is a label.
+    anchored: Tensor | None = None
 
 
 def replay_examples(
@@ -145,6 +148,24 @@ class ReplayBuffer:
             return
         for e in examples:
             self.buckets[e.bucket].append(e)
+
+    def release(self, columns: list[int]) -> None:
+        """Forget the held opinions in ``columns`` (heads a label has since reached, which
+        learn from labels alone): those cells become unknown again in every example."""
+        if not columns:
+            return
+        cols = torch.tensor(columns, dtype=torch.long)
+        for bucket in self.buckets:
+            kept = []
+            for e in bucket:
+                if e.anchored is not None and e.anchored[cols].any():
+                    target, anchored = e.target.clone(), e.anchored.clone()
+                    target[cols] = torch.where(anchored[cols], torch.nan, target[cols])
+                    anchored[cols] = False
+                    e = replace(e, target=target, anchored=anchored)
+                kept.append(e)
+            bucket.clear()
+            bucket.extend(kept)
 
     def keep_first_layers(self, keep: int) -> None:
         """Cut every stored example to its first ``keep`` layers (after the probe dropped

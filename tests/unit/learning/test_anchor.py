@@ -107,3 +107,27 @@ def test_no_anchor_where_there_is_nothing_to_hold(case: str) -> None:
         anchor_unlabeled=case != "off", freeze_shared=case == "frozen shared part"
     )
     assert OnlineLearner(probe, config, fresh=case == "fresh").anchor is None
+
+
+def test_a_head_reached_forgets_its_held_opinions_in_replay() -> None:
+    """Replayed, the opinions held for a head would go on teaching it after its first
+    label: they become unknown again, the labels stay."""
+    probe = two_heads()
+    learner = OnlineLearner(probe, LearningConfig(batch_size=8, replay_size=64))
+    hidden, mask = states(probe, n=8)
+    toxicity_only = torch.tensor([[1.0, NAN, NAN], [0.0, NAN, NAN]] * 4)
+    learner.learn(hidden, mask, toxicity_only, [0, 3] * 4)
+    stored = [e for bucket in learner.replay.buckets for e in bucket]
+    assert len(stored) == 8
+    assert all(not e.target.isnan().any() for e in stored)  # topic held: its opinion stored
+    assert all(
+        e.anchored is not None and e.anchored.tolist() == [False, True, True] for e in stored
+    )
+    topic = torch.tensor([[NAN, 1.0, 0.0]] * 8)
+    learner.learn(hidden, mask, topic, [1] * 8)
+    assert learner.anchor is not None and learner.anchor.labeled == {"toxicity", "topic"}
+    replayed = [e for bucket in learner.replay.buckets for e in bucket]
+    old = [e for e in replayed if not e.target[0].isnan()]
+    assert len(old) == 8
+    for e in old:  # the toxicity labels kept, topic's opinions gone
+        assert e.target[1:].isnan().all() and e.anchored is not None and not e.anchored.any()
