@@ -127,7 +127,7 @@ def _states(data: ProbeDataset, idx: torch.Tensor) -> tuple[torch.Tensor, torch.
     """``(hidden [L, B, T, D], mask [B, T])`` of rows ``idx``, as the updater's extractor
     gives them. Per-layer mean summaries come as one token each: a mean over one token is
     the summary itself, so a mean-pool probe learns exactly what it would from the tokens
-    (the cache stores every layer's summary, and tokens of eight layers only)."""
+    (the cache stores every layer's summary)."""
     hidden, mask, _ = data.batch(idx)
     if mask is None:  # summaries [L, B, D]
         return hidden[:, :, None, :], torch.ones(hidden.shape[1], 1, dtype=torch.bool)

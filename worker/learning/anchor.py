@@ -13,9 +13,10 @@ its labels alone.
 
 ::
 
-    anchor = Anchor(probe)                        # at the start of the tenure
+    anchor = Anchor(probe)                              # at the start of the tenure
     targets, held = anchor.fill(hidden, mask, targets)  # before each batch is learned
-    lion.held_rows = held                                 # their own rows stay as they are
+    lion.held_rows = held                               # their own rows stay as they are
+    replay.release(anchor.release(targets))             # heads reached: opinions forgotten
 """
 
 from __future__ import annotations
