@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from probes import Probe, build_probe
 from schemas import HeadSpec, LLMFingerprint, ProbeSpec
 
 D = 16  # hidden size of the synthetic "LLM"
@@ -91,3 +92,15 @@ def toy_task(
 def task_of(spec: ProbeSpec) -> str:
     """The :func:`toy_task` for ``spec``."""
     return "multihead" if spec.heads else spec.task
+
+
+def trained(pool: str, mix: str, task: str = "multihead") -> Probe:
+    """A probe of the kind whose weights and normalization are not their initial values."""
+    probe = build_probe(make_spec(pool, mix, task), seed=3)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in probe.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+        L, D = probe.shift.shape
+        probe.set_input_stats(torch.randn(L, D, generator=g), torch.rand(L, D, generator=g) + 0.5)
+    return probe

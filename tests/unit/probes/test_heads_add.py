@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from probes import (
-    Probe,
     ProbeError,
     build_probe,
     checkpoint_to_bytes,
@@ -17,23 +16,11 @@ from probes import (
 from probes.heads import add_head, remap_label_rows, remove_head
 from probes.learner import Learner
 from schemas import HeadSpec
-from tests.unit.synthetic import FINGERPRINT, make_spec, random_batch
+from tests.unit.synthetic import FINGERPRINT, make_spec, random_batch, trained
 
 JAILBREAK = HeadSpec(name="jailbreak", task="multilabel", labels=["jailbreaking"])
 TOPICS = HeadSpec(name="mood", task="multiclass", labels=["calm", "angry", "sad"])
 KINDS = [("mean", "scalar_mix"), ("mha", "scalar_mix"), ("gate", "gate"), ("max", "single")]
-
-
-def trained(pool: str, mix: str, task: str = "multihead") -> Probe:
-    """A probe whose weights and normalization are not their initial values."""
-    probe = build_probe(make_spec(pool, mix, task), seed=3)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in probe.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.3)
-        L, D = probe.shift.shape
-        probe.set_input_stats(torch.randn(L, D, generator=g), torch.rand(L, D, generator=g) + 0.5)
-    return probe
 
 
 @pytest.mark.parametrize(("pool", "mix"), KINDS)

@@ -10,19 +10,13 @@ from probes import Probe, ProbeError, build_probe, checkpoint_to_bytes, probe_fr
 from probes.learner import Learner
 from probes.probe import with_attention
 from schemas import HeadCalibration
-from tests.unit.synthetic import FINGERPRINT, make_spec, random_batch, toy_task
+from tests.unit.synthetic import FINGERPRINT, make_spec, random_batch, toy_task, trained
 
 
 def trained_mean_probe() -> Probe:
     """A two-head mean-pool probe whose every tensor is off its initial value, with a
     calibration and thresholds, as the packaged default has."""
-    probe = build_probe(make_spec("mean", "scalar_mix", "multihead"), seed=3)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in probe.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.3)
-        L, D = probe.shift.shape
-        probe.set_input_stats(torch.randn(L, D, generator=g), torch.rand(L, D, generator=g) + 0.5)
+    probe = trained("mean", "scalar_mix")
     probe.set_calibration(
         {"toxicity": HeadCalibration(temperature=0.6, bias=[-0.4], labels_seen=100)}
     )
