@@ -131,3 +131,23 @@ def test_a_head_reached_forgets_its_held_opinions_in_replay() -> None:
     assert len(old) == 8
     for e in old:  # the toxicity labels kept, topic's opinions gone
         assert e.target[1:].isnan().all() and e.anchored is not None and not e.anchored.any()
+
+
+def test_a_batch_that_fails_leaves_its_heads_unreached(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch loop retries a failed batch: the heads it reached must not count as
+    reached (their opinions would be dropped from replay for a label never learned)."""
+    probe = two_heads()
+    learner = OnlineLearner(probe, LearningConfig(batch_size=8))
+    hidden, mask = states(probe, n=8)
+    learner.learn(hidden, mask, torch.tensor([[1.0, NAN, NAN]] * 8), [0] * 8)
+    assert learner.anchor is not None and learner.anchor.labeled == {"toxicity"}
+
+    def out_of_memory(*_: object) -> float:
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(learner.lion, "learn_chunks", out_of_memory)
+    with pytest.raises(RuntimeError):
+        learner.learn(hidden, mask, torch.tensor([[NAN, 1.0, 0.0]] * 8), [1] * 8)
+    assert learner.anchor.labeled == {"toxicity"}
+    stored = [e for bucket in learner.replay.buckets for e in bucket]
+    assert all(e.anchored is not None and e.anchored[1:].all() for e in stored)
