@@ -22,6 +22,7 @@ its labels alone.
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 from torch import Tensor
@@ -29,6 +30,8 @@ from torch import Tensor
 from probes.probe import Probe, keep_layers
 
 __all__ = ["Anchor"]
+
+log = logging.getLogger(__name__)
 
 
 class Anchor:
@@ -63,6 +66,8 @@ class Anchor:
         reached = self.reached(targets)
         new = reached - self.labeled
         self.labeled = reached
+        if new:
+            log.info("heads %s reached by a label: they learn from labels now", sorted(new))
         return sorted(c for name in new for c in self.columns[name][1])
 
     def fill(self, hidden: Tensor, mask: Tensor, targets: Tensor) -> tuple[Tensor, list[int]]:

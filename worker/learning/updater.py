@@ -287,6 +287,12 @@ class Updater:
             start.source,
             start.counters.labels_seen,
         )
+        if self.learner.anchor is not None:
+            log.info(
+                "heads %s hold their scores until a label reaches them "
+                "(PROBEGUARD_LEARN_ANCHOR_UNLABELED)",
+                ", ".join(self.learner.anchor.columns),
+            )
 
     # --- the batch -----------------------------------------------------------
 

@@ -109,7 +109,9 @@ def test_no_anchor_where_there_is_nothing_to_hold(case: str) -> None:
     assert OnlineLearner(probe, config, fresh=case == "fresh").anchor is None
 
 
-def test_a_head_reached_forgets_its_held_opinions_in_replay() -> None:
+def test_a_head_reached_forgets_its_held_opinions_in_replay(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Replayed, the opinions held for a head would go on teaching it after its first
     label: they become unknown again, the labels stay."""
     probe = two_heads()
@@ -124,7 +126,9 @@ def test_a_head_reached_forgets_its_held_opinions_in_replay() -> None:
         e.anchored is not None and e.anchored.tolist() == [False, True, True] for e in stored
     )
     topic = torch.tensor([[NAN, 1.0, 0.0]] * 8)
-    learner.learn(hidden, mask, topic, [1] * 8)
+    with caplog.at_level("INFO", logger="worker.learning.anchor"):
+        learner.learn(hidden, mask, topic, [1] * 8)
+    assert "heads ['topic'] reached by a label" in caplog.text
     assert learner.anchor is not None and learner.anchor.labeled == {"toxicity", "topic"}
     replayed = [e for bucket in learner.replay.buckets for e in bucket]
     old = [e for e in replayed if not e.target[0].isnan()]
