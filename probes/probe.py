@@ -339,12 +339,8 @@ def with_attention(
     data["num_heads"] = num_heads or data["num_heads"]
     spec = ProbeSpec.model_validate(data)
     attending = build_probe(spec, seed=seed)
-    state = attending.state_dict()
-    kept = probe.state_dict()
-    missing = sorted(k for k in kept if k not in state)
-    if missing:
-        raise ProbeError(f"the attention probe lacks {missing}")  # a kind with its own tensors
-    state.update({k: v.detach().clone() for k, v in kept.items()})
+    state = attending.state_dict()  # a mean pool has no tensors of its own: all are here
+    state.update({k: v.detach().clone() for k, v in probe.state_dict().items()})
     state["pool.out"].zero_()  # the block's output: nothing added to the mean until it learns
     state["pool.out_bias"].zero_()
     attending.load_state_dict(state)

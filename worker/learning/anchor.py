@@ -44,9 +44,7 @@ class Anchor:
         self.probe = copy.deepcopy(probe).eval()
         for p in self.probe.parameters():
             p.requires_grad_(False)
-        self.columns = {
-            h.name: (h.task, [spec.labels.index(x) for x in h.labels]) for h in spec.head_specs
-        }
+        self.columns = {h.name: (h.task, spec.head_columns(h.name)) for h in spec.head_specs}
         self.labeled: frozenset[str] = frozenset()  # heads a label of this tenure reached
 
     def keep_first_layers(self, keep: int) -> None:
@@ -68,7 +66,7 @@ class Anchor:
         self.labeled = reached
         if new:
             log.info("heads %s reached by a label: they learn from labels now", sorted(new))
-        return sorted(c for name in new for c in self.columns[name][1])
+        return sorted(c for name in new for c in _indices(self.columns[name][1]))
 
     def fill(self, hidden: Tensor, mask: Tensor, targets: Tensor) -> tuple[Tensor, list[int]]:
         """``targets [B, C]`` with every cell of a head that neither this batch nor an
@@ -81,10 +79,15 @@ class Anchor:
             return targets, []
         with torch.no_grad():
             logits = self.probe.predict_logits_many(hidden, mask)  # [B, C], uncalibrated
-        filled, columns = targets.clone(), []
+        filled = targets.clone()
+        columns: list[int] = []
         for name in held:
             task, cols = self.columns[name]
             own = logits[:, cols]
             filled[:, cols] = own.softmax(dim=1) if task == "multiclass" else own.sigmoid()
-            columns += cols
+            columns += _indices(cols)
         return filled, sorted(columns)
+
+
+def _indices(cols: slice) -> list[int]:
+    return list(range(cols.start, cols.stop))
