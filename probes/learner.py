@@ -138,9 +138,13 @@ class Learner:
                 return rows.sum(), logits.new_tensor(float(len(rows)))
             return rows.sum(), class_weights[targets].sum()
         known = ~targets.isnan()  # [B, C]
+        # Less the targets' own entropy: zero for a label (0 or 1), and for a soft target
+        # (an anchored head's own opinion, worker.learning.anchor) the loss reads as the
+        # divergence from it, zero where the head agrees, with the same gradient.
+        soft = targets.nan_to_num(0.0)
         cells = F.binary_cross_entropy_with_logits(
-            logits, targets.nan_to_num(0.0), pos_weight=class_weights, reduction="none"
-        )
+            logits, soft, pos_weight=class_weights, reduction="none"
+        ) + (torch.special.xlogy(soft, soft) + torch.special.xlogy(1 - soft, 1 - soft))
         for cols in multiclass_columns(self.probe.spec):  # softmax heads: cross-entropy
             known[:, cols] = False
             rows = ~targets[:, cols].isnan().any(dim=1)  # [B] rows annotating this head
@@ -148,6 +152,7 @@ class Learner:
             # opinion (worker.learning.anchor); one-hot gives the class index's loss.
             probs = targets[:, cols].nan_to_num(0.0)  # [B, k]
             ce = F.cross_entropy(logits[:, cols], probs, reduction="none")  # [B]
+            ce = ce + torch.special.xlogy(probs, probs).sum(dim=1)  # less its entropy, as above
             cells = torch.cat([cells, ce[:, None]], dim=1)
             known = torch.cat([known, rows[:, None]], dim=1)
         total = (cells * known).sum()

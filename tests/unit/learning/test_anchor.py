@@ -97,6 +97,19 @@ def test_soft_class_targets_give_the_loss_of_the_class_index_when_one_hot() -> N
     torch.testing.assert_close(lion.loss(logits, hard), (ce + bce) / 6)
 
 
+def test_a_held_head_that_agrees_with_its_opinion_adds_no_loss() -> None:
+    """The loss the updater reports (``probeguard_updater_loss``) reads the held heads'
+    terms as a divergence: zero where a head scores what it did, not their entropy."""
+    probe = two_heads()
+    anchor = Anchor(probe)
+    hidden, mask = states(probe)
+    nothing = torch.full((6, 3), NAN)  # no label: every head held at its own opinion
+    filled, _ = anchor.fill(hidden, mask, nothing)
+    logits = probe.eval().predict_logits_many(hidden, mask)
+    lion = Learner(probe)
+    assert float(lion.loss(logits, filled)) == pytest.approx(0.0, abs=1e-6)
+    assert float(lion.loss(logits + 1.0, filled)) > 0.01  # and grows as it moves away
+
 @pytest.mark.parametrize("case", ["fresh", "single head", "frozen shared part", "off"])
 def test_no_anchor_where_there_is_nothing_to_hold(case: str) -> None:
     if case == "single head":
