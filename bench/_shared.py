@@ -8,8 +8,14 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["load_average", "log", "rss_mb"]
+if TYPE_CHECKING:
+    import torch
+
+    from probes.offline.dataset import ProbeDataset
+
+__all__ = ["load_average", "log", "rss_mb", "updater_states"]
 
 
 def log(msg: str) -> None:
@@ -31,3 +37,16 @@ def rss_mb(pid: int | str = "self") -> float:
     except OSError:
         pass
     return 0.0
+
+
+def updater_states(data: ProbeDataset, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hidden [L, B, T, D], mask [B, T])`` of rows ``idx`` of a cache's dataset, as the
+    updater's extractor gives them to :meth:`OnlineLearner.learn`. Per-layer mean summaries
+    come as one token each: a mean over one token is the summary itself, so a mean-pool
+    probe learns exactly what it would from the tokens."""
+    import torch
+
+    hidden, mask, _ = data.batch(idx)
+    if mask is None:  # summaries [L, B, D]
+        return hidden[:, :, None, :], torch.ones(hidden.shape[1], 1, dtype=torch.bool)
+    return hidden, mask

@@ -56,7 +56,11 @@ from schemas import HeadSpec, ProbeSpec
 from worker.defaults import find_default
 from worker.learning.config import LearningConfig
 from worker.learning.online_learner import OnlineLearner
+from worker.learning.resume import attend, given_attention
 from worker.offline.default_recipe import default_spec, split_of
+from worker.settings import Settings
+
+from _shared import updater_states
 
 HEAD = HeadSpec(name="jailbreak", task="multilabel", labels=["jailbreaking"])
 NS = [8, 16, 32, 64, 128, 256]
@@ -219,10 +223,14 @@ def main() -> None:
         x = feats[torch.as_tensor([where[int(r)] for r in part])]  # [B, D]
         return x[None, :, None], torch.ones(len(part), 1, dtype=torch.bool)
 
-    def token_batches(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, mask, _ = data.batch(part)
-        assert mask is not None
-        return hidden, mask
+    # Fine-tuned, the shared part starts as the updater's does from the default (given an
+    # attention pool where PROBEGUARD_DEFAULT_ATTENTION says so), reading what it reads.
+    tuned = given_attention(base) if attend(Settings(), base) else base
+    tuned_data: ProbeDataset | None = None
+
+    def tuned_batches(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        assert tuned_data is not None
+        return updater_states(tuned_data, part)
 
     grids: dict[str, list[int | None]] = {
         "frozen": [*(int(x) for x in args.ns.split(",") if x), None],
@@ -253,9 +261,11 @@ def main() -> None:
                     with torch.no_grad():
                         probs = trained.probabilities(trained(held_feats))
                 else:
+                    if tuned_data is None:
+                        tuned_data = data if tuned is base else load(cache, tuned)
                     trained, steps = train(
-                        add_head(base, HEAD),
-                        token_batches,
+                        add_head(tuned, HEAD),
+                        tuned_batches,
                         picked,
                         jail,
                         freeze=False,
@@ -263,7 +273,7 @@ def main() -> None:
                         batch=args.batch,
                         steps=args.steps,
                     )
-                    probs = scores(trained, data, held_t)
+                    probs = scores(trained, tuned_data, held_t)
                 aps.append(average_precision(jail[held], probs[:, col].numpy()))
                 tox = average_precision(toxic[held], probs[:, tox_col].numpy())
                 drifts.append(tox - tox_base)

@@ -64,7 +64,7 @@ from worker.offline.default_recipe import default_spec as default_probe_spec
 from worker.offline.fit_eval import load_split
 from worker.settings import Settings
 
-from _shared import log
+from _shared import log, updater_states
 
 POINTS = (0, 100, 300, 1000)
 # Sets of unsafe prompts only: what the heads no ToxicChat label reaches must go on flagging.
@@ -123,17 +123,6 @@ def _figures(
     }
 
 
-def _states(data: ProbeDataset, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(hidden [L, B, T, D], mask [B, T])`` of rows ``idx``, as the updater's extractor
-    gives them. Per-layer mean summaries come as one token each: a mean over one token is
-    the summary itself, so a mean-pool probe learns exactly what it would from the tokens
-    (the cache stores every layer's summary)."""
-    hidden, mask, _ = data.batch(idx)
-    if mask is None:  # summaries [L, B, D]
-        return hidden[:, :, None, :], torch.ones(hidden.shape[1], 1, dtype=torch.bool)
-    return hidden, mask
-
-
 def run(
     name: str,
     probe: Probe,
@@ -156,7 +145,7 @@ def run(
     for stop in points:
         while seen < stop:
             idx = torch.arange(seen, min(stop, seen + batch))
-            hidden, mask = _states(stream, idx)
+            hidden, mask = updater_states(stream, idx)
             targets = torch.stack([encoded[i][0] for i in idx.tolist()])
             learner.learn(hidden, mask, targets, [encoded[i][1] for i in idx.tolist()])
             seen += len(idx)
