@@ -19,14 +19,18 @@ labeling examples of a new category would; "all" is every train positive plus a 
 draw is fed in shuffled passes until ``--steps`` Lion steps were taken (at least one
 pass: "all" takes more), ``--seeds`` draws per N (one for "all").
 
-Cost: the default's MHA pooling costs seconds per Lion step on a CPU, so the fine-tuned
-mode runs on ``--finetune-ns`` only. The frozen mode computes every row's mixed features
-once with the default's pooling and mix (eval mode) and trains the same linear head on
-them: the same computation as freezing the shared part of the real probe (dropout on the
-same features, the same head and Lion steps), except that replay keeps those features
-(fp16) rather than the tokens.
+Fine-tuned, the default starts as the updater's does (given an attention pool over its
+layers where ``PROBEGUARD_DEFAULT_ATTENTION`` says so; the other heads held by the anchor):
+it reads every layer's tokens (``--token-layers 0-30``) and costs seconds per Lion step
+on a CPU, so it runs on ``--finetune-ns`` only. The frozen mode computes every row's mixed
+features once with the default's pooling and mix (eval mode) and trains the same linear
+head on them: the same computation as freezing the shared part of the real probe (dropout
+on the same features, the same head and Lion steps), except that replay keeps those
+features (fp16) rather than the tokens.
 
-    python bench/custom_head.py --cache /work/scratch/cache/toxicchat
+    probeguard cache build --data toxicchat-all.jsonl --out TC31 --token-layers 0-30 \\
+        --summaries mean
+    python bench/custom_head.py --cache TC31
 
 Without a packaged default for the cache's LLM (or with ``--probe random``) the start is a
 random probe of the default's spec: a stand-in for developing the bench, not a result.
@@ -175,7 +179,9 @@ def train(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cache", type=Path, default=Path("/work/scratch/cache/toxicchat"))
+    ap.add_argument(
+        "--cache", type=Path, required=True, help="ToxicChat's cache (train + validation)"
+    )
     ap.add_argument("--probe", choices=["default", "random"], default="default")
     ap.add_argument("--ns", default=",".join(map(str, NS)), help="label counts (comma-separated)")
     ap.add_argument("--finetune-ns", default="16,64,256", help="label counts, fine-tuned mode")

@@ -110,6 +110,7 @@ def test_a_held_head_that_agrees_with_its_opinion_adds_no_loss() -> None:
     assert float(lion.loss(logits, filled)) == pytest.approx(0.0, abs=1e-6)
     assert float(lion.loss(logits + 1.0, filled)) > 0.01  # and grows as it moves away
 
+
 @pytest.mark.parametrize("case", ["fresh", "single head", "frozen shared part", "off"])
 def test_no_anchor_where_there_is_nothing_to_hold(case: str) -> None:
     if case == "single head":
