@@ -384,7 +384,7 @@ class _Saved:
     last_loss: float | None
     counters: TrainingCounters
     bucket_seen: Counter[int]
-    anchor_labeled: frozenset[str] | None
+    anchor_labeled: frozenset[str]  # empty without an anchor
 
     @classmethod
     def of(cls, learner: OnlineLearner) -> _Saved:
@@ -404,7 +404,7 @@ class _Saved:
             last_loss=learner.last_loss,
             counters=learner.counters,
             bucket_seen=learner.bucket_seen.copy(),
-            anchor_labeled=None if learner.anchor is None else learner.anchor.labeled,
+            anchor_labeled=frozenset() if learner.anchor is None else learner.anchor.labeled,
         )
 
     def restore(self, learner: OnlineLearner) -> None:
@@ -430,6 +430,6 @@ class _Saved:
         learner.warmup = self.warmup
         learner.last_loss = self.last_loss
         learner.counters = self.counters
-        if learner.anchor is not None and self.anchor_labeled is not None:
+        if learner.anchor is not None:
             learner.anchor.labeled = self.anchor_labeled
         learner.bucket_seen = self.bucket_seen
